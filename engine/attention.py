@@ -1,0 +1,130 @@
+"""Attention over the paged KV cache: the metadata a step needs and the torch backend.
+
+A step's tokens are laid out flat, decodes first, then prefill chunks:
+
+    tokens:  [d0 d1 d2 | p0 p0 p0 p0 | p1 p1]     d = one decode token per sequence
+    seqs:     0  1  2    3             4          p = a chunk of a prompt (or a recompute)
+
+Every new token's K and V are written into the cache at its slot (`block * block_size +
+offset`) before any attention of that layer runs, so a chunk sees its cached prefix, itself,
+and even blocks that another sequence of the same step fills (prefix hits on a block being
+computed in this very step are therefore safe).
+
+The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk of query tokens in a step."""
+
+    query_start: int  # index of its first token in the flat step
+    query_len: int
+    context_len: int  # tokens it attends to: cached prefix + this chunk
+    block_ids: torch.Tensor  # [ceil(context_len / block_size)] int64
+
+
+@dataclass
+class AttentionMetadata:
+    """What attention needs about a step, built once per step by the runner."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V go
+    num_decode_tokens: int  # the first tokens of the step are single-token decodes
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64 (padding rows: 0)
+    decode_seq_lens: torch.Tensor  # [num_decodes] int64, context including the new token
+    prefills: list[PrefillSpan]
+
+
+class TorchAttentionBackend:
+    """Reference backend: gathers a sequence's blocks and calls SDPA. CPU and CUDA."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta)
+        for span in meta.prefills:
+            rows = slice(span.query_start, span.query_start + span.query_len)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, span)
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """All decodes in one SDPA call over their block tables, padded to the longest."""
+        tables = meta.decode_block_tables
+        num_seqs, max_blocks = tables.shape
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, kv_heads, S, head_dim]
+        keys = kv_cache[0][tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = kv_cache[1][tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        positions = torch.arange(max_blocks * block_size, device=q.device)
+        mask = (positions[None, :] < meta.decode_seq_lens[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True
+        )  # [B, heads, 1, head_dim]
+        return out[:, :, 0, :]
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
+    ) -> torch.Tensor:
+        """A chunk attends causally to its cached prefix and to itself."""
+        cached = span.context_len - span.query_len
+        qh = q.transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
+        if cached == 0:  # nothing cached: the chunk's own K/V, plain causal attention
+            out = F.scaled_dot_product_attention(
+                qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+                enable_gqa=True,
+            )
+            return out[0].transpose(0, 1)
+        _, _, _, num_kv_heads, head_dim = kv_cache.shape
+        keys = kv_cache[0][span.block_ids].view(-1, num_kv_heads, head_dim)[: span.context_len]
+        values = kv_cache[1][span.block_ids].view(-1, num_kv_heads, head_dim)[: span.context_len]
+        # Query i sits at absolute position cached + i and sees keys 0 .. cached + i.
+        q_pos = torch.arange(cached, span.context_len, device=q.device)
+        k_pos = torch.arange(span.context_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, context_len]
+        out = F.scaled_dot_product_attention(
+            qh, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    """Scatter new K/V rows into their slots (block * block_size + offset)."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+BACKENDS = {"torch": TorchAttentionBackend}
+
+
+def get_backend(name: str, device: torch.device):
+    """Pick an attention backend by name; `auto` is torch until the triton one lands."""
+    if name == "auto":
+        name = "torch"
+    if name not in BACKENDS:
+        raise ValueError(
+            f"attention_backend {name!r} is not available; choose one of: auto, "
+            + ", ".join(BACKENDS)
+        )
+    return BACKENDS[name]()

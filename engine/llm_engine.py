@@ -1,0 +1,197 @@
+"""The streaming engine: add requests, call step() until nothing is left.
+
+One step = schedule (which tokens run) -> one forward over all of them -> sample the
+sequences that reached their end -> append, check stops, release finished sequences.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from engine.attention import get_backend
+from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.loader import load_model
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.runner import ModelRunner, kv_bytes_per_block
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.stopping import StopChecker
+
+log = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        loaded = load_model(config.model, self.dtype, self.device)
+        self.model, self.model_config = loaded.model, loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = self._max_model_len()
+        cache = config.cache
+        num_blocks = self._num_blocks()
+        if num_blocks * cache.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * cache.block_size} tokens ({num_blocks} blocks "
+                f"of {cache.block_size}) but one request may need max_model_len="
+                f"{self.max_model_len}: raise kv_cache_bytes (or num_kv_blocks, or "
+                "kv_cache_memory_fraction on CUDA) or lower max_model_len"
+            )
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(
+            self.model, self.kv, num_blocks, cache.block_size, self.device, self.dtype,
+            get_backend(config.attention_backend, self.device), seed=config.seed,
+        )
+        self.stop_checker = StopChecker(loaded.eos_token_ids, self.max_model_len, self.tokenizer)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._num_steps = self._computed = self._generated = self._prompt_tokens = 0
+        self._num_finished = 0
+        log.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d",
+                 num_blocks, cache.block_size, num_blocks * cache.block_size, self.max_model_len)
+
+    def _max_model_len(self) -> int:
+        cfg = self.model_config
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window:  # without windowed attention, stay inside the window
+            limit = min(limit, cfg.sliding_window)
+        asked = self.config.scheduler.max_model_len
+        if asked > limit:
+            raise ValueError(f"max_model_len={asked} exceeds the model's context of {limit}")
+        return asked or limit
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        per_block = kv_bytes_per_block(self.model, cache.block_size, self.dtype)
+        if cache.kv_cache_bytes is not None:
+            budget = cache.kv_cache_bytes
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cache.kv_cache_memory_fraction)
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+        return max(0, budget // per_block)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one request. Raises ValueError (naming the problem) for a bad prompt."""
+        params = params or SamplingParams()
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but the model's context is "
+                f"max_model_len={self.max_model_len} (including at least one output token): "
+                "shorten the prompt")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer and this model has none; "
+                             "use stop_token_ids")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, token_ids, params, prompt=text)
+        self.requests[request_id] = seq
+        self._prompt_tokens += len(token_ids)
+        self.scheduler.add(seq)
+        return request_id
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, "
+                         f"not {type(prompt).__name__}")
+
+    def _check_ids(self, ids) -> list[int]:
+        vocab = self.model_config.vocab_size
+        ids = list(ids)
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                    or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} is not an int in [0, {vocab})")
+        return ids
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.abort(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the requests that finished in it."""
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not place any request: KV cache too small")
+            return []
+        result = self.runner.execute(out)
+        self.scheduler.advance(out)
+        self._num_steps += 1
+        self._computed += out.num_tokens
+        want_logprobs = result.sampler_output.logprobs is not None
+        if want_logprobs:
+            chosen = result.sampler_output.logprobs.tolist()
+            top_ids = result.sampler_output.top_ids.tolist()
+            top_lps = result.sampler_output.top_logprobs.tolist()
+        finished = []
+        for row, (seq, token) in enumerate(zip(result.seqs, result.token_ids)):
+            seq.token_ids.append(token)
+            if seq.logprobs is not None and want_logprobs:
+                n = seq.params.logprobs
+                seq.logprobs.append(TokenLogprobs(
+                    token, chosen[row], list(zip(top_ids[row][:n], top_lps[row][:n]))))
+            if self.stop_checker.check(seq, token):
+                finished.append(seq)
+        self._generated += len(result.token_ids)
+        self.scheduler.finish(finished)
+        self._num_finished += len(finished)
+        return [self._output(self.requests.pop(s.request_id)) for s in finished]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        ids = seq.output_token_ids
+        text = seq.output_text
+        if text is None:
+            text = self.stop_checker.decode(ids)
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            outputs=[CompletionOutput(0, text, ids, seq.finish_reason, seq.stop_reason,
+                                      seq.logprobs)],
+            finished=seq.status is SequenceStatus.FINISHED,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+        )
+
+    def stats(self) -> EngineStats:
+        kv = self.kv.stats()
+        return EngineStats(
+            num_requests=len(self.requests) + self._num_finished,
+            num_finished=self._num_finished, num_steps=self._num_steps,
+            prompt_tokens=self._prompt_tokens, computed_tokens=self._computed,
+            generation_tokens=self._generated, num_preemptions=self.scheduler.num_preemptions,
+            prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits, kv_usage=kv.usage,
+            num_kv_blocks=kv.num_blocks, block_size=self.config.cache.block_size,
+        )

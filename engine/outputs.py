@@ -1,0 +1,52 @@
+"""What the engine hands back: vLLM's shapes, so users feel at home."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sequence import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "error" (see RequestOutput.error)
+    stop_reason: int | str | None = None  # the stop token id or stop string
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # set when this request alone failed (the others still ran)
+
+
+@dataclass
+class EngineStats:
+    num_requests: int
+    num_finished: int
+    num_steps: int
+    prompt_tokens: int  # prompt tokens of admitted requests
+    computed_tokens: int  # tokens actually run through the model (prefill + decode + recompute)
+    generation_tokens: int
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    kv_usage: float
+    num_kv_blocks: int
+    block_size: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.computed_tokens / self.num_steps if self.num_steps else 0.0

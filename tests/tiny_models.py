@@ -1,0 +1,118 @@
+"""Tiny random checkpoints of the architectures the engine loads, saved the way real ones are.
+
+Each kind is a Hugging Face folder (config.json, generation_config.json, float32 safetensors)
+that transformers loads back, so a test can run the engine and transformers on the same file.
+No tokenizer: prompts are token ids (vocabulary 512; 1 is BOS, 2 is EOS).
+
+Random tiny models usually have near-tied logits, so a greedy token can flip on float rounding
+between two correct implementations. The weights here are drawn larger than transformers' own
+initialisation (std 0.1 rather than 0.02) to make greedy decoding decisive, and what
+transformers would initialise to constants (RMSNorm weights to 1, biases to 0) is randomised
+too, so that a loader which skips or misplaces those tensors changes the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+)
+
+KINDS = ("llama-gqa", "llama-mha", "llama3-rope", "qwen2", "mistral", "llama-sharded")
+"""Every kind build_tiny_checkpoint knows."""
+
+_SEED_SALT = {
+    "llama-gqa": 0,
+    "llama-sharded": 0,
+    "llama-mha": 1,
+    "llama3-rope": 2,
+    "qwen2": 3,
+    "mistral": 4,
+}
+
+VOCAB_SIZE = 512
+BOS, EOS = 1, 2
+WEIGHT_STD = 0.1
+
+_SIZES = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=WEIGHT_STD,
+    rms_norm_eps=1e-6,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    tie_word_embeddings=False,
+)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+def tiny_config(kind: str) -> PretrainedConfig:
+    """The transformers config of a tiny `kind` (see KINDS)."""
+    if kind in ("llama-gqa", "llama-sharded"):
+        return LlamaConfig(**_SIZES)
+    if kind == "llama-mha":
+        return LlamaConfig(**{**_SIZES, "num_key_value_heads": 4})
+    if kind == "llama3-rope":
+        # transformers 5 reads RoPE scaling from `rope_parameters` (it still accepts the old
+        # `rope_scaling` + `rope_theta` keys of real Llama 3 config.json files).
+        return LlamaConfig(**_SIZES, rope_parameters=dict(LLAMA3_ROPE))
+    if kind == "qwen2":
+        # Qwen2 always has q/k/v biases (no o_proj bias), and ties its embeddings.
+        return Qwen2Config(**{**_SIZES, "tie_word_embeddings": True}, use_sliding_window=False)
+    if kind == "mistral":
+        return MistralConfig(**_SIZES, sliding_window=None)
+    raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+def build_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
+    """Save a tiny random `kind` checkpoint (float32 safetensors) into `path`; return `path`.
+
+    The weights depend only on `kind` and `seed`; "llama-sharded" is llama-gqa (same weights)
+    saved in several shards with a model.safetensors.index.json.
+    """
+    config = tiny_config(kind)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Kinds with the same tensor names and shapes (llama-gqa, llama3-rope, mistral) would
+    # otherwise get the same weights; llama-sharded keeps llama-gqa's on purpose.
+    randomize_weights(model, seed * len(KINDS) + _SEED_SALT[kind])
+    model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
+    path = Path(path)
+    shard = "100KB" if kind == "llama-sharded" else "1GB"
+    model.save_pretrained(path, max_shard_size=shard)
+    return path
+
+
+@torch.no_grad()
+def randomize_weights(model: torch.nn.Module, seed: int) -> None:
+    """Overwrite every parameter from a generator seeded with `seed`, in name order.
+
+    Norm weights become 1 + 0.1 * N(0, 1), biases 0.1 * N(0, 1), and every other weight
+    0.1 * N(0, 1). Tied parameters are drawn once (named_parameters lists each tensor once).
+    """
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+        if "norm" in name.rsplit(".", 2)[-2]:
+            p.copy_(1.0 + WEIGHT_STD * noise)
+        else:
+            p.copy_(WEIGHT_STD * noise)
