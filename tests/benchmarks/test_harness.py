@@ -1,0 +1,273 @@
+"""The side-by-side harness on a tiny random Llama: the table, the JSON and the hf-static peer.
+
+The kvbatch end-to-end tests skip themselves while `engine.LLM` cannot be imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import cli
+from benchmarks.harness import BenchConfig, BenchError, engine_order, run_benchmark
+from benchmarks.peers import PEERS, EngineOptions, HFStaticPeer, make_peer
+from benchmarks.workloads import WORKLOADS, Workload, make_prompts
+
+VOCAB = 512
+EOS = 2
+
+TINY = Workload(
+    name="tiny",
+    model="tiny-random-llama",
+    num_documents=2,
+    chunks_per_document=2,
+    document_len=40,
+    chunk_len=8,
+    instruction_len=4,
+    output_len=4,
+    seed=3,
+)
+
+
+def _engine_importable() -> bool:
+    try:
+        from engine import LLM, SamplingParams  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_engine = pytest.mark.skipif(not _engine_importable(), reason="engine.LLM not importable yet")
+
+
+def _save_tiny_llama(path: Path, eos_bias: bool = False) -> Path:
+    """A 2-layer random Llama (GQA) with a word-level tokenizer, saved as a HF folder."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config).eval()
+    if eos_bias:  # make EOS the greedy choice almost everywhere
+        with torch.no_grad():
+            model.lm_head.weight[EOS] = 5.0
+    model.save_pretrained(path)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, VOCAB)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<unk>",
+    )
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return _save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def eos_model(tmp_path_factory) -> Path:
+    return _save_tiny_llama(tmp_path_factory.mktemp("eos-llama"), eos_bias=True)
+
+
+@pytest.fixture
+def tiny_registered(monkeypatch):
+    monkeypatch.setitem(WORKLOADS, TINY.name, TINY)
+    return TINY
+
+
+# --- hf-static -----------------------------------------------------------------------------
+
+
+def _hf(model: Path, **options) -> HFStaticPeer:
+    peer = make_peer("hf-static", model, EngineOptions(**options))
+    assert isinstance(peer, HFStaticPeer)
+    peer.load()
+    return peer
+
+
+def test_hf_static_decodes_exactly_max_tokens_ignoring_eos(eos_model):
+    peer = _hf(eos_model)
+    prompts = make_prompts(TINY, VOCAB)
+    result = peer.run(prompts, max_tokens=6)
+    assert result.output_tokens == len(prompts) * 6
+    assert all(len(t) == 6 for t in result.token_ids)
+    assert any(EOS in t for t in result.token_ids)  # EOS was decoded, and decoding went on
+    # and it is greedy: EOS is not masked, so it is what a plain forward picks first
+    with torch.inference_mode():
+        logits = peer.model(torch.tensor([prompts[0]])).logits[0, -1]
+    assert result.token_ids[0][0] == int(logits.argmax())
+    peer.close()
+    assert peer.model is None
+
+
+def test_hf_static_batches_and_left_padding_give_the_same_greedy_tokens(tiny_model):
+    prompts = make_prompts(TINY, VOCAB)
+    one_batch = _hf(tiny_model).generate(prompts, 4)
+    by_two = _hf(tiny_model, hf_batch_size=2).generate(prompts, 4)
+    assert one_batch == by_two
+    ragged = [prompts[0][:20], prompts[1], prompts[2][:33]]  # left-padded to 52
+    padded = _hf(tiny_model).generate(ragged, 4)
+    alone = [_hf(tiny_model, hf_batch_size=1).generate([p], 4)[0] for p in ragged]
+    assert padded == alone
+
+
+def test_registry_and_options():
+    assert {"kvbatch", "hf-static"} <= set(PEERS)
+    with pytest.raises(ValueError, match="hf-static"):
+        make_peer("nope", "x", EngineOptions())
+    with pytest.raises(ValueError, match="dtype"):
+        EngineOptions(dtype="int8")
+    assert engine_order(["hf-static", "kvbatch", "hf-static"]) == ("kvbatch", "hf-static")
+    assert engine_order(["hf-static"], include_kvbatch=False) == ("hf-static",)
+    with pytest.raises(BenchError):
+        BenchConfig(workload=TINY, model_path="x", engines=())
+
+
+# --- harness and CLI -----------------------------------------------------------------------
+
+EXPECTED_KEYS = {
+    "workload",
+    "model_path",
+    "options",
+    "repeat",
+    "reference",
+    "engines",
+    "prefix_hit_rate",
+    "cached_token_fraction",
+    "greedy_match",
+    "warnings",
+    "machine",
+    "date",
+    "command",
+}
+MACHINE_KEYS = {"cpu_count", "torch_threads", "torch", "transformers", "device", "device_name"}
+
+
+def _check_engine_rows(data: dict, engines: list[str], repeat: int) -> None:
+    assert [e["engine"] for e in data["engines"]] == engines
+    for e in data["engines"]:
+        assert e["seconds"] > 0 and e["tokens_per_s"] > 0
+        assert e["output_tokens"] == TINY.output_tokens == 16
+        assert len(e["seconds_all"]) == repeat
+        assert e["ratio"] > 0
+    assert data["engines"][0]["ratio"] == pytest.approx(1.0)
+
+
+def test_run_benchmark_with_hf_static_only(tiny_model):
+    config = BenchConfig(
+        workload=TINY,
+        model_path=str(tiny_model),
+        engines=("hf-static",),
+        repeat=2,
+        threads=1,
+        command="test",
+    )
+    report = run_benchmark(config)
+    assert torch.get_num_threads() == 1
+    data = json.loads(json.dumps(report.to_dict()))
+    assert EXPECTED_KEYS <= set(data)
+    assert MACHINE_KEYS <= set(data["machine"])
+    _check_engine_rows(data, ["hf-static"], repeat=2)
+    assert data["prefix_hit_rate"] is None and data["greedy_match"] == []
+    assert data["warnings"] == []
+    table = report.format_table()
+    assert "hf-static" in table and "tiny: 4 requests" in table and "1.00" in table
+
+
+def test_cli_peers_only_writes_json(tiny_model, tiny_registered, tmp_path, capsys):
+    out = tmp_path / "sub" / "bench.json"
+    argv = ["tiny", "--skip-kvbatch", "--peers", "hf-static", "--model", str(tiny_model)]
+    argv += ["--json", str(out), "--threads", "1", "--hf-batch-size", "2"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "output tok/s" in printed and "hf-static" in printed
+    data = json.loads(out.read_text())
+    assert EXPECTED_KEYS <= set(data)
+    assert data["command"].startswith("kvbatch bench tiny --skip-kvbatch")
+    assert data["options"]["hf_batch_size"] == 2
+    assert data["workload"]["prompt_len"] == 52
+    _check_engine_rows(data, ["hf-static"], repeat=1)
+
+
+def test_cli_user_errors_exit_2(tiny_model, tiny_registered, capsys):
+    assert cli.main(["tiny", "--model", str(tiny_model), "--peers", "nope"]) == 2
+    assert "unknown peer nope" in capsys.readouterr().err
+    assert cli.main(["tiny", "--model", str(tiny_model), "--skip-kvbatch"]) == 2
+    assert cli.main(["tiny", "--model", "/does/not/exist"]) == 2
+    assert cli.main(["nope"]) == 2
+    assert cli.main(["--list"]) == 0
+    assert "rag-cpu" in capsys.readouterr().out
+
+
+def test_model_without_fetcher_needs_model_flag(tiny_registered, capsys):
+    assert cli.main(["tiny"]) == 2
+    assert "--model" in capsys.readouterr().err
+
+
+# --- kvbatch end to end (once the engine exists) -------------------------------------------
+
+
+@needs_engine
+def test_cli_kvbatch_and_hf_static_end_to_end(tiny_model, tiny_registered, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["tiny", "--peers", "hf-static", "--model", str(tiny_model), "--json", str(out)]
+    argv += ["--threads", "1", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "kvbatch" in printed and "hf-static" in printed and "prefix cache" in printed
+    data = json.loads(out.read_text())
+    assert EXPECTED_KEYS <= set(data)
+    _check_engine_rows(data, ["kvbatch", "hf-static"], repeat=1)
+    assert data["reference"] == "kvbatch"
+    assert data["options"]["max_num_seqs"] == 8
+    kv = data["engines"][0]["extra"]
+    assert kv["prompt_tokens"] == TINY.num_requests * TINY.prompt_len
+    assert 0.0 <= kv["cached_token_fraction"] <= 1.0
+    assert data["prefix_hit_rate"] is None or 0.0 <= data["prefix_hit_rate"] <= 1.0
+    (match,) = data["greedy_match"]
+    assert match["engine"] == "hf-static" and match["compared"] == 4
+    # float32 on a tiny model: kvbatch is expected to decode hf's greedy tokens exactly
+    assert match["matching"] == 4
+
+
+@needs_engine
+def test_kvbatch_prefix_cache_accounting(tiny_model):
+    """One request at a time: each document's 2 full blocks (32 of its 40 tokens) are cached
+    by its first chunk and hit by its 2 later chunks; nothing hits with caching off."""
+    w = dataclasses.replace(TINY, chunks_per_document=3)
+    options = EngineOptions(max_num_seqs=1)
+    config = BenchConfig(
+        workload=w, model_path=str(tiny_model), engines=("kvbatch",), options=options
+    )
+    report = run_benchmark(config)
+    extra = report.summary("kvbatch").extra
+    assert extra["prompt_tokens"] == 6 * 52
+    assert extra["cached_prompt_tokens"] == 2 * 2 * 32
+    assert report.cached_token_fraction == pytest.approx(128 / 312)
+    no_cache = dataclasses.replace(
+        config, options=dataclasses.replace(options, enable_prefix_caching=False)
+    )
+    assert run_benchmark(no_cache).summary("kvbatch").extra["cached_prompt_tokens"] == 0
