@@ -1,0 +1,130 @@
+"""`kvbatch bench WORKLOAD --peers hf-static [--json PATH] ...` (also `python -m benchmarks.cli`).
+
+Runs kvbatch and each peer on the workload's prompts in this one process, prints a table of
+seconds, output tokens/s and ratios to kvbatch, and optionally writes the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from benchmarks.harness import BenchConfig, BenchError, engine_order, resolve_model, run_benchmark
+from benchmarks.peers import PEERS, EngineOptions
+from benchmarks.workloads import WORKLOADS, get_workload
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvbatch bench",
+        description="Benchmark kvbatch against its peers on a named workload, side by side.",
+    )
+    p.add_argument("workload", nargs="?", help=f"one of: {', '.join(WORKLOADS)}")
+    p.add_argument("--list", action="store_true", help="list the workloads and engines, then exit")
+    p.add_argument(
+        "--peers",
+        action="append",
+        default=[],
+        metavar="NAME[,NAME]",
+        help="engines to compare with kvbatch, comma-separated or repeated "
+        f"({', '.join(n for n in PEERS if n != 'kvbatch')})",
+    )
+    p.add_argument("--skip-kvbatch", action="store_true", help="run the peers only")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--model", metavar="PATH", help="model folder or GGUF (default: the workload's)")
+    p.add_argument("--repeat", type=int, default=1, help="timed runs per engine (median; 1)")
+    p.add_argument("--threads", type=int, help="torch threads for every engine (torch's default)")
+    p.add_argument("--device", help="override the workload's device (cpu, cuda, cuda:1)")
+    p.add_argument("--dtype", help="override the workload's dtype (float32, bfloat16, float16)")
+    p.add_argument("--seed", type=int, help="override the workload's seed")
+    p.add_argument(
+        "--compare",
+        type=int,
+        default=4,
+        metavar="N",
+        help="compare greedy tokens on the first N requests (4)",
+    )
+
+    e = p.add_argument_group("kvbatch engine")
+    defaults = EngineOptions()
+    e.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    e.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    e.add_argument("--block-size", type=int, default=defaults.block_size)
+    e.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+
+    h = p.add_argument_group("hf-static")
+    h.add_argument(
+        "--hf-batch-size",
+        type=int,
+        metavar="N",
+        help="requests per static batch (default: the whole workload in one batch)",
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
+    """Turn parsed arguments into a BenchConfig (resolving, and if need be fetching, the model)."""
+    workload = get_workload(args.workload)
+    if args.seed is not None:
+        workload = workload.with_seed(args.seed)
+    peers = [n.strip() for arg in args.peers for n in arg.split(",") if n.strip()]
+    unknown = [n for n in peers if n not in PEERS]
+    if unknown:
+        raise BenchError(f"unknown peer {', '.join(unknown)}; known: {', '.join(PEERS)}")
+    options = EngineOptions(
+        device=args.device or workload.device,
+        dtype=args.dtype or workload.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        hf_batch_size=args.hf_batch_size,
+    )
+    return BenchConfig(
+        workload=workload,
+        model_path=resolve_model(workload, args.model),
+        engines=engine_order(peers, include_kvbatch=not args.skip_kvbatch),
+        options=options,
+        repeat=args.repeat,
+        threads=args.threads,
+        compare_requests=args.compare,
+        command=command,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: `argv` is what follows `kvbatch bench`. Returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        for w in WORKLOADS.values():
+            print(w.summary())
+        print("engines: " + ", ".join(PEERS))
+        return 0
+    if args.workload is None:
+        parser.error("a workload is required (see --list)")
+    command = shlex.join(["kvbatch", "bench", *argv])
+    try:
+        config = config_from_args(args, command)
+    except (BenchError, ValueError) as e:  # bad arguments
+        print(f"kvbatch bench: error: {e}", file=sys.stderr)
+        return 2
+    try:  # a ValueError from inside an engine is a bug: let its traceback through
+        report = run_benchmark(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except BenchError as e:
+        print(f"kvbatch bench: error: {e}", file=sys.stderr)
+        return 2
+    print(report.format_table())
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
