@@ -90,7 +90,10 @@ class TorchAttentionBackend:
         qh = q.transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
         if cached == 0:  # nothing cached: the chunk's own K/V, plain causal attention
             out = F.scaled_dot_product_attention(
-                qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+                qh,
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                is_causal=True,
                 enable_gqa=True,
             )
             return out[0].transpose(0, 1)
@@ -102,7 +105,10 @@ class TorchAttentionBackend:
         k_pos = torch.arange(span.context_len, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, context_len]
         out = F.scaled_dot_product_attention(
-            qh, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask,
+            qh,
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            attn_mask=mask,
             enable_gqa=True,
         )
         return out[0].transpose(0, 1)

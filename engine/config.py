@@ -21,8 +21,9 @@ class CacheConfig:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ValueError("kv_cache_memory_fraction must be in (0, 1], got "
-                             f"{self.kv_cache_memory_fraction}")
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -40,7 +41,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -67,9 +69,15 @@ class EngineConfig:
         """float32 on the CPU; bfloat16 on CUDA unless asked otherwise."""
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        names = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-                 "half": torch.float16, "bfloat16": torch.bfloat16}
+        names = {
+            "float32": torch.float32,
+            "float": torch.float32,
+            "float16": torch.float16,
+            "half": torch.float16,
+            "bfloat16": torch.bfloat16,
+        }
         if self.dtype not in names:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; choose auto, "
-                             "float32, float16 or bfloat16")
+            raise ValueError(
+                f"dtype {self.dtype!r} is not supported; choose auto, float32, float16 or bfloat16"
+            )
         return names[self.dtype]

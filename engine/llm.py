@@ -35,14 +35,23 @@ class LLM:
         seed: int = 0,
     ) -> None:
         config = EngineConfig(
-            model=str(model), device=device, dtype=dtype, attention_backend=attention_backend,
+            model=str(model),
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
             seed=seed,
-            cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_memory_fraction=kv_cache_memory_fraction,
-                              kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len or 0),
+            cache=CacheConfig(
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                kv_cache_memory_fraction=kv_cache_memory_fraction,
+                kv_cache_bytes=kv_cache_bytes,
+                num_kv_blocks=num_kv_blocks,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len or 0,
+            ),
         )
         self.engine = LLMEngine(config)
 
@@ -97,8 +106,11 @@ class LLM:
 def _error_output(request_id: str, prompt, message: str) -> RequestOutput:
     ids = prompt if isinstance(prompt, list) else []
     return RequestOutput(
-        request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-        prompt_token_ids=ids, outputs=[CompletionOutput(0, "", [], "error")], finished=True,
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=ids,
+        outputs=[CompletionOutput(0, "", [], "error")],
+        finished=True,
         error=message,
     )
 

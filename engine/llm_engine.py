@@ -48,16 +48,27 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(
-            self.model, self.kv, num_blocks, cache.block_size, self.device, self.dtype,
-            get_backend(config.attention_backend, self.device), seed=config.seed,
+            self.model,
+            self.kv,
+            num_blocks,
+            cache.block_size,
+            self.device,
+            self.dtype,
+            get_backend(config.attention_backend, self.device),
+            seed=config.seed,
         )
         self.stop_checker = StopChecker(loaded.eos_token_ids, self.max_model_len, self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._num_steps = self._computed = self._generated = self._prompt_tokens = 0
         self._num_finished = 0
-        log.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d",
-                 num_blocks, cache.block_size, num_blocks * cache.block_size, self.max_model_len)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d",
+            num_blocks,
+            cache.block_size,
+            num_blocks * cache.block_size,
+            self.max_model_len,
+        )
 
     def _max_model_len(self) -> int:
         cfg = self.model_config
@@ -85,8 +96,12 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
         """Queue one request. Raises ValueError (naming the problem) for a bad prompt."""
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
@@ -96,10 +111,12 @@ class LLMEngine:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens but the model's context is "
                 f"max_model_len={self.max_model_len} (including at least one output token): "
-                "shorten the prompt")
+                "shorten the prompt"
+            )
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer and this model has none; "
-                             "use stop_token_ids")
+            raise ValueError(
+                "stop strings need a tokenizer and this model has none; use stop_token_ids"
+            )
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -120,14 +137,17 @@ class LLMEngine:
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, "
-                         f"not {type(prompt).__name__}")
+        raise ValueError(
+            f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}"
+        )
 
     def _check_ids(self, ids) -> list[int]:
         vocab = self.model_config.vocab_size
         ids = list(ids)
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-                    or not 0 <= t < vocab), None)
+        bad = next(
+            (t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab),
+            None,
+        )
         if bad is not None:
             raise ValueError(f"token id {bad!r} is not an int in [0, {vocab})")
         return ids
@@ -163,8 +183,9 @@ class LLMEngine:
             seq.token_ids.append(token)
             if seq.logprobs is not None and want_logprobs:
                 n = seq.params.logprobs
-                seq.logprobs.append(TokenLogprobs(
-                    token, chosen[row], list(zip(top_ids[row][:n], top_lps[row][:n]))))
+                seq.logprobs.append(
+                    TokenLogprobs(token, chosen[row], list(zip(top_ids[row][:n], top_lps[row][:n])))
+                )
             if self.stop_checker.check(seq, token):
                 finished.append(seq)
         self._generated += len(result.token_ids)
@@ -178,9 +199,12 @@ class LLMEngine:
         if text is None:
             text = self.stop_checker.decode(ids)
         return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, ids, seq.finish_reason, seq.stop_reason,
-                                      seq.logprobs)],
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[
+                CompletionOutput(0, text, ids, seq.finish_reason, seq.stop_reason, seq.logprobs)
+            ],
             finished=seq.status is SequenceStatus.FINISHED,
             num_cached_tokens=max(seq.num_cached_tokens, 0),
         )
@@ -189,9 +213,15 @@ class LLMEngine:
         kv = self.kv.stats()
         return EngineStats(
             num_requests=len(self.requests) + self._num_finished,
-            num_finished=self._num_finished, num_steps=self._num_steps,
-            prompt_tokens=self._prompt_tokens, computed_tokens=self._computed,
-            generation_tokens=self._generated, num_preemptions=self.scheduler.num_preemptions,
-            prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits, kv_usage=kv.usage,
-            num_kv_blocks=kv.num_blocks, block_size=self.config.cache.block_size,
+            num_finished=self._num_finished,
+            num_steps=self._num_steps,
+            prompt_tokens=self._prompt_tokens,
+            computed_tokens=self._computed,
+            generation_tokens=self._generated,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_queries=kv.prefix_queries,
+            prefix_hits=kv.prefix_hits,
+            kv_usage=kv.usage,
+            num_kv_blocks=kv.num_blocks,
+            block_size=self.config.cache.block_size,
         )

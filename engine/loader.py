@@ -34,8 +34,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> Lo
     """Load a Hugging Face folder or a .gguf file; errors say what is missing."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist (pass a Hugging Face folder "
-                                "with config.json and safetensors, or a .gguf file)")
+        raise FileNotFoundError(
+            f"model path {path} does not exist (pass a Hugging Face folder "
+            "with config.json and safetensors, or a .gguf file)"
+        )
     if path.is_file() and path.suffix == ".gguf":
         hf_config, state_dict, tokenizer = _read_gguf(path)
         generation_eos: list[int] = []

@@ -1,10 +1,10 @@
 """Turns a scheduled step into flat tensors, runs the model once, samples.
 
-    chunks:      seq A: 1 token (decode)   seq B: 4 tokens (prefill chunk at offset 32)
-    input_ids:   [a9 | b32 b33 b34 b35]
-    positions:   [ 9 |  32  33  34  35]
-    slots:       table[pos // block_size] * block_size + pos % block_size
-    logits rows: the last token of every chunk that reaches the end of its sequence
+chunks:      seq A: 1 token (decode)   seq B: 4 tokens (prefill chunk at offset 32)
+input_ids:   [a9 | b32 b33 b34 b35]
+positions:   [ 9 |  32  33  34  35]
+slots:       table[pos // block_size] * block_size + pos % block_size
+logits rows: the last token of every chunk that reaches the end of its sequence
 """
 
 from __future__ import annotations
@@ -54,8 +54,15 @@ class ModelRunner:
         # One tensor per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim]. Zeroed, so
         # masked-out padding positions never hold NaN (0 * NaN would poison attention).
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                        dtype=dtype, device=device)
+            torch.zeros(
+                2,
+                num_blocks,
+                block_size,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                dtype=dtype,
+                device=device,
+            )
             for _ in range(cfg.num_layers)
         ]
         self.sampler = Sampler(seed=seed)
@@ -63,15 +70,22 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         input_ids, meta, logits_rows, sampling_seqs = self._prepare(out)
         logits = self.model(
-            input_ids, meta.positions, self.kv_caches, meta.attention, self.backend,
+            input_ids,
+            meta.positions,
+            self.kv_caches,
+            meta.attention,
+            self.backend,
             logits_indices=logits_rows,
         )
         if not sampling_seqs:
-            return StepResult([], [], SamplerOutput(torch.empty(0, dtype=torch.long), None,
-                                                    None, None))
+            return StepResult(
+                [], [], SamplerOutput(torch.empty(0, dtype=torch.long), None, None, None)
+            )
         tensors = SamplingTensors.from_params(
-            [s.params for s in sampling_seqs], [s.num_output_tokens for s in sampling_seqs],
-            self.model.config.vocab_size, self.device,
+            [s.params for s in sampling_seqs],
+            [s.num_output_tokens for s in sampling_seqs],
+            self.model.config.vocab_size,
+            self.device,
         )
         sampled = self.sampler(logits, tensors)
         return StepResult(sampling_seqs, sampled.token_ids.tolist(), sampled)
@@ -83,7 +97,7 @@ class ModelRunner:
         lens = [c.num_new_tokens for c in chunks]
         ids: list[int] = []
         for (seq, n), start in zip(chunks, starts):
-            ids.extend(seq.token_ids[start:start + n])
+            ids.extend(seq.token_ids[start : start + n])
         tables = [self.kv.block_table(id(c.seq)) for c in chunks]
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
@@ -93,23 +107,29 @@ class ModelRunner:
         seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lens_t)
         query_start = torch.cumsum(lens_t, 0) - lens_t
         positions = torch.tensor(starts, dtype=torch.long)[seq_of_token] + (
-            torch.arange(len(ids)) - query_start[seq_of_token])
+            torch.arange(len(ids)) - query_start[seq_of_token]
+        )
         slots = padded[seq_of_token, positions // bs] * bs + positions % bs
 
         num_decodes = sum(1 for n in lens if n == 1)  # chunks are sorted: decodes first
         context_lens = [s + n for s, n in zip(starts, lens)]
         decode_width = max((len(t) for t in tables[:num_decodes]), default=0)
         prefills = [
-            PrefillSpan(int(query_start[i]), lens[i], context_lens[i],
-                        padded[i, : -(-context_lens[i] // bs)].to(self.device))
+            PrefillSpan(
+                int(query_start[i]),
+                lens[i],
+                context_lens[i],
+                padded[i, : -(-context_lens[i] // bs)].to(self.device),
+            )
             for i in range(num_decodes, len(chunks))
         ]
         attention = AttentionMetadata(
             slot_mapping=slots.to(self.device),
             num_decode_tokens=num_decodes,
             decode_block_tables=padded[:num_decodes, :decode_width].to(self.device),
-            decode_seq_lens=torch.tensor(context_lens[:num_decodes], dtype=torch.long,
-                                         device=self.device),
+            decode_seq_lens=torch.tensor(
+                context_lens[:num_decodes], dtype=torch.long, device=self.device
+            ),
             prefills=prefills,
         )
         sample_idx = [i for i, c in enumerate(chunks) if c.samples]

@@ -17,8 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvbatch", description="Batch LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    fetch = sub.add_parser("fetch-model", help="fetch SmolLM2-135M-Instruct (test model) and "
-                           "print its folder")
+    fetch = sub.add_parser(
+        "fetch-model", help="fetch SmolLM2-135M-Instruct (test model) and print its folder"
+    )
     fetch.add_argument("--gguf", action="store_true", help="print the .gguf file instead")
 
     gen = sub.add_parser("generate", help="generate answers for a few prompts")
@@ -55,11 +56,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, block_size=args.block_size,
-                enable_prefix_caching=not args.no_prefix_caching,
-                attention_backend=args.attention_backend)
+    return dict(
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend,
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -67,8 +73,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     try:
         chats = _read_chats(args.chat_file) if args.chat_file else []
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                seed=args.seed)
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        )
         llm = LLM(model=args.model, **engine_kwargs(args))
     except (OSError, ValueError) as e:
         print(f"kvbatch generate: {e}", file=sys.stderr)
@@ -76,8 +83,9 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = list(args.prompt)
     shown = list(args.prompt)
     for messages in chats:
-        prompts.append(llm.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                         add_generation_prompt=True))
+        prompts.append(
+            llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        )
         shown.append(messages[-1]["content"])
     if not prompts:
         print("kvbatch generate: give --prompt or --chat-file", file=sys.stderr)
@@ -89,9 +97,11 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"\n>>> {question}")
         print(out.error if out.error else out.outputs[0].text.strip())
     stats = llm.stats()
-    print(f"\n{len(outputs)} requests, {stats.generation_tokens} tokens in {seconds:.1f} s "
-          f"({stats.generation_tokens / seconds:.1f} tokens/s), prefix cache hit rate "
-          f"{stats.prefix_hit_rate:.0%}")
+    print(
+        f"\n{len(outputs)} requests, {stats.generation_tokens} tokens in {seconds:.1f} s "
+        f"({stats.generation_tokens / seconds:.1f} tokens/s), prefix cache hit rate "
+        f"{stats.prefix_hit_rate:.0%}"
+    )
     return 0
 
 
@@ -104,7 +114,7 @@ def _read_chats(path: str) -> list[list[dict]]:
             try:
                 messages = json.loads(line)["messages"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path} line {n}: expected {{\"messages\": [...]}} ({e})") from e
+                raise ValueError(f'{path} line {n}: expected {{"messages": [...]}} ({e})') from e
             chats.append(messages)
     return chats
 

@@ -18,21 +18,28 @@ def prefill_logits(model, token_ids: list[int], chunk: int) -> torch.Tensor:
     blocks are deliberately out of order; return every position's logits."""
     cfg = model.config
     num_blocks = -(-len(token_ids) // BLOCK) + 3
-    caches = [torch.zeros(2, num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-              for _ in range(cfg.num_layers)]
+    caches = [
+        torch.zeros(2, num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+        for _ in range(cfg.num_layers)
+    ]
     table = torch.tensor(list(reversed(range(num_blocks))))[: -(-len(token_ids) // BLOCK)]
     rows = []
     for start in range(0, len(token_ids), chunk):
-        ids = torch.tensor(token_ids[start:start + chunk])
+        ids = torch.tensor(token_ids[start : start + chunk])
         pos = torch.arange(start, start + len(ids))
         slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
         n_blocks = -(-(start + len(ids)) // BLOCK)
-        meta = AttentionMetadata(slots, 0, torch.zeros(0, 1, dtype=torch.long),
-                                 torch.zeros(0, dtype=torch.long),
-                                 [PrefillSpan(0, len(ids), start + len(ids), table[:n_blocks])])
+        meta = AttentionMetadata(
+            slots,
+            0,
+            torch.zeros(0, 1, dtype=torch.long),
+            torch.zeros(0, dtype=torch.long),
+            [PrefillSpan(0, len(ids), start + len(ids), table[:n_blocks])],
+        )
         if len(ids) == 1:  # a single token takes the decode path
-            meta = AttentionMetadata(slots, 1, table[:n_blocks][None],
-                                     torch.tensor([start + 1]), [])
+            meta = AttentionMetadata(
+                slots, 1, table[:n_blocks][None], torch.tensor([start + 1]), []
+            )
         rows.append(model(ids, pos, caches, meta, TorchAttentionBackend()))
     return torch.cat(rows)
 
@@ -53,7 +60,9 @@ def test_smollm2_logits_match_transformers(smollm2_dir):
     model = load_model(smollm2_dir, torch.float32, torch.device("cpu"))
     ids = model.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, tokenize=True)
+        add_generation_prompt=True,
+        tokenize=True,
+    )
     ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     ref = hf_logits(smollm2_dir, ids)
     ours = prefill_logits(model.model, ids, 24)
@@ -63,7 +72,8 @@ def test_smollm2_logits_match_transformers(smollm2_dir):
 def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(
         '{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 8, '
-        '"n_layer": 1, "n_head": 2, "vocab_size": 10}')
+        '"n_layer": 1, "n_head": 2, "vocab_size": 10}'
+    )
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         load_model(tmp_path, torch.float32, torch.device("cpu"))
 

@@ -102,8 +102,15 @@ def test_newest_sequence_is_preempted_and_recomputed_first():
 def test_no_request_starves_under_random_pressure():
     rng = random.Random(0)
     sched = scheduler(blocks=24, block_size=4, seqs=6, budget=16)
-    seqs = [make_seq(str(i), rng.randint(1, 30), max_tokens=rng.randint(1, 12),
-                     base=rng.choice([0, 0, 1000 * i])) for i in range(30)]
+    seqs = [
+        make_seq(
+            str(i),
+            rng.randint(1, 30),
+            max_tokens=rng.randint(1, 12),
+            base=rng.choice([0, 0, 1000 * i]),
+        )
+        for i in range(30)
+    ]
     for s in seqs:
         sched.add(s)
     for _ in range(2000):

@@ -28,7 +28,8 @@ def llm(smollm2_dir):
 
 def chat_ids(llm, question: str, system: str | None = None) -> list[int]:
     messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": question}]
+        {"role": "user", "content": question}
+    ]
     text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return llm.tokenizer.encode(text)
 
@@ -46,13 +47,16 @@ def test_greedy_chat_matches_transformers(llm, smollm2_dir):
 def test_text_prompts_and_stop_strings(llm):
     prompt = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Count from 1 to 10, separated by commas."}],
-        tokenize=False, add_generation_prompt=True)
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     full = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)[0]
     text = full.outputs[0].text
     assert "4" in text, text
-    stop = text[text.index("4"):text.index("4") + 2]  # e.g. "4,"
-    cut = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, stop=[stop, "zzz"]),
-                       use_tqdm=False)[0].outputs[0]
+    stop = text[text.index("4") : text.index("4") + 2]  # e.g. "4,"
+    cut = llm.generate(
+        prompt, SamplingParams(max_tokens=40, temperature=0, stop=[stop, "zzz"]), use_tqdm=False
+    )[0].outputs[0]
     assert cut.text == text[: text.index(stop)]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.token_ids == full.outputs[0].token_ids[: len(cut.token_ids)]
@@ -62,8 +66,9 @@ def test_text_prompts_and_stop_strings(llm):
 
 
 def test_eos_ends_the_answer_and_is_not_in_the_text(llm):
-    out = llm.generate(chat_ids(llm, "Say hi."), SamplingParams(max_tokens=64, temperature=0),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        chat_ids(llm, "Say hi."), SamplingParams(max_tokens=64, temperature=0), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason is None
     assert out.token_ids[-1] in llm.engine.stop_checker.eos
     assert "<|im_end|>" not in out.text and out.text.strip()
