@@ -15,10 +15,12 @@ The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from engine.cascade import DecodeGroup, cascade_decode
 
 
 @dataclass
@@ -40,6 +42,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64 (padding rows: 0)
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, context including the new token
     prefills: list[PrefillSpan]
+    # Shared-prefix groups among the decodes (engine/cascade.py). When present, the decode
+    # tables and lengths above cover only each row's blocks after its group's shared prefix.
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
 
 
 class TorchAttentionBackend:
@@ -68,6 +73,10 @@ class TorchAttentionBackend:
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """All decodes in one SDPA call over their block tables, padded to the longest."""
+        if meta.decode_groups:
+            return cascade_decode(
+                q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.decode_groups
+            )
         tables = meta.decode_block_tables
         num_seqs, max_blocks = tables.shape
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape

@@ -53,6 +53,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
+    cascade_attention: bool = True  # decodes sharing prefix blocks read them once per group
     seed: int = 0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

@@ -32,6 +32,7 @@ class LLM:
         kv_cache_bytes: int | None = None,
         num_kv_blocks: int | None = None,
         attention_backend: str = "auto",
+        cascade_attention: bool = True,
         seed: int = 0,
     ) -> None:
         config = EngineConfig(
@@ -39,6 +40,7 @@ class LLM:
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
+            cascade_attention=cascade_attention,
             seed=seed,
             cache=CacheConfig(
                 block_size=block_size,

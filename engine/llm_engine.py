@@ -56,6 +56,7 @@ class LLMEngine:
             self.dtype,
             get_backend(config.attention_backend, self.device),
             seed=config.seed,
+            cascade=config.cascade_attention,
         )
         self.stop_checker = StopChecker(loaded.eos_token_ids, self.max_model_len, self.tokenizer)
         self.requests: dict[str, Sequence] = {}

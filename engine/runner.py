@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
+from engine.cascade import DecodeGroup, find_shared_prefixes
 from engine.kv_cache import KVCacheManager
 from engine.model import LlamaForCausalLM
 from engine.sampler import Sampler, SamplerOutput, SamplingTensors
@@ -47,10 +48,12 @@ class ModelRunner:
         dtype: torch.dtype,
         backend,
         seed: int = 0,
+        cascade: bool = True,
     ) -> None:
         cfg = model.config
         self.model, self.kv, self.device, self.backend = model, kv, device, backend
         self.block_size = block_size
+        self.cascade = cascade  # shared-prefix attention for decodes (engine/cascade.py)
         # One tensor per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim]. Zeroed, so
         # masked-out padding positions never hold NaN (0 * NaN would poison attention).
         self.kv_caches = [
@@ -93,12 +96,19 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput):
         bs = self.block_size
         chunks = out.chunks
+        tables = [self.kv.block_table(id(c.seq)) for c in chunks]
+        num_decodes = sum(1 for c in chunks if c.num_new_tokens == 1)  # decodes come first
+        groups: list[tuple[int, int, int]] = []
+        if self.cascade and num_decodes >= 2:
+            ctx = [c.seq.num_computed_tokens + 1 for c in chunks[:num_decodes]]
+            order, groups = find_shared_prefixes(tables[:num_decodes], ctx, bs)
+            chunks = [chunks[i] for i in order] + chunks[num_decodes:]
+            tables = [tables[i] for i in order] + tables[num_decodes:]
         starts = [c.seq.num_computed_tokens for c in chunks]
         lens = [c.num_new_tokens for c in chunks]
         ids: list[int] = []
         for (seq, n), start in zip(chunks, starts):
             ids.extend(seq.token_ids[start : start + n])
-        tables = [self.kv.block_table(id(c.seq)) for c in chunks]
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
 
@@ -111,9 +121,7 @@ class ModelRunner:
         )
         slots = padded[seq_of_token, positions // bs] * bs + positions % bs
 
-        num_decodes = sum(1 for n in lens if n == 1)  # chunks are sorted: decodes first
         context_lens = [s + n for s, n in zip(starts, lens)]
-        decode_width = max((len(t) for t in tables[:num_decodes]), default=0)
         prefills = [
             PrefillSpan(
                 int(query_start[i]),
@@ -126,17 +134,33 @@ class ModelRunner:
         attention = AttentionMetadata(
             slot_mapping=slots.to(self.device),
             num_decode_tokens=num_decodes,
-            decode_block_tables=padded[:num_decodes, :decode_width].to(self.device),
-            decode_seq_lens=torch.tensor(
-                context_lens[:num_decodes], dtype=torch.long, device=self.device
-            ),
             prefills=prefills,
+            **self._decode_metadata(tables[:num_decodes], context_lens[:num_decodes], groups),
         )
         sample_idx = [i for i, c in enumerate(chunks) if c.samples]
         rows = (query_start + lens_t - 1)[sample_idx]
         meta = _StepMeta(positions.to(self.device), attention)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return input_ids, meta, rows.to(self.device), [chunks[i].seq for i in sample_idx]
+
+    def _decode_metadata(self, tables, context_lens, groups) -> dict:
+        """Decode block tables and lengths; with shared-prefix groups, only the private part
+        after each group's shared blocks (the groups' blocks are listed once per group)."""
+        skip = [0] * len(tables)
+        decode_groups = []
+        for start, end, shared in groups:
+            skip[start:end] = [shared] * (end - start)
+            ids = torch.tensor(tables[start][:shared], dtype=torch.long, device=self.device)
+            decode_groups.append(DecodeGroup(start, end, ids))
+        private = [t[k:] for t, k in zip(tables, skip)]
+        width = max((len(t) for t in private), default=0)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in private], dtype=torch.long)
+        lens = [n - k * self.block_size for n, k in zip(context_lens, skip)]
+        return dict(
+            decode_block_tables=padded.view(len(private), width).to(self.device),
+            decode_seq_lens=torch.tensor(lens, dtype=torch.long, device=self.device),
+            decode_groups=decode_groups,
+        )
 
 
 @dataclass

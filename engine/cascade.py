@@ -1,0 +1,120 @@
+"""Shared-prefix ("cascade") attention for decode steps.
+
+When several decoding sequences share the same physical prefix blocks (the prefix cache gave
+them the same document, system prompt or tool list), plain paged attention reads those blocks
+once per sequence. Cascade attention splits each sequence's context in two:
+
+    seq a: [ shared blocks S | a's own blocks ]     attention(q_a, S ∪ A)
+    seq b: [ shared blocks S | b's own blocks ]       = merge(attention(q_a, S), attention(q_a, A))
+
+The shared part is computed for the whole group at once (all its queries against S in one
+matmul, so S is read once per group), the private part per sequence, and the two partial
+results are merged exactly with their log-sum-exps:
+
+    lse = logaddexp(lse_S, lse_A);  out = out_S * exp(lse_S - lse) + out_A * exp(lse_A - lse)
+
+This is the two-level form of FlashInfer's cascade / Hydragen's shared-prefix attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows [start, end) share the blocks `block_ids` at the start of their contexts."""
+
+    start: int
+    end: int
+    block_ids: torch.Tensor  # [num_shared_blocks] int64
+
+
+def find_shared_prefixes(
+    tables: list[list[int]], context_lens: list[int], block_size: int, min_group: int = 2
+) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Order decode rows so sharers are adjacent and find each group's shared block count.
+
+    Returns (row order, [(start, end, num_shared_blocks)] in that order). Rows are grouped
+    by their first physical block; a group's shared prefix is the longest common run of block
+    ids, capped so that every member keeps at least its newest token private.
+    """
+    order = sorted(range(len(tables)), key=lambda i: tables[i][0])
+    groups = []
+    start = 0
+    while start < len(order):
+        end = start + 1
+        first = tables[order[start]][0]
+        while end < len(order) and tables[order[end]][0] == first:
+            end += 1
+        if end - start >= min_group:
+            ref = tables[order[start]]
+            shared = min((context_lens[i] - 1) // block_size for i in order[start:end])
+            for i in order[start + 1 : end]:
+                t = tables[i]
+                n = 0
+                while n < shared and t[n] == ref[n]:
+                    n += 1
+                shared = n
+            if shared:
+                groups.append((start, end, shared))
+        start = end
+    return order, groups
+
+
+def attention_with_lse(
+    q: torch.Tensor,  # [B, kv_heads, q_per_kv, head_dim]
+    k: torch.Tensor,  # [B, kv_heads, S, head_dim]
+    v: torch.Tensor,  # [B, kv_heads, S, head_dim]
+    valid: torch.Tensor | None,  # [B, S] bool, or None when every key is valid
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention that also returns log-sum-exp: ([B, kvh, g, d], [B, kvh, g])."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, kvh, g, S]
+    if valid is not None:
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, kvh, g]
+    probs = torch.exp(scores - lse[..., None])
+    return torch.matmul(probs, v), lse
+
+
+def cascade_decode(
+    q: torch.Tensor,  # [B, heads, head_dim], rows ordered so each group is contiguous
+    kv_cache: torch.Tensor,  # [2, blocks, block_size, kv_heads, head_dim]
+    private_tables: torch.Tensor,  # [B, P] blocks after each row's shared prefix
+    private_lens: torch.Tensor,  # [B] tokens in those blocks (>= 1)
+    groups: list[DecodeGroup],
+) -> torch.Tensor:  # [B, heads, head_dim]
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    g = num_heads // num_kv_heads
+    qg = q.view(num_seqs, num_kv_heads, g, head_dim)
+
+    # Private part: every row against its own blocks, padded to the longest.
+    width = private_tables.shape[1] * block_size
+
+    def gather(which: int, table: torch.Tensor) -> torch.Tensor:
+        flat = torch.index_select(kv_cache[which], 0, table.reshape(-1))
+        return flat.view(table.shape[0], -1, num_kv_heads, head_dim).transpose(1, 2)
+
+    valid = torch.arange(width, device=q.device)[None, :] < private_lens[:, None]
+    out, lse = attention_with_lse(qg, gather(0, private_tables), gather(1, private_tables), valid)
+
+    # Shared part: each group's queries together against its prefix, read once.
+    for grp in groups:
+        n = grp.end - grp.start
+        keys = gather(0, grp.block_ids[None])  # [1, kvh, S, d]
+        values = gather(1, grp.block_ids[None])
+        # [n, kvh, g, d] -> [1, kvh, n * g, d]: the group's queries become one batch
+        qs = qg[grp.start : grp.end].transpose(0, 1).reshape(1, num_kv_heads, n * g, head_dim)
+        out_s, lse_s = attention_with_lse(qs, keys, values, None)
+        out_s = out_s.view(num_kv_heads, n, g, head_dim).transpose(0, 1)
+        lse_s = lse_s.view(num_kv_heads, n, g).transpose(0, 1)
+        rows = slice(grp.start, grp.end)
+        total = torch.logaddexp(lse[rows], lse_s)
+        out[rows] = (
+            out[rows] * torch.exp(lse[rows] - total)[..., None]
+            + out_s * torch.exp(lse_s - total)[..., None]
+        )
+    return out.reshape(num_seqs, num_heads, head_dim)
