@@ -1,4 +1,4 @@
-# kvbatch: `make run` installs everything and answers a few chat prompts on the CPU;
+# kvbatch: `make run` installs everything and runs the RAG example job on the CPU;
 # `make test` runs the test suite. Both work on a fresh machine (Python 3.10+).
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -32,8 +32,8 @@ test: venv model
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 run: venv model
-	$(BIN)/kvbatch generate --model "$$($(BIN)/python -m engine.fetch | tail -1)" \
-		--chat-file examples/chat_prompts.jsonl --max-tokens 48
+	$(BIN)/kvbatch run examples/rag_job.jsonl -o out/rag_job.output.jsonl \
+		--model "$$($(BIN)/python -m engine.fetch | tail -1)"
 
 bench: venv model
 	$(BIN)/kvbatch bench rag-cpu --peers hf-static

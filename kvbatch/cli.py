@@ -30,6 +30,25 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     add_engine_args(gen)
+    run = sub.add_parser("run", help="run an OpenAI Batch JSONL job on this machine")
+    run.add_argument("input", help="JSONL file, s3://bucket/key, or - for stdin")
+    run.add_argument("-o", "--output", help="answers (default: INPUT.output.jsonl); - = stdout")
+    run.add_argument("--errors", help="error records (default: beside the output)")
+    run.add_argument("--model", required=True, help="Hugging Face folder or .gguf file")
+    run.add_argument("--model-name", help="the job's model name (default: the first line's)")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="answer only the custom_ids an interrupted run did not finish",
+    )
+    run.add_argument(
+        "--window",
+        type=int,
+        default=0,
+        help="requests inside the engine at once (default 4 x max-num-seqs)",
+    )
+    run.add_argument("--work-dir", help="where the resumable partial output is kept")
+    add_engine_args(run)
     sub.add_parser("bench", help="benchmarks: kvbatch bench --help")
 
     args = parser.parse_args(argv)
@@ -40,7 +59,44 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "generate":
         return _generate(args)
+    if args.command == "run":
+        return _run(args)
     return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    import logging
+
+    from jobs.run import JobError, RunOptions, resolve_paths, run_job
+
+    logging.basicConfig(level=logging.INFO, format="kvbatch: %(message)s", stream=sys.stderr)
+    opts = RunOptions(
+        input=args.input,
+        model=args.model,
+        output=args.output,
+        errors=args.errors,
+        model_name=args.model_name,
+        resume=args.resume,
+        window=args.window,
+        work_dir=args.work_dir,
+        engine=engine_kwargs(args),
+    )
+    try:
+        record = run_job(opts)
+    except JobError as e:
+        print(f"kvbatch run: {e}", file=sys.stderr)
+        return 1
+    paths = resolve_paths(opts)
+    share = record.cached_tokens / record.prompt_tokens if record.prompt_tokens else 0.0
+    print(
+        f"kvbatch run: {record.completed} answered, {record.failed} failed; "
+        f"cached_tokens {record.cached_tokens} of {record.prompt_tokens} prompt tokens "
+        f"({share:.0%})",
+        file=sys.stderr,
+    )
+    if paths.output != "-":
+        print(f"answers: {paths.output}\nerrors:  {paths.errors}\nbatch:   {paths.batch}")
+    return 0
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.s3_server import s3_server  # noqa: F401  (a session fixture for every test)
+
 # Imports of torch and transformers stay inside the fixtures: tests of jobs/ and worker/ should
 # not pay for them.
 

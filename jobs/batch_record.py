@@ -1,0 +1,95 @@
+"""batch.json: an OpenAI-style batch object for a job run by kvbatch."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+STATUSES = (
+    "validating",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "failed",
+    "cancelling",
+    "cancelled",
+    "expired",
+)
+
+
+@dataclass
+class BatchRecord:
+    id: str
+    input_uri: str
+    output_uri: str
+    errors_uri: str
+    model: str
+    status: str = "validating"
+    endpoint: str | None = None  # the lines' url when they all use one
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    in_progress_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def start(
+        cls, *, batch_id: str, input_uri: str, output_uri: str, errors_uri: str, model: str
+    ) -> BatchRecord:
+        return cls(batch_id, input_uri, output_uri, errors_uri, model)
+
+    def mark_in_progress(self) -> None:
+        self.status, self.in_progress_at = "in_progress", int(time.time())
+
+    def mark_finalizing(self) -> None:
+        self.status, self.finalizing_at = "finalizing", int(time.time())
+
+    def add_usage(self, usage: dict) -> None:
+        self.prompt_tokens += usage["prompt_tokens"]
+        self.completion_tokens += usage["completion_tokens"]
+        self.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    def finish(self, *, completed: int, failed: int) -> None:
+        self.completed, self.failed, self.total = completed, failed, completed + failed
+        self.status, self.completed_at = "completed", int(time.time())
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": self.endpoint,
+            "errors": None,
+            "input_file_id": self.input_uri,
+            "completion_window": "24h",
+            "status": self.status,
+            "output_file_id": self.output_uri,
+            "error_file_id": self.errors_uri,
+            "created_at": self.created_at,
+            "in_progress_at": self.in_progress_at,
+            "expires_at": None,
+            "finalizing_at": self.finalizing_at,
+            "completed_at": self.completed_at,
+            "failed_at": self.failed_at,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "request_counts": {
+                "total": self.total,
+                "completed": self.completed,
+                "failed": self.failed,
+            },
+            "usage": {
+                "input_tokens": self.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": self.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+            },
+            "metadata": {"model": self.model},
+        }

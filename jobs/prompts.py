@@ -1,0 +1,101 @@
+"""Turning a valid line into the token ids the engine runs, and into its output cap.
+
+Chat messages go through the model's own chat template (`apply_chat_template`), whose text
+already holds the special tokens, so it is encoded without adding any. Completions prompts
+are encoded as they are (the tokenizer adds what it always adds, e.g. Llama's BOS), or taken
+as token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.sampling_params import SamplingParams
+from jobs.validate import JobRequest, LineError
+
+
+class PromptError(ValueError):
+    """A line whose prompt cannot run: `code` is context_length_exceeded or invalid_prompt."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def line_error(self, req: JobRequest) -> LineError:
+        """This error as the line's record in errors.jsonl."""
+        return LineError(req.line, req.custom_id, self.code, f"line {req.line}: {self.message}")
+
+
+def prompt_token_ids(req: JobRequest, tokenizer, max_model_len: int) -> list[int]:
+    """The prompt of `req` as token ids. Raises PromptError when it cannot run: the chat
+    template fails, the prompt is empty or holds ids outside the vocabulary (invalid_prompt),
+    or it leaves no room for one output token (context_length_exceeded)."""
+    if req.messages is not None:
+        try:
+            text = tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=True, tokenize=False
+            )
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        except Exception as exc:  # jinja errors, no template, raise_exception() in a template
+            raise PromptError(
+                "invalid_prompt", f"the model's chat template rejects these messages: {exc}"
+            ) from exc
+    elif isinstance(req.prompt, str):
+        try:
+            ids = tokenizer.encode(req.prompt)
+        except Exception as exc:  # e.g. a lone surrogate from a JSON "\ud800" escape
+            raise PromptError("invalid_prompt", f"the prompt cannot be tokenized: {exc}") from exc
+    elif req.prompt is not None:
+        ids = list(req.prompt)
+        vocab = len(tokenizer)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise PromptError(
+                "invalid_prompt",
+                f"token id {bad} is outside the model's vocabulary [0, {vocab}): fix the prompt",
+            )
+    else:
+        raise PromptError("invalid_prompt", "the request has neither messages nor a prompt")
+
+    if not ids:
+        raise PromptError("invalid_prompt", "the prompt is empty: give at least one token")
+    if len(ids) >= max_model_len:
+        raise PromptError("context_length_exceeded", _prompt_too_long(len(ids), max_model_len))
+    return ids
+
+
+def max_tokens_for(req: JobRequest, prompt_len: int, max_model_len: int) -> int:
+    """The output cap to run `req` with, given its prompt length.
+
+    A cap the line set itself must fit in the context, as with OpenAI and vLLM (PromptError
+    context_length_exceeded otherwise); a default cap (16 for completions, the job's default
+    for chat, or none) is clamped to the room left.
+    """
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise PromptError("context_length_exceeded", _prompt_too_long(prompt_len, max_model_len))
+    if req.max_tokens is None:
+        return min(req.params.max_tokens, room)
+    if req.max_tokens > room:
+        raise PromptError(
+            "context_length_exceeded",
+            f"the prompt has {prompt_len} tokens and max_tokens asks for {req.max_tokens} more, "
+            f"but the model takes {max_model_len} in all (max_model_len): lower max_tokens to "
+            f"{room} or less, or shorten the prompt",
+        )
+    return req.max_tokens
+
+
+def sampling_params_for(req: JobRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """`req.params` with the output cap of `max_tokens_for`: what to hand the engine."""
+    return dataclasses.replace(
+        req.params, max_tokens=max_tokens_for(req, prompt_len, max_model_len)
+    )
+
+
+def _prompt_too_long(prompt_len: int, max_model_len: int) -> str:
+    return (
+        f"the prompt has {prompt_len} tokens but the model takes at most {max_model_len - 1} "
+        f"(max_model_len={max_model_len}, including one output token): shorten the prompt"
+    )

@@ -1,0 +1,231 @@
+"""Output lines in OpenAI's batch output schema.
+
+A success line::
+
+    {"id": "batch_req_…", "custom_id": …, "error": null,
+     "response": {"status_code": 200, "request_id": "req_…", "body": <chat.completion | text_completion>}}
+
+An error line (a bad input line, or a prompt the model cannot run)::
+
+    {"id": "batch_req_…", "custom_id": … | null, "response": null,
+     "error": {"code": …, "message": "line N: …", "line": N}}
+
+Ids are hashes of (batch_id, line, custom_id): unique within a job, and the same when a shard
+is run again, so a rerun writes identical lines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import weakref
+from typing import Any
+
+from engine.outputs import RequestOutput
+from engine.sequence import TokenLogprobs
+from jobs.validate import JobRequest, LineError
+
+_FINISH_REASONS = {"stop": "stop", "length": "length"}  # engine -> OpenAI
+_MIN_LOGPROB = -9999.0  # what OpenAI reports for an impossible token; JSON has no -inf
+
+
+def success_line(
+    req: JobRequest, out: RequestOutput, *, model: str, tokenizer, batch_id: str, created: int
+) -> dict[str, Any]:
+    """The output line of a request the engine ran. If the engine refused it (`out.error`),
+    the error line (code invalid_prompt) instead: check `line["error"]` to count it."""
+    if out.error is not None:
+        return error_line(
+            LineError(req.line, req.custom_id, "invalid_prompt", f"line {req.line}: {out.error}"),
+            batch_id=batch_id,
+        )
+    completion = out.outputs[0]
+    finish_reason = _FINISH_REASONS.get(completion.finish_reason or "")
+    if finish_reason is None:
+        raise ValueError(
+            f"request {req.custom_id!r} has finish_reason {completion.finish_reason!r}: only "
+            "finished requests (stop or length) can be written"
+        )
+    key = _key(batch_id, req.line, req.custom_id)
+    tokens = _TokenTexts.of(tokenizer)
+    if req.is_chat:
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = {"content": _chat_logprobs(completion.logprobs, tokens), "refusal": None}
+        choice = {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": completion.text,
+                "refusal": None,
+                "annotations": [],
+            },
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        body_id, kind = "chatcmpl-" + key, "chat.completion"
+    else:
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = _completion_logprobs(completion.logprobs, tokens)
+        choice = {
+            "index": 0,
+            "text": completion.text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        body_id, kind = "cmpl-" + key, "text_completion"
+    body = {
+        "id": body_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": _usage(out),
+        "system_fingerprint": None,
+    }
+    return {
+        "id": "batch_req_" + key,
+        "custom_id": req.custom_id,
+        "response": {"status_code": 200, "request_id": "req_" + key, "body": body},
+        "error": None,
+    }
+
+
+def error_line(err: LineError, *, batch_id: str) -> dict[str, Any]:
+    """The output line of a line that got no answer (a validation or prompt error)."""
+    return {
+        "id": "batch_req_" + _key(batch_id, err.line, err.custom_id),
+        "custom_id": err.custom_id,
+        "response": None,
+        "error": {"code": err.code, "message": err.message, "line": err.line},
+    }
+
+
+def _key(batch_id: str, line: int, custom_id: str | None) -> str:
+    # custom_id alone is not unique among error lines (duplicates, missing ids); the line is.
+    data = f"{batch_id}\0{line}\0{custom_id or ''}".encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    prompt = len(out.prompt_token_ids)
+    completion = len(out.outputs[0].token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            # The engine does not report speculative acceptance per request yet.
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    }
+
+
+# --- logprobs ---------------------------------------------------------------------------------
+
+
+def _chat_logprobs(steps: list[TokenLogprobs], tokens: _TokenTexts) -> list[dict[str, Any]]:
+    content = []
+    for step in steps:
+        text, raw = tokens.get(step.token_id)
+        top = []
+        for token_id, logprob in step.top:
+            top_text, top_raw = tokens.get(token_id)
+            top.append({"token": top_text, "logprob": _finite(logprob), "bytes": top_raw})
+        content.append(
+            {"token": text, "logprob": _finite(step.logprob), "bytes": raw, "top_logprobs": top}
+        )
+    return content
+
+
+def _completion_logprobs(steps: list[TokenLogprobs], tokens: _TokenTexts) -> dict[str, Any]:
+    texts, chosen, tops, offsets = [], [], [], []
+    offset = 0
+    for step in steps:
+        text = tokens.get(step.token_id)[0]
+        top: dict[str, float] = {}
+        for token_id, logprob in step.top:
+            top.setdefault(tokens.get(token_id)[0], _finite(logprob))
+        # OpenAI: "the API will always return the logprob of the sampled token", so up to
+        # logprobs + 1 entries.
+        top.setdefault(text, _finite(step.logprob))
+        texts.append(text)
+        chosen.append(_finite(step.logprob))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _MIN_LOGPROB
+
+
+class _TokenTexts:
+    """Each token id's text and exact bytes, cached per tokenizer.
+
+    The text is `decode([id])`; the bytes are the token's own bytes where the vocabulary
+    tells them (byte-level BPE, `<0xNN>` byte tokens), so a token holding half of a UTF-8
+    character reports its real bytes, not those of U+FFFD as its decoded text would.
+    """
+
+    _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.texts: dict[int, tuple[str, list[int]]] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        self.byte_level = decoder is not None and "ByteLevel" in repr(decoder)
+
+    @classmethod
+    def of(cls, tokenizer) -> _TokenTexts:
+        try:
+            found = cls._cache.get(tokenizer)
+            if found is None:
+                found = cls._cache[tokenizer] = cls(tokenizer)
+            return found
+        except TypeError:  # not weakly referenceable: no cache
+            return cls(tokenizer)
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        found = self.texts.get(token_id)
+        if found is None:
+            text = self.tokenizer.decode([token_id])
+            found = self.texts[token_id] = (text, list(self._bytes(token_id, text)))
+        return found
+
+    def _bytes(self, token_id: int, text: str) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            match = _BYTE_TOKEN.fullmatch(piece)
+            if match:
+                return bytes([int(match.group(1), 16)])
+            if self.byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+                return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return text.encode("utf-8", "surrogatepass")
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: each byte as a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}

@@ -1,0 +1,273 @@
+"""`kvbatch run`: one machine, no broker. Validate, group by prefix, run, write in input order.
+
+    input.jsonl --validate--> requests + error records (line numbers)
+      --chat template, tokenize (spilled to disk)--> token ids
+      --prefix trie over the whole job--> depth-first order
+      --engine, bounded window--> answers, committed in flushed batches (resumable)
+      --finalize--> output.jsonl (input order), errors.jsonl, batch.json
+
+Exit status: 0 when the job completed, bad lines or not; an error before any work (missing
+input, unwritable output, unloadable model) raises JobError with one clear message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jobs.batch_record import BatchRecord
+from jobs.grouping import feed_in_order, group_by_prefix
+from jobs.partial import PartialOutput
+from jobs.progress import Progress
+from jobs.prompts import PromptError, prompt_token_ids, sampling_params_for
+from jobs.responses import error_line, success_line
+from jobs.storage import StorageError, open_storage
+from jobs.token_store import TokenStore
+from jobs.validate import JobRequest, LineError, validate_lines
+
+log = logging.getLogger("kvbatch.run")
+
+
+class JobError(Exception):
+    """The job could not run at all (nothing was answered)."""
+
+
+@dataclass
+class RunOptions:
+    input: str
+    model: str
+    output: str | None = None  # default: <input stem>.output.jsonl beside a local input
+    errors: str | None = None  # default: <output stem>.errors.jsonl beside the output
+    model_name: str | None = None  # the job's model name; default: the first line's "model"
+    resume: bool = False
+    window: int = 0  # requests inside the engine at once; 0 = 4 x max_num_seqs
+    work_dir: str | None = None  # where the resumable partial output lives
+    engine: dict = field(default_factory=dict)  # engine.LLM keyword arguments
+
+
+@dataclass
+class JobPaths:
+    output: str
+    errors: str
+    batch: str
+    partial: Path
+
+
+def resolve_paths(opts: RunOptions) -> JobPaths:
+    if opts.output is None:
+        if opts.input == "-" or opts.input.startswith("s3://"):
+            raise JobError("give -o OUTPUT when the input is stdin or S3")
+        opts_output = str(_beside(opts.input, ".output.jsonl"))
+    else:
+        opts_output = opts.output
+    if opts_output == "-":
+        errors = opts.errors or "-stderr"
+        batch = "-stderr"
+    else:
+        errors = opts.errors or _sibling(opts_output, ".errors.jsonl")
+        batch = _sibling(opts_output, ".batch.json")
+    digest = hashlib.sha256(f"{opts.input}\0{opts_output}".encode()).hexdigest()[:16]
+    if opts.work_dir:
+        partial = Path(opts.work_dir) / f"{digest}.partial.jsonl"
+    elif opts_output.startswith("s3://") or opts_output == "-":
+        cache = Path(os.environ.get("KVBATCH_CACHE", Path.home() / ".cache" / "kvbatch"))
+        partial = cache / "runs" / f"{digest}.partial.jsonl"
+    else:
+        out = Path(opts_output)
+        partial = out.parent / f".{out.name}.partial"
+    return JobPaths(opts_output, errors, batch, partial)
+
+
+def _beside(path: str, suffix: str) -> Path:
+    p = Path(path)
+    stem = p.name[: -len(".jsonl")] if p.name.endswith(".jsonl") else p.name
+    return p.with_name(stem + suffix)
+
+
+def _sibling(uri: str, suffix: str) -> str:
+    head, _, name = uri.rpartition("/")
+    stem = name[: -len(".jsonl")] if name.endswith(".jsonl") else name
+    return f"{head}/{stem}{suffix}" if head else f"{stem}{suffix}"
+
+
+def run_job(opts: RunOptions, llm=None) -> BatchRecord:
+    """Run a whole job; returns the final batch record (also written as batch.json)."""
+    paths = resolve_paths(opts)
+    source = open_storage(opts.input)
+    targets = [
+        open_storage(u) for u in (paths.output, paths.errors, paths.batch) if not u.startswith("-")
+    ]
+    try:
+        source.check_readable()
+        for t in targets:
+            t.check_writable()
+    except StorageError as e:
+        raise JobError(str(e)) from e
+    record = BatchRecord.start(
+        batch_id=_batch_id(opts.input, paths.output),
+        input_uri=opts.input,
+        output_uri=paths.output,
+        errors_uri=paths.errors,
+        model=opts.model,
+    )
+    if llm is None:
+        from engine import LLM
+
+        try:
+            llm = LLM(model=opts.model, **opts.engine)
+        except (OSError, ValueError) as e:
+            raise JobError(f"cannot load the model: {e}") from e
+    engine = llm.engine
+    partial = PartialOutput(paths.partial)
+    done = partial.recover() if opts.resume else (partial.reset() or set())
+    if done:
+        log.info("resuming: %d requests already answered", len(done))
+
+    with TokenStore(paths.partial.parent) as store:
+        job = _prepare(source, opts, engine, store, done, record)
+        record.mark_in_progress()
+        order = group_by_prefix(
+            (store[i] for i in range(len(store))), engine.config.cache.block_size
+        )
+        log.info(
+            "%d requests to run, %d invalid lines; prefix grouping: %d of %d prompt tokens "
+            "shareable",
+            len(store),
+            len(job.errors),
+            order.ideal_cached_tokens,
+            order.prompt_tokens,
+        )
+        window = opts.window or 4 * engine.config.scheduler.max_num_seqs
+        feed = ((str(i), store[i], job.requests[i].params) for i in order.order)
+        progress = Progress(total=len(store), engine=engine)
+        for out in feed_in_order(engine, feed, window):
+            req = job.requests[int(out.request_id)]
+            partial.add(
+                success_line(
+                    req,
+                    out,
+                    model=job.model_name,
+                    tokenizer=engine.tokenizer,
+                    batch_id=record.id,
+                    created=record.created_at,
+                )
+            )
+            progress.update(out)
+        partial.close()
+        progress.close()
+    record.mark_finalizing()
+    _finalize(paths, partial, job, record)
+    partial.remove()
+    return record
+
+
+@dataclass
+class _Job:
+    requests: list[JobRequest]  # indexed like the token store; messages dropped
+    line_of: dict[str, int]  # custom_id -> input line, for ordering the output
+    errors: list[LineError]
+    model_name: str
+
+
+def _prepare(
+    source, opts: RunOptions, engine, store: TokenStore, done: set[str], record: BatchRecord
+) -> _Job:
+    """Validation pass: stream the input once, tokenize, spill tokens, collect errors."""
+    max_len, tokenizer = engine.max_model_len, engine.tokenizer
+    if tokenizer is None:
+        raise JobError(f"the model {opts.model} has no tokenizer: jobs need one")
+    requests: list[JobRequest] = []
+    line_of: dict[str, int] = {}
+    errors: list[LineError] = []
+    job_model = opts.model_name
+    params_seen: dict = {}  # identical SamplingParams are shared: millions of lines, few kinds
+    try:
+        with source.open_read() as f:
+            for item in validate_lines(f, model=opts.model_name):
+                if isinstance(item, LineError):
+                    errors.append(item)
+                    continue
+                line_of[item.custom_id] = item.line
+                if job_model is None:
+                    job_model = item.model
+                elif item.model is not None and item.model != job_model:
+                    errors.append(
+                        LineError(
+                            item.line,
+                            item.custom_id,
+                            "model_mismatch",
+                            f"line {item.line}: model {item.model!r} differs from the job's model "
+                            f"{job_model!r}: a batch runs one model; split the file",
+                        )
+                    )
+                    continue
+                if item.custom_id in done:
+                    continue
+                try:
+                    ids = prompt_token_ids(item, tokenizer, max_len)
+                    params = sampling_params_for(item, len(ids), max_len)
+                except PromptError as e:
+                    errors.append(
+                        LineError(item.line, item.custom_id, e.code, f"line {item.line}: {e}")
+                    )
+                    continue
+                params = params_seen.setdefault(params, params)
+                requests.append(
+                    dataclasses.replace(item, messages=None, prompt=None, params=params)
+                )
+                store.append(ids)
+    except StorageError as e:
+        raise JobError(str(e)) from e
+    name = job_model or Path(opts.model.rstrip("/")).name
+    return _Job(requests, line_of, errors, name)
+
+
+def _finalize(paths: JobPaths, partial: PartialOutput, job: _Job, record: BatchRecord) -> None:
+    """Write answers in input order and errors by line number; count and sum usage."""
+    answered: list[tuple[int, bytes]] = []
+    failed: list[tuple[int, bytes]] = []
+    for line, raw in partial.records():
+        n = job.line_of.get(line["custom_id"], 0)
+        if line.get("error"):
+            failed.append((n, raw))
+        else:
+            answered.append((n, raw))
+            record.add_usage(line["response"]["body"]["usage"])
+    for err in job.errors:
+        raw = json.dumps(error_line(err, batch_id=record.id), ensure_ascii=False).encode()
+        failed.append((err.line, raw + b"\n"))
+    answered.sort(key=lambda x: x[0])
+    failed.sort(key=lambda x: x[0])
+    _write(paths.output, (raw for _, raw in answered))
+    _write(paths.errors, (raw for _, raw in failed))
+    urls = {r.url for r in job.requests}
+    record.endpoint = urls.pop() if len(urls) == 1 else None
+    record.finish(completed=len(answered), failed=len(failed))
+    _write(paths.batch, [json.dumps(record.to_dict(), indent=2).encode() + b"\n"])
+
+
+def _write(uri: str, chunks) -> None:
+    if uri == "-stderr":
+        import sys
+
+        for c in chunks:
+            sys.stderr.write(c.decode())
+        return
+    with open_storage(uri).open_write() as f:
+        for c in chunks:
+            f.write(c)
+
+
+def _batch_id(input_uri: str, output_uri: str) -> str:
+    """Stable across --resume, so response ids stay the same."""
+    return "batch_" + hashlib.sha256(f"{input_uri}\0{output_uri}".encode()).hexdigest()[:24]
+
+
+def _now() -> int:
+    return int(time.time())

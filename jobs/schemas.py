@@ -1,0 +1,337 @@
+"""Pydantic models of OpenAI Batch input lines and of the two request bodies kvbatch answers.
+
+A line is `{custom_id, method, url, body}`; the body is a Chat Completions request
+(`/v1/chat/completions`, `messages`) or a legacy Completions request (`/v1/completions`,
+`prompt`). The models are strict (no "1.0" for a number, no `true` for an int) and reject
+unknown fields, as OpenAI does. Each body field falls into one of four kinds:
+
+- mapped to `SamplingParams`: max_tokens / max_completion_tokens, temperature, top_p, top_k,
+  min_p, seed, stop, stop_token_ids, ignore_eos, logprobs / top_logprobs;
+- unsupported, because it would change the answer: accepted only at its neutral value (n=1,
+  presence_penalty=0, stream=false, response_format={"type": "text"}, ...; null always),
+  otherwise an `unsupported_parameter` error (see `_UNSUPPORTED`);
+- ignored, because it changes nothing we return: user, metadata, store, service_tier, ...;
+- anything else: unknown.
+
+`description=` on each field is the rule a user reads in an error message
+("'temperature' must be <description>, got 'hot'").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from engine.sampling_params import SamplingParams
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+URLS = (CHAT_URL, COMPLETIONS_URL)
+MAX_CUSTOM_ID_LEN = 512
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits (chat top_logprobs, completions logprobs)
+MAX_COMPLETION_LOGPROBS = 5
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy Completions API's default
+CONTEXT_MAX_TOKENS = 2**31 - 1
+"""`SamplingParams.max_tokens` of a request that may generate up to the end of the context
+(chat without max_tokens and without a job default): the engine stops at max_model_len, and
+`jobs.prompts.max_tokens_for` turns it into the exact room left."""
+
+_STRICT = ConfigDict(strict=True, extra="forbid")
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+# --- the line ---------------------------------------------------------------------------------
+
+
+class BatchLine(BaseModel):
+    """One input line. `body` is checked afterwards against the model its `url` names."""
+
+    model_config = _STRICT
+
+    custom_id: str = Field(
+        min_length=1,
+        max_length=MAX_CUSTOM_ID_LEN,
+        description=f"a non-empty string of at most {MAX_CUSTOM_ID_LEN} characters, unique in the file",
+    )
+    method: Literal["POST"] = Field(description='"POST"')
+    url: Literal["/v1/chat/completions", "/v1/completions"] = Field(
+        description=f'"{CHAT_URL}" or "{COMPLETIONS_URL}"'
+    )
+    body: dict[str, Any] = Field(description="an object (the request body)")
+
+
+# --- messages ---------------------------------------------------------------------------------
+
+
+def _role(value: object) -> str:
+    if value not in _ROLES:
+        why = " (kvbatch does no tool calling)" if value in ("tool", "function") else ""
+        raise PydanticCustomError("invalid_messages", _ROLE_RULE + why)
+    return "system" if value == "developer" else value  # OpenAI's newer name for system
+
+
+_ROLE_RULE = "must be one of " + ", ".join(map(repr, _ROLES))
+_PARTS = "must be a string or a list of text parts (objects with type 'text' and a string 'text')"
+
+
+def _content(value: object) -> object:
+    """A string, or a list of text parts joined with newlines (as vLLM does)."""
+    if not isinstance(value, list):
+        return value  # the str validator reports anything else
+    texts = []
+    for part in value:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else None
+            why = f"content parts of type {kind!r} are not supported" if kind else "a bad part"
+            raise PydanticCustomError("invalid_messages", _PARTS + f" ({why})")
+        if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+            raise PydanticCustomError(
+                "invalid_messages", _PARTS + " (a text part holds a string 'text' and nothing else)"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+class ChatMessage(BaseModel):
+    """A message of the conversation. `developer` becomes `system`; text parts are joined."""
+
+    model_config = _STRICT
+
+    role: Annotated[str, BeforeValidator(_role)]
+    content: Annotated[str, BeforeValidator(_content)]
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        """The form `tokenizer.apply_chat_template` takes."""
+        out = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+# --- unsupported parameters -------------------------------------------------------------------
+
+# name -> (is the value neutral?, what to do instead). None is always neutral.
+_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (
+        lambda v: v == 1,
+        "kvbatch returns one choice per line: repeat the line under other custom_ids",
+    ),
+    "best_of": (lambda v: v == 1, "kvbatch samples one completion per line: remove it"),
+    "presence_penalty": (lambda v: v == 0, "penalties are not implemented: remove it or set 0"),
+    "frequency_penalty": (lambda v: v == 0, "penalties are not implemented: remove it or set 0"),
+    "logit_bias": (lambda v: not v, "logit bias is not implemented: remove it"),
+    "stream": (lambda v: v is False, "batch output cannot stream: remove it or set false"),
+    "stream_options": (lambda v: False, "batch output cannot stream: remove it"),
+    "echo": (lambda v: v is False, "echoing the prompt is not implemented: remove it"),
+    "suffix": (lambda v: v == "", "insertion (suffix) is not implemented: remove it"),
+    "tools": (lambda v: v == [], "kvbatch does no tool calling: remove it"),
+    "tool_choice": (lambda v: v == "none", "kvbatch does no tool calling: remove it"),
+    "functions": (lambda v: v == [], "kvbatch does no function calling: remove it"),
+    "function_call": (lambda v: v == "none", "kvbatch does no function calling: remove it"),
+    "parallel_tool_calls": (lambda v: False, "kvbatch does no tool calling: remove it"),
+    "response_format": (
+        lambda v: v == {"type": "text"},
+        "structured output is not implemented: remove it or use {'type': 'text'}",
+    ),
+    "modalities": (lambda v: v == ["text"], "only text output is supported: remove it"),
+    "audio": (lambda v: False, "only text output is supported: remove it"),
+    "prediction": (lambda v: False, "predicted outputs are not implemented: remove it"),
+    "web_search_options": (lambda v: False, "web search is not available: remove it"),
+    "verbosity": (lambda v: False, "verbosity control is not implemented: remove it"),
+}
+
+
+def _check_supported(value: Any, name: str) -> Any:
+    neutral, hint = _UNSUPPORTED[name]
+    if value is not None and not neutral(value):
+        raise PydanticCustomError("unsupported_parameter", hint)
+    return value
+
+
+# --- bodies -----------------------------------------------------------------------------------
+
+_NonEmptyStr = Annotated[str, Field(min_length=1)]
+_TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Body(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = _STRICT
+
+    model: str | None = Field(None, description="a string (the model's name)")
+    max_tokens: int | None = Field(None, ge=1, description="an integer >= 1")
+    temperature: float | None = Field(None, ge=0, le=2, description="a number between 0 and 2")
+    top_p: float | None = Field(None, ge=0, le=1, description="a number between 0 and 1")
+    top_k: int | None = Field(None, ge=-1, description="an integer: -1 or 0 (off) or >= 1")
+    min_p: float | None = Field(None, ge=0, le=1, description="a number between 0 and 1")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="an integer in [0, 2**63)")
+    stop: _NonEmptyStr | list[_NonEmptyStr] | None = Field(
+        None,
+        description=f"a non-empty string or a list of up to {MAX_STOP_SEQUENCES} non-empty strings",
+    )
+    stop_token_ids: list[_TokenId] | None = Field(None, description="a list of token ids (>= 0)")
+    ignore_eos: bool | None = Field(None, description="true or false")
+
+    n: int | None = Field(None, ge=1, description="1")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="0")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="0")
+    logit_bias: dict[str, float] | None = Field(None, description="an empty object")
+    stream: bool | None = Field(None, description="false")
+    stream_options: Any = None
+
+    # Ignored: they change nothing kvbatch returns.
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+
+    @field_validator(*_UNSUPPORTED, check_fields=False)
+    @classmethod
+    def _supported(cls, value: Any, info) -> Any:
+        return _check_supported(value, info.field_name)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_count(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
+            raise PydanticCustomError("invalid_parameter", "too many stop sequences")
+        return value or None  # [] = none
+
+    # -- mapping to the engine -----------------------------------------------------------------
+
+    def requested_max_tokens(self) -> int | None:
+        """The output cap the line sets itself, or None."""
+        return self.max_tokens
+
+    def default_max_tokens(self, job_default: int | None) -> int:
+        """The output cap when the line sets none (`job_default`: the job's, for chat)."""
+        raise NotImplementedError
+
+    def logprobs_n(self) -> int | None:
+        """How many alternatives per position to report (None = no logprobs at all)."""
+        raise NotImplementedError
+
+    def sampling_params(self, job_default_max_tokens: int | None = None) -> SamplingParams:
+        """The engine's options for this body. Raises ValueError (SamplingParams') on a
+        combination the field checks let through."""
+        top_p, top_k = self.top_p, self.top_k
+        if top_p == 0:  # the nucleus shrinks to the most likely token
+            top_p, top_k = 1.0, 1
+        max_tokens = self.requested_max_tokens()
+        return SamplingParams(
+            max_tokens=max_tokens or self.default_max_tokens(job_default_max_tokens),
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=0 if top_k is None else top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=self.logprobs_n(),
+        )
+
+
+class ChatCompletionBody(_Body):
+    """The body of a `/v1/chat/completions` line."""
+
+    messages: list[ChatMessage] = Field(
+        min_length=1, description="a non-empty list of {role, content} objects"
+    )
+    max_completion_tokens: int | None = Field(None, ge=1, description="an integer >= 1")
+    logprobs: bool | None = Field(None, description="true or false")
+    top_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_CHAT_TOP_LOGPROBS,
+        description=f"an integer between 0 and {MAX_CHAT_TOP_LOGPROBS}",
+    )
+
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    reasoning_effort: Any = None  # ignored: the models kvbatch runs do not reason
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionBody:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            if self.max_tokens != self.max_completion_tokens:
+                raise PydanticCustomError(
+                    "invalid_parameter",
+                    "'max_tokens' and 'max_completion_tokens' disagree: set only one of them",
+                )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise PydanticCustomError(
+                "invalid_parameter",
+                "'top_logprobs' needs 'logprobs': true: set it or drop top_logprobs",
+            )
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def default_max_tokens(self, job_default: int | None) -> int:
+        return job_default or CONTEXT_MAX_TOKENS
+
+    def logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [m.as_dict() for m in self.messages]
+
+
+def _one_prompt(value: object) -> object:
+    """A string or a list of token ids; a list holding one of those is that one prompt."""
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        if len(value) > 1:
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "it holds {count} prompts and kvbatch answers one prompt per line: put each "
+                "prompt on its own line under its own custom_id",
+                {"count": len(value)},
+            )
+        return value[0]
+    return value
+
+
+class CompletionBody(_Body):
+    """The body of a `/v1/completions` line."""
+
+    prompt: Annotated[
+        _NonEmptyStr | Annotated[list[_TokenId], Field(min_length=1)], BeforeValidator(_one_prompt)
+    ] = Field(description="a non-empty string or a non-empty list of token ids")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_COMPLETION_LOGPROBS,
+        description=f"an integer between 0 and {MAX_COMPLETION_LOGPROBS}",
+    )
+    echo: bool | None = Field(None, description="false")
+    suffix: str | None = Field(None, description="an empty string")
+    best_of: int | None = Field(None, ge=1, description="1")
+
+    def default_max_tokens(self, job_default: int | None) -> int:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
+
+    def logprobs_n(self) -> int | None:
+        return self.logprobs
+
+
+BODIES: dict[str, type[_Body]] = {CHAT_URL: ChatCompletionBody, COMPLETIONS_URL: CompletionBody}
+"""The body model of each url."""
