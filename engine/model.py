@@ -139,7 +139,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = F.silu(self.gate_proj(x), inplace=True)  # in place: one [T, ffn] buffer less
+        return self.down_proj(gate.mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -151,8 +152,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # In-place residual adds: x is this forward's own activation (never a weight or input).
+        x += self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
+        x += self.mlp(self.post_attention_layernorm(x))
+        return x
 
 
 class Backbone(nn.Module):

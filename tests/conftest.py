@@ -63,3 +63,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A tiny random Llama with SmolLM2's real tokenizer and chat template (vocabulary 49152,
+    max_position_embeddings 2048): `engine.LLM(model=path)` runs jobs in milliseconds."""
+    from tests.tiny_models import build_tiny_chat_checkpoint
+
+    return build_tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat") / "model", smollm2_dir)

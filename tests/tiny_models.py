@@ -116,3 +116,27 @@ def randomize_weights(model: torch.nn.Module, seed: int) -> None:
             p.copy_(1.0 + WEIGHT_STD * noise)
         else:
             p.copy_(WEIGHT_STD * noise)
+
+
+CHAT_VOCAB_SIZE = 49152  # SmolLM2's tokenizer
+TOKENIZER_COPY = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def build_tiny_chat_checkpoint(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A tiny random Llama (hidden 64, 2 layers) with SmolLM2's vocabulary, tokenizer and chat
+    template copied from `tokenizer_dir`: jobs need a real tokenizer, and this model answers in
+    milliseconds. BOS 1 and EOS 2, as SmolLM2's."""
+    import shutil
+
+    config = LlamaConfig(
+        **{**_SIZES, "vocab_size": CHAT_VOCAB_SIZE, "max_position_embeddings": 2048}
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_weights(model, seed)
+    model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
+    path = Path(path)
+    model.save_pretrained(path)
+    for name in TOKENIZER_COPY:
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(Path(tokenizer_dir) / name, path / name)
+    return path
