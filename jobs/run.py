@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,7 +130,13 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
     if done:
         log.info("resuming: %d requests already answered", len(done))
 
-    with TokenStore(paths.partial.parent) as store:
+    # The spilled prompts go in a folder of the job's own, beside the partial output: a killed
+    # run's spill is then found and removed by the next run instead of lingering (mkstemp names
+    # differ per run) in the output's folder.
+    spill = paths.partial.with_name(paths.partial.name + ".tokens")
+    shutil.rmtree(spill, ignore_errors=True)
+    spill.mkdir(parents=True)
+    with TokenStore(spill) as store:
         job = _prepare(source, opts, engine, store, done, record)
         record.mark_in_progress()
         order = group_by_prefix(
@@ -161,6 +168,7 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
             progress.update(out)
         partial.close()
         progress.close()
+    spill.rmdir()
     record.mark_finalizing()
     _finalize(paths, partial, job, record)
     partial.remove()
@@ -173,6 +181,7 @@ class _Job:
     line_of: dict[str, int]  # custom_id -> input line, for ordering the output
     errors: list[LineError]
     model_name: str
+    urls: set[str]  # of every valid line, answered in an earlier run (--resume) or not
 
 
 def _prepare(
@@ -186,6 +195,7 @@ def _prepare(
     line_of: dict[str, int] = {}
     errors: list[LineError] = []
     job_model = opts.model_name
+    urls: set[str] = set()
     params_seen: dict = {}  # identical SamplingParams are shared: millions of lines, few kinds
     try:
         with source.open_read() as f:
@@ -207,6 +217,7 @@ def _prepare(
                         )
                     )
                     continue
+                urls.add(item.url)
                 if item.custom_id in done:
                     continue
                 try:
@@ -225,7 +236,7 @@ def _prepare(
     except StorageError as e:
         raise JobError(str(e)) from e
     name = job_model or Path(opts.model.rstrip("/")).name
-    return _Job(requests, line_of, errors, name)
+    return _Job(requests, line_of, errors, name, urls)
 
 
 def _finalize(paths: JobPaths, partial: PartialOutput, job: _Job, record: BatchRecord) -> None:
@@ -246,8 +257,7 @@ def _finalize(paths: JobPaths, partial: PartialOutput, job: _Job, record: BatchR
     failed.sort(key=lambda x: x[0])
     _write(paths.output, (raw for _, raw in answered))
     _write(paths.errors, (raw for _, raw in failed))
-    urls = {r.url for r in job.requests}
-    record.endpoint = urls.pop() if len(urls) == 1 else None
+    record.endpoint = next(iter(job.urls)) if len(job.urls) == 1 else None
     record.finish(completed=len(answered), failed=len(failed))
     _write(paths.batch, [json.dumps(record.to_dict(), indent=2).encode() + b"\n"])
 

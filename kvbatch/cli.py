@@ -69,7 +69,11 @@ def _run(args: argparse.Namespace) -> int:
 
     from jobs.run import JobError, RunOptions, resolve_paths, run_job
 
-    logging.basicConfig(level=logging.INFO, format="kvbatch: %(message)s", stream=sys.stderr)
+    # INFO for our own loggers only: at the root, boto3 and others would log their chatter
+    # ("Found credentials in environment variables.") around the one line a failure prints.
+    logging.basicConfig(level=logging.WARNING, format="kvbatch: %(message)s", stream=sys.stderr)
+    for name in ("kvbatch", "engine", "jobs"):
+        logging.getLogger(name).setLevel(logging.INFO)
     opts = RunOptions(
         input=args.input,
         model=args.model,
