@@ -38,7 +38,7 @@ class EngineOptions:
     device: str = "cpu"
     dtype: str = "float32"
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None: the engine's default
     block_size: int = 16
     enable_prefix_caching: bool = True
     hf_batch_size: int | None = None  # hf-static: requests per static batch; None = all

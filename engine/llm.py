@@ -24,7 +24,7 @@ class LLM:
         device: str = "auto",
         dtype: str = "auto",
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,

@@ -6,13 +6,14 @@ sequences that reached their end -> append, check stops, release finished sequen
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 
 import torch
 
 from engine.attention import get_backend
-from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, default_batched_tokens
 from engine.kv_cache import KVCacheManager
 from engine.loader import load_model
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -46,7 +47,12 @@ class LLMEngine:
                 "kv_cache_memory_fraction on CUDA) or lower max_model_len"
             )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        scheduler_config = config.scheduler
+        if scheduler_config.max_num_batched_tokens is None:
+            scheduler_config = dataclasses.replace(
+                scheduler_config, max_num_batched_tokens=default_batched_tokens(self.device)
+            )
+        self.scheduler = Scheduler(scheduler_config, self.kv)
         self.runner = ModelRunner(
             self.model,
             self.kv,
