@@ -163,7 +163,7 @@ class BenchReport:
                 f"cached ({_fmt(self.cached_token_fraction)}) in the last run"
             )
         lines.append(
-            f"ratio = engine seconds / {self.reference} seconds "
+            f"ratio = median over rounds of engine seconds / {self.reference} seconds "
             f"(how many times faster {self.reference} is)"
         )
         lines += [f"warning: {w}" for w in self.warnings]
@@ -236,28 +236,31 @@ def run_benchmark(
     vocab_size = model_vocab_size(config.model_path)
     draws = [make_prompts(w.with_seed(w.seed + r), vocab_size) for r in range(config.repeat)]
 
-    results: dict[str, list[RunResult]] = {}
-    for name in config.engines:
-        peer = make_peer(name, config.model_path, config.options)
-        say(f"{name}: loading {config.model_path}")
-        try:
-            peer.load()
-        except ImportError as e:
-            raise BenchError(f"cannot import engine {name!r}: {e}") from e
-        try:
+    # All engines are loaded first and the repeats interleave (a, b, a, b, ...): these
+    # machines drift by 10-30% over minutes, and a ratio of adjacent runs cancels the drift.
+    peers = {}
+    results: dict[str, list[RunResult]] = {name: [] for name in config.engines}
+    try:
+        for name in config.engines:
+            peer = make_peer(name, config.model_path, config.options)
+            say(f"{name}: loading {config.model_path}")
+            try:
+                peer.load()
+            except ImportError as e:
+                raise BenchError(f"cannot import engine {name!r}: {e}") from e
+            peers[name] = peer
             say(f"{name}: warm-up")
             peer.warmup()
-            runs = []
-            for r, prompts in enumerate(draws):
+        for r, prompts in enumerate(draws):
+            for name, peer in peers.items():
                 say(f"{name}: run {r + 1}/{config.repeat} ({w.num_requests} requests)")
-                runs.append(peer.run(prompts, w.output_len))
-                say(f"{name}: {runs[-1].seconds:.2f} s")
-            results[name] = runs
-        finally:
+                results[name].append(peer.run(prompts, w.output_len))
+                say(f"{name}: {results[name][-1].seconds:.2f} s")
+    finally:
+        for peer in peers.values():
             peer.close()
 
     reference = config.engines[0]
-    ref_seconds = statistics.median(r.seconds for r in results[reference])
     summaries = []
     warnings = []
     for name, runs in results.items():
@@ -275,7 +278,7 @@ def run_benchmark(
                 seconds_all=[r.seconds for r in runs],
                 output_tokens=tokens,
                 tokens_per_s=tokens / seconds if seconds > 0 else float("inf"),
-                ratio=seconds / ref_seconds if ref_seconds > 0 else None,
+                ratio=_paired_ratio(runs, results[reference]),
                 extra=runs[-1].extra,
             )
         )
@@ -300,6 +303,12 @@ def run_benchmark(
         date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         warnings=warnings,
     )
+
+
+def _paired_ratio(runs: list[RunResult], reference: list[RunResult]) -> float | None:
+    """Median over rounds of this engine's seconds / the reference's seconds in that round."""
+    ratios = [a.seconds / b.seconds for a, b in zip(runs, reference) if b.seconds > 0]
+    return statistics.median(ratios) if ratios else None
 
 
 def engine_order(peers: Sequence[str], include_kvbatch: bool = True) -> tuple[str, ...]:
