@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 
@@ -64,13 +64,23 @@ class PartialOutput:
             self._file.close()
             self._file = None
 
-    def records(self) -> Iterator[tuple[dict, bytes]]:
-        """Every committed line, parsed and raw."""
+    def records(self) -> Iterator[tuple[dict, int, int]]:
+        """Every committed line, parsed, with its byte offset and length (see `read_at`)."""
         self.close()
+        offset = 0
         with open(self.path, "rb") as f:
             for raw in f:
                 if raw.strip():
-                    yield json.loads(raw), raw
+                    yield json.loads(raw), offset, len(raw)
+                offset += len(raw)
+
+    def read_at(self, spans: Iterable[tuple[int, int]]) -> Iterator[bytes]:
+        """The raw lines at (offset, length) spans, in the order given: the answers are
+        reordered by seeking, so finalizing a huge job holds offsets, not lines."""
+        with open(self.path, "rb") as f:
+            for offset, length in spans:
+                f.seek(offset)
+                yield f.read(length)
 
     def remove(self) -> None:
         self.close()

@@ -241,24 +241,32 @@ def _prepare(
 
 def _finalize(paths: JobPaths, partial: PartialOutput, job: _Job, record: BatchRecord) -> None:
     """Write answers in input order and errors by line number; count and sum usage."""
-    answered: list[tuple[int, bytes]] = []
-    failed: list[tuple[int, bytes]] = []
-    for line, raw in partial.records():
+    answered: list[tuple[int, int, int]] = []  # (input line, offset, length) in the partial
+    failed: list[tuple[int, int, int]] = []
+    for line, offset, length in partial.records():
         n = job.line_of.get(line["custom_id"], 0)
         if line.get("error"):
-            failed.append((n, raw))
+            failed.append((n, offset, length))
         else:
-            answered.append((n, raw))
+            answered.append((n, offset, length))
             record.add_usage(line["response"]["body"]["usage"])
-    for err in job.errors:
-        raw = json.dumps(error_line(err, batch_id=record.id), ensure_ascii=False).encode()
-        failed.append((err.line, raw + b"\n"))
-    answered.sort(key=lambda x: x[0])
-    failed.sort(key=lambda x: x[0])
-    _write(paths.output, (raw for _, raw in answered))
-    _write(paths.errors, (raw for _, raw in failed))
+    answered.sort()
+    _write(paths.output, partial.read_at((o, ln) for _, o, ln in answered))
+    # Error records: the engine's (in the partial) and validation's (in memory), by line.
+    validation = [
+        (
+            err.line,
+            json.dumps(error_line(err, batch_id=record.id), ensure_ascii=False).encode() + b"\n",
+        )
+        for err in job.errors
+    ]
+    engine_errors = list(
+        zip((n for n, _, _ in failed), partial.read_at((o, ln) for _, o, ln in failed))
+    )
+    errors = sorted(validation + engine_errors, key=lambda x: x[0])
+    _write(paths.errors, (raw for _, raw in errors))
     record.endpoint = next(iter(job.urls)) if len(job.urls) == 1 else None
-    record.finish(completed=len(answered), failed=len(failed))
+    record.finish(completed=len(answered), failed=len(errors))
     _write(paths.batch, [json.dumps(record.to_dict(), indent=2).encode() + b"\n"])
 
 
