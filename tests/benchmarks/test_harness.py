@@ -33,17 +33,6 @@ TINY = Workload(
 )
 
 
-def _engine_importable() -> bool:
-    try:
-        from engine import LLM, SamplingParams  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_engine = pytest.mark.skipif(not _engine_importable(), reason="engine.LLM not importable yet")
-
-
 def _save_tiny_llama(path: Path, eos_bias: bool = False) -> Path:
     """A 2-layer random Llama (GQA) with a word-level tokenizer, saved as a HF folder."""
     from tokenizers import Tokenizer
@@ -230,7 +219,6 @@ def test_model_without_fetcher_needs_model_flag(tiny_registered, capsys):
 # --- kvbatch end to end (once the engine exists) -------------------------------------------
 
 
-@needs_engine
 def test_cli_kvbatch_and_hf_static_end_to_end(tiny_model, tiny_registered, tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["tiny", "--peers", "hf-static", "--model", str(tiny_model), "--json", str(out)]
@@ -253,7 +241,6 @@ def test_cli_kvbatch_and_hf_static_end_to_end(tiny_model, tiny_registered, tmp_p
     assert match["matching"] == 4
 
 
-@needs_engine
 def test_kvbatch_prefix_cache_accounting(tiny_model):
     """One request at a time: each document's 2 full blocks (32 of its 40 tokens) are cached
     by its first chunk and hit by its 2 later chunks; nothing hits with caching off."""
