@@ -1,0 +1,49 @@
+"""What `kvbatch submit` needs to know about a model without loading its weights: the
+tokenizer (for chat templates and prompt lengths) and the context length."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _split_gguf(model: str) -> tuple[str, str] | None:
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return str(path.parent), path.name
+    return None
+
+
+def load_tokenizer(model: str):
+    """The model's tokenizer: a Hugging Face folder (local files only) or a .gguf file."""
+    from transformers import AutoTokenizer
+
+    gguf = _split_gguf(model)
+    if gguf is not None:
+        folder, name = gguf
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return AutoTokenizer.from_pretrained(str(Path(model).expanduser()), local_files_only=True)
+
+
+def max_model_len(model: str, override: int | None = None) -> int:
+    """The longest sequence (prompt + output) the engine will run for `model`: the config's
+    max_position_embeddings, capped by its sliding window as engine.model.ModelConfig does
+    (Qwen2 only uses its window when use_sliding_window is set). `override` must fit in it."""
+    from transformers import AutoConfig
+
+    gguf = _split_gguf(model)
+    if gguf is not None:
+        cfg = AutoConfig.from_pretrained(gguf[0], gguf_file=gguf[1])
+    else:
+        cfg = AutoConfig.from_pretrained(str(Path(model).expanduser()), local_files_only=True)
+    limit = int(cfg.max_position_embeddings)
+    sliding = getattr(cfg, "sliding_window", None)
+    arch = (getattr(cfg, "architectures", None) or [""])[0]
+    if arch == "Qwen2ForCausalLM" and not getattr(cfg, "use_sliding_window", False):
+        sliding = None
+    if sliding:
+        limit = min(limit, int(sliding))
+    if override is not None:
+        if override < 1 or override > limit:
+            raise ValueError(f"max_model_len={override} must be in [1, {limit}] for {model}")
+        return override
+    return limit

@@ -1,0 +1,181 @@
+"""Shards of a distributed job: their payloads in storage and the small messages that point
+at them (claim check: a queue message carries `{job_id, shard_id, uri, sha256}`, never a
+prompt).
+
+    <output>/<job_id>/shards/<shard_id>.jsonl   one ShardRequest per line, in prefix order
+    ShardMessage(job_id, shard_id, uri, sha256)  what goes on the queue
+
+`run_shard` is the engine part of a worker's task: read the payload (checking its sha256),
+run it in the shard's prefix order, and return one output or error line per request, keyed
+by the request's position in the job (`index`) so finalize can restore input order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+from jobs.storage import Storage, open_storage, validate_key_part
+from jobs.validate import JobRequest
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class ShardMessage:
+    """The queue message of one shard: JSON only, small."""
+
+    job_id: str
+    shard_id: str
+    uri: str  # the payload: <output>/<job_id>/shards/<shard_id>.jsonl
+    sha256: str  # of the payload's bytes
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ShardMessage:
+        """Parse and check a message from the queue: ids are safe key parts, the sha256 is
+        hex, and the uri is the shard's own payload under its job (never anything else)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a shard message must be a JSON object, got {type(d).__name__}")
+        missing = [k for k in ("job_id", "shard_id", "uri", "sha256") if k not in d]
+        if missing:
+            raise ValueError(f"shard message lacks {', '.join(missing)}: {d!r}")
+        job_id = validate_key_part(d["job_id"])
+        shard_id = validate_key_part(d["shard_id"])
+        sha, uri = d["sha256"], d["uri"]
+        if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+            raise ValueError(f"shard message sha256 {sha!r} is not 64 lowercase hex digits")
+        if not isinstance(uri, str) or not uri.endswith(f"/{job_id}/shards/{shard_id}.jsonl"):
+            raise ValueError(
+                f"shard message uri {uri!r} is not the payload of shard {shard_id} of {job_id}"
+            )
+        return cls(job_id, shard_id, uri, sha)
+
+
+@dataclass(frozen=True)
+class ShardRequest:
+    """One line of a shard payload: a validated, tokenized request, without its text."""
+
+    index: int  # position in the job (0-based among valid lines): output order
+    line: int  # 1-based input line
+    custom_id: str
+    url: str
+    prompt_token_ids: list[int]
+    params: dict  # dataclasses.asdict(SamplingParams), max_tokens already capped
+    logprobs: int | None
+    max_tokens: int | None
+    model: str | None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ShardRequest:
+        return cls(**d)
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.params)
+
+    def to_job_request(self) -> JobRequest:
+        """The request as jobs.responses.success_line wants it (messages and prompt dropped)."""
+        return JobRequest(
+            line=self.line,
+            custom_id=self.custom_id,
+            url=self.url,
+            messages=None,
+            prompt=None,
+            params=self.sampling_params(),
+            logprobs=self.logprobs,
+            model=self.model,
+            max_tokens=self.max_tokens,
+        )
+
+
+def new_job_id() -> str:
+    """A fresh job id: job-YYYYmmdd-HHMMSS-<8 hex> (UTC)."""
+    return f"job-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
+
+
+def job_dir(output_prefix: str, job_id: str) -> Storage:
+    """`<output_prefix>/<job_id>/`, after checking that the job id is one safe key part."""
+    validate_key_part(job_id)
+    return open_storage(output_prefix).join(job_id)
+
+
+def shard_payload(requests: list[ShardRequest]) -> bytes:
+    return b"".join(
+        json.dumps(r.to_dict(), separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+        for r in requests
+    )
+
+
+def write_shard(
+    job: Storage, job_id: str, shard_id: str, requests: list[ShardRequest]
+) -> ShardMessage:
+    """Write one shard's payload under `job` (the job's folder) and return its message."""
+    validate_key_part(shard_id)
+    data = shard_payload(requests)
+    target = job.join("shards", f"{shard_id}.jsonl")
+    target.write_bytes(data)
+    return ShardMessage(job_id, shard_id, target.uri, hashlib.sha256(data).hexdigest())
+
+
+def read_shard(msg: ShardMessage, *, verify: bool = True) -> list[ShardRequest]:
+    """The requests of a shard, in the order to run them. Raises ValueError when the payload
+    does not match the message's sha256 (tampered, truncated or overwritten)."""
+    with open_storage(msg.uri).open_read() as f:
+        data = f.read()
+    if verify:
+        got = hashlib.sha256(data).hexdigest()
+        if got != msg.sha256:
+            raise ValueError(
+                f"shard payload {msg.uri} does not match its sha256 (expected {msg.sha256}, "
+                f"got {got}): the payload changed after submit; resubmit the job"
+            )
+    return [ShardRequest.from_dict(json.loads(line)) for line in data.splitlines() if line]
+
+
+def run_shard(
+    llm,
+    msg: ShardMessage,
+    *,
+    model_name: str,
+    batch_id: str,
+    created: int | None = None,
+    window: int = 0,
+) -> list[tuple[int, dict]]:
+    """Run one shard on `llm` (an engine.LLM): [(index, output or error line)] in the order
+    requests finished. `model_name`, `batch_id`, `created` come from the job's manifest
+    (job.json: model_name, batch_id, created_at) so that every worker writes the same ids."""
+    from jobs.grouping import feed_in_order
+    from jobs.responses import success_line
+
+    engine = llm.engine
+    requests = read_shard(msg)
+    by_id = {str(r.index): r for r in requests}
+    created = int(time.time()) if created is None else created
+    window = window or 4 * engine.config.scheduler.max_num_seqs
+    feed = ((str(r.index), r.prompt_token_ids, r.sampling_params()) for r in requests)
+    results: list[tuple[int, dict]] = []
+    for out in feed_in_order(engine, feed, window):
+        req = by_id.get(out.request_id)
+        if req is None:  # someone else's request in the same engine
+            continue
+        line = success_line(
+            req.to_job_request(),
+            out,
+            model=model_name,
+            tokenizer=engine.tokenizer,
+            batch_id=batch_id,
+            created=created,
+        )
+        results.append((req.index, line))
+    return results

@@ -1,0 +1,191 @@
+"""`kvbatch submit`, the storage half: turn an input file into a distributed job's folder.
+
+    <output>/<job_id>/job.json                  manifest: shards, counts, batch id, max_attempts
+    <output>/<job_id>/batch.json                status "in_progress"
+    <output>/<job_id>/validation_errors.jsonl   error lines of bad input lines, by line
+    <output>/<job_id>/shards/<shard_id>.jsonl   payloads (jobs.shards.ShardRequest lines)
+
+Validation and tokenization are those of `kvbatch run` (jobs.run), with the model's tokenizer
+and context length read without loading weights (jobs.model_info). Requests are ordered by
+prefix (jobs.grouping) and cut into shards only where a top-level prefix group starts, so no
+shared prefix is computed by two workers; each shard holds about `shard_tokens` prompt tokens
+(a bigger group is a shard of its own). prepare_job enqueues nothing: the caller sends
+`SubmittedJob.messages`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from jobs.batch_record import BatchRecord
+from jobs.grouping import group_boundaries, group_by_prefix
+from jobs.responses import error_line
+from jobs.run import JobError, RunOptions, _prepare
+from jobs.shards import ShardMessage, ShardRequest, job_dir, new_job_id, write_shard
+from jobs.storage import StorageError, open_storage
+from jobs.token_store import TokenStore
+
+DEFAULT_MAX_ATTEMPTS = 3
+
+
+@dataclass
+class SubmittedJob:
+    job_id: str
+    dir_uri: str
+    messages: list[ShardMessage]
+    num_requests: int
+    num_invalid: int
+
+
+def batch_id_for(job_id: str) -> str:
+    return "batch_" + hashlib.sha256(job_id.encode()).hexdigest()[:24]
+
+
+def cut_shards(lengths: list[int], starts: list[int], shard_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of positions, cut only at group `starts`: a shard takes whole groups
+    while it stays within `shard_tokens`; a group bigger than that is a shard of its own."""
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
+    bounds = [*starts, len(lengths)]
+    shards: list[tuple[int, int]] = []
+    begin, tokens = 0, 0
+    for a, b in zip(bounds, bounds[1:]):
+        group = sum(lengths[a:b])
+        if b > a and a > begin and tokens + group > shard_tokens:
+            shards.append((begin, a))
+            begin, tokens = a, 0
+        tokens += group
+    if len(lengths) > begin:
+        shards.append((begin, len(lengths)))
+    return shards
+
+
+def prepare_job(
+    input_uri: str,
+    output_prefix: str,
+    model: str,
+    *,
+    model_name: str | None = None,
+    shard_tokens: int = 200_000,
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    job_id: str | None = None,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+) -> SubmittedJob:
+    """Validate, tokenize, group and shard `input_uri` into `<output_prefix>/<job_id>/`.
+    Raises JobError (before any work) when the input is unreadable, the output unwritable,
+    the job id unsafe or already used, or the model's tokenizer cannot be read."""
+    job_id = new_job_id() if job_id is None else job_id
+    try:
+        job = job_dir(output_prefix, job_id)
+    except ValueError as e:
+        raise JobError(f"bad job id: {e}") from e
+    except StorageError as e:
+        raise JobError(str(e)) from e
+    source = open_storage(input_uri)
+    manifest_target = job.join("job.json")
+    try:
+        source.check_readable()
+        manifest_target.check_writable()
+        if manifest_target.exists():
+            raise JobError(f"job {job_id} already exists at {job.uri}: pick another job id")
+    except StorageError as e:
+        raise JobError(str(e)) from e
+
+    from jobs import model_info
+
+    try:
+        tokenizer = model_info.load_tokenizer(model)
+        max_len = model_info.max_model_len(model, max_model_len)
+    except (OSError, ValueError) as e:
+        raise JobError(f"cannot read the model's tokenizer or config: {e}") from e
+
+    batch_id = batch_id_for(job_id)
+    record = BatchRecord.start(
+        batch_id=batch_id,
+        input_uri=input_uri,
+        output_uri=job.join("output.jsonl").uri,
+        errors_uri=job.join("errors.jsonl").uri,
+        model=model,
+    )
+    spill = Path(tempfile.mkdtemp(prefix="kvbatch-submit-"))
+    try:
+        with TokenStore(spill) as store:
+            opts = RunOptions(input=input_uri, model=model, model_name=model_name)
+            fake_engine = SimpleNamespace(max_model_len=max_len, tokenizer=tokenizer)
+            prepared = _prepare(source, opts, fake_engine, store, set(), record)
+            errors = sorted(prepared.errors, key=lambda e: e.line)
+            job.join("validation_errors.jsonl").write_bytes(
+                b"".join(
+                    json.dumps(error_line(e, batch_id=batch_id), ensure_ascii=False).encode()
+                    + b"\n"
+                    for e in errors
+                )
+            )
+            order = group_by_prefix((store[i] for i in range(len(store))), block_size)
+            lengths = [len(store[i]) for i in order.order]
+            ranges = cut_shards(lengths, group_boundaries(order), shard_tokens)
+            messages, entries = [], []
+            for n, (a, b) in enumerate(ranges):
+                shard_id = f"shard-{n:05d}"
+                reqs = [_shard_request(i, prepared.requests[i], store[i]) for i in order.order[a:b]]
+                msg = write_shard(job, job_id, shard_id, reqs)
+                messages.append(msg)
+                entries.append(
+                    {
+                        "shard_id": shard_id,
+                        "uri": msg.uri,
+                        "sha256": msg.sha256,
+                        "num_requests": b - a,
+                        "prompt_tokens": sum(lengths[a:b]),
+                    }
+                )
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+
+    record.mark_in_progress()
+    record.total = len(prepared.requests) + len(errors)
+    record.endpoint = next(iter(prepared.urls)) if len(prepared.urls) == 1 else None
+    manifest = {
+        "job_id": job_id,
+        "batch_id": batch_id,
+        "input": input_uri,
+        "model": model,
+        "model_name": prepared.model_name,
+        "created_at": record.created_at,
+        "block_size": block_size,
+        "max_model_len": max_len,
+        "urls": sorted(prepared.urls),
+        "shards": entries,
+        "num_requests": len(prepared.requests),
+        "num_invalid": len(errors),
+        "prompt_tokens": order.prompt_tokens,
+        "ideal_cached_tokens": order.ideal_cached_tokens,
+        "max_attempts": max_attempts,
+    }
+    job.join("batch.json").write_bytes(json.dumps(record.to_dict(), indent=2).encode() + b"\n")
+    # The manifest last: a job folder with job.json is complete (shards and batch.json there).
+    if not manifest_target.write_if_absent(json.dumps(manifest, indent=2).encode() + b"\n"):
+        raise JobError(f"job {job_id} was created concurrently at {job.uri}")
+    return SubmittedJob(job_id, job.uri, messages, len(prepared.requests), len(errors))
+
+
+def _shard_request(index: int, req, token_ids: list[int]) -> ShardRequest:
+    return ShardRequest(
+        index=index,
+        line=req.line,
+        custom_id=req.custom_id,
+        url=req.url,
+        prompt_token_ids=[int(t) for t in token_ids],
+        params=dataclasses.asdict(req.params),
+        logprobs=req.logprobs,
+        max_tokens=req.max_tokens,
+        model=req.model,
+    )
