@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--work-dir", help="where the resumable partial output is kept")
     add_engine_args(run)
     sub.add_parser("bench", help="benchmarks: kvbatch bench --help")
+    _add_distributed(sub)
 
     args = parser.parse_args(argv)
     if args.command == "fetch-model":
@@ -61,7 +62,30 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "run":
         return _run(args)
+    if args.command in ("submit", "worker", "finalize"):
+        from worker import cli as worker_cli
+
+        if args.command == "submit":
+            return worker_cli.submit(args)
+        if args.command == "worker":
+            return worker_cli.worker(args, engine_kwargs(args))
+        return worker_cli.finalize(args)
     return 2
+
+
+def _add_distributed(sub) -> None:
+    """`submit`, `worker`, `finalize`: a job spread over Celery workers (worker/cli.py)."""
+    from worker import cli as worker_cli
+
+    worker_cli.add_submit_args(
+        sub.add_parser("submit", help="shard a job and enqueue it; prints the job id last")
+    )
+    w = sub.add_parser("worker", help="run shards from the queue on one device")
+    worker_cli.add_worker_args(w)
+    add_engine_args(w)
+    worker_cli.add_finalize_args(
+        sub.add_parser("finalize", help="assemble a finished job's output; print its status")
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

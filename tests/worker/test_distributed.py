@@ -1,0 +1,256 @@
+"""A distributed job end to end: `kvbatch submit`, real Redis, two real `kvbatch worker`
+processes on the tiny chat model. Slow (worker start-up imports torch): marked `slow`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.redis_server import redis_server  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+SYSTEM = (
+    "You are a careful assistant for a library catalogue. Answer in one short sentence, cite "
+    "the shelf mark when you know it, and never invent a book that is not in the catalogue. "
+) * 3
+
+
+def _chat(i: int, *, system: bool, max_tokens: int = 4) -> dict:
+    """Chat line i: the long shared system prompt, or one of four short ones (prefix groups
+    of their own, so the job splits into several shards)."""
+    prompt = SYSTEM if system else f"Desk {i % 4} answers. Be brief."
+    messages = [{"role": "system", "content": prompt}]
+    messages.append({"role": "user", "content": f"Question {i}: where is book number {i * 7}?"})
+    return {
+        "custom_id": f"req-{i}",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "tiny-chat",
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+    }
+
+
+def _write_input(path: Path, lines: list) -> Path:
+    with path.open("w") as f:
+        for line in lines:
+            f.write(line if isinstance(line, str) else json.dumps(line))
+            f.write("\n")
+    return path
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvbatch.cli", *args]
+
+
+def _env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env.pop("KVBATCH_BROKER_URL", None)
+    env.update(extra)
+    return env
+
+
+def _submit(broker: str, input_path: Path, output: Path, model: Path, *args: str) -> str:
+    done = subprocess.run(
+        _cli("submit", str(input_path), "--output", str(output), "--model", str(model),
+             "--broker", broker, *args),
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+class Workers:
+    """`kvbatch worker` processes, each logging to its own file."""
+
+    def __init__(self, tmp: Path, broker: str, model: Path, env: dict, *extra: str):
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        for n in range(2):
+            log = tmp / f"worker-{n}.log"
+            self.logs.append(log)
+            self.procs.append(
+                subprocess.Popen(
+                    _cli(
+                        "worker",
+                        "--model",
+                        str(model),
+                        "--broker",
+                        broker,
+                        "--device",
+                        "cpu",
+                        *extra,
+                    ),
+                    cwd=REPO,
+                    env=env,
+                    stdout=log.open("w"),
+                    stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            )
+
+    def text(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in self.logs)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _wait_completed(job: Path, workers: Workers, timeout: float = 75) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = job / "batch.json"
+        if batch.exists():
+            record = json.loads(batch.read_text())
+            if record["status"] == "completed":
+                return record
+        time.sleep(0.2)
+    pytest.fail(f"job {job.name} did not complete in {timeout} s\n{workers.text()}")
+
+
+def _ids(path: Path) -> list[str]:
+    return [json.loads(line)["custom_id"] for line in path.read_text().splitlines() if line]
+
+
+def _answers(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        item = json.loads(line)
+        out[item["custom_id"]] = item["response"]["body"]["choices"][0]["message"]["content"]
+    return out
+
+
+def test_two_workers_answer_like_run_job(tmp_path, redis_server, tiny_chat_model):  # noqa: F811
+    from jobs.run import RunOptions, run_job
+    from jobs.shards import ShardMessage
+    from worker.app import make_app
+    from worker.tasks import send_shard
+
+    lines: list = [_chat(i, system=i % 3 == 0) for i in range(200)]
+    lines.insert(17, "this is not JSON")
+    lines.insert(60, _chat(5, system=False))  # a duplicate custom_id
+    input_path = _write_input(tmp_path / "input.jsonl", lines)
+    output = tmp_path / "out"
+    workers = Workers(tmp_path, redis_server.url, tiny_chat_model, _env())
+    try:
+        job_id = _submit(
+            redis_server.url, input_path, output, tiny_chat_model, "--shard-tokens", "1500"
+        )
+        job = output / job_id
+        manifest = json.loads((job / "job.json").read_text())
+        assert len(manifest["shards"]) >= 3
+        # Deliver one shard twice: it must still be answered once.
+        first = manifest["shards"][0]
+        duplicate = ShardMessage(job_id, first["shard_id"], first["uri"], first["sha256"])
+        send_shard(make_app(redis_server.url), str(output), duplicate, "kvbatch")
+        record = _wait_completed(job, workers)
+    finally:
+        workers.stop()
+
+    ids = _ids(job / "output.jsonl")
+    assert Counter(ids) == Counter(f"req-{i}" for i in range(200))  # each exactly once
+    assert record["request_counts"] == {"total": 202, "completed": 200, "failed": 2}
+    errors = [json.loads(x) for x in (job / "errors.jsonl").read_text().splitlines()]
+    assert [e["error"]["line"] for e in errors] == [18, 61]  # not JSON; duplicate custom_id
+    reference = tmp_path / "ref" / "output.jsonl"
+    reference.parent.mkdir()
+    run_job(RunOptions(input=str(input_path), model=str(tiny_chat_model), output=str(reference),
+                       engine={"device": "cpu"}))  # fmt: skip
+    assert _answers(job / "output.jsonl") == _answers(reference)
+    assert ids == _ids(reference)  # input order
+
+
+def test_killed_worker_shard_is_delivered_again(tmp_path, redis_server, tiny_chat_model):  # noqa: F811
+    # One slow shard: many lines, longer answers, few sequences at a time in the engine.
+    lines = [_chat(i, system=False, max_tokens=32) for i in range(80)]
+    input_path = _write_input(tmp_path / "input.jsonl", lines)
+    output = tmp_path / "out"
+    env = _env(KVBATCH_VISIBILITY_TIMEOUT="8")
+    workers = Workers(tmp_path, redis_server.url, tiny_chat_model, env, "--max-num-seqs", "4")
+    try:
+        # Both workers up (their logs say so) before the shard is sent.
+        deadline = time.monotonic() + 60
+        while sum("ready." in p.read_text() for p in workers.logs) < 2:
+            assert time.monotonic() < deadline, workers.text()
+            time.sleep(0.2)
+        job_id = _submit(redis_server.url, input_path, output, tiny_chat_model)
+        job = output / job_id
+        shard_id = json.loads((job / "job.json").read_text())["shards"][0]["shard_id"]
+        marker = job / "attempts" / f"{shard_id}.1"
+        deadline = time.monotonic() + 30
+        running = None
+        while running is None:
+            assert time.monotonic() < deadline, workers.text()
+            if marker.exists():
+                for proc, log in zip(workers.procs, workers.logs):
+                    if f"{shard_id}: attempt 1" in log.read_text():
+                        running = proc
+            time.sleep(0.05)
+        running.kill()  # SIGKILL mid-shard: no chance to ack, reject or clean up
+        running.wait()
+        assert not (job / "results" / f"{shard_id}.jsonl").exists(), "the shard ended too soon"
+        _wait_completed(job, workers, timeout=80)
+    finally:
+        workers.stop()
+    assert (job / "attempts" / f"{shard_id}.2").exists()  # delivered again
+    ids = _ids(job / "output.jsonl")
+    assert Counter(ids) == Counter(f"req-{i}" for i in range(80))
+
+
+def test_poison_shard_becomes_error_records(tmp_path, tiny_chat_model):
+    """A shard that raises on every attempt is retried up to max_attempts, then its lines
+    become error records and the job still completes (the task run in-process, eagerly)."""
+    from celery.exceptions import Reject
+
+    from jobs.submit import prepare_job
+    from worker.app import TASK_NAME, make_app
+    from worker.tasks import WorkerModel, use_model
+
+    lines = [_chat(i, system=i % 2 == 0) for i in range(40)]
+    input_path = _write_input(tmp_path / "input.jsonl", lines)
+    output = str(tmp_path / "out")
+    job = prepare_job(str(input_path), output, str(tiny_chat_model), shard_tokens=300)
+    assert len(job.messages) >= 2
+    poison = job.messages[0]
+    with open(poison.uri, "ab") as f:  # the payload no longer matches its sha256: raises
+        f.write(b"\n")
+    use_model(WorkerModel(str(tiny_chat_model), {"device": "cpu"}))
+    task = make_app("redis://127.0.0.1:1/0").tasks[TASK_NAME]
+    for msg in job.messages:
+        task.apply(kwargs={"output": output, "shard": msg.to_dict()}).get()
+    folder = tmp_path / "out" / job.job_id
+    assert sorted(p.name for p in (folder / "attempts").glob(f"{poison.shard_id}.*")) == [
+        f"{poison.shard_id}.{n}" for n in (1, 2, 3)
+    ]
+    record = json.loads((folder / "batch.json").read_text())
+    assert record["status"] == "completed"
+    errors = [json.loads(x) for x in (folder / "errors.jsonl").read_text().splitlines()]
+    failed = {e["custom_id"] for e in errors}
+    assert errors and {e["error"]["code"] for e in errors} == {"shard_failed"}
+    answered = set(_ids(folder / "output.jsonl"))
+    assert not failed & answered
+    assert failed | answered == {f"req-{i}" for i in range(40)}
+    # A message that points outside its job is refused for good, never run.
+    bad = {**job.messages[1].to_dict(), "uri": "/etc/passwd/x/shards/shard-00001.jsonl"}
+    result = task.apply(kwargs={"output": output, "shard": bad})
+    assert result.state == "REJECTED" and isinstance(result.result, Reject)

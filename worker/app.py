@@ -1,0 +1,117 @@
+"""The Celery app, configured for long GPU tasks (one shard = one task, minutes long).
+
+Why each setting (see docs in /work/shared/NOTES.md, "Queue"):
+
+- JSON only, never pickle: a message is data (a shard pointer), never code to unpickle.
+- acks_late + prefetch 1: a worker acknowledges a shard only when it is done and holds no
+  other shard meanwhile, so a dead worker's shard goes back to the queue, not to a neighbour's
+  prefetch buffer.
+- reject_on_worker_lost: a shard whose worker died is requeued, not acknowledged and lost.
+  Redeliveries are then unbounded, so the task counts attempts itself (jobs.finalize).
+- visibility_timeout above the longest shard: on Redis and SQS an unacknowledged message is
+  handed out again once it expires, even while its first worker still runs it.
+- cancel long-running tasks on connection loss: else an acks_late shard can run twice after
+  a broker reconnect.
+- The solo pool (worker/cli.py) runs shards in the worker's own process: no fork, so CUDA is
+  never initialised in a parent that forks, and the model is loaded once per process.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+TASK_NAME = "kvbatch.run_shard"
+DEFAULT_QUEUE = "kvbatch"
+# Redis' kombu default is 1 h. A shard of 200k tokens takes minutes on a GPU; 2 h leaves a
+# wide margin. A killed worker's shard waits this long before another worker gets it.
+DEFAULT_VISIBILITY_TIMEOUT = 2 * 3600
+SCHEMES = ("redis://", "rediss://", "sqs://")
+
+
+class BrokerError(ValueError):
+    """No usable broker URL was given."""
+
+
+def broker_url(flag: str | None = None) -> str:
+    """The broker URL from `--broker` or else KVBATCH_BROKER_URL; the scheme is checked."""
+    url = flag or os.environ.get("KVBATCH_BROKER_URL")
+    if not url:
+        raise BrokerError("no broker: give --broker URL or set KVBATCH_BROKER_URL")
+    if not url.startswith(SCHEMES):
+        raise BrokerError(f"broker URL {url!r}: expected one of {', '.join(SCHEMES)}")
+    return url
+
+
+def visibility_timeout() -> int:
+    """Seconds before an unacknowledged shard is handed out again (KVBATCH_VISIBILITY_TIMEOUT)."""
+    raw = os.environ.get("KVBATCH_VISIBILITY_TIMEOUT")
+    if raw is None:
+        return DEFAULT_VISIBILITY_TIMEOUT
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BrokerError(f"KVBATCH_VISIBILITY_TIMEOUT={raw!r}: expected whole seconds") from None
+    if value <= 0:
+        raise BrokerError(f"KVBATCH_VISIBILITY_TIMEOUT={raw!r}: must be positive")
+    return value
+
+
+def make_app(broker: str, *, visibility: int | None = None) -> Celery:
+    """A Celery app on `broker` with the shard task registered."""
+    if not broker.startswith(SCHEMES):
+        raise BrokerError(f"broker URL {broker!r}: expected one of {', '.join(SCHEMES)}")
+    vt = visibility if visibility is not None else visibility_timeout()
+    app = Celery("kvbatch", broker=broker, set_as_current=False)
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_concurrency=1,
+        worker_pool="solo",
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        broker_connection_retry_on_startup=True,
+        task_default_queue=DEFAULT_QUEUE,
+        task_create_missing_queues=True,
+        worker_send_task_events=False,
+        broker_transport_options=_transport_options(broker, vt),
+    )
+    if broker.startswith(("redis://", "rediss://")):
+        # Results (a shard's line count) are small and optional; on Redis they live beside
+        # the queue, with the same visibility timeout (Celery reads both settings).
+        app.conf.update(
+            result_backend=broker,
+            result_backend_transport_options={"visibility_timeout": vt},
+            result_expires=24 * 3600,
+        )
+    else:
+        app.conf.update(task_ignore_result=True)  # SQS has no result backend
+    from worker.tasks import register
+
+    register(app)
+    return app
+
+
+def _transport_options(broker: str, vt: int) -> dict:
+    options: dict = {"visibility_timeout": vt}
+    if broker.startswith(("redis://", "rediss://")):
+        # kombu sweeps for expired unacknowledged messages every interval x throttle seconds
+        # (10 x 10 by default): sweep every quarter of the timeout, at most once a minute, so
+        # a dead worker's shard comes back soon after its visibility timeout ends.
+        options["unacked_restore_interval"] = max(1, min(60, vt // 4))
+        options["unacked_restore_throttle"] = 1
+    if broker.startswith("sqs://"):
+        options["region"] = (
+            os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        )
+        # Optional: a queue made beforehand (with its dead-letter queue) instead of one that
+        # kombu creates on first use.
+        queue_url = os.environ.get("KVBATCH_SQS_QUEUE_URL")
+        if queue_url:
+            options["predefined_queues"] = {DEFAULT_QUEUE: {"url": queue_url}}
+    return options

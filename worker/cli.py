@@ -1,0 +1,175 @@
+"""`kvbatch submit`, `kvbatch worker` and `kvbatch finalize`: the distributed commands.
+
+kvbatch submit INPUT --output URI --model PATH [--broker URL] [--shard-tokens N]
+    validate, tokenize and shard the input into <URI>/<job_id>/, send one message per
+    shard; the job id is the last line printed
+kvbatch worker --model PATH [--broker URL] [--queue Q] [--device ...]
+    load the model once, then run shards until stopped (solo pool: one process per GPU)
+kvbatch finalize JOB --output URI
+    assemble a job whose last shard's finalizer was lost; print its status
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+
+DEFAULT_QUEUE = "kvbatch"  # worker.app.DEFAULT_QUEUE; not imported, so that `kvbatch run`
+# does not import Celery just to build its argument parser
+
+log = logging.getLogger("kvbatch.worker")
+
+
+def add_submit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("input", help="JSONL file or s3://bucket/key")
+    p.add_argument("--output", required=True, help="prefix (folder or s3://) for the job folder")
+    p.add_argument("--model", required=True, help="Hugging Face folder or .gguf (tokenizer)")
+    p.add_argument("--model-name", help="the job's model name (default: the first line's)")
+    p.add_argument("--broker", help="redis://, rediss:// or sqs:// (default: KVBATCH_BROKER_URL)")
+    p.add_argument("--queue", default=DEFAULT_QUEUE)
+    p.add_argument("--shard-tokens", type=int, default=200_000, help="prompt tokens per shard")
+    p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-attempts", type=int, default=3, help="deliveries of a shard at most")
+    p.add_argument("--job-id", help="default: job-<UTC time>-<random>")
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face folder or .gguf file")
+    p.add_argument("--broker", help="redis://, rediss:// or sqs:// (default: KVBATCH_BROKER_URL)")
+    p.add_argument("--queue", default=DEFAULT_QUEUE)
+    p.add_argument("--concurrency", type=int, help="ignored: always one process (solo pool)")
+    p.add_argument("--loglevel", default="INFO")
+
+
+def add_finalize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job_id")
+    p.add_argument("--output", required=True, help="the prefix the job was submitted to")
+
+
+def submit(args: argparse.Namespace) -> int:
+    from jobs.run import JobError
+    from jobs.submit import prepare_job
+    from worker.app import BrokerError, broker_url, make_app
+    from worker.tasks import send_shard
+
+    try:
+        app = make_app(broker_url(args.broker))
+    except BrokerError as e:
+        print(f"kvbatch submit: {e}", file=sys.stderr)
+        return 1
+    # The broker first: an unreachable broker must not leave a job folder nobody will run.
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1)
+    except Exception as e:  # kombu raises the transport's own errors (redis, botocore, ...)
+        from kombu.utils.url import maybe_sanitize_url
+
+        where = maybe_sanitize_url(app.conf.broker_url)  # no password in the message
+        print(f"kvbatch submit: cannot reach the broker {where}: {e}", file=sys.stderr)
+        return 1
+    try:
+        job = prepare_job(
+            args.input,
+            args.output,
+            args.model,
+            model_name=args.model_name,
+            shard_tokens=args.shard_tokens,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            job_id=args.job_id,
+            max_attempts=args.max_attempts,
+        )
+    except JobError as e:
+        print(f"kvbatch submit: {e}", file=sys.stderr)
+        return 1
+    try:
+        for msg in job.messages:
+            send_shard(app, args.output, msg, args.queue)
+    except Exception as e:
+        print(
+            f"kvbatch submit: job {job.job_id} written to {job.dir_uri} but sending its shards "
+            f"failed: {e}; resubmit the input",
+            file=sys.stderr,
+        )
+        return 1
+    if not job.messages:  # every line was invalid: nothing to run, finalize now
+        from jobs.finalize import try_finalize
+        from jobs.shards import job_dir
+
+        try_finalize(job_dir(args.output, job.job_id))
+    print(
+        f"kvbatch submit: {job.num_requests} requests in {len(job.messages)} shards, "
+        f"{job.num_invalid} invalid lines; job folder {job.dir_uri}",
+        file=sys.stderr,
+    )
+    print(job.job_id)
+    return 0
+
+
+def worker(args: argparse.Namespace, engine: dict) -> int:
+    from worker.app import BrokerError, broker_url, make_app
+    from worker.tasks import WorkerModel, use_model
+
+    logging.basicConfig(level=logging.WARNING, format="kvbatch: %(message)s", stream=sys.stderr)
+    for name in ("kvbatch", "engine", "jobs"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    try:
+        app = make_app(broker_url(args.broker))
+    except BrokerError as e:
+        print(f"kvbatch worker: {e}", file=sys.stderr)
+        return 1
+    model = WorkerModel(args.model, engine)
+    try:
+        model.llm()  # once, before taking any shard; a bad model fails here, not per shard
+    except (OSError, ValueError) as e:
+        print(f"kvbatch worker: cannot load the model: {e}", file=sys.stderr)
+        return 1
+    use_model(model)
+    hostname = f"kvbatch-{os.getpid()}@{socket.gethostname()}"
+    app.worker_main(
+        [
+            "worker",
+            "--pool=solo",
+            "--concurrency=1",
+            f"--loglevel={args.loglevel}",
+            "-Q",
+            args.queue,
+            "-n",
+            hostname,
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
+    )
+    return 0
+
+
+def finalize(args: argparse.Namespace) -> int:
+    from jobs.finalize import job_status, try_finalize
+    from jobs.shards import job_dir
+    from jobs.storage import StorageError
+
+    try:
+        job = job_dir(args.output, args.job_id)
+        try_finalize(job)
+        status = job_status(job)
+    except (ValueError, StorageError) as e:
+        print(f"kvbatch finalize: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(_jsonable(status), indent=2))
+    return 0
+
+
+def _jsonable(status):
+    if hasattr(status, "to_dict"):
+        return status.to_dict()
+    if hasattr(status, "__dataclass_fields__"):
+        import dataclasses
+
+        return dataclasses.asdict(status)
+    return status

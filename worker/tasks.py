@@ -1,0 +1,154 @@
+"""The shard task: one queue message = one shard of a job, run on this process's model.
+
+A message is a claim check, `{"output": prefix, "shard": ShardMessage dict}`: the worker
+finds the job's folder from the prefix and the job id, and the payload from the shard's uri.
+
+    validate the message  -> bad: reject (acknowledged, never retried)
+    result already there  -> a duplicate delivery: nothing to run
+    record_attempt        -> None (the cap is reached): the shard's lines become error records
+    run_shard on the model, write_shard_result (written once), try_finalize
+
+A shard that raises is retried by Celery after a short countdown; one that kills its worker
+comes back through acks_late + reject_on_worker_lost (or the broker's visibility timeout).
+Either way each delivery records an attempt, so the attempt markers cap the total.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from celery.exceptions import Reject
+
+from worker.app import TASK_NAME
+
+log = logging.getLogger("kvbatch.worker")
+
+DEFAULT_MAX_ATTEMPTS = 3
+# Seconds before a shard that raised runs again. Far below the visibility timeout: a Redis
+# countdown message waits unacknowledged in the worker, and one longer than the visibility
+# timeout would be handed out again and again (NOTES.md, "Queue").
+RETRY_COUNTDOWN = 2
+
+
+@dataclass
+class WorkerModel:
+    """The one model of a worker process, loaded once (solo pool: the process runs shards
+    itself, so the model never crosses a fork)."""
+
+    path: str
+    engine: dict = field(default_factory=dict)  # engine.LLM keyword arguments
+    _llm: Any = field(default=None, repr=False)
+
+    def llm(self):
+        if self._llm is None:
+            from engine import LLM  # torch is imported here, not at worker start-up
+
+            log.info("loading %s", self.path)
+            self._llm = LLM(model=self.path, **self.engine)
+        return self._llm
+
+
+_model: WorkerModel | None = None
+
+
+def use_model(model: WorkerModel) -> None:
+    """Set the model this process runs shards on (called once by `kvbatch worker`)."""
+    global _model
+    _model = model
+
+
+def run_shard_task(self, output: str, shard: dict) -> dict:
+    """The task (bound): run one shard of the job under `output`."""
+    return handle_shard(self, output, shard)
+
+
+def register(app: Celery) -> None:
+    """Register the shard task on `app` (one function for every app, so Celery sees one
+    callable under the task's name)."""
+    app.task(name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True)(run_shard_task)
+
+
+def send_shard(app: Celery, output: str, message, queue: str) -> None:
+    """Enqueue one shard (a jobs.shards.ShardMessage) for the job under `output`."""
+    app.tasks[TASK_NAME].apply_async(
+        kwargs={"output": output, "shard": message.to_dict()}, queue=queue
+    )
+
+
+def handle_shard(task, output: str, shard: dict) -> dict:
+    """The task's body (see the module docstring); returns a small summary."""
+    from jobs.finalize import (
+        fail_shard,
+        has_result,
+        read_manifest,
+        record_attempt,
+        try_finalize,
+        write_shard_result,
+    )
+    from jobs.shards import run_shard
+
+    msg, job = _parse(output, shard)
+    if _model is None:
+        raise RuntimeError("this process has no model: start workers with `kvbatch worker`")
+    manifest = read_manifest(job)
+    max_attempts = int(manifest.get("max_attempts") or DEFAULT_MAX_ATTEMPTS)
+    summary = {"job_id": msg.job_id, "shard_id": msg.shard_id}
+    if has_result(job, msg.shard_id):
+        log.info("%s/%s: already written (a duplicate delivery)", msg.job_id, msg.shard_id)
+        try_finalize(job)
+        return {**summary, "duplicate": True}
+    attempt = record_attempt(job, msg.shard_id, max_attempts)
+    if attempt is None:
+        reason = (
+            f"shard {msg.shard_id} failed {max_attempts} times (it raised or killed its "
+            "worker each time); its requests were given up"
+        )
+        log.error("%s/%s: %s", msg.job_id, msg.shard_id, reason)
+        fail_shard(job, msg, reason)
+        try_finalize(job)
+        return {**summary, "failed": True}
+    log.info("%s/%s: attempt %d of %d", msg.job_id, msg.shard_id, attempt, max_attempts)
+    try:
+        records = run_shard(
+            _model.llm(),
+            msg,
+            model_name=manifest.get("model_name") or Path(_model.path.rstrip("/")).name,
+            batch_id=manifest.get("batch_id") or msg.job_id,
+            created=manifest.get("created_at"),
+        )
+    except Exception as e:
+        if attempt < max_attempts:
+            log.warning(
+                "%s/%s: attempt %d raised %r; retrying", msg.job_id, msg.shard_id, attempt, e
+            )
+            raise task.retry(exc=e, countdown=RETRY_COUNTDOWN, max_retries=None) from e
+        log.exception("%s/%s: last attempt raised", msg.job_id, msg.shard_id)
+        fail_shard(job, msg, f"shard {msg.shard_id} raised on its last attempt: {e}")
+        try_finalize(job)
+        return {**summary, "failed": True}
+    written = write_shard_result(job, msg.shard_id, records)
+    try_finalize(job)
+    return {**summary, "records": len(records), "written": written}
+
+
+def _parse(output: str, shard: dict):
+    """The checked message and its job folder; a malformed message is rejected for good."""
+    from jobs.shards import ShardMessage, job_dir
+    from jobs.storage import StorageError
+
+    try:
+        if not isinstance(output, str) or not output:
+            raise ValueError(f"output prefix {output!r} is not a URI")
+        msg = ShardMessage.from_dict(shard)
+        job = job_dir(output, msg.job_id)
+        expected = job.join("shards", f"{msg.shard_id}.jsonl").uri
+        if msg.uri != expected:
+            raise ValueError(f"shard uri {msg.uri!r} is not under the job folder {expected!r}")
+    except (ValueError, StorageError) as e:
+        log.error("rejecting a malformed shard message: %s", e)
+        raise Reject(str(e), requeue=False) from e
+    return msg, job
