@@ -11,7 +11,7 @@ PIP := $(BIN)/python -m pip --quiet --disable-pip-version-check
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv model test run bench lint format clean
+.PHONY: venv model test run bench lint format clean compose-check
 
 venv: $(STAMP)
 
@@ -45,6 +45,16 @@ lint: venv
 format: venv
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# Validate compose.yaml (every profile) with Debian's docker-compose 1.29, which needs no Docker
+# engine; installed with apt when missing. tests/test_compose.py runs the same check when it can.
+compose-check:
+	@command -v docker-compose >/dev/null || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq docker-compose; }
+	docker-compose -f compose.yaml --profile example --profile scheduled \
+		--profile observability --profile minio config -q
+	@echo "compose.yaml: valid"
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache
