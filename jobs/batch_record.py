@@ -31,6 +31,8 @@ class BatchRecord:
     finalizing_at: int | None = None
     completed_at: int | None = None
     failed_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
     total: int = 0
     completed: int = 0
     failed: int = 0
@@ -59,6 +61,11 @@ class BatchRecord:
         self.completed, self.failed, self.total = completed, failed, completed + failed
         self.status, self.completed_at = "completed", int(time.time())
 
+    def mark_cancelled(self, *, cancelling_at: int, at: int) -> None:
+        """A finished job that was cancelled: OpenAI's cancelled batches have no completed_at."""
+        self.status, self.completed_at = "cancelled", None
+        self.cancelling_at, self.cancelled_at = cancelling_at, at
+
     def to_dict(self) -> dict:
         return {
             "id": self.id,
@@ -77,8 +84,8 @@ class BatchRecord:
             "completed_at": self.completed_at,
             "failed_at": self.failed_at,
             "expired_at": None,
-            "cancelling_at": None,
-            "cancelled_at": None,
+            "cancelling_at": self.cancelling_at,
+            "cancelled_at": self.cancelled_at,
             "request_counts": {
                 "total": self.total,
                 "completed": self.completed,

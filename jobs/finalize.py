@@ -3,8 +3,9 @@ and the merge into output.jsonl / errors.jsonl / batch.json.
 
     <job>/attempts/<shard_id>.<n>      attempt n of a shard was claimed (write_if_absent)
     <job>/results/<shard_id>.jsonl     {"index": i, "record": <output or error line>} per request
-    <job>/finalize.json                the completion time, claimed once (so reruns write the
-                                       same bytes)
+    <job>/cancel                       `kvbatch cancel` was asked (jobs/cancel.py)
+    <job>/finalize.json                the completion time and whether the job was cancelled,
+                                       claimed once (so reruns write the same bytes)
     <job>/output.jsonl, errors.jsonl   the merge; batch.json is written last
 
 Every step is idempotent: a redelivered shard finds its result written (first writer wins), a
@@ -62,20 +63,48 @@ def write_shard_result(job: Storage, shard_id: str, records: list[tuple[int, dic
 def fail_shard(job: Storage, msg: ShardMessage, reason: str) -> bool:
     """Give up on a poison shard: each of its requests becomes an error line (code
     shard_failed), written as the shard's result. False if a result was already written."""
+    return _write_error_result(
+        job, msg, "shard_failed", lambda line: f"line {line}: shard {msg.shard_id} failed: {reason}"
+    )
+
+
+CANCEL_MARKER = "cancel"
+CANCELLED = "batch_cancelled"  # the error code of a line a cancel left unanswered
+
+
+def cancel_requested(job: Storage) -> bool:
+    """Whether `kvbatch cancel` was asked for this job (its marker exists)."""
+    return job.join(CANCEL_MARKER).exists()
+
+
+def cancelled_line(line: int, custom_id: str, *, batch_id: str) -> dict:
+    """The error line of a request that a cancel left unanswered."""
+    message = f"line {line}: the batch was cancelled before this request was answered"
+    return error_line(LineError(line, custom_id, CANCELLED, message), batch_id=batch_id)
+
+
+def cancel_shard(job: Storage, msg: ShardMessage) -> bool:
+    """Skip a shard of a cancelled job: each of its requests becomes a batch_cancelled error
+    line, written as the shard's result. False if a result was already written."""
+    return _write_error_result(
+        job,
+        msg,
+        CANCELLED,
+        lambda line: f"line {line}: the batch was cancelled before this request was answered",
+    )
+
+
+def _write_error_result(job: Storage, msg: ShardMessage, code: str, message) -> bool:
     manifest = read_manifest(job)
     try:
         requests = read_shard(msg)
     except ValueError:  # a payload that changed still names its lines
         requests = read_shard(msg, verify=False)
-    records = []
-    for r in requests:
-        err = LineError(
-            r.line,
-            r.custom_id,
-            "shard_failed",
-            f"line {r.line}: shard {msg.shard_id} failed: {reason}",
-        )
-        records.append((r.index, error_line(err, batch_id=manifest["batch_id"])))
+    records = [
+        (r.index, error_line(LineError(r.line, r.custom_id, code, message(r.line)),
+                             batch_id=manifest["batch_id"]))
+        for r in requests
+    ]  # fmt: skip
     return write_shard_result(job, msg.shard_id, records)
 
 
@@ -119,15 +148,28 @@ def try_finalize(job: Storage) -> BatchRecord | None:
         for _, data in errors:
             f.write(data)
 
-    # One completion time for every finalizer: the first claims it, the others read it.
+    # One completion time (and one cancelled-or-not) for every finalizer: the first claims
+    # it, the others read it. A cancel that comes after this claim changes nothing.
+    claim = {"completed_at": int(time.time()), "cancelled": cancel_requested(job)}
     marker = job.join("finalize.json")
-    marker.write_if_absent(json.dumps({"completed_at": int(time.time())}).encode())
+    marker.write_if_absent(json.dumps(claim).encode())
     with marker.open_read() as f:
-        completed_at = json.loads(f.read())["completed_at"]
+        claim = json.loads(f.read())
+    completed_at = claim["completed_at"]
     record.finish(completed=len(answered), failed=len(errors))
     record.finalizing_at = record.completed_at = completed_at
+    if claim.get("cancelled"):
+        record.mark_cancelled(cancelling_at=_cancel_time(job) or completed_at, at=completed_at)
     job.join("batch.json").write_bytes(json.dumps(record.to_dict(), indent=2).encode() + b"\n")
     return record
+
+
+def _cancel_time(job: Storage) -> int | None:
+    try:
+        with job.join(CANCEL_MARKER).open_read() as f:
+            return int(json.loads(f.read())["at"])
+    except (StorageError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _record(job: Storage, manifest: dict) -> BatchRecord:
@@ -144,28 +186,89 @@ def _record(job: Storage, manifest: dict) -> BatchRecord:
     return record
 
 
-def job_status(job: Storage) -> dict:
-    """Where a job stands, from job.json, results/ and batch.json (no torch, no queue)."""
+def job_status(job: Storage, *, now: float | None = None) -> dict:
+    """Where a job stands, from job.json, results/, attempts/, the cancel marker and
+    batch.json (no torch, no queue).
+
+    Progress counts the lines of the shard results written so far (a running shard counts
+    once its result is written). `tokens_per_s` is the output tokens of those results over
+    the time since the first shard was claimed (until finalize once finished): an average
+    over the job's life, so it lags while shards run. `eta_s` assumes the rest of the
+    requests go at the average rate so far; None until a shard is written.
+    """
     manifest = read_manifest(job)
     done = set(job.list("results/"))
-    shards_done = sum(f"results/{s['shard_id']}.jsonl" in done for s in manifest["shards"])
+    written = [
+        s["shard_id"] for s in manifest["shards"] if f"results/{s['shard_id']}.jsonl" in done
+    ]
     status = {
         "job_id": manifest["job_id"],
         "batch_id": manifest["batch_id"],
         "status": "in_progress",
         "shards_total": len(manifest["shards"]),
-        "shards_done": shards_done,
+        "shards_done": len(written),
         "requests": manifest["num_requests"],
         "invalid": manifest["num_invalid"],
         "request_counts": None,
     }
+    progress = _progress(job, written)
     try:
         with job.join("batch.json").open_read() as f:
             batch = json.loads(f.read())
         status["status"] = batch["status"]
-        if batch["status"] == "completed":
+        if batch["status"] in ("completed", "cancelled"):
             status["request_counts"] = batch["request_counts"]
             status["usage"] = batch["usage"]
     except StorageError:
         pass
+    if status["status"] == "in_progress" and cancel_requested(job):
+        status["status"] = "cancelling"
+    started = _first_attempt_time(job)
+    finished = status["status"] in ("completed", "cancelled")
+    end = _finalize_time(job) if finished else None
+    end = end if end is not None else (time.time() if now is None else now)
+    elapsed = max(0.0, end - started) if started is not None else None
+    answered = progress["completed"] + progress["failed"]
+    status.update(progress)
+    status["elapsed_s"] = round(elapsed, 1) if elapsed is not None else None
+    status["tokens_per_s"] = round(progress["output_tokens"] / elapsed, 1) if elapsed else None
+    status["eta_s"] = None
+    if finished:
+        status["eta_s"] = 0.0
+    elif elapsed and answered and status["status"] == "in_progress":
+        status["eta_s"] = round((status["requests"] - answered) * elapsed / answered, 1)
     return status
+
+
+def _progress(job: Storage, shard_ids: list[str]) -> dict:
+    """Line counts and output tokens of the written shard results."""
+    counts = {"completed": 0, "failed": 0, "cancelled": 0, "output_tokens": 0}
+    for shard_id in shard_ids:
+        for raw in _read_lines(_result(job, shard_id)):
+            line = json.loads(raw)["record"]
+            if line.get("error"):
+                counts["failed"] += 1
+                counts["cancelled"] += line["error"]["code"] == CANCELLED
+            else:
+                counts["completed"] += 1
+                counts["output_tokens"] += line["response"]["body"]["usage"]["completion_tokens"]
+    return counts
+
+
+def _first_attempt_time(job: Storage) -> float | None:
+    times = []
+    for key in job.list("attempts/"):
+        try:
+            with job.join(key).open_read() as f:
+                times.append(float(json.loads(f.read())["at"]))
+        except (StorageError, ValueError, KeyError, TypeError):
+            continue
+    return min(times) if times else None
+
+
+def _finalize_time(job: Storage) -> float | None:
+    try:
+        with job.join("finalize.json").open_read() as f:
+            return float(json.loads(f.read())["completed_at"])
+    except (StorageError, ValueError, KeyError, TypeError):
+        return None

@@ -62,7 +62,7 @@ engine compares tokens on a hit), so it could cost cache reuse, never correctnes
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from engine.kv_cache import block_hashes
@@ -192,7 +192,10 @@ def group_boundaries(g: GroupedOrder) -> list[int]:
 
 
 def feed_in_order(
-    engine, requests: Iterable[tuple[str, list[int], SamplingParams]], window: int
+    engine,
+    requests: Iterable[tuple[str, list[int], SamplingParams]],
+    window: int,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[RequestOutput]:
     """Run `requests` through `engine` (an LLMEngine) in the order given; yield outputs as
     requests finish.
@@ -203,6 +206,11 @@ def feed_in_order(
     work. A request the engine refuses (add_request raises ValueError: prompt too long, bad
     token id, ...) yields an output with `error` set and finish reason "error"; the rest go on.
     Outputs of requests added to the engine by someone else are yielded too.
+
+    `should_stop` (a job's cancel check) is asked before every engine step; once it returns
+    True, this feed's requests still inside the engine are aborted (their KV blocks freed) and
+    the generator returns. Requests not fed yet stay unread in `requests`, so the caller tells
+    the unanswered ones by what was not yielded.
     """
     if window < 1:
         raise ValueError(f"window must be at least 1, got {window}")
@@ -224,6 +232,10 @@ def feed_in_order(
             if exhausted:
                 return
             continue  # every request in the window was refused: fetch more
+        if should_stop is not None and should_stop():
+            for request_id in inside:
+                engine.abort_request(request_id)
+            return
         for out in engine.step():
             inside.discard(out.request_id)
             yield out

@@ -18,6 +18,7 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
@@ -151,10 +152,16 @@ def run_shard(
     batch_id: str,
     created: int | None = None,
     window: int = 0,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[tuple[int, dict]]:
     """Run one shard on `llm` (an engine.LLM): [(index, output or error line)] in the order
     requests finished. `model_name`, `batch_id`, `created` come from the job's manifest
-    (job.json: model_name, batch_id, created_at) so that every worker writes the same ids."""
+    (job.json: model_name, batch_id, created_at) so that every worker writes the same ids.
+
+    `should_stop` (the job's cancel check) is asked between engine steps; once it is True the
+    shard's requests in the engine are aborted, and every request without an answer gets a
+    batch_cancelled error line: the result still holds one line per request."""
+    from jobs.finalize import cancelled_line
     from jobs.grouping import feed_in_order
     from jobs.responses import success_line
 
@@ -165,7 +172,7 @@ def run_shard(
     window = window or 4 * engine.config.scheduler.max_num_seqs
     feed = ((str(r.index), r.prompt_token_ids, r.sampling_params()) for r in requests)
     results: list[tuple[int, dict]] = []
-    for out in feed_in_order(engine, feed, window):
+    for out in feed_in_order(engine, feed, window, should_stop):
         req = by_id.get(out.request_id)
         if req is None:  # someone else's request in the same engine
             continue
@@ -178,4 +185,11 @@ def run_shard(
             created=created,
         )
         results.append((req.index, line))
+    if len(results) < len(requests):  # stopped: the rest were cancelled
+        answered = {i for i, _ in results}
+        results.extend(
+            (r.index, cancelled_line(r.line, r.custom_id, batch_id=batch_id))
+            for r in requests
+            if r.index not in answered
+        )
     return results

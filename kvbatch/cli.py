@@ -62,9 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "run":
         return _run(args)
-    if args.command in ("submit", "worker", "finalize"):
+    if args.command in ("submit", "worker", "finalize", "status", "cancel"):
         from worker import cli as worker_cli
 
+        if args.command == "status":
+            return worker_cli.status(args)
+        if args.command == "cancel":
+            return worker_cli.cancel(args)
         if args.command == "submit":
             return worker_cli.submit(args)
         if args.command == "worker":
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_distributed(sub) -> None:
-    """`submit`, `worker`, `finalize`: a job spread over Celery workers (worker/cli.py)."""
+    """`submit`, `worker`, `finalize`, `status`, `cancel`: a job spread over Celery workers (worker/cli.py)."""
     from worker import cli as worker_cli
 
     worker_cli.add_submit_args(
@@ -86,6 +90,10 @@ def _add_distributed(sub) -> None:
     worker_cli.add_finalize_args(
         sub.add_parser("finalize", help="assemble a finished job's output; print its status")
     )
+    worker_cli.add_status_args(
+        sub.add_parser("status", help="a job's counts, tokens/s and ETA (--watch to follow)")
+    )
+    worker_cli.add_cancel_args(sub.add_parser("cancel", help="stop a job; finished lines are kept"))
 
 
 def _run(args: argparse.Namespace) -> int:

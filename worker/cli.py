@@ -7,6 +7,11 @@ kvbatch worker --model PATH [--broker URL] [--queue Q] [--device ...]
     load the model once, then run shards until stopped (solo pool: one process per GPU)
 kvbatch finalize JOB --output URI
     assemble a job whose last shard's finalizer was lost; print its status
+kvbatch status JOB --output URI [--json] [--watch [--interval S]]
+    counts, tokens/s and ETA from the job folder (never imports torch or Celery)
+kvbatch cancel JOB --output URI
+    stop a job: running shards stop between engine steps, pending ones are skipped,
+    finished lines are kept (jobs/cancel.py)
 """
 
 from __future__ import annotations
@@ -47,6 +52,22 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_finalize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job_id")
+    p.add_argument("--output", required=True, help="the prefix the job was submitted to")
+
+
+def add_status_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job_id")
+    p.add_argument("--output", required=True, help="the prefix the job was submitted to")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p.add_argument("--watch", action="store_true", help="refresh until the job is finished")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes")
+    p.add_argument(
+        "--max-refreshes", type=int, default=100_000, help="stop watching after this many"
+    )
+
+
+def add_cancel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("job_id")
     p.add_argument("--output", required=True, help="the prefix the job was submitted to")
 
@@ -162,6 +183,105 @@ def finalize(args: argparse.Namespace) -> int:
         print(f"kvbatch finalize: {e}", file=sys.stderr)
         return 1
     print(json.dumps(_jsonable(status), indent=2))
+    return 0
+
+
+FINAL = ("completed", "cancelled", "failed", "expired")
+
+
+def status(args: argparse.Namespace) -> int:
+    import time
+
+    if args.interval <= 0:
+        print("kvbatch status: --interval must be positive", file=sys.stderr)
+        return 2
+    refreshes = 0
+    try:
+        while True:
+            current = _read_status(args.output, args.job_id)
+            if current is None:
+                return 1
+            if args.json:
+                print(json.dumps(current, indent=None if args.watch else 2), flush=True)
+            else:
+                print(format_status(current), flush=True)
+            refreshes += 1
+            if not args.watch or current["status"] in FINAL or refreshes >= args.max_refreshes:
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _read_status(output: str, job_id: str) -> dict | None:
+    from jobs.finalize import job_status
+    from jobs.shards import job_dir
+    from jobs.storage import StorageError
+
+    try:
+        job = job_dir(output, job_id)
+        if not job.join("job.json").exists():
+            print(f"kvbatch status: no job {job_id!r} under {output}", file=sys.stderr)
+            return None
+        return job_status(job)
+    except (ValueError, StorageError) as e:
+        print(f"kvbatch status: {e}", file=sys.stderr)
+        return None
+
+
+def format_status(s: dict) -> str:
+    """The status as a small human table."""
+
+    def seconds(x):
+        if x is None:
+            return "-"
+        x = int(x)
+        return (
+            f"{x // 3600}h{x % 3600 // 60:02d}m{x % 60:02d}s"
+            if x >= 3600
+            else (f"{x // 60}m{x % 60:02d}s" if x >= 60 else f"{x}s")
+        )
+
+    done = s["completed"] + s["failed"]
+    rows = [
+        ("job", s["job_id"]),
+        ("status", s["status"]),
+        ("shards", f"{s['shards_done']} / {s['shards_total']} written"),
+        ("requests", f"{done} / {s['requests']} done ({s['invalid']} invalid lines)"),
+        ("completed", str(s["completed"])),
+        ("failed", f"{s['failed']} ({s['cancelled']} cancelled)"),
+        ("output tokens", str(s["output_tokens"])),
+        ("tokens/s", "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:.1f}"),
+        ("elapsed", seconds(s["elapsed_s"])),
+        ("eta", seconds(s["eta_s"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def cancel(args: argparse.Namespace) -> int:
+    from jobs.cancel import cancel_job
+    from jobs.shards import job_dir
+    from jobs.storage import StorageError
+
+    try:
+        job = job_dir(args.output, args.job_id)
+        if not job.join("job.json").exists():
+            print(f"kvbatch cancel: no job {args.job_id!r} under {args.output}", file=sys.stderr)
+            return 1
+        result = cancel_job(job)
+    except (ValueError, StorageError) as e:
+        print(f"kvbatch cancel: {e}", file=sys.stderr)
+        return 1
+    if result.status == "completed" and not result.changed:
+        print(f"kvbatch cancel: job {args.job_id} had already completed; nothing changed")
+    elif not result.changed:
+        print(f"kvbatch cancel: job {args.job_id} was already cancelled ({result.status})")
+    else:
+        print(
+            f"kvbatch cancel: job {args.job_id} {result.status}; {result.skipped_shards} pending "
+            "shards skipped, running ones stop between engine steps"
+        )
     return 0
 
 

@@ -5,8 +5,10 @@ finds the job's folder from the prefix and the job id, and the payload from the 
 
     validate the message  -> bad: reject (acknowledged, never retried)
     result already there  -> a duplicate delivery: nothing to run
+    job cancelled         -> the shard's lines become batch_cancelled records (jobs/cancel.py)
     record_attempt        -> None (the cap is reached): the shard's lines become error records
-    run_shard on the model, write_shard_result (written once), try_finalize
+    run_shard on the model (stopping between engine steps if the job is cancelled meanwhile),
+    write_shard_result (written once), try_finalize
 
 A shard that raises is retried by Celery after a short countdown; one that kills its worker
 comes back through acks_late + reject_on_worker_lost (or the broker's visibility timeout).
@@ -81,7 +83,10 @@ def send_shard(app: Celery, output: str, message, queue: str) -> None:
 
 def handle_shard(task, output: str, shard: dict) -> dict:
     """The task's body (see the module docstring); returns a small summary."""
+    from jobs.cancel import CancelCheck
     from jobs.finalize import (
+        cancel_requested,
+        cancel_shard,
         fail_shard,
         has_result,
         read_manifest,
@@ -101,6 +106,11 @@ def handle_shard(task, output: str, shard: dict) -> dict:
         log.info("%s/%s: already written (a duplicate delivery)", msg.job_id, msg.shard_id)
         try_finalize(job)
         return {**summary, "duplicate": True}
+    if cancel_requested(job):
+        log.info("%s/%s: the job was cancelled; skipping the shard", msg.job_id, msg.shard_id)
+        cancel_shard(job, msg)
+        try_finalize(job)
+        return {**summary, "cancelled": True}
     attempt = record_attempt(job, msg.shard_id, max_attempts)
     if attempt is None:
         reason = (
@@ -119,6 +129,7 @@ def handle_shard(task, output: str, shard: dict) -> dict:
             model_name=manifest.get("model_name") or Path(_model.path.rstrip("/")).name,
             batch_id=manifest.get("batch_id") or msg.job_id,
             created=manifest.get("created_at"),
+            should_stop=CancelCheck(job),
         )
     except Exception as e:
         if attempt < max_attempts:
