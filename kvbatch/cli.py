@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "run":
         return _run(args)
+    if args.command == "beat":
+        from worker.scheduled import beat
+
+        return beat(args)
     if args.command in ("submit", "worker", "finalize", "status", "cancel"):
         from worker import cli as worker_cli
 
@@ -94,6 +98,11 @@ def _add_distributed(sub) -> None:
         sub.add_parser("status", help="a job's counts, tokens/s and ETA (--watch to follow)")
     )
     worker_cli.add_cancel_args(sub.add_parser("cancel", help="stop a job; finished lines are kept"))
+    from worker.scheduled import add_beat_args
+
+    add_beat_args(
+        sub.add_parser("beat", help="run the recurring jobs of a schedule file (celery beat)")
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

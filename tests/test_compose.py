@@ -30,9 +30,9 @@ COMPOSE = ROOT / "compose.yaml"
 KVBATCH_IMAGE = "kvbatch:latest"
 # Commands that compose runs but kvbatch does not have yet; each must sit in a profile that
 # `docker compose up` leaves out by default. Delete an entry when its command lands.
-PENDING_COMMANDS = {"beat"}
+PENDING_COMMANDS: set[str] = set()
 # Host paths the user supplies (the model folder) or that land with pending work.
-USER_PATHS = {"./models", "./deploy/schedules"}
+USER_PATHS = {"./models"}
 
 _VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
@@ -178,7 +178,7 @@ def test_kvbatch_commands_are_valid_invocations(compose, monkeypatch):
         if getattr(ns, "model", None):
             assert ns.model.startswith("/models/"), f"{name}: the model is on the volume"
         checked.add(argv[0])
-    assert {"worker", "submit"} <= checked
+    assert {"worker", "submit", "beat"} <= checked
     worker = parse_kvbatch(_services(compose)["worker"]["command"], monkeypatch)
     assert worker.device == "cuda"
 

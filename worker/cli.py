@@ -3,8 +3,9 @@
 kvbatch submit INPUT --output URI --model PATH [--broker URL] [--shard-tokens N]
     validate, tokenize and shard the input into <URI>/<job_id>/, send one message per
     shard; the job id is the last line printed
-kvbatch worker --model PATH [--broker URL] [--queue Q] [--device ...]
-    load the model once, then run shards until stopped (solo pool: one process per GPU)
+kvbatch worker --model PATH [--broker URL] [--queue Q] [--device ...] [--metrics-port N]
+    load the model once, then run shards until stopped (solo pool: one process per GPU);
+    Prometheus metrics on port N (default 9400, 0: off; worker/metrics.py)
 kvbatch finalize JOB --output URI
     assemble a job whose last shard's finalizer was lost; print its status
 kvbatch status JOB --output URI [--json] [--watch [--interval S]]
@@ -49,6 +50,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue", default=DEFAULT_QUEUE)
     p.add_argument("--concurrency", type=int, help="ignored: always one process (solo pool)")
     p.add_argument("--loglevel", default="INFO")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9400,
+        help="serve Prometheus metrics on this port (0: off)",
+    )
 
 
 def add_finalize_args(p: argparse.ArgumentParser) -> None:
@@ -151,6 +158,17 @@ def worker(args: argparse.Namespace, engine: dict) -> int:
         print(f"kvbatch worker: cannot load the model: {e}", file=sys.stderr)
         return 1
     use_model(model)
+    port = getattr(args, "metrics_port", 0)
+    if port:
+        from worker.metrics import observe_engine, start_metrics_server
+
+        try:  # a busy port (two workers on one host) costs the metrics, not the worker
+            start_metrics_server(port)
+        except OSError as e:
+            log.warning("no metrics: cannot serve port %d (%s); give --metrics-port", port, e)
+        else:
+            observe_engine(model.llm())
+            log.info("metrics on :%d/metrics", port)
     hostname = f"kvbatch-{os.getpid()}@{socket.gethostname()}"
     app.worker_main(
         [

@@ -10,6 +10,9 @@ finds the job's folder from the prefix and the job id, and the payload from the 
     run_shard on the model (stopping between engine steps if the job is cancelled meanwhile),
     write_shard_result (written once), try_finalize
 
+Each outcome is counted in worker/metrics.py (shards by status, lines by status per job), and
+the engine is observed between its steps (at most once a second) and after the shard.
+
 A shard that raises is retried by Celery after a short countdown; one that kills its worker
 comes back through acks_late + reject_on_worker_lost (or the broker's visibility timeout).
 Either way each delivery records an attempt, so the attempt markers cap the total.
@@ -17,7 +20,9 @@ Either way each delivery records an attempt, so the attempt markers cap the tota
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +100,7 @@ def handle_shard(task, output: str, shard: dict) -> dict:
         write_shard_result,
     )
     from jobs.shards import run_shard
+    from worker import metrics
 
     msg, job = _parse(output, shard)
     if _model is None:
@@ -104,11 +110,13 @@ def handle_shard(task, output: str, shard: dict) -> dict:
     summary = {"job_id": msg.job_id, "shard_id": msg.shard_id}
     if has_result(job, msg.shard_id):
         log.info("%s/%s: already written (a duplicate delivery)", msg.job_id, msg.shard_id)
+        metrics.shard_finished(msg.job_id, "duplicate")
         try_finalize(job)
         return {**summary, "duplicate": True}
     if cancel_requested(job):
         log.info("%s/%s: the job was cancelled; skipping the shard", msg.job_id, msg.shard_id)
-        cancel_shard(job, msg)
+        written = cancel_shard(job, msg)
+        _count_written(msg, "cancelled", job if written else None)
         try_finalize(job)
         return {**summary, "cancelled": True}
     attempt = record_attempt(job, msg.shard_id, max_attempts)
@@ -118,32 +126,65 @@ def handle_shard(task, output: str, shard: dict) -> dict:
             "worker each time); its requests were given up"
         )
         log.error("%s/%s: %s", msg.job_id, msg.shard_id, reason)
-        fail_shard(job, msg, reason)
+        written = fail_shard(job, msg, reason)
+        _count_written(msg, "poisoned", job if written else None)
         try_finalize(job)
         return {**summary, "failed": True}
     log.info("%s/%s: attempt %d of %d", msg.job_id, msg.shard_id, attempt, max_attempts)
+    llm = None
+    started = time.monotonic()
     try:
+        llm = _model.llm()
         records = run_shard(
-            _model.llm(),
+            llm,
             msg,
             model_name=manifest.get("model_name") or Path(_model.path.rstrip("/")).name,
             batch_id=manifest.get("batch_id") or msg.job_id,
             created=manifest.get("created_at"),
-            should_stop=CancelCheck(job),
+            should_stop=metrics.StepObserver(llm, CancelCheck(job)),
         )
     except Exception as e:
+        if llm is not None:
+            metrics.safe_observe(llm)
         if attempt < max_attempts:
             log.warning(
                 "%s/%s: attempt %d raised %r; retrying", msg.job_id, msg.shard_id, attempt, e
             )
             raise task.retry(exc=e, countdown=RETRY_COUNTDOWN, max_retries=None) from e
         log.exception("%s/%s: last attempt raised", msg.job_id, msg.shard_id)
-        fail_shard(job, msg, f"shard {msg.shard_id} raised on its last attempt: {e}")
+        written = fail_shard(job, msg, f"shard {msg.shard_id} raised on its last attempt: {e}")
+        _count_written(msg, "failed", job if written else None)
         try_finalize(job)
         return {**summary, "failed": True}
+    metrics.safe_observe(llm)
     written = write_shard_result(job, msg.shard_id, records)
+    metrics.shard_finished(
+        msg.job_id,
+        "done" if written else "duplicate",
+        metrics.lines_by_status(records) if written else None,
+        seconds=time.monotonic() - started,
+    )
     try_finalize(job)
     return {**summary, "records": len(records), "written": written}
+
+
+def _count_written(msg, status: str, job) -> None:
+    """Count a shard given up on (cancelled, poisoned, failed); its lines only when this
+    delivery wrote its result (`job` is None otherwise). Metrics never fail a shard."""
+    from worker import metrics
+
+    lines = None
+    if job is not None:
+        try:
+            from jobs.finalize import _read_lines, _result
+
+            records = [
+                (0, json.loads(raw)["record"]) for raw in _read_lines(_result(job, msg.shard_id))
+            ]
+            lines = metrics.lines_by_status(records)
+        except Exception:
+            log.debug("counting the lines of %s/%s failed", msg.job_id, msg.shard_id, exc_info=True)
+    metrics.shard_finished(msg.job_id, status, lines)
 
 
 def _parse(output: str, shard: dict):

@@ -1,0 +1,186 @@
+"""Scheduled runs: the schedule file, documents -> chunk prompts, runs keyed by date, beat."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.redis_server import redis_server  # noqa: F401
+from worker.schedule import ScheduleError, load_schedule, parse_schedule
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _entry(**over):
+    e = {"name": "nightly", "cron": "0 2 * * *", "output": "out", "model": "m", "input": "in.jsonl"}
+    e.update(over)
+    return {k: v for k, v in e.items() if v is not None}
+
+
+def test_shipped_schedules_parse():
+    for path in ("deploy/schedules/nightly.toml", "examples/schedule.toml"):
+        s = load_schedule(ROOT / path)
+        assert s.timezone == "UTC"
+        (job,) = s.jobs
+        assert job.documents is not None and job.input is None
+    nightly = load_schedule(ROOT / "deploy/schedules/nightly.toml").jobs[0]
+    assert nightly.documents.prefix == "s3://kvbatch/docs/"
+
+
+def test_bad_cron_names_entry_and_field():
+    with pytest.raises(ScheduleError, match=r"job 'nightly': cron: .*expected 5"):
+        parse_schedule({"jobs": [_entry(cron="0 2 * *")]})
+    with pytest.raises(ScheduleError, match=r"job 'nightly': cron:"):
+        parse_schedule({"jobs": [_entry(cron="99 2 * * *")]})
+
+
+def test_missing_and_unknown_fields():
+    with pytest.raises(ScheduleError, match=r"job 'nightly': output: missing"):
+        parse_schedule({"jobs": [_entry(output=None)]})
+    with pytest.raises(ScheduleError, match=r"job #1: name: missing"):
+        parse_schedule({"jobs": [_entry(name=None)]})
+    with pytest.raises(ScheduleError, match=r"job 'nightly': modle: unknown field"):
+        parse_schedule({"jobs": [_entry(modle="x")]})
+    with pytest.raises(ScheduleError, match=r"exactly one of `input`"):
+        parse_schedule({"jobs": [_entry(input=None)]})
+    with pytest.raises(ScheduleError, match=r"documents.template: .*before"):
+        parse_schedule(
+            {
+                "jobs": [
+                    _entry(input=None, documents={"prefix": "d", "template": "{chunk}{document}"})
+                ]
+            }
+        )
+    with pytest.raises(ScheduleError, match=r"job 'a b': name: .*not allowed"):
+        parse_schedule({"jobs": [_entry(name="a b")]})
+    with pytest.raises(ScheduleError, match=r"two jobs are named"):
+        parse_schedule({"jobs": [_entry(), _entry()]})
+
+
+def test_toml_file_errors(tmp_path):
+    bad = tmp_path / "s.toml"
+    bad.write_text("[[jobs]\n")
+    with pytest.raises(ScheduleError, match="not valid TOML"):
+        load_schedule(bad)
+    with pytest.raises(ScheduleError, match="cannot read"):
+        load_schedule(tmp_path / "missing.toml")
+    yml = tmp_path / "s.yaml"
+    yml.write_text("timezone: Europe/Paris\njobs:\n  - name: n\n    cron: '*/5 * * * *'\n"
+                   "    output: o\n    model: m\n    input: i.jsonl\n")  # fmt: skip
+    assert load_schedule(yml).timezone == "Europe/Paris"
+
+
+def test_chunks_hold_the_document_first(tmp_path):
+    from worker.scheduled import chunk_text, documents_input
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    text = " ".join(f"Sentence {i} about {{chunk}} tides." for i in range(60))
+    (docs / "a.txt").write_text(text)
+    (docs / "b.md").write_text("Short document.")
+    (docs / "skip.bin").write_text("not a document")
+    entry = parse_schedule(
+        {"jobs": [_entry(input=None, documents={"prefix": str(docs), "chunk_chars": 300})]}
+    ).jobs[0]
+    data, taken = documents_input(entry, "m")
+    assert set(taken) == {"a.txt", "b.md"}
+    lines = [json.loads(x) for x in data.decode().splitlines()]
+    chunks = chunk_text(text, 300)
+    assert len(chunks) > 3 and all(len(c) <= 300 for c in chunks)
+    assert len(lines) == len(chunks) + 1
+    for line in lines:
+        prompt = line["body"]["messages"][0]["content"]
+        doc = text if line["custom_id"].startswith("a.txt") else "Short document."
+        assert prompt.index(doc) < prompt.rindex("<passage>")
+        assert line["body"]["model"] == "m"
+    a_prompts = [
+        x["body"]["messages"][0]["content"] for x in lines if x["custom_id"].startswith("a.txt")
+    ]
+    assert [p.split("<passage>\n")[1].split("\n</passage>")[0] for p in a_prompts] == chunks
+    # all chunks of a document share the document as a prefix
+    common = a_prompts[0]
+    for p in a_prompts[1:]:
+        while not p.startswith(common):
+            common = common[:-1]
+    assert text in common
+
+
+def test_same_date_twice_is_one_job(tmp_path, redis_server, tiny_chat_model):  # noqa: F811
+    import redis
+
+    from worker.app import DEFAULT_QUEUE, make_app
+    from worker.scheduled import start_scheduled_run
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name in ("tides", "bread"):
+        (docs / f"{name}.txt").write_text((ROOT / "examples/docs" / f"{name}.txt").read_text())
+    out = tmp_path / "out"
+    entry = parse_schedule(
+        {"jobs": [_entry(
+            name="rag", output=str(out), model=str(tiny_chat_model), input=None,
+            shard_tokens=300, documents={"prefix": str(docs), "chunk_chars": 300},
+        )]}
+    ).jobs[0]  # fmt: skip
+    app = make_app(redis_server.url)
+    day = dt.date(2025, 3, 1)
+    assert start_scheduled_run(entry, day, app=app) == "rag-2025-03-01"
+    assert start_scheduled_run(entry, day, app=app) is None  # duplicate trigger: no-op
+    manifest = json.loads((out / "rag-2025-03-01" / "job.json").read_text())
+    queued = redis.Redis.from_url(redis_server.url).llen(DEFAULT_QUEUE)
+    assert queued == len(manifest["shards"]) >= 1  # one message per shard, sent once
+    assert manifest["num_requests"] > 2
+    assert (out / "inputs" / "rag-2025-03-01.jsonl").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["inputs", "rag-2025-03-01", "runs"]
+    # the next day: no new documents -> no job; a new document -> a job with only its chunks
+    assert start_scheduled_run(entry, dt.date(2025, 3, 2), app=app) is None
+    (docs / "compilers.txt").write_text((ROOT / "examples/docs/compilers.txt").read_text())
+    assert start_scheduled_run(entry, dt.date(2025, 3, 3), app=app) == "rag-2025-03-03"
+    ids = [json.loads(x)["custom_id"] for x in (out / "inputs/rag-2025-03-03.jsonl").open()]
+    assert ids and all(i.startswith("compilers.txt#") for i in ids)
+
+
+def test_cron_entries_become_crontabs():
+    from celery import Celery
+    from celery.schedules import crontab
+
+    from worker.scheduled import SCHEDULED_QUEUE, SCHEDULED_TASK, register_scheduled
+
+    schedule = parse_schedule(
+        {"timezone": "Europe/Paris",
+         "jobs": [_entry(), _entry(name="hourly", cron="15 * * * 1-5")]}
+    )  # fmt: skip
+    app = Celery("t", set_as_current=False)
+    register_scheduled(app, schedule)
+    assert SCHEDULED_TASK in app.tasks
+    assert app.conf.timezone == "Europe/Paris"
+    beat = app.conf.beat_schedule
+    assert set(beat) == {"kvbatch-nightly", "kvbatch-hourly"}
+    assert beat["kvbatch-nightly"]["schedule"] == crontab(minute="0", hour="2")
+    assert beat["kvbatch-hourly"]["schedule"] == crontab(minute="15", day_of_week="1-5")
+    assert beat["kvbatch-hourly"]["args"] == ("hourly",)
+    assert beat["kvbatch-hourly"]["options"]["queue"] == SCHEDULED_QUEUE
+
+
+def test_beat_help_starts():
+    r = subprocess.run(
+        [sys.executable, "-m", "kvbatch.cli", "beat", "--help"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "--schedule" in r.stdout
+
+
+def test_beat_bad_schedule_fails_clearly(tmp_path, capsys):
+    from kvbatch.cli import main
+
+    bad = tmp_path / "s.toml"
+    bad.write_text('[[jobs]]\nname = "x"\ncron = "bad"\n')
+    assert main(["beat", "--schedule", str(bad), "--broker", "redis://127.0.0.1:1/0"]) == 1
+    err = capsys.readouterr().err
+    assert "job 'x': cron" in err and "output: missing" in err

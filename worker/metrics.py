@@ -1,0 +1,243 @@
+"""Prometheus metrics of one worker process (prometheus_client), served on --metrics-port.
+
+The engine keeps running totals (engine.stats(): tokens, preemptions, prefix cache lookups);
+`observe_engine` turns them into Prometheus counters by adding the growth since its last call,
+and sets the gauges (requests running and waiting, KV cache usage, tokens per step). The shard
+task (worker/tasks.py) calls it between engine steps (at most once a second) and after each
+shard, and `shard_finished` once per shard: shards by status, lines by status per job.
+
+Every metric lives on its own CollectorRegistry (not prometheus_client's global one), so tests
+build a fresh `WorkerMetrics` and read it with `generate_latest(m.registry)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger("kvbatch.worker")
+
+DEFAULT_PORT = 9400
+SHARD_STATUSES = ("done", "duplicate", "failed", "poisoned", "cancelled")
+LINE_STATUSES = ("completed", "failed", "cancelled")
+SPECULATIVE_HELP = " (speculative decoding is not built yet: always 0)"
+
+# engine.stats() field -> the counter that follows it
+_ENGINE_COUNTERS = {
+    "prompt_tokens": "prompt_tokens",
+    "generation_tokens": "generation_tokens",
+    "computed_tokens": "computed_tokens",
+    "num_preemptions": "preemptions",
+    "prefix_queries": "prefix_queries",
+    "prefix_hits": "prefix_hits",
+    "num_steps": "steps",
+    "num_finished": "requests_finished",
+}
+
+
+class WorkerMetrics:
+    """The metric objects of a worker, on `registry` (a new one by default)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests_running = Gauge(
+            "kvbatch_requests_running", "Requests the engine scheduler is running", registry=r
+        )
+        self.requests_waiting = Gauge(
+            "kvbatch_requests_waiting", "Requests waiting in the engine scheduler", registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "kvbatch_kv_cache_usage_ratio",
+            "Fraction of KV cache blocks referenced by some sequence",
+            registry=r,
+        )
+        self.kv_cache_blocks = Gauge(
+            "kvbatch_kv_cache_blocks", "KV cache blocks of the engine", registry=r
+        )
+        self.tokens_per_step = Gauge(
+            "kvbatch_tokens_per_step",
+            "Tokens run through the model per engine step, since the previous observation",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvbatch_prompt_tokens", "Prompt tokens of requests admitted", registry=r
+        )
+        self.generation_tokens = Counter(
+            "kvbatch_generation_tokens", "Tokens generated", registry=r
+        )
+        self.computed_tokens = Counter(
+            "kvbatch_computed_tokens",
+            "Tokens run through the model (prefill, decode and recompute)",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "kvbatch_preemptions", "Requests preempted for want of KV cache blocks", registry=r
+        )
+        self.prefix_queries = Counter(
+            "kvbatch_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "kvbatch_prefix_cache_hits", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.steps = Counter("kvbatch_engine_steps", "Engine steps", registry=r)
+        self.requests_finished = Counter(
+            "kvbatch_requests_finished", "Requests the engine finished", registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "kvbatch_spec_decode_draft_tokens",
+            "Speculative draft tokens proposed" + SPECULATIVE_HELP,
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "kvbatch_spec_decode_accepted_tokens",
+            "Speculative draft tokens accepted" + SPECULATIVE_HELP,
+            registry=r,
+        )
+        self.shards = Counter("kvbatch_shards", "Shards handled, by status", ["status"], registry=r)
+        for status in SHARD_STATUSES:
+            self.shards.labels(status=status)  # exported at 0 from the start
+        self.lines = Counter(
+            "kvbatch_lines",
+            "Output lines written, by job and status",
+            ["job_id", "status"],
+            registry=r,
+        )
+        self.shard_seconds = Histogram(
+            "kvbatch_shard_seconds",
+            "Seconds a shard ran on the engine",
+            buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200),
+            registry=r,
+        )
+        self._lock = threading.Lock()
+        self._engine_id: int | None = None
+        self._last: dict[str, int] = {}
+
+    def observe_engine(self, engine) -> None:
+        """Read `engine` (an engine.LLMEngine, or an engine.LLM): set the gauges and add to
+        each counter what the engine's total grew by since the previous call. A total that went
+        down (another engine, or a restarted one) counts from zero again."""
+        engine = getattr(engine, "engine", engine)  # engine.LLM wraps the LLMEngine
+        stats = engine.stats()
+        scheduler = engine.scheduler
+        with self._lock:
+            if self._engine_id != id(engine):
+                self._engine_id, self._last = id(engine), {}
+            for field, name in _ENGINE_COUNTERS.items():
+                value = int(getattr(stats, field))
+                last = self._last.get(field, 0)
+                delta = value - last if value >= last else value
+                if delta:
+                    getattr(self, name).inc(delta)
+                self._last[field] = value
+            steps = self._last["num_steps"] - self._last.get("steps_at_gauge", 0)
+            computed = self._last["computed_tokens"] - self._last.get("computed_at_gauge", 0)
+            if steps > 0:
+                self.tokens_per_step.set(computed / steps)
+                self._last["steps_at_gauge"] = self._last["num_steps"]
+                self._last["computed_at_gauge"] = self._last["computed_tokens"]
+            self.requests_running.set(len(scheduler.running))
+            self.requests_waiting.set(len(scheduler.waiting))
+            self.kv_cache_usage.set(stats.kv_usage)
+            self.kv_cache_blocks.set(stats.num_kv_blocks)
+
+    def shard_finished(
+        self,
+        job_id: str,
+        status: str,
+        lines_by_status: Mapping[str, int] | None = None,
+        seconds: float | None = None,
+    ) -> None:
+        """Count one shard (status: done, duplicate, failed, poisoned, cancelled) and the lines
+        it wrote for its job (completed, failed, cancelled)."""
+        if status not in SHARD_STATUSES:
+            raise ValueError(f"shard status {status!r}: expected one of {SHARD_STATUSES}")
+        self.shards.labels(status=status).inc()
+        for line_status, n in (lines_by_status or {}).items():
+            if n:
+                self.lines.labels(job_id=job_id, status=line_status).inc(n)
+        if seconds is not None:
+            self.shard_seconds.observe(seconds)
+
+
+def lines_by_status(records) -> dict[str, int]:
+    """{completed, failed, cancelled: count} of a shard's [(index, line)] (a cancelled line
+    counts as cancelled only, not also as failed)."""
+    from jobs.finalize import CANCELLED
+
+    counts = dict.fromkeys(LINE_STATUSES, 0)
+    for _, line in records:
+        error = line.get("error")
+        if not error:
+            counts["completed"] += 1
+        elif error.get("code") == CANCELLED:
+            counts["cancelled"] += 1
+        else:
+            counts["failed"] += 1
+    return counts
+
+
+class StepObserver:
+    """`should_stop` for run_shard that also observes the engine, at most once every `every`
+    seconds, before asking the wrapped check (the job's cancel check)."""
+
+    def __init__(
+        self,
+        engine,
+        should_stop: Callable[[], bool] | None = None,
+        *,
+        metrics: WorkerMetrics | None = None,
+        every: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.engine, self.should_stop, self.every, self.clock = engine, should_stop, every, clock
+        self.metrics = metrics
+        self._next = 0.0
+
+    def __call__(self) -> bool:
+        now = self.clock()
+        if now >= self._next:
+            self._next = now + self.every
+            safe_observe(self.engine, self.metrics)
+        return bool(self.should_stop()) if self.should_stop is not None else False
+
+
+# -- the process's metrics ------------------------------------------------------------------
+
+METRICS = WorkerMetrics()
+
+
+def observe_engine(engine, metrics: WorkerMetrics | None = None) -> None:
+    (metrics or METRICS).observe_engine(engine)
+
+
+def safe_observe(engine, metrics: WorkerMetrics | None = None) -> None:
+    """observe_engine that never raises: metrics must not fail a shard."""
+    try:
+        observe_engine(engine, metrics)
+    except Exception:
+        log.debug("observing the engine failed", exc_info=True)
+
+
+def shard_finished(
+    job_id: str,
+    status: str,
+    lines_by_status: Mapping[str, int] | None = None,
+    seconds: float | None = None,
+    metrics: WorkerMetrics | None = None,
+) -> None:
+    (metrics or METRICS).shard_finished(job_id, status, lines_by_status, seconds)
+
+
+def start_metrics_server(port: int, addr: str = "0.0.0.0", metrics: WorkerMetrics | None = None):
+    """Serve /metrics on `port` in a daemon thread (port 0: nothing). Returns prometheus_client's
+    (server, thread), or None when off."""
+    if not port:
+        return None
+    return start_http_server(port, addr=addr, registry=(metrics or METRICS).registry)

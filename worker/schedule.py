@@ -1,0 +1,215 @@
+"""The schedule file of `kvbatch beat`: recurring jobs, in TOML (or YAML).
+
+    timezone = "UTC"                      # optional; cron times are read in this zone
+
+    [[jobs]]
+    name = "nightly-rag"                  # the run key is <name>-<YYYY-MM-DD>
+    cron = "0 2 * * *"                    # minute hour day-of-month month day-of-week
+    output = "s3://kvbatch/scheduled"     # job folders, inputs/ and runs/ go under it
+    model = "/models/SmolLM2-135M-Instruct"
+    # model_name = "SmolLM2-135M-Instruct"   shard_tokens = 200000   queue = "kvbatch"
+    input = "s3://kvbatch/nightly.jsonl"  # a JSONL of requests, or instead:
+    [jobs.documents]                      # every new document under a prefix, cut into chunks
+    prefix = "s3://kvbatch/docs/"
+    chunk_chars = 1200
+    max_tokens = 48
+    template = "<document>\n{document}\n</document>\n...<passage>\n{chunk}\n</passage>..."
+
+Every error is a ScheduleError that names the file, the entry and the field.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from jobs.storage import validate_key_part
+
+DEFAULT_TEMPLATE = (
+    "<document>\n{document}\n</document>\n\n"
+    "Here is a passage from the document above:\n<passage>\n{chunk}\n</passage>\n\n"
+    "Write one short sentence that places this passage within the whole document, to improve "
+    "search retrieval of the passage. Answer with the sentence only."
+)
+CRON_FIELDS = ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
+_PLACEHOLDER = re.compile(r"\{(document|chunk)\}")
+
+
+class ScheduleError(ValueError):
+    """The schedule file is missing, unreadable or invalid."""
+
+
+def parse_cron(expr: str):
+    """celery.schedules.crontab from a 5-field cron string ('0 2 * * *'); ValueError if bad."""
+    from celery.schedules import crontab
+
+    if not isinstance(expr, str):
+        raise ValueError(f"expected a string, got {expr!r}")
+    fields = expr.split()
+    if len(fields) != 5:
+        raise ValueError(
+            f"{expr!r} has {len(fields)} fields; expected 5: minute hour day-of-month month "
+            "day-of-week"
+        )
+    try:
+        return crontab(**dict(zip(CRON_FIELDS, fields)))
+    except Exception as e:  # celery raises ValueError or its own ParseException
+        raise ValueError(f"{expr!r}: {e}") from None
+
+
+class DocumentsInput(BaseModel):
+    """Documents under a folder or s3:// prefix, each cut into chunks; one request per chunk
+    whose prompt holds the whole document first, then the chunk (a shared prefix per document)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefix: str = Field(min_length=1)
+    chunk_chars: int = Field(default=1200, gt=0)
+    template: str = DEFAULT_TEMPLATE
+    max_tokens: int = Field(default=64, gt=0)
+    suffixes: list[str] = Field(default_factory=lambda: [".txt", ".md"])
+
+    @field_validator("template")
+    @classmethod
+    def _document_then_chunk(cls, v: str) -> str:
+        names = _PLACEHOLDER.findall(v)
+        if "document" not in names or "chunk" not in names:
+            raise ValueError("the template must contain both {document} and {chunk}")
+        if v.index("{document}") > v.index("{chunk}"):
+            raise ValueError(
+                "{document} must come before {chunk} in the template, so that every chunk "
+                "of a document shares the document as its prompt prefix"
+            )
+        return v
+
+
+class ScheduleEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    cron: str
+    output: str = Field(min_length=1)
+    model: str = Field(min_length=1)
+    input: str | None = None
+    documents: DocumentsInput | None = None
+    model_name: str | None = None
+    shard_tokens: int = Field(default=200_000, gt=0)
+    max_attempts: int = Field(default=3, gt=0)
+    queue: str = "kvbatch"
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        validate_key_part(v)  # it becomes part of a job id and of object keys
+        if len(v) > 200:
+            raise ValueError("at most 200 characters")
+        return v
+
+    @field_validator("cron")
+    @classmethod
+    def _valid_cron(cls, v: str) -> str:
+        parse_cron(v)
+        return v
+
+    @model_validator(mode="after")
+    def _one_input(self) -> ScheduleEntry:
+        if (self.input is None) == (self.documents is None):
+            raise ValueError("give exactly one of `input` (a JSONL) or `documents` (a prefix)")
+        return self
+
+    def crontab(self):
+        return parse_cron(self.cron)
+
+
+class Schedule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    timezone: str = "UTC"
+    jobs: list[ScheduleEntry] = Field(min_length=1)
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, v: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(v)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {v!r}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Schedule:
+        seen: set[str] = set()
+        for e in self.jobs:
+            if e.name in seen:
+                raise ValueError(f"two jobs are named {e.name!r}: names key the runs")
+            seen.add(e.name)
+        return self
+
+    def entry(self, name: str) -> ScheduleEntry:
+        for e in self.jobs:
+            if e.name == name:
+                return e
+        raise KeyError(f"no scheduled job named {name!r}")
+
+
+def parse_schedule(data: Any, source: str = "schedule") -> Schedule:
+    """Validate already-parsed data; errors name the entry (by name when it has one) and field."""
+    try:
+        return Schedule.model_validate(data)
+    except ValidationError as e:
+        raise ScheduleError(_describe(e, data, source)) from None
+
+
+def load_schedule(path: str | Path) -> Schedule:
+    """Read and validate a .toml (or .yaml/.yml) schedule file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ScheduleError(f"{path}: cannot read the schedule: {e.strerror or e}") from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ScheduleError(f"{path}: not valid YAML: {e}") from None
+    else:
+        import tomllib
+
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ScheduleError(f"{path}: not valid TOML: {e}") from None
+    if not isinstance(data, dict):
+        raise ScheduleError(f"{path}: expected a table with [[jobs]] entries")
+    return parse_schedule(data, str(path))
+
+
+def _describe(err: ValidationError, data: Any, source: str) -> str:
+    lines = []
+    for item in err.errors():
+        loc = list(item["loc"])
+        where = "schedule"
+        if len(loc) >= 2 and loc[0] == "jobs" and isinstance(loc[1], int):
+            index = loc[1]
+            name = None
+            try:
+                name = data["jobs"][index].get("name")
+            except (KeyError, IndexError, TypeError, AttributeError):
+                pass
+            where = f"job {name!r}" if isinstance(name, str) else f"job #{index + 1}"
+            loc = loc[2:]
+        field = ".".join(str(p) for p in loc) or "(entry)"
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "missing":
+            msg = "missing (required)"
+        elif item["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"{where}: {field}: {msg}")
+    return f"{source}: " + "; ".join(lines)

@@ -1,0 +1,279 @@
+"""Scheduled runs: `kvbatch.scheduled_run(name, run_key)` prepares and enqueues one run of a
+schedule entry (worker/schedule.py).
+
+A run is keyed by its date: its job id is `<name>-<YYYY-MM-DD>`, so a duplicate trigger (two
+beats, a redelivered message, a manual rerun) finds `<output>/<job id>/job.json` and does
+nothing. The steps:
+
+1. input: the entry's JSONL as is, or (documents mode) every new document under the prefix cut
+   into chunks, one chat request per chunk whose prompt is the template with the whole
+   document first and then the chunk, written to `<output>/inputs/<name>-<date>.jsonl`.
+   Document first: all chunks of a document share it as a prompt prefix, which prefix grouping
+   turns into one document prefill per group (and one shard per document group).
+2. jobs.submit.prepare_job(..., job_id=<name>-<date>); JobError because the job exists -> None.
+3. one message per shard (worker.tasks.send_shard), then `<output>/runs/<name>-<date>.json`
+   records the documents read (key -> sha256), so the next run takes only new or changed ones.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import re
+from pathlib import PurePosixPath
+
+from jobs.storage import open_storage
+from worker.schedule import Schedule, ScheduleEntry
+
+SCHEDULED_TASK = "kvbatch.scheduled_run"
+SCHEDULED_QUEUE = "kvbatch-scheduled"  # consumed by `kvbatch beat` itself, not by GPU workers
+
+log = logging.getLogger("kvbatch.scheduled")
+_PLACEHOLDER = re.compile(r"\{(document|chunk)\}")
+
+
+def run_id(name: str, run_date: dt.date) -> str:
+    return f"{name}-{run_date.isoformat()}"
+
+
+def chunk_text(text: str, chunk_chars: int) -> list[str]:
+    """Cut `text` into pieces of at most `chunk_chars` characters, at a paragraph, sentence or
+    word end when one lies in the second half of the window."""
+    text = text.strip()
+    chunks = []
+    while text:
+        if len(text) <= chunk_chars:
+            chunks.append(text)
+            break
+        window = text[:chunk_chars]
+        cut = -1
+        for sep in ("\n\n", "\n", ". ", " "):
+            at = window.rfind(sep)
+            if at >= chunk_chars // 2:
+                cut = at + len(sep)
+                break
+        if cut <= 0:
+            cut = chunk_chars
+        piece, text = text[:cut].strip(), text[cut:].strip()
+        if piece:
+            chunks.append(piece)
+    return chunks
+
+
+def fill_template(template: str, document: str, chunk: str) -> str:
+    """One pass, so a document containing '{chunk}' is never substituted into."""
+    values = {"document": document, "chunk": chunk}
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def _seen_documents(entry: ScheduleEntry) -> dict[str, str]:
+    """key -> sha256 of the documents earlier runs of this entry took."""
+    runs = open_storage(entry.output).join("runs")
+    pattern = re.compile(re.escape(entry.name) + r"-\d{4}-\d{2}-\d{2}\.json")
+    seen: dict[str, str] = {}
+    for rel in _safe_list(runs, entry.name):
+        if pattern.fullmatch(rel):
+            with runs.join(rel).open_read() as f:
+                seen.update(json.load(f).get("documents", {}))
+    return seen
+
+
+def _safe_list(storage, prefix: str):
+    try:
+        yield from storage.list(prefix)
+    except FileNotFoundError:
+        return
+
+
+def documents_input(entry: ScheduleEntry, model_name: str) -> tuple[bytes, dict[str, str]]:
+    """The chat JSONL of every new document's chunks, and the documents it covers."""
+    docs = entry.documents
+    assert docs is not None
+    source = open_storage(docs.prefix)
+    seen = _seen_documents(entry)
+    lines: list[bytes] = []
+    taken: dict[str, str] = {}
+    for rel in source.list():
+        if docs.suffixes and not rel.endswith(tuple(docs.suffixes)):
+            continue
+        try:
+            obj = source.join(rel)
+        except ValueError as e:
+            log.warning("scheduled %s: skipping %s: %s", entry.name, rel, e)
+            continue
+        with obj.open_read() as f:
+            raw = f.read()
+        digest = hashlib.sha256(raw).hexdigest()
+        if seen.get(rel) == digest:
+            continue  # taken by an earlier run, unchanged
+        document = raw.decode("utf-8", errors="replace").strip()
+        taken[rel] = digest
+        stem = PurePosixPath(rel).as_posix()
+        for n, chunk in enumerate(chunk_text(document, docs.chunk_chars)):
+            body = {
+                "model": model_name,
+                "messages": [
+                    {"role": "user", "content": fill_template(docs.template, document, chunk)}
+                ],
+                "max_tokens": docs.max_tokens,
+                "temperature": 0,
+            }
+            line = {
+                "custom_id": f"{stem}#chunk-{n}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": body,
+            }
+            lines.append(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+    return b"".join(lines), taken
+
+
+def start_scheduled_run(entry: ScheduleEntry, run_date: dt.date, *, app=None) -> str | None:
+    """Prepare and enqueue the run of `entry` for `run_date`; its job id, or None when that
+    date's run already exists (a duplicate trigger) or there is nothing new to run."""
+    from jobs.run import JobError
+    from jobs.shards import job_dir
+    from jobs.submit import prepare_job
+
+    job_id = run_id(entry.name, run_date)
+    job = job_dir(entry.output, job_id)  # validates the key part
+    if job.join("job.json").exists():
+        log.info("scheduled %s: run %s exists; nothing to do", entry.name, job_id)
+        return None
+    out = open_storage(entry.output)
+    documents: dict[str, str] = {}
+    if entry.documents is not None:
+        model_name = entry.model_name or PurePosixPath(entry.model.rstrip("/")).name
+        data, documents = documents_input(entry, model_name)
+        if not data:
+            log.info("scheduled %s: no new documents under %s", entry.name, entry.documents.prefix)
+            return None
+        target = out.join("inputs", f"{job_id}.jsonl")
+        target.write_bytes(data)
+        input_uri = target.uri
+    else:
+        input_uri = entry.input
+    try:
+        submitted = prepare_job(
+            input_uri,
+            entry.output,
+            entry.model,
+            model_name=entry.model_name,
+            shard_tokens=entry.shard_tokens,
+            job_id=job_id,
+            max_attempts=entry.max_attempts,
+        )
+    except JobError:
+        if job.join("job.json").exists():  # a concurrent trigger won the race
+            log.info("scheduled %s: run %s was created concurrently", entry.name, job_id)
+            return None
+        raise
+    if app is None:
+        from worker.app import broker_url, make_app
+
+        app = make_app(broker_url())
+    from worker.tasks import send_shard
+
+    for msg in submitted.messages:
+        send_shard(app, entry.output, msg, entry.queue)
+    if not submitted.messages:
+        from jobs.finalize import try_finalize
+
+        try_finalize(job)
+    record = {
+        "job_id": job_id,
+        "input": input_uri,
+        "shards": len(submitted.messages),
+        "requests": submitted.num_requests,
+        "documents": documents,
+    }
+    out.join("runs", f"{job_id}.json").write_bytes(json.dumps(record, indent=2).encode() + b"\n")
+    log.info(
+        "scheduled %s: job %s, %d requests in %d shards",
+        entry.name, job_id, submitted.num_requests, len(submitted.messages),
+    )  # fmt: skip
+    return job_id
+
+
+def run_date_now(schedule: Schedule, now: dt.datetime | None = None) -> dt.date:
+    """Today in the schedule's time zone: the key of a run triggered now."""
+    from zoneinfo import ZoneInfo
+
+    now = now or dt.datetime.now(dt.timezone.utc)
+    return now.astimezone(ZoneInfo(schedule.timezone)).date()
+
+
+def register_scheduled(app, schedule: Schedule) -> None:
+    """Register `kvbatch.scheduled_run` on `app` and set its beat schedule from `schedule`:
+    one entry per job, its cron as a crontab, sent to SCHEDULED_QUEUE."""
+
+    @app.task(name=SCHEDULED_TASK, bind=True, acks_late=True)
+    def scheduled_run(self, name: str, run_key: str | None = None) -> str | None:
+        entry = schedule.entry(name)
+        run_date = dt.date.fromisoformat(run_key) if run_key else run_date_now(schedule)
+        return start_scheduled_run(entry, run_date, app=app)
+
+    app.conf.timezone = schedule.timezone
+    app.conf.enable_utc = True
+    app.conf.beat_schedule = {
+        f"kvbatch-{e.name}": {
+            "task": SCHEDULED_TASK,
+            "schedule": e.crontab(),
+            "args": (e.name,),
+            "options": {"queue": SCHEDULED_QUEUE},
+        }
+        for e in schedule.jobs
+    }
+
+
+def beat(args) -> int:
+    """`kvbatch beat`: celery beat with the schedule, embedded in a one-process worker that
+    consumes SCHEDULED_QUEUE, so the runs are prepared here (tokenizer only, no GPU) and only
+    their shards reach the GPU workers. Run exactly one per stack."""
+    import sys
+
+    from worker.app import BrokerError, broker_url, make_app
+    from worker.schedule import ScheduleError, load_schedule
+
+    try:
+        schedule = load_schedule(args.schedule)
+        app = make_app(broker_url(args.broker))
+    except (ScheduleError, BrokerError) as e:
+        print(f"kvbatch beat: {e}", file=sys.stderr)
+        return 1
+    register_scheduled(app, schedule)
+    for e in schedule.jobs:
+        print(f"kvbatch beat: {e.name}: {e.cron} ({schedule.timezone}) -> {e.output}",
+              file=sys.stderr)  # fmt: skip
+    app.worker_main(
+        [
+            "worker",
+            "--beat",
+            f"--schedule={args.state}",
+            "--pool=solo",
+            "--concurrency=1",
+            f"--loglevel={args.loglevel}",
+            "-Q",
+            SCHEDULED_QUEUE,
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
+    )
+    return 0
+
+
+def add_beat_args(p) -> None:
+    import os
+    import tempfile
+
+    p.add_argument("--schedule", required=True, help="the schedule file (.toml or .yaml)")
+    p.add_argument("--broker", help="redis://, rediss:// or sqs:// (default: KVBATCH_BROKER_URL)")
+    p.add_argument(
+        "--state",
+        default=os.path.join(tempfile.gettempdir(), "kvbatch-beat-schedule"),
+        help="celery beat's state file (last run times); keep it on a volume",
+    )
+    p.add_argument("--loglevel", default="INFO")
