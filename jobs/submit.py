@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from engine.kv_cache import block_hashes
 from jobs.batch_record import BatchRecord
-from jobs.grouping import group_boundaries, group_by_prefix
+from jobs.grouping import group_by_prefix
 from jobs.responses import error_line
 from jobs.run import JobError, RunOptions, _prepare
 from jobs.shards import ShardMessage, ShardRequest, job_dir, new_job_id, write_shard
@@ -48,23 +49,45 @@ def batch_id_for(job_id: str) -> str:
     return "batch_" + hashlib.sha256(job_id.encode()).hexdigest()[:24]
 
 
-def cut_shards(lengths: list[int], starts: list[int], shard_tokens: int) -> list[tuple[int, int]]:
-    """[start, end) ranges of positions, cut only at group `starts`: a shard takes whole groups
-    while it stays within `shard_tokens`; a group bigger than that is a shard of its own."""
+def cut_shards(
+    lengths: list[int], shared_blocks: list[int], shard_tokens: int
+) -> list[tuple[int, int]]:
+    """[start, end) ranges of positions (requests in prefix order), each about `shard_tokens`
+    prompt tokens, cut where neighbours share the least.
+
+    `shared_blocks[i]` is how many leading blocks request i shares with request i - 1. When a
+    shard would overflow, it is cut at the position in it with the smallest `shared_blocks`
+    (the latest such position, so shards stay full): a top-level prefix group boundary (0
+    blocks shared) when there is one, else one level deeper inside a big group. A chat job
+    whose prompts all share the template header and system prompt is one top-level group,
+    and is still cut into shards, each between sub-groups (e.g. documents).
+    """
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
-    bounds = [*starts, len(lengths)]
     shards: list[tuple[int, int]] = []
     begin, tokens = 0, 0
-    for a, b in zip(bounds, bounds[1:]):
-        group = sum(lengths[a:b])
-        if b > a and a > begin and tokens + group > shard_tokens:
-            shards.append((begin, a))
-            begin, tokens = a, 0
-        tokens += group
+    for i, n in enumerate(lengths):
+        while i > begin and tokens + n > shard_tokens:  # a cut far back may still overflow
+            cut = min(range(begin + 1, i + 1), key=lambda j: (shared_blocks[j], -j))
+            shards.append((begin, cut))
+            begin, tokens = cut, sum(lengths[cut:i])
+        tokens += n
     if len(lengths) > begin:
         shards.append((begin, len(lengths)))
     return shards
+
+
+def shared_leading_blocks(prompts: list[list[int]], block_size: int) -> list[int]:
+    """For each prompt, the number of leading full blocks it shares with the one before."""
+    shared, previous = [], []
+    for ids in prompts:
+        hashes = block_hashes(ids, block_size)
+        n = 0
+        while n < min(len(hashes), len(previous)) and hashes[n] == previous[n]:
+            n += 1
+        shared.append(n)
+        previous = hashes
+    return shared
 
 
 def prepare_job(
@@ -131,7 +154,8 @@ def prepare_job(
             )
             order = group_by_prefix((store[i] for i in range(len(store))), block_size)
             lengths = [len(store[i]) for i in order.order]
-            ranges = cut_shards(lengths, group_boundaries(order), shard_tokens)
+            shared = shared_leading_blocks([store[i] for i in order.order], block_size)
+            ranges = cut_shards(lengths, shared, shard_tokens)
             messages, entries = [], []
             for n, (a, b) in enumerate(ranges):
                 shard_id = f"shard-{n:05d}"

@@ -12,7 +12,7 @@ import pytest
 from jobs.run import JobError
 from jobs.shards import ShardMessage, job_dir, new_job_id, read_shard
 from jobs.storage import open_storage
-from jobs.submit import cut_shards, prepare_job
+from jobs.submit import cut_shards, prepare_job, shared_leading_blocks
 from tests.jobs.test_run import chat, completion, read_jsonl, write_jsonl
 
 BLOCK_SIZE = 16
@@ -53,12 +53,28 @@ def prepare(tmp_path: Path, model: Path, lines: list, **kw):
 
 def test_cut_shards_takes_whole_groups_up_to_the_budget():
     lengths = [10, 10, 30, 5, 5, 100, 1]
-    starts = [0, 2, 3, 5, 6]  # groups: [10 10] [30] [5 5] [100] [1]
-    assert cut_shards(lengths, starts, 50) == [(0, 3), (3, 5), (5, 6), (6, 7)]
-    assert cut_shards(lengths, starts, 1000) == [(0, 7)]
+    shared = [0, 3, 0, 0, 2, 0, 0]  # groups: [10 10] [30] [5 5] [100] [1]
+    assert cut_shards(lengths, shared, 50) == [(0, 3), (3, 5), (5, 6), (6, 7)]
+    assert cut_shards(lengths, shared, 1000) == [(0, 7)]
     assert cut_shards([], [], 10) == []
     with pytest.raises(ValueError):
-        cut_shards(lengths, starts, 0)
+        cut_shards(lengths, shared, 0)
+
+
+def test_a_group_bigger_than_a_shard_is_cut_where_least_is_shared():
+    # One top-level group (a shared system prompt: 1 block), made of two documents (3 blocks).
+    lengths = [40] * 8
+    shared = [0, 3, 3, 3, 1, 3, 3, 3]
+    assert cut_shards(lengths, shared, 200) == [(0, 4), (4, 8)]
+    # Smaller shards still cut at document boundaries first, then inside a document.
+    assert cut_shards(lengths, shared, 130) == [(0, 3), (3, 4), (4, 7), (7, 8)]
+
+
+def test_shared_leading_blocks_counts_common_full_blocks():
+    a = list(range(40))
+    b = list(range(32)) + [99] * 8
+    c = [7] * 40
+    assert shared_leading_blocks([a, b, c, c[:15]], 16) == [0, 2, 0, 0]
 
 
 def test_prepare_job_cuts_shards_on_group_boundaries(tmp_path: Path, tiny_chat_model: Path):
@@ -81,32 +97,32 @@ def test_prepare_job_cuts_shards_on_group_boundaries(tmp_path: Path, tiny_chat_m
         (11, "context_length_exceeded"),
     ]
 
-    seen_index, group_shard, sizes = set(), {}, []
-    for n, (msg, entry) in enumerate(zip(job.messages, manifest["shards"])):
+    seen_index, shards = set(), []
+    for msg, entry in zip(job.messages, manifest["shards"]):
         body = json.dumps(msg.to_dict())
         assert set(msg.to_dict()) == {"job_id", "shard_id", "uri", "sha256"}
         assert "question" not in body and len(body) < 300  # a pointer, never the prompts
         assert ShardMessage.from_dict(json.loads(body)) == msg
         reqs = read_shard(msg)
         assert len(reqs) == entry["num_requests"]
-        tokens = [len(r.prompt_token_ids) for r in reqs]
-        assert sum(tokens) == entry["prompt_tokens"]
-        groups = []
-        for r in reqs:
-            seen_index.add(r.index)
-            ids = r.prompt_token_ids
-            key = tuple(ids[:BLOCK_SIZE]) if len(ids) >= BLOCK_SIZE else ("solo", r.index)
-            assert group_shard.setdefault(key, n) == n  # a prefix group never spans shards
-            if not groups or groups[-1][0] != key:
-                groups.append((key, 0))
-            groups[-1] = (key, groups[-1][1] + len(ids))
-        sizes.append([size for _, size in groups])
+        assert sum(len(r.prompt_token_ids) for r in reqs) == entry["prompt_tokens"]
+        seen_index.update(r.index for r in reqs)
+        shards.append([r.prompt_token_ids for r in reqs])
     assert seen_index == set(range(19))
-    for n, groups in enumerate(sizes):
-        assert sum(groups) <= shard_tokens or len(groups) == 1
-        if n + 1 < len(sizes):  # it stopped only because the next group did not fit
-            assert sum(groups) + sizes[n + 1][0] > shard_tokens
-    assert sum(map(len, sizes)) > len(sizes)  # some shard holds several groups
+    # Every cut is at a least-shared point of the window it closed, and a shard overflows only
+    # when it is a single request.
+    ordered = [p for shard in shards for p in shard]
+    shared = shared_leading_blocks(ordered, BLOCK_SIZE)
+    begin = 0
+    for shard in shards:
+        end = begin + len(shard)
+        tokens = sum(map(len, shard))
+        assert tokens <= shard_tokens or len(shard) == 1
+        if end < len(ordered):
+            window = range(begin + 1, end + 1)
+            assert shared[end] == min(shared[j] for j in window)
+        begin = end
+    assert any(len(shard) > 1 for shard in shards)
 
 
 def test_tampered_payload_is_refused(tmp_path: Path, tiny_chat_model: Path):
