@@ -11,7 +11,7 @@ PIP := $(BIN)/python -m pip --quiet --disable-pip-version-check
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv model test run bench lint format clean compose-check
+.PHONY: venv model sysdeps test run bench lint format clean compose-check
 
 venv: $(STAMP)
 
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 model: venv
 	@$(BIN)/python -m engine.fetch
 
-test: venv model
+test: venv model sysdeps
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 run: venv model
@@ -48,10 +48,19 @@ format: venv
 
 # Validate compose.yaml (every profile) with Debian's docker-compose 1.29, which needs no Docker
 # engine; installed with apt when missing. tests/test_compose.py runs the same check when it can.
-compose-check:
-	@command -v docker-compose >/dev/null || { \
+# System programs the tests start or call: a redis-server of their own, Debian's
+# docker-compose (validates compose.yaml without a Docker engine). Installed with apt if missing.
+sysdeps:
+	@need=""; \
+	command -v redis-server >/dev/null || need="$$need redis-server"; \
+	command -v docker-compose >/dev/null || need="$$need docker-compose"; \
+	if [ -n "$$need" ]; then \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq docker-compose; }
+		echo "installing$$need"; \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$need; \
+	fi
+
+compose-check: sysdeps
 	docker-compose -f compose.yaml --profile example --profile scheduled \
 		--profile observability --profile minio config -q
 	@echo "compose.yaml: valid"

@@ -44,7 +44,9 @@ class RedisServer:
     def start(self) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
-            pytest.skip("redis-server is not installed (apt-get install redis-server)")
+            pytest.fail(
+                "redis-server is not installed: run `make sysdeps` (apt-get install redis-server)"
+            )
         self._proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--maxmemory-policy", "noeviction"],
