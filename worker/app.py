@@ -2,7 +2,7 @@
 
 Why each setting (see docs in /work/shared/NOTES.md, "Queue"):
 
-- JSON only, never pickle: a message is data (a shard pointer), never code to unpickle.
+- JSON only: a message is data (a shard pointer); no serializer that can carry code is accepted.
 - acks_late + prefetch 1: a worker acknowledges a shard only when it is done and holds no
   other shard meanwhile, so a dead worker's shard goes back to the queue, not to a neighbour's
   prefetch buffer.
