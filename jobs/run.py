@@ -137,7 +137,7 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
     shutil.rmtree(spill, ignore_errors=True)
     spill.mkdir(parents=True)
     with TokenStore(spill) as store:
-        job = _prepare(source, opts, engine, store, done, record)
+        job = prepare_requests(source, opts, engine.tokenizer, engine.max_model_len, store, done)
         record.mark_in_progress()
         order = group_by_prefix(
             (store[i] for i in range(len(store))), engine.config.cache.block_size
@@ -176,7 +176,7 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
 
 
 @dataclass
-class _Job:
+class PreparedJob:
     requests: list[JobRequest]  # indexed like the token store; messages dropped
     line_of: dict[str, int]  # custom_id -> input line, for ordering the output
     errors: list[LineError]
@@ -184,11 +184,12 @@ class _Job:
     urls: set[str]  # of every valid line, answered in an earlier run (--resume) or not
 
 
-def _prepare(
-    source, opts: RunOptions, engine, store: TokenStore, done: set[str], record: BatchRecord
-) -> _Job:
-    """Validation pass: stream the input once, tokenize, spill tokens, collect errors."""
-    max_len, tokenizer = engine.max_model_len, engine.tokenizer
+def prepare_requests(
+    source, opts: RunOptions, tokenizer, max_len: int, store: TokenStore, done: set[str]
+) -> PreparedJob:
+    """Validation pass: stream the input once, tokenize, spill tokens, collect errors.
+
+    Shared by `kvbatch run` and `kvbatch submit`, so both judge lines the same way."""
     if tokenizer is None:
         raise JobError(f"the model {opts.model} has no tokenizer: jobs need one")
     requests: list[JobRequest] = []
@@ -236,10 +237,12 @@ def _prepare(
     except StorageError as e:
         raise JobError(str(e)) from e
     name = job_model or Path(opts.model.rstrip("/")).name
-    return _Job(requests, line_of, errors, name, urls)
+    return PreparedJob(requests, line_of, errors, name, urls)
 
 
-def _finalize(paths: JobPaths, partial: PartialOutput, job: _Job, record: BatchRecord) -> None:
+def _finalize(
+    paths: JobPaths, partial: PartialOutput, job: PreparedJob, record: BatchRecord
+) -> None:
     """Write answers in input order and errors by line number; count and sum usage."""
     answered: list[tuple[int, int, int]] = []  # (input line, offset, length) in the partial
     failed: list[tuple[int, int, int]] = []

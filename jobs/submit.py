@@ -22,13 +22,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 from engine.kv_cache import block_hashes
 from jobs.batch_record import BatchRecord
 from jobs.grouping import group_by_prefix
 from jobs.responses import error_line
-from jobs.run import JobError, RunOptions, _prepare
+from jobs.run import JobError, RunOptions, prepare_requests
 from jobs.shards import ShardMessage, ShardRequest, job_dir, new_job_id, write_shard
 from jobs.storage import StorageError, open_storage
 from jobs.token_store import TokenStore
@@ -142,8 +141,7 @@ def prepare_job(
     try:
         with TokenStore(spill) as store:
             opts = RunOptions(input=input_uri, model=model, model_name=model_name)
-            fake_engine = SimpleNamespace(max_model_len=max_len, tokenizer=tokenizer)
-            prepared = _prepare(source, opts, fake_engine, store, set(), record)
+            prepared = prepare_requests(source, opts, tokenizer, max_len, store, set())
             errors = sorted(prepared.errors, key=lambda e: e.line)
             job.join("validation_errors.jsonl").write_bytes(
                 b"".join(
