@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -116,7 +117,8 @@ class WorkerMetrics:
             registry=r,
         )
         self._lock = threading.Lock()
-        self._engine_id: int | None = None
+        # A weak reference, not id(): a new engine can reuse a collected engine's id.
+        self._engine_ref: weakref.ref | None = None
         self._last: dict[str, int] = {}
 
     def observe_engine(self, engine) -> None:
@@ -127,8 +129,8 @@ class WorkerMetrics:
         stats = engine.stats()
         scheduler = engine.scheduler
         with self._lock:
-            if self._engine_id != id(engine):
-                self._engine_id, self._last = id(engine), {}
+            if self._engine_ref is None or self._engine_ref() is not engine:
+                self._engine_ref, self._last = weakref.ref(engine), {}
             for field, name in _ENGINE_COUNTERS.items():
                 value = int(getattr(stats, field))
                 last = self._last.get(field, 0)
