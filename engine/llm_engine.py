@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 
 import torch
 
@@ -16,7 +17,7 @@ from engine.attention import get_backend
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, default_batched_tokens
 from engine.kv_cache import KVCacheManager
 from engine.loader import load_model
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from engine.runner import ModelRunner, kv_bytes_per_block
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -186,8 +187,10 @@ class LLMEngine:
             top_ids = result.sampler_output.top_ids.tolist()
             top_lps = result.sampler_output.top_logprobs.tolist()
         finished = []
+        now = time.perf_counter()
         for row, (seq, token) in enumerate(zip(result.seqs, result.token_ids)):
             seq.token_ids.append(token)
+            seq.record_token_time(now)
             if seq.logprobs is not None and want_logprobs:
                 n = seq.params.logprobs
                 seq.logprobs.append(
@@ -214,6 +217,7 @@ class LLMEngine:
             ],
             finished=seq.status is SequenceStatus.FINISHED,
             num_cached_tokens=max(seq.num_cached_tokens, 0),
+            metrics=_metrics(seq),
         )
 
     def stats(self) -> EngineStats:
@@ -232,3 +236,14 @@ class LLMEngine:
             num_kv_blocks=kv.num_blocks,
             block_size=self.config.cache.block_size,
         )
+
+
+def _metrics(seq: Sequence) -> RequestMetrics:
+    first, last, n = seq.first_token_time, seq.last_token_time, seq.num_output_tokens
+    return RequestMetrics(
+        arrival_time=seq.arrival_time,
+        time_to_first_token=None if first is None else first - seq.arrival_time,
+        time_per_output_token=(last - first) / (n - 1) if first is not None and n > 1 else None,
+        max_token_gap=seq.max_token_gap,
+        finished_time=last,
+    )

@@ -18,6 +18,17 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Seconds, from the request's arrival (time.perf_counter clock)."""
+
+    arrival_time: float
+    time_to_first_token: float | None  # None when no token was produced
+    time_per_output_token: float | None  # mean gap after the first token; None below 2 tokens
+    max_token_gap: float  # the longest wait between two consecutive output tokens
+    finished_time: float | None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -26,6 +37,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when this request alone failed (the others still ran)
+    metrics: RequestMetrics | None = None
 
 
 @dataclass

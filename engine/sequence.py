@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -40,11 +41,24 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     output_text: str | None = None  # set when a stop string cut the text
     logprobs: list[TokenLogprobs] | None = None
+    # Wall-clock timing (time.perf_counter): arrival, first and latest output token, and the
+    # longest wait between two output tokens (what chunked prefill must keep short).
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    max_token_gap: float = 0.0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+
+    def record_token_time(self, now: float) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            self.max_token_gap = max(self.max_token_gap, now - self.last_token_time)
+        self.last_token_time = now
 
     @property
     def num_tokens(self) -> int:
