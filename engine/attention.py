@@ -15,6 +15,7 @@ The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -141,16 +142,30 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
 
-BACKENDS = {"torch": TorchAttentionBackend}
+def _triton_backend():
+    from engine.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+BACKENDS = {"torch": TorchAttentionBackend, "triton": _triton_backend}
 
 
 def get_backend(name: str, device: torch.device):
-    """Pick an attention backend by name; `auto` is torch until the triton one lands."""
+    """Pick an attention backend by name: `auto` is triton on CUDA and torch on the CPU.
+
+    triton on the CPU runs only under Triton's interpreter (TRITON_INTERPRET=1, for tests).
+    """
     if name == "auto":
-        name = "torch"
+        name = "triton" if device.type == "cuda" else "torch"
     if name not in BACKENDS:
         raise ValueError(
             f"attention_backend {name!r} is not available; choose one of: auto, "
             + ", ".join(BACKENDS)
+        )
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "attention_backend='triton' needs a CUDA device (on the CPU it runs only under "
+            "TRITON_INTERPRET=1, for testing): use attention_backend='torch' or 'auto'"
         )
     return BACKENDS[name]()

@@ -1,0 +1,110 @@
+"""How much GPU memory the KV pool may take: profile the worst step, then share what is left.
+
+    free after loading weights
+      - peak activations of the largest step (max_num_batched_tokens tokens, profiled)
+      = what is left;  kv_cache_memory_fraction of it becomes the block pool
+
+The profile runs one real forward of the step the scheduler can build at its largest (a full
+token budget of prefill, split into sequences no longer than max_model_len, and logits for
+max_num_seqs rows) on a throw-away cache just big enough for it, and measures the allocator's
+peak above the weights. The fraction leaves room for CUDA graphs, the sampler's temporaries
+and fragmentation.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillSpan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProfileStep:
+    """The largest step the scheduler can build, on a throw-away cache just big enough."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    kv_caches: list[torch.Tensor]
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor
+
+
+def largest_step(
+    model,
+    *,
+    num_tokens: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> ProfileStep:
+    """A full token budget of prefill, in sequences no longer than max_model_len - 1, with
+    logits for max_num_seqs rows."""
+    cfg = model.config
+    num_blocks = -(-num_tokens // block_size) + 1
+    caches = [
+        torch.zeros(
+            2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
+        )
+        for _ in range(cfg.num_layers)
+    ]
+    spans, positions, slots, start, block = [], [], [], 0, 0
+    while start < num_tokens:
+        n = min(max_model_len - 1, num_tokens - start)
+        blocks = torch.arange(block, block + -(-n // block_size), device=device)
+        spans.append(PrefillSpan(start, n, n, blocks))
+        pos = torch.arange(n, device=device)
+        positions.append(pos)
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        start, block = start + n, block + len(blocks)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        num_decode_tokens=0,
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.long, device=device),
+        decode_seq_lens=torch.zeros(0, dtype=torch.long, device=device),
+        prefills=spans,
+    )
+    rows = torch.arange(num_tokens - min(max_num_seqs, num_tokens), num_tokens, device=device)
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    return ProfileStep(ids, torch.cat(positions), caches, meta, rows)
+
+
+def run_step(forward, backend, step: ProfileStep) -> torch.Tensor:
+    logits = forward(
+        step.input_ids,
+        step.positions,
+        step.kv_caches,
+        step.meta,
+        backend,
+        logits_indices=step.logits_rows,
+    )
+    return torch.softmax(logits, dim=-1)  # the sampler's largest temporary
+
+
+def profile_peak_activation_bytes(model, forward, backend, **step_args) -> int:
+    """Bytes the largest step needs above the weights (CUDA: measured by the allocator)."""
+    device = step_args["device"]
+    step = largest_step(model, **step_args)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)  # weights + the throw-away cache
+    probs = run_step(forward, backend, step)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del probs, step
+    torch.cuda.empty_cache()
+    return max(0, peak)
+
+
+def cuda_kv_budget(peak_activation: int, fraction: float, device: torch.device) -> int:
+    """kv_cache_memory_fraction of the memory left once the largest step's activations are
+    set aside."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return max(0, int((free - peak_activation) * fraction))

@@ -1,0 +1,168 @@
+"""The Triton attention backend: the kernels in kernels/ over the same metadata as the torch one.
+
+Per layer it runs at most four launches, whatever the number of sequences:
+
+    write_kv_cache          every new token's K/V into its slot (negative slots skipped)
+    paged_decode_attention  all single-token decodes (their private blocks under cascade)
+    paged_prefill_attention all prefill chunks, causal over their cached prefix and themselves
+    cascade (decodes only)  each shared-prefix group's queries against its shared blocks once
+                            (the prefill kernel, non-causal) merged by log-sum-exp
+
+The step's packed tensors (prefill tables and lengths, cascade groups) are built once per step
+on first use and reused by every layer (`StepTensors`), so a layer pays for launches only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+
+
+@dataclass
+class PrefillBatch:
+    """All prefill chunks of a step packed for one kernel launch."""
+
+    block_tables: torch.Tensor  # [S, max_blocks]
+    query_start: torch.Tensor  # [S]
+    query_lens: torch.Tensor  # [S]
+    context_lens: torch.Tensor  # [S]
+    max_query_len: int
+
+
+@dataclass
+class StepTensors:
+    prefill: PrefillBatch | None
+    shared: PrefillBatch | None  # cascade groups as non-causal "sequences" of decode rows
+    ungrouped: torch.Tensor | None  # [num_decodes] bool: decode rows outside every group
+
+
+def pack_prefills(meta: AttentionMetadata) -> PrefillBatch | None:
+    spans = meta.prefills
+    if not spans:
+        return None
+    device = meta.slot_mapping.device
+    width = max(int(s.block_ids.numel()) for s in spans)
+    tables = torch.zeros(len(spans), width, dtype=torch.int32, device=device)
+    for i, s in enumerate(spans):
+        tables[i, : s.block_ids.numel()] = s.block_ids
+    # [3, S]: each row contiguous (the kernels index these vectors with unit stride)
+    lens = torch.tensor(
+        [
+            [s.query_start for s in spans],
+            [s.query_len for s in spans],
+            [s.context_len for s in spans],
+        ],
+        dtype=torch.int32,
+    ).to(device)
+    return PrefillBatch(tables, lens[0], lens[1], lens[2], max(s.query_len for s in spans))
+
+
+def pack_groups(meta: AttentionMetadata, block_size: int) -> tuple[PrefillBatch, torch.Tensor]:
+    """Cascade groups as non-causal query ranges over the decode rows."""
+    groups = meta.decode_groups
+    device = meta.slot_mapping.device
+    width = max(int(g.block_ids.numel()) for g in groups)
+    tables = torch.zeros(len(groups), width, dtype=torch.int32, device=device)
+    for i, g in enumerate(groups):
+        tables[i, : g.block_ids.numel()] = g.block_ids
+    lens = torch.tensor(
+        [
+            [g.start for g in groups],
+            [g.end - g.start for g in groups],
+            [g.block_ids.numel() * block_size for g in groups],
+        ],
+        dtype=torch.int32,
+    ).to(device)
+    ungrouped = torch.ones(meta.num_decode_tokens, dtype=torch.bool)
+    for g in groups:
+        ungrouped[g.start : g.end] = False
+    longest = max(g.end - g.start for g in groups)
+    batch = PrefillBatch(tables, lens[0], lens[1], lens[2], longest)
+    return batch, ungrouped.to(device)
+
+
+class TritonAttentionBackend:
+    """Paged attention with the Triton kernels (CUDA; the interpreter runs them on the CPU)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Imported here: kernels/ imports triton, which the torch backend never needs.
+        from kernels.decode_attention import paged_decode_attention
+        from kernels.kv_write import write_kv_cache
+        from kernels.merge_states import merge_attention_states
+        from kernels.prefill_attention import paged_prefill_attention
+
+        self._decode = paged_decode_attention
+        self._prefill = paged_prefill_attention
+        self._merge = merge_attention_states
+        self._write = write_kv_cache
+        self._step_meta: AttentionMetadata | None = None
+        self._step: StepTensors | None = None
+
+    def step_tensors(self, meta: AttentionMetadata, block_size: int) -> StepTensors:
+        """Packed once per step (keyed by the metadata object), reused by every layer."""
+        if self._step_meta is not meta:
+            shared = ungrouped = None
+            if meta.decode_groups:
+                shared, ungrouped = pack_groups(meta, block_size)
+            self._step = StepTensors(pack_prefills(meta), shared, ungrouped)
+            self._step_meta = meta
+        return self._step
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        self._write(kv_cache, k, v, meta.slot_mapping)
+        step = self.step_tensors(meta, kv_cache.shape[2])
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            self._decode_rows(q[:nd], kv_cache, meta, step, out[:nd])
+        if step.prefill is not None:
+            p = step.prefill
+            self._prefill(
+                q,
+                kv_cache,
+                p.block_tables,
+                p.query_start,
+                p.query_lens,
+                p.context_lens,
+                p.max_query_len,
+                causal=True,
+                out=out,
+            )
+        return out
+
+    def _decode_rows(self, q, kv_cache, meta, step: StepTensors, out) -> None:
+        if step.shared is None:
+            self._decode(q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, out=out)
+            return
+        # Cascade: private blocks per row, shared blocks once per group, merged exactly.
+        private, lse_p = self._decode(
+            q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, return_lse=True
+        )
+        s = step.shared
+        shared = torch.zeros_like(q)
+        shared, lse_s = self._prefill(
+            q,
+            kv_cache,
+            s.block_tables,
+            s.query_start,
+            s.query_lens,
+            s.context_lens,
+            s.max_query_len,
+            causal=False,
+            out=shared,
+            return_lse=True,
+        )
+        lse_s.masked_fill_(step.ungrouped[:, None], float("-inf"))  # rows no group covered
+        self._merge(private, lse_p, shared, lse_s, out=out)

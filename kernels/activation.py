@@ -1,0 +1,85 @@
+"""SiLU-and-mul, the gate of a SwiGLU MLP: out = silu(gate) * up.
+
+Semantics are engine/model.py's MLP (`F.silu(gate, inplace=True).mul_(up)`): silu is computed
+in float32 as g / (1 + exp(-g)) and rounded to the input's dtype, then the product is rounded
+once more, so float16 results match the eager ops.
+
+A 2-D grid (rows x column blocks) rather than one program per row: intermediate sizes reach
+28672, too wide for one block. gate and up may be strided views (the halves of a fused
+gate_up projection); `out` may be gate itself, each element being read before it is written
+by the same program.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    gate_ptr,
+    up_ptr,
+    out_ptr,
+    num_cols,
+    stride_g_row,
+    stride_g_col,
+    stride_u_row,
+    stride_u_col,
+    stride_o_row,
+    stride_o_col,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    gate = tl.load(gate_ptr + row * stride_g_row + cols * stride_g_col, mask=mask, other=0.0)
+    up = tl.load(up_ptr + row * stride_u_row + cols * stride_u_col, mask=mask, other=0.0)
+    dtype = gate.dtype
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype)
+    y = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + row * stride_o_row + cols * stride_o_col, y, mask=mask)
+
+
+def silu_and_mul(
+    gate: torch.Tensor,  # [T, F]
+    up: torch.Tensor,  # [T, F]
+    *,
+    out: torch.Tensor | None = None,  # [T, F], gate's dtype; may be gate itself
+) -> torch.Tensor:  # [T, F]
+    """silu(gate) * up, elementwise."""
+    _check_shapes(gate, up, out)
+    out = torch.empty_like(gate) if out is None else out
+    num_rows, num_cols = gate.shape
+    if num_rows == 0 or num_cols == 0:
+        return out
+    grid = (num_rows, triton.cdiv(num_cols, _BLOCK))
+    _silu_and_mul_kernel[grid](
+        gate, up, out, num_cols, *gate.stride(), *up.stride(), *out.stride(), BLOCK=_BLOCK
+    )
+    return out
+
+
+def silu_and_mul_ref(
+    gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Plain-torch reference: F.silu(gate) * up."""
+    _check_shapes(gate, up, out)
+    return torch.mul(F.silu(gate), up, out=out) if out is not None else F.silu(gate) * up
+
+
+def _check_shapes(gate, up, out) -> None:
+    if gate.dim() != 2 or gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(
+            f"gate and up must be [T, F] of one dtype; got gate {tuple(gate.shape)} "
+            f"{gate.dtype}, up {tuple(up.shape)} {up.dtype}"
+        )
+    if out is not None and (out.shape != gate.shape or out.dtype != gate.dtype):
+        raise ValueError(
+            f"out must be {tuple(gate.shape)} {gate.dtype}; got {tuple(out.shape)} {out.dtype}"
+        )

@@ -1,0 +1,125 @@
+"""Scatter a step's new K/V rows into the paged KV cache.
+
+One layer's cache is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V). Token
+t goes to slot `slot_mapping[t] = block * block_size + offset`:
+
+    kv_cache[0, block, offset] = k[t]      # [num_kv_heads, head_dim]
+    kv_cache[1, block, offset] = v[t]
+
+A negative slot means "skip this row": CUDA-graph batches are padded to a captured size, and
+the padding rows must not write anywhere. The kernel masks them out on the device, so the
+launch never reads the slots back to the host and can be captured in a graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    cache_ptr,
+    k_ptr,
+    v_ptr,
+    slot_ptr,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    stride_c_kv,  # kv_cache strides: K/V, block, offset, head, dim
+    stride_c_block,
+    stride_c_off,
+    stride_c_head,
+    stride_c_dim,
+    stride_k_t,
+    stride_k_head,
+    stride_k_dim,
+    stride_v_t,
+    stride_v_head,
+    stride_v_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    block = slot // block_size
+    offset = slot % block_size
+
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    # slot < 0 masks the whole row: nothing is read, nothing is written. (The slot is
+    # broadcast to the tile before the compare: the interpreter turns `tile & scalar_bool`
+    # into an int32 mask, which its load then rejects.)
+    mask = (heads < num_kv_heads) & (dims < head_dim) & (slot + 0 * dims >= 0)
+
+    dst = cache_ptr + block * stride_c_block + offset * stride_c_off
+    dst += heads * stride_c_head + dims * stride_c_dim
+    k = tl.load(k_ptr + t * stride_k_t + heads * stride_k_head + dims * stride_k_dim, mask=mask)
+    v = tl.load(v_ptr + t * stride_v_t + heads * stride_v_head + dims * stride_v_dim, mask=mask)
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int32/int64; negative: skip the row
+) -> None:
+    """Write each token's K and V into its cache slot; rows with a negative slot are skipped.
+
+    k and v may be strided views (slices of a fused qkv projection)."""
+    _check_shapes(kv_cache, k, v, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _, _, block_size, _, _ = kv_cache.shape
+    slot_mapping = slot_mapping.contiguous()
+    _write_kv_kernel[(num_tokens,)](
+        kv_cache,
+        k,
+        v,
+        slot_mapping,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        *kv_cache.stride(),
+        *k.stride(),
+        *v.stride(),
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def write_kv_cache_ref(
+    kv_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Plain-torch reference: the engine's index_copy_ write with negative slots dropped.
+
+    The boolean filter reads the mask on the host: fine for a reference, not graph-capturable.
+    """
+    _check_shapes(kv_cache, k, v, slot_mapping)
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[keep].to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[keep].to(kv_cache.dtype))
+
+
+def _check_shapes(kv_cache, k, v, slot_mapping) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    if k.shape != v.shape or k.shape[1:] != kv_cache.shape[3:]:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
+            f"[T, {kv_cache.shape[3]}, {kv_cache.shape[4]}] to match the cache"
+        )
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be [{k.shape[0]}], got {tuple(slot_mapping.shape)}")

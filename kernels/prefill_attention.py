@@ -1,0 +1,311 @@
+"""Paged attention for prefill chunks: many query rows per sequence, variable lengths.
+
+Sequence s owns query rows [query_start, query_start + query_len) of the flat q and attends to
+context_len keys in its blocks. Causal: its queries are the last query_len positions of the
+context (chunked prefill: a chunk sees its cached prefix and, causally, itself):
+
+    keys:     0 1 2 3 4 5 6 7 8 9          context_len 10, query_len 4 (cached prefix 6)
+    query 0:  x x x x x x x                query i sits at position 6 + i and sees keys <= it
+    query 3:  x x x x x x x x x x
+
+Non-causal: every query sees all context_len keys (cascade attention: a group of decoding rows
+against the group's shared prefix blocks).
+
+GQA packing: one program serves all G query heads of a kv head. Its BLOCK_M rows are
+(query position, head) pairs, row r = position r // G, head r % G, so every K/V tile is read
+once for the G heads and a tile holds BLOCK_M // G positions.
+
+Each program runs two loops over key tiles: first the keys every row of the tile may see
+(no mask at all), then the rest up to the tile's last visible key (masked: diagonal of the
+causal mask, end of the context).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.decode_attention import LOG2E, check_attention_inputs, dot_precision
+
+
+class PrefillTiles(NamedTuple):
+    block_m: int  # (position, head) rows per program
+    block_n: int  # keys per inner iteration
+    num_warps: int
+    num_stages: int
+
+
+def prefill_tiles(dtype: torch.dtype, block_d: int) -> PrefillTiles:
+    """Tile and launch settings (Hopper): q tile plus pipelined K/V tiles must fit in shared
+    memory, so float32 (tests only) and head_dim 256 get smaller tiles."""
+    if dtype.itemsize >= 4:
+        return PrefillTiles(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if block_d <= 64:
+        return PrefillTiles(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if block_d <= 128:
+        return PrefillTiles(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return PrefillTiles(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_base,
+    stride_kv,
+    table,
+    offs_n,
+    offs_d,
+    d_mask,
+    visible,  # [BLOCK_M, BLOCK_N] bool (or [1, BLOCK_N]), used when MASKED
+    n_valid,  # [BLOCK_N] bool: key inside the context, used when MASKED
+    scale_log2,
+    stride_kblk,
+    stride_kpos,
+    stride_kd,
+    BLOCK_SIZE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One online-softmax step of a row tile over the keys offs_n."""
+    if MASKED:
+        blocks = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+    else:
+        blocks = tl.load(table + offs_n // BLOCK_SIZE).to(tl.int64)
+        kv_mask = d_mask[None, :] & (offs_n[:, None] >= 0)
+    slots = blocks * stride_kblk + (offs_n % BLOCK_SIZE) * stride_kpos
+    kv_offs = slots[:, None] + offs_d[None, :] * stride_kd  # [BLOCK_N, BLOCK_D]
+    k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_sub = m_new
+    if MASKED:  # a row that has seen no key yet: subtract 0, not -inf (no -inf - -inf = NaN)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_sub[:, None])
+    alpha = tl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(k_base + stride_kv + kv_offs, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [T, H, D]
+    kv_ptr,  # [2, num_blocks, block_size, KVH, D]
+    table_ptr,  # [S, max_blocks]
+    query_start_ptr,  # [S]
+    query_lens_ptr,  # [S]
+    context_lens_ptr,  # [S]
+    out_ptr,  # [T, H, D]
+    lse_ptr,  # [T, H] float32
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kv,
+    stride_kblk,
+    stride_kpos,
+    stride_kh,
+    stride_kd,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lt,
+    stride_lh,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    query_len = tl.load(query_lens_ptr + seq).to(tl.int32)
+    first_row = tile * BLOCK_M
+    if first_row >= query_len * G:  # the grid is sized for the longest chunk
+        return
+    query_start = tl.load(query_start_ptr + seq).to(tl.int64)
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+
+    offs_m = first_row + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = offs_m // G  # query index within the chunk
+    heads = kvh * G + offs_m % G
+    m_mask = pos < query_len
+    d_mask = offs_d < HEAD_DIM
+    rows = query_start + pos
+    q = tl.load(
+        q_ptr
+        + rows[:, None] * stride_qt
+        + heads[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+
+    if CAUSAL:
+        cached = context_len - query_len
+        last_pos = tl.minimum((first_row + BLOCK_M - 1) // G, query_len - 1)
+        shared_end = cached + first_row // G + 1  # keys every row of the tile sees
+        kv_end = cached + last_pos + 1
+    else:
+        shared_end = context_len
+        kv_end = context_len
+    unmasked_end = (shared_end // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = kv_ptr + kvh * stride_kh
+    table = table_ptr + seq.to(tl.int64) * stride_tb
+    arange_n = tl.arange(0, BLOCK_N)
+    unused = arange_n >= 0  # stands in for the masks where MASKED is off (compiled away)
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        offs_n = start_n + arange_n
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_base, stride_kv, table, offs_n, offs_d, d_mask,
+            unused[None, :], unused, scale_log2, stride_kblk, stride_kpos, stride_kd,
+            BLOCK_SIZE, PRECISION, False,
+        )  # fmt: skip
+    for start_n in range(unmasked_end, kv_end, BLOCK_N):
+        offs_n = start_n + arange_n
+        n_valid = offs_n < context_len
+        visible = n_valid[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= (context_len - query_len + pos)[:, None])
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_base, stride_kv, table, offs_n, offs_d, d_mask,
+            visible, n_valid, scale_log2, stride_kblk, stride_kpos, stride_kd,
+            BLOCK_SIZE, PRECISION, True,
+        )  # fmt: skip
+
+    empty = l_i == 0.0  # non-causal with context_len 0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    tl.store(
+        out_ptr
+        + rows[:, None] * stride_ot
+        + heads[:, None] * stride_oh
+        + offs_d[None, :] * stride_od,
+        o.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+    tl.store(lse_ptr + rows * stride_lt + heads * stride_lh, lse * 0.6931471805599453, mask=m_mask)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    query_start: torch.Tensor,  # [S] first row of each sequence's queries in q
+    query_lens: torch.Tensor,  # [S]
+    context_lens: torch.Tensor,  # [S] keys attended: cached prefix + own queries
+    max_query_len: int,  # host int: sizes the grid
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Varlen paged attention of several sequences' query chunks (causal or not).
+
+    Returns out [T, num_heads, head_dim] in q's dtype; only rows covered by a sequence are
+    written (rows of `out` outside every sequence keep their contents). With `return_lse` also
+    the float32 natural-log log-sum-exp [T, num_heads] (-inf in uncovered rows).
+    """
+    check_attention_inputs(q, kv_cache, q.shape[0], "T")
+    # The kernel indexes these with unit stride (a column slice of a [S, 3] tensor would be
+    # read wrongly): no-ops when already contiguous, so still capturable in a CUDA graph.
+    block_tables, query_start, query_lens, context_lens = (
+        t.contiguous() for t in (block_tables, query_start, query_lens, context_lens)
+    )
+    num_seqs = block_tables.shape[0]
+    if not (query_start.shape[0] == query_lens.shape[0] == context_lens.shape[0] == num_seqs):
+        raise ValueError(
+            "block_tables, query_start, query_lens and context_lens must have one entry per "
+            f"sequence; got {num_seqs}, {query_start.shape[0]}, {query_lens.shape[0]}, "
+            f"{context_lens.shape[0]}"
+        )
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    g = num_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    if num_seqs == 0 or max_query_len <= 0 or num_tokens == 0:
+        return (out, lse) if return_lse else out
+
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    tiles = prefill_tiles(q.dtype, block_d)
+    grid = (triton.cdiv(max_query_len * g, tiles.block_m), num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, kv_cache, block_tables, query_start, query_lens, context_lens, out, lse,
+        scale * LOG2E,
+        *q.stride(), *kv_cache.stride(), block_tables.stride(0), *out.stride(), *lse.stride(),
+        G=g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_D=block_d, CAUSAL=causal, PRECISION=dot_precision(q.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch varlen paged prefill attention (float32 math, one sequence at a time)."""
+    check_attention_inputs(q, kv_cache, q.shape[0], "T")
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    g = num_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    for s, (start, qlen, ctx) in enumerate(
+        zip(query_start.tolist(), query_lens.tolist(), context_lens.tolist())
+    ):
+        if qlen == 0:
+            continue
+        ids = block_tables[s, : -(-ctx // block_size)].long()
+        # [ctx, kv_heads, D] -> [heads, ctx, D]
+        keys = kv_cache[0].index_select(0, ids).reshape(-1, num_kv_heads, head_dim)[:ctx]
+        values = kv_cache[1].index_select(0, ids).reshape(-1, num_kv_heads, head_dim)[:ctx]
+        keys = keys.float().repeat_interleave(g, dim=1).transpose(0, 1)
+        values = values.float().repeat_interleave(g, dim=1).transpose(0, 1)
+        qs = q[start : start + qlen].float().transpose(0, 1)  # [heads, qlen, D]
+        scores = torch.matmul(qs, keys.transpose(1, 2)) * scale  # [heads, qlen, ctx]
+        if causal:
+            q_pos = torch.arange(ctx - qlen, ctx, device=q.device)
+            visible = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)  # [heads, qlen]
+        probs = torch.exp(scores - row_lse.nan_to_num(neginf=0.0)[..., None])
+        out[start : start + qlen] = torch.matmul(probs, values).transpose(0, 1).to(out.dtype)
+        lse[start : start + qlen] = row_lse.transpose(0, 1)
+    return (out, lse) if return_lse else out
