@@ -1,7 +1,10 @@
 """`kvbatch bench WORKLOAD --peers hf-static [--json PATH] ...` (also `python -m benchmarks.cli`).
 
 Runs kvbatch and each peer on the workload's prompts in this one process, prints a table of
-seconds, output tokens/s and ratios to kvbatch, and optionally writes the same as JSON.
+seconds, output tokens/s, latency (TTFT/TPOT p50/p99), ratios to kvbatch and the fraction of
+the hardware floor, and optionally writes the same as JSON. `--tiny` runs a GPU workload's
+tiny variant (same structure, tiny model, CPU); `--sweep` runs kvbatch alone over a grid of
+max_num_seqs x max_num_batched_tokens x kv_cache_memory_fraction (benchmarks/sweep.py).
 """
 
 from __future__ import annotations
@@ -14,7 +17,15 @@ from pathlib import Path
 
 from benchmarks.harness import BenchConfig, BenchError, engine_order, resolve_model, run_benchmark
 from benchmarks.peers import PEERS, EngineOptions
-from benchmarks.workloads import WORKLOADS, get_workload
+from benchmarks.sweep import (
+    DEFAULT_BATCHED_TOKENS,
+    DEFAULT_KV_FRACTIONS,
+    DEFAULT_MAX_NUM_SEQS,
+    SweepGrid,
+    parse_list,
+    run_sweep,
+)
+from benchmarks.workloads import TINY_WORKLOADS, WORKLOADS, get_workload
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("workload", nargs="?", help=f"one of: {', '.join(WORKLOADS)}")
     p.add_argument("--list", action="store_true", help="list the workloads and engines, then exit")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the workload's tiny variant: same structure, tiny random model, float32 on the CPU "
+        f"({', '.join(TINY_WORKLOADS)})",
+    )
     p.add_argument(
         "--peers",
         action="append",
@@ -54,6 +71,40 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     e.add_argument("--block-size", type=int, default=defaults.block_size)
     e.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    e.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        metavar="F",
+        help="share of free CUDA memory for the KV pool (the engine's default)",
+    )
+    e.add_argument(
+        "--attention-backend",
+        default=defaults.attention_backend,
+        help="auto (triton on CUDA, torch on the CPU), torch or triton",
+    )
+
+    s = p.add_argument_group("sweep (kvbatch alone, one engine per cell)")
+    s.add_argument(
+        "--sweep",
+        action="store_true",
+        help="run a grid of max_num_seqs x max_num_batched_tokens x kv_cache_memory_fraction",
+    )
+    s.add_argument(
+        "--sweep-max-num-seqs",
+        default=",".join(map(str, DEFAULT_MAX_NUM_SEQS)),
+        metavar="N,N",
+    )
+    s.add_argument(
+        "--sweep-max-num-batched-tokens",
+        default=",".join(map(str, DEFAULT_BATCHED_TOKENS)),
+        metavar="N,N",
+    )
+    s.add_argument(
+        "--sweep-kv-cache-memory-fraction",
+        default=",".join(f"{f:g}" for f in DEFAULT_KV_FRACTIONS),
+        metavar="F,F",
+        help="(CUDA only: the CPU pool has a fixed size)",
+    )
 
     h = p.add_argument_group("hf-static")
     h.add_argument(
@@ -67,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
     """Turn parsed arguments into a BenchConfig (resolving, and if need be fetching, the model)."""
-    workload = get_workload(args.workload)
+    workload = get_workload(args.workload, tiny=args.tiny)
     if args.seed is not None:
         workload = workload.with_seed(args.seed)
     peers = [n.strip() for arg in args.peers for n in arg.split(",") if n.strip()]
@@ -81,7 +132,9 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
-        hf_batch_size=args.hf_batch_size,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        attention_backend=args.attention_backend,
+        hf_batch_size=args.hf_batch_size or workload.hf_batch_size,
     )
     return BenchConfig(
         workload=workload,
@@ -95,6 +148,21 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
     )
 
 
+def sweep_grid_from_args(args: argparse.Namespace) -> SweepGrid:
+    """The --sweep grid; the sweep runs kvbatch alone, so peers are refused."""
+    if args.peers or args.skip_kvbatch:
+        raise BenchError("--sweep runs kvbatch alone: drop --peers and --skip-kvbatch")
+    return SweepGrid(
+        max_num_seqs=parse_list(args.sweep_max_num_seqs, int, "--sweep-max-num-seqs"),
+        max_num_batched_tokens=parse_list(
+            args.sweep_max_num_batched_tokens, int, "--sweep-max-num-batched-tokens"
+        ),
+        kv_cache_memory_fraction=parse_list(
+            args.sweep_kv_cache_memory_fraction, float, "--sweep-kv-cache-memory-fraction"
+        ),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: `argv` is what follows `kvbatch bench`. Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -103,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for w in WORKLOADS.values():
             print(w.summary())
+        for name, w in TINY_WORKLOADS.items():
+            print(f"--tiny {name}: {w.summary()}")
         print("engines: " + ", ".join(PEERS))
         return 0
     if args.workload is None:
@@ -110,11 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["kvbatch", "bench", *argv])
     try:
         config = config_from_args(args, command)
+        grid = sweep_grid_from_args(args) if args.sweep else None
     except (BenchError, ValueError) as e:  # bad arguments
         print(f"kvbatch bench: error: {e}", file=sys.stderr)
         return 2
+    progress = lambda m: print(m, file=sys.stderr, flush=True)
     try:  # a ValueError from inside an engine is a bug: let its traceback through
-        report = run_benchmark(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        if grid is not None:
+            report = run_sweep(config, grid, progress=progress)
+        else:
+            report = run_benchmark(config, progress=progress)
     except BenchError as e:
         print(f"kvbatch bench: error: {e}", file=sys.stderr)
         return 2

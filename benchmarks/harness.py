@@ -8,6 +8,12 @@ each engine's time as a ratio to kvbatch's. Per engine:
 
 Repeat r uses the workload drawn with seed `seed + r` (the same for every engine), so a prefix
 cache warmed by one repeat cannot serve the next. Seconds are the median over the repeats.
+
+Latency per engine: time to first token (TTFT, from the run's start, when every request
+arrives) and time per output token (TPOT, the mean gap after the first token), p50 and p99
+over all requests of all repeats; '-' where the engine cannot tell. The floor fraction is the
+workload's hardware floor (../shared/BENCHMARKS.md) / seconds, shown only on the device the
+floor was worked out for.
 """
 
 from __future__ import annotations
@@ -24,8 +30,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.peers import EngineOptions, RunResult, make_peer
-from benchmarks.workloads import SMOLLM2, Workload, make_prompts
+from benchmarks.peers import EngineOptions, Peer, PeerUnavailable, RunResult, make_peer
+from benchmarks.workloads import (
+    LLAMA_1B_RANDOM,
+    SMOLLM2,
+    TINY_RANDOM,
+    Workload,
+    make_long_prompt,
+    make_prompts,
+)
 
 KVBATCH = "kvbatch"
 
@@ -72,6 +85,12 @@ class EngineSummary:
     tokens_per_s: float
     ratio: float | None  # this engine's seconds / the reference's: how much faster kvbatch is
     extra: dict[str, Any]  # engine-specific figures of the last repeat
+    ttft_p50: float | None = None  # seconds; None where the engine cannot tell
+    ttft_p99: float | None = None
+    tpot_p50: float | None = None
+    tpot_p99: float | None = None
+    floor_fraction: float | None = None  # floor seconds / seconds, on the floor's device only
+    long_prefill: dict[str, Any] | None = None  # long-prefill gap figures (median over repeats)
 
 
 @dataclass
@@ -95,7 +114,8 @@ class BenchReport:
 
     @property
     def reference(self) -> str:
-        return self.config.engines[0]
+        """The engine ratios are taken against: the first that ran (kvbatch when it ran)."""
+        return self.engines[0].engine if self.engines else self.config.engines[0]
 
     def summary(self, engine: str) -> EngineSummary | None:
         return next((s for s in self.engines if s.engine == engine), None)
@@ -112,10 +132,15 @@ class BenchReport:
         s = self.summary(KVBATCH)
         return None if s is None else s.extra.get("cached_token_fraction")
 
+    @property
+    def floor_applies(self) -> bool:
+        return floor_applies(self.config.workload, self.machine)
+
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready data (what `--json` writes)."""
         c = self.config
         return {
+            "kind": "bench",
             "workload": c.workload.to_dict(),
             "model_path": c.model_path,
             "options": dataclasses.asdict(c.options),
@@ -125,6 +150,11 @@ class BenchReport:
             "prefix_hit_rate": self.prefix_hit_rate,
             "cached_token_fraction": self.cached_token_fraction,
             "greedy_match": [dataclasses.asdict(m) for m in self.greedy_match],
+            "floor": {
+                "seconds": c.workload.floor_seconds,
+                "device": c.workload.floor_device,
+                "applies": self.floor_applies,
+            },
             "warnings": list(self.warnings),
             "machine": self.machine,
             "date": self.date,
@@ -140,19 +170,35 @@ class BenchReport:
         where = f"{m['device']} ({m['device_name']}), {m['torch_threads']} torch threads"
         lines = [c.workload.summary(), f"{where}, {runs}, {self.date}", ""]
         matches = {g.engine: g for g in self.greedy_match}
-        rows = [("engine", "seconds", "output tok/s", "ratio", "greedy match")]
+        show_floor = self.floor_applies
+        head = ["engine", "seconds", "output tok/s"] + LATENCY_HEADERS + ["ratio"]
+        head += ["of floor"] if show_floor else []
+        rows = [tuple(head + ["greedy match"])]
         for s in self.engines:
             g = matches.get(s.engine)
             match = "reference" if s.engine == self.reference else "-"
             if g is not None:
                 match = f"{g.matching}/{g.compared}"
             ratio = "-" if s.ratio is None else f"{s.ratio:.2f}"
-            rows.append((s.engine, f"{s.seconds:.2f}", f"{s.tokens_per_s:.1f}", ratio, match))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for r in rows:
-            cells = [r[0].ljust(widths[0])] + [v.rjust(w) for v, w in zip(r[1:], widths[1:])]
-            lines.append("  ".join(cells).rstrip())
+            row = [s.engine, f"{s.seconds:.2f}", f"{s.tokens_per_s:.1f}"]
+            row += latency_cells(s) + [ratio]
+            row += [_pct(s.floor_fraction)] if show_floor else []
+            rows.append(tuple(row + [match]))
+        lines += format_rows(rows)
         lines.append("")
+        lines.append(
+            "TTFT / TPOT in ms (p50, p99 over requests): time to first token from the "
+            "run's start, mean time per output token after it"
+        )
+        if show_floor:
+            w = c.workload
+            lines.append(
+                f"of floor = {w.floor_seconds:g} s (the {w.floor_device} floor of {w.name}, "
+                "../shared/BENCHMARKS.md) / seconds"
+            )
+        for s in self.engines:
+            if s.long_prefill is not None:
+                lines.append(format_long_prefill(s.engine, s.long_prefill))
         kv = self.summary(KVBATCH)
         if kv is not None:
             rate = self.prefix_hit_rate
@@ -170,8 +216,145 @@ class BenchReport:
         return "\n".join(lines)
 
 
+LATENCY_HEADERS = ["TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"]
+
+
+def latency_cells(s: Any) -> list[str]:
+    """The four latency figures of a summary (anything with ttft_p50 ... tpot_p99), in ms."""
+    return [_ms(getattr(s, k)) for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")]
+
+
+def format_rows(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows of cells as aligned text: the first column left-aligned, the others right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [v.rjust(w) for v, w in zip(r[1:], widths[1:])]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+LONG_PREFILL_TARGET = 3.0
+"""Issue 5: while the long prompt is prefilled, no decoder waits more than 3 decode steps."""
+
+
+def format_long_prefill(engine: str, f: dict[str, Any]) -> str:
+    ratio = f.get("gap_ratio")
+    verdict = ""
+    if ratio is not None:
+        verdict = " (meets" if ratio <= LONG_PREFILL_TARGET else " (misses"
+        verdict += f" the target of <= {LONG_PREFILL_TARGET:g})"
+    return (
+        f"{engine} long-prefill: longest token gap {_ms(f.get('max_token_gap_s'))} ms, median "
+        f"decode step {_ms(f.get('median_decode_step_s'))} ms, ratio "
+        f"{'-' if ratio is None else f'{ratio:.1f}'}{verdict}; the "
+        f"{f.get('long_prompt_tokens')}-token prompt's first token after "
+        f"{_ms(f.get('long_prompt_ttft_s'))} ms"
+    )
+
+
+def floor_applies(workload: Workload, machine: dict[str, Any]) -> bool:
+    """Whether the workload has a floor for the device the run used."""
+    if workload.floor_seconds is None:
+        return False
+    name = str(machine.get("device_name", ""))
+    return str(machine.get("device", "")).startswith("cuda") and workload.floor_device in name
+
+
+def percentiles(values: Sequence[float | None]) -> tuple[float | None, float | None]:
+    """p50 and p99 of the known values (None when there are none)."""
+    known = [float(v) for v in values if v is not None]
+    if not known:
+        return None, None
+    import numpy as np
+
+    return float(np.percentile(known, 50)), float(np.percentile(known, 99))
+
+
+def latency_summary(runs: Sequence[RunResult]) -> dict[str, float | None]:
+    """TTFT and TPOT p50/p99 over every request of every run."""
+    ttft: list[float | None] = []
+    tpot: list[float | None] = []
+    for r in runs:
+        if r.timings is not None:
+            ttft += r.timings.ttft
+            tpot += r.timings.tpot
+    t50, t99 = percentiles(ttft)
+    p50, p99 = percentiles(tpot)
+    return {"ttft_p50": t50, "ttft_p99": t99, "tpot_p50": p50, "tpot_p99": p99}
+
+
+def long_prefill_summary(runs: Sequence[RunResult]) -> dict[str, Any] | None:
+    """The long-prefill figures of the run whose gap ratio is the median (None if none)."""
+    figures = [r.long_prefill for r in runs if r.long_prefill is not None]
+    if not figures:
+        return None
+    figures.sort(key=lambda f: (f.get("gap_ratio") is None, f.get("gap_ratio") or 0.0))
+    return dict(figures[(len(figures) - 1) // 2], repeats=len(figures))
+
+
+def draw_prompts(workload: Workload, vocab_size: int, repeat: int) -> list[Draw]:
+    """One draw of the workload's prompts per repeat (seed + r)."""
+    draws = []
+    for r in range(repeat):
+        w = workload.with_seed(workload.seed + r)
+        long_prompt = make_long_prompt(w, vocab_size) if w.has_long_prompt else None
+        draws.append(Draw(make_prompts(w, vocab_size), long_prompt))
+    return draws
+
+
+@dataclass
+class Draw:
+    """One repeat's prompts (and long-prefill's long prompt)."""
+
+    prompts: list[list[int]]
+    long_prompt: list[int] | None = None
+
+
+def run_once(peer: Peer, workload: Workload, draw: Draw) -> RunResult:
+    """One timed run of `peer` on one draw of the workload."""
+    if draw.long_prompt is not None:
+        return peer.run_long_prefill(draw.prompts, draw.long_prompt, workload)
+    return peer.run(draw.prompts, workload.output_len)
+
+
+def check_engines_support(workload: Workload, engines: Sequence[str]) -> None:
+    """long-prefill needs engines that accept a prompt mid-run: kvbatch alone, so far."""
+    if not workload.has_long_prompt:
+        return
+    from benchmarks.peers import PEERS
+
+    unable = [n for n in engines if n in PEERS and not PEERS[n].supports_long_prefill]
+    if unable:
+        raise BenchError(
+            f"{workload.name} adds a prompt mid-run, which {', '.join(unable)} cannot do: "
+            "run it with kvbatch alone (drop --peers)"
+        )
+
+
+PEER_KV_FRACTION = 0.6
+"""kvbatch's KV pool share of free CUDA memory when other engines share the process (and no
+--kv-cache-memory-fraction was given): at the engine's default of 0.9, transformers' static
+batch of 64 rag prompts would find too little memory left for its activations."""
+
+
+def leave_room_for_peers(config: BenchConfig) -> BenchConfig:
+    """`config` with kvbatch's KV pool at PEER_KV_FRACTION when peers run beside it on CUDA."""
+    o = config.options
+    if (
+        o.device.startswith("cuda")
+        and o.kv_cache_memory_fraction is None
+        and KVBATCH in config.engines
+        and len(config.engines) > 1
+    ):
+        options = dataclasses.replace(o, kv_cache_memory_fraction=PEER_KV_FRACTION)
+        return dataclasses.replace(config, options=options)
+    return config
+
+
 def resolve_model(workload: Workload, model: str | Path | None = None) -> str:
-    """The model path to benchmark: `model` if given, else the workload's default weights."""
+    """The model path to benchmark: `model` if given, else the workload's default weights
+    (the random-weight models are built from their config on first use, then cached)."""
     if model is not None:
         path = Path(model).expanduser()
         if not path.exists():
@@ -181,6 +364,10 @@ def resolve_model(workload: Workload, model: str | Path | None = None) -> str:
         from engine.fetch import smollm2_dir
 
         return str(smollm2_dir())
+    if workload.model in (LLAMA_1B_RANDOM, TINY_RANDOM):
+        from benchmarks.models import random_model_dir
+
+        return str(random_model_dir(workload.model))
     raise BenchError(
         f"workload {workload.name!r} runs on {workload.model!r}, which has no fetcher yet: "
         "pass --model PATH"
@@ -232,9 +419,12 @@ def run_benchmark(
     say = progress or (lambda _msg: None)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
+    config = leave_room_for_peers(config)
     w = config.workload
+    check_engines_support(w, config.engines)
     vocab_size = model_vocab_size(config.model_path)
-    draws = [make_prompts(w.with_seed(w.seed + r), vocab_size) for r in range(config.repeat)]
+    draws = draw_prompts(w, vocab_size, config.repeat)
+    warnings: list[str] = []
 
     # All engines are loaded first and the repeats interleave (a, b, a, b, ...): these
     # machines drift by 10-30% over minutes, and a ratio of adjacent runs cancels the drift.
@@ -246,23 +436,33 @@ def run_benchmark(
             say(f"{name}: loading {config.model_path}")
             try:
                 peer.load()
+                say(f"{name}: warm-up")
+                peer.warmup()
             except ImportError as e:
+                peer.close()
                 raise BenchError(f"cannot import engine {name!r}: {e}") from e
+            except PeerUnavailable as e:  # e.g. hf-cb on a transformers without generate_batch
+                warnings.append(f"{name} is unavailable and was skipped: {e}")
+                say(f"{name}: unavailable: {e}")
+                peer.close()
+                del results[name]
+                continue
             peers[name] = peer
-            say(f"{name}: warm-up")
-            peer.warmup()
-        for r, prompts in enumerate(draws):
+        if not peers:
+            raise BenchError("no engine could run: " + "; ".join(warnings))
+        for r, draw in enumerate(draws):
             for name, peer in peers.items():
                 say(f"{name}: run {r + 1}/{config.repeat} ({w.num_requests} requests)")
-                results[name].append(peer.run(prompts, w.output_len))
+                results[name].append(run_once(peer, w, draw))
                 say(f"{name}: {results[name][-1].seconds:.2f} s")
     finally:
         for peer in peers.values():
             peer.close()
 
-    reference = config.engines[0]
+    reference = next(iter(results))
+    machine = machine_info(config.options.device)
+    floor = w.floor_seconds if floor_applies(w, machine) else None
     summaries = []
-    warnings = []
     for name, runs in results.items():
         seconds = statistics.median(r.seconds for r in runs)
         tokens = runs[-1].output_tokens
@@ -280,6 +480,9 @@ def run_benchmark(
                 tokens_per_s=tokens / seconds if seconds > 0 else float("inf"),
                 ratio=_paired_ratio(runs, results[reference]),
                 extra=runs[-1].extra,
+                floor_fraction=floor / seconds if floor is not None and seconds > 0 else None,
+                long_prefill=long_prefill_summary(runs),
+                **latency_summary(runs),
             )
         )
 
@@ -299,7 +502,7 @@ def run_benchmark(
         config=config,
         engines=summaries,
         greedy_match=matches,
-        machine=machine_info(config.options.device),
+        machine=machine,
         date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         warnings=warnings,
     )
@@ -322,6 +525,14 @@ def engine_order(peers: Sequence[str], include_kvbatch: bool = True) -> tuple[st
 
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
 
 
 def _cpu_model() -> str | None:

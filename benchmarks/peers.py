@@ -9,13 +9,17 @@ way, one after the other in one process:
     result = peer.run(prompts, max_tokens)   # timed: generate() alone
     peer.close()         # frees the model before the next engine loads
 
-Adding an engine (e.g. transformers' `generate_batch` as `hf-cb`) is one subclass that
-implements `load` and `generate`, decorated with `@register_peer`.
+Adding an engine is one subclass that implements `load` and `generate`, decorated with
+`@register_peer`. A peer that can time its tokens fills `self.timings` in `generate` (time to
+first token and time per output token per request); the table shows '-' where it does not.
+Only kvbatch runs `long-prefill` (a prompt arriving mid-run needs a streaming engine).
 """
 
 from __future__ import annotations
 
 import gc
+import inspect
+import statistics
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -41,6 +45,8 @@ class EngineOptions:
     max_num_batched_tokens: int | None = None  # None: the engine's default
     block_size: int = 16
     enable_prefix_caching: bool = True
+    kv_cache_memory_fraction: float | None = None  # CUDA KV pool share; None = the engine's
+    attention_backend: str = "auto"  # kvbatch: "auto" is triton on CUDA, torch on the CPU
     hf_batch_size: int | None = None  # hf-static: requests per static batch; None = all
 
     def __post_init__(self) -> None:
@@ -48,10 +54,26 @@ class EngineOptions:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.hf_batch_size is not None and self.hf_batch_size < 1:
             raise ValueError(f"hf_batch_size must be >= 1, got {self.hf_batch_size}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not 0.0 < fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+class PeerUnavailable(RuntimeError):
+    """This engine cannot run here (e.g. the installed transformers lacks the API it needs)."""
+
+
+@dataclass
+class Timings:
+    """Per request, in input order: seconds from the run's start to its first token, and the
+    mean seconds between its later tokens (None where the engine cannot tell)."""
+
+    ttft: list[float | None]
+    tpot: list[float | None]
 
 
 @dataclass
@@ -64,6 +86,8 @@ class RunResult:
     num_requests: int
     token_ids: list[list[int]] = field(repr=False)  # per request, in input order
     extra: dict[str, Any] = field(default_factory=dict)
+    timings: Timings | None = field(default=None, repr=False)
+    long_prefill: dict[str, Any] | None = None  # long-prefill only: the gap figures
 
     @property
     def tokens_per_s(self) -> float:
@@ -79,10 +103,12 @@ class Peer(ABC):
     """
 
     name: ClassVar[str]
+    supports_long_prefill: ClassVar[bool] = False
 
     def __init__(self, model_path: str | Path, options: EngineOptions) -> None:
         self.model_path = str(model_path)
         self.options = options
+        self.timings: Timings | None = None  # set by `generate` where the engine can
 
     @abstractmethod
     def load(self) -> None:
@@ -107,6 +133,7 @@ class Peer(ABC):
     def run(self, prompts: list[list[int]], max_tokens: int) -> RunResult:
         """Time `generate` over `prompts` and count the tokens it produced."""
         self.before_run()
+        self.timings = None
         self._synchronize()
         start = time.perf_counter()
         outputs = self.generate(prompts, max_tokens)
@@ -119,12 +146,19 @@ class Peer(ABC):
             num_requests=len(prompts),
             token_ids=outputs,
             extra=self.run_extra(prompts, outputs),
+            timings=self.timings,
         )
+
+    def run_long_prefill(
+        self, prompts: list[list[int]], long_prompt: list[int], workload: Any
+    ) -> RunResult:
+        """The long-prefill job: `prompts` decode, and `long_prompt` arrives mid-run."""
+        raise PeerUnavailable(f"{self.name} cannot add a prompt mid-run: long-prefill is kvbatch's")
 
     def close(self) -> None:
         """Free the model so the next engine loads into clean memory."""
         for attr in list(vars(self)):
-            if attr not in ("model_path", "options", "name"):
+            if attr not in ("model_path", "options", "name", "timings"):
                 setattr(self, attr, None)
         gc.collect()
         if torch.cuda.is_available():
@@ -161,12 +195,16 @@ class KvbatchPeer(Peer):
     """kvbatch's own engine through its public API (`engine.LLM`)."""
 
     name = "kvbatch"
+    supports_long_prefill = True
 
     def load(self) -> None:
         from engine import LLM, SamplingParams  # the engine is imported only when benchmarked
 
         o = self.options
         self._sampling_params = SamplingParams
+        kwargs: dict[str, Any] = {}
+        if o.kv_cache_memory_fraction is not None:
+            kwargs["kv_cache_memory_fraction"] = o.kv_cache_memory_fraction
         self.llm = LLM(
             model=self.model_path,
             device=o.device,
@@ -175,15 +213,97 @@ class KvbatchPeer(Peer):
             max_num_batched_tokens=o.max_num_batched_tokens,
             block_size=o.block_size,
             enable_prefix_caching=o.enable_prefix_caching,
+            attention_backend=o.attention_backend,
+            **kwargs,
         )
         self._cached_tokens: list[int] = []
         self._stats_before: dict[str, Any] = {}
 
+    def _params(self, max_tokens: int):
+        return self._sampling_params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        params = self._sampling_params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        outs = self.llm.generate(prompts, self._params(max_tokens), use_tqdm=False)
         self._cached_tokens = [int(o.num_cached_tokens or 0) for o in outs]
+        self.timings = _timings_from_metrics(outs)
         return [list(o.outputs[0].token_ids) for o in outs]
+
+    def run_long_prefill(
+        self, prompts: list[list[int]], long_prompt: list[int], workload: Any
+    ) -> RunResult:
+        """Drive the engine step by step: the decoders start, and once each has produced
+        `workload.long_prompt_after` tokens the long prompt is added.
+
+        The longest gap is the engine's own figure (RequestMetrics.max_token_gap, the largest
+        wait between two tokens of any decoder); the decode step it is compared with is the
+        median gap between consecutive tokens of the decoders, timed here after every step
+        (most steps are plain decode steps, so the median is one).
+        """
+        engine = self.llm.engine
+        tag = f"long-prefill-{time.monotonic_ns()}"
+        self.before_run()
+        self._synchronize()
+        start = time.perf_counter()
+        ids = [
+            engine.add_request(p, self._params(workload.output_len), request_id=f"{tag}-{i}")
+            for i, p in enumerate(prompts)
+        ]
+        seqs = {rid: engine.requests[rid] for rid in ids}
+        seen = dict.fromkeys(ids, 0)
+        token_times: dict[str, list[float]] = {rid: [] for rid in ids}
+        finished: dict[str, Any] = {}
+        long_id: str | None = None
+        arrival = step_count = 0
+        while engine.has_unfinished():
+            done = engine.step()
+            now = time.perf_counter()
+            step_count += 1
+            for rid, seq in seqs.items():
+                n = seq.num_output_tokens
+                if n > seen[rid]:
+                    token_times[rid] += [now] * (n - seen[rid])
+                    seen[rid] = n
+            for out in done:
+                finished[out.request_id] = out
+            if long_id is None and min(seen.values()) >= workload.long_prompt_after:
+                long_params = self._params(workload.long_output_len)
+                long_id = engine.add_request(long_prompt, long_params, request_id=f"{tag}-long")
+                arrival = now
+        self._synchronize()
+        seconds = time.perf_counter() - start
+        if long_id is None:
+            raise RuntimeError("the decoders finished before the long prompt was added")
+        outs = [finished[rid] for rid in ids]
+        self._cached_tokens = [int(o.num_cached_tokens or 0) for o in outs]
+        outputs = [list(o.outputs[0].token_ids) for o in outs]
+        gaps = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
+        engine_gaps = [o.metrics.max_token_gap for o in outs if o.metrics is not None]
+        max_gap = max(engine_gaps) if engine_gaps else max(gaps, default=0.0)
+        median_step = statistics.median(gaps) if gaps else None
+        long_out = finished[long_id]
+        long_ttft = None
+        if long_out.metrics is not None and long_out.metrics.time_to_first_token is not None:
+            long_ttft = long_out.metrics.time_to_first_token
+        figures = {
+            "max_token_gap_s": max_gap,
+            "max_token_gap_observed_s": max(gaps, default=0.0),
+            "median_decode_step_s": median_step,
+            "gap_ratio": max_gap / median_step if median_step else None,
+            "long_prompt_tokens": len(long_prompt),
+            "long_prompt_arrival_s": arrival - start,
+            "long_prompt_ttft_s": long_ttft,
+            "steps": step_count,
+        }
+        return RunResult(
+            engine=self.name,
+            seconds=seconds,
+            output_tokens=sum(len(o) for o in outputs),
+            num_requests=len(prompts),
+            token_ids=outputs,
+            extra=self.run_extra(prompts, outputs),
+            timings=_timings_from_metrics(outs),
+            long_prefill=figures,
+        )
 
     def before_run(self) -> None:
         self._stats_before = _plain(self.llm.stats())
@@ -237,11 +357,21 @@ class HFStaticPeer(Peer):
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         batch_size = self.options.hf_batch_size or len(prompts)
         outputs: list[list[int]] = []
-        for start in range(0, len(prompts), batch_size):
-            outputs += self._generate_batch(prompts[start : start + batch_size], max_tokens)
+        timings = Timings([], [])
+        start = time.perf_counter()  # every request arrives at the start, as in kvbatch
+        for first in range(0, len(prompts), batch_size):
+            batch = prompts[first : first + batch_size]
+            clock = _StepClock(self.options.device)
+            outputs += self._generate_batch(batch, max_tokens, clock)
+            ttft, tpot = clock.ttft_tpot(start)
+            timings.ttft += [ttft] * len(batch)
+            timings.tpot += [tpot] * len(batch)
+        self.timings = timings
         return outputs
 
-    def _generate_batch(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    def _generate_batch(
+        self, prompts: list[list[int]], max_tokens: int, clock: _StepClock | None = None
+    ) -> list[list[int]]:
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -260,11 +390,155 @@ class HFStaticPeer(Peer):
                 top_k=None,
                 eos_token_id=None,
                 pad_token_id=self.pad_token_id,
+                **({} if clock is None else {"logits_processor": _logits_processors(clock)}),
             )
         new = out[:, width:].tolist()  # [batch, max_tokens]
         if any(len(row) != max_tokens for row in new):
             raise RuntimeError(f"hf-static decoded {len(new[0])} tokens, expected {max_tokens}")
         return new
+
+
+@register_peer
+class HFContinuousBatchingPeer(Peer):
+    """transformers' own paged continuous batching, `model.generate_batch(...)`.
+
+    Defaults as transformers chooses them on CUDA (its KV pool is sized from free memory); on
+    the CPU the pool and batch are sized to the job, as the automatic sizing there takes all of
+    the machine's memory. EOS is disabled with `eos_token_id=-1` in the generation config
+    (transformers' own "no EOS" value). Token times come from `record_timestamps` where the
+    installed transformers has it. A transformers without `generate_batch` makes this peer
+    report itself unavailable (PeerUnavailable) instead of failing the whole run.
+    """
+
+    name = "hf-cb"
+
+    def load(self) -> None:
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=self.options.torch_dtype, attn_implementation="sdpa"
+        )
+        if not callable(getattr(model, "generate_batch", None)):
+            raise PeerUnavailable(
+                f"transformers {transformers.__version__} has no generate_batch "
+                "(continuous batching): hf-cb cannot run with it"
+            )
+        self.model = model.to(self.options.device).eval()
+        self._signature = inspect.signature(self.model.generate_batch).parameters
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(
+            max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
+        )
+        kwargs: dict[str, Any] = {}
+        for name, value in (("progress_bar", False), ("record_timestamps", True)):
+            if name in self._signature:
+                kwargs[name] = value
+        cb_config = self._cpu_cb_config(prompts, max_tokens)
+        if cb_config is not None:
+            kwargs["continuous_batching_config"] = cb_config
+        start = time.perf_counter()
+        try:
+            results = self.model.generate_batch(prompts, generation_config=config, **kwargs)
+        except TypeError as e:  # an API of another shape than the one this peer was written for
+            import transformers
+
+            raise PeerUnavailable(
+                f"generate_batch of transformers {transformers.__version__} does not take "
+                f"these arguments ({e})"
+            ) from e
+        ordered = _in_input_order(results, len(prompts))
+        outputs, ttft, tpot = [], [], []
+        for r in ordered:
+            error = getattr(r, "error", None)
+            if error:
+                raise RuntimeError(
+                    f"hf-cb: request {getattr(r, 'request_id', '?')} failed: {error}"
+                )
+            tokens = list(r.generated_tokens)[:max_tokens]
+            if len(tokens) != max_tokens:
+                raise RuntimeError(f"hf-cb decoded {len(tokens)} tokens, expected {max_tokens}")
+            outputs.append(tokens)
+            stamps = getattr(r, "timestamps", None) or []
+            ttft.append(stamps[0] - start if stamps else None)
+            tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None)
+        self.timings = Timings(ttft, tpot)
+        return outputs
+
+    def _cpu_cb_config(self, prompts: list[list[int]], max_tokens: int):
+        """On the CPU only: a KV pool and batch sized to the job (see the class docstring)."""
+        if (
+            self.options.device.startswith("cuda")
+            or "continuous_batching_config" not in self._signature
+        ):
+            return None
+        from transformers import ContinuousBatchingConfig
+
+        page = 16
+        pages = sum(-(-(len(p) + max_tokens) // page) for p in prompts)
+        try:
+            return ContinuousBatchingConfig(
+                page_size=page, num_blocks=pages + 4, max_batch_tokens=512
+            )
+        except TypeError:  # an older config without these fields: its defaults
+            return None
+
+
+def _in_input_order(results: Any, n: int) -> list[Any]:
+    """generate_batch's results (a dict of request id -> output, or a list) in input order.
+    Request ids are "req_<index>"; a dict whose ids do not parse keeps its own order."""
+    items = list(results.values()) if isinstance(results, dict) else list(results)
+    if len(items) != n:
+        raise RuntimeError(f"hf-cb returned {len(items)} results for {n} prompts")
+    try:
+        return sorted(items, key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
+    except (AttributeError, ValueError):
+        return items
+
+
+class _StepClock:
+    """Called by generate() once per decoding step (as a logits processor, just before the
+    step's token is chosen): records when each of a batch's tokens was produced."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.cuda:  # generate() syncs every step anyway; this makes the stamp exact
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return scores
+
+    def ttft_tpot(self, start: float) -> tuple[float | None, float | None]:
+        t = self.times
+        if not t:
+            return None, None
+        return t[0] - start, ((t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None)
+
+
+def _logits_processors(clock: _StepClock):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class _Clock(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return clock(input_ids, scores)
+
+    return LogitsProcessorList([_Clock()])
+
+
+def _timings_from_metrics(outs: list[Any]) -> Timings | None:
+    """kvbatch's per-request times, from RequestOutput.metrics (None if the engine has none)."""
+    metrics = [getattr(o, "metrics", None) for o in outs]
+    if all(m is None for m in metrics):
+        return None
+    return Timings(
+        ttft=[None if m is None else m.time_to_first_token for m in metrics],
+        tpot=[None if m is None else m.time_per_output_token for m in metrics],
+    )
 
 
 def _plain(obj: Any) -> dict[str, Any]:

@@ -12,6 +12,15 @@ every prompt is unique random tokens of the same length, so caching cannot help 
 
 Prompts come document by document (document 0's chunks, then document 1's, ...), in the
 order a job would hand them to the engine after prefix grouping.
+
+A workload with `long_prompt_len > 0` (`long-prefill`) adds one long prompt mid-run: the
+requests above start decoding, and once each has produced `long_prompt_after` tokens the long
+prompt arrives. What it measures is the longest wait between two tokens of any decoding
+request while the long prompt is prefilled (chunked prefill keeps it short).
+
+The GPU workloads run on a random-weight model of Llama-3.2-1B's shape (benchmarks/models.py);
+each has a tiny variant (`get_workload(name, tiny=True)`, `kvbatch bench NAME --tiny`) of the
+same structure on a tiny model, so the same code path runs on the CPU in seconds.
 """
 
 from __future__ import annotations
@@ -28,8 +37,11 @@ SMOLLM2 = "smollm2-135m-instruct"
 """Real SmolLM2-135M-Instruct weights (engine.fetch.smollm2_dir()), for CPU workloads."""
 
 LLAMA_1B_RANDOM = "llama-3.2-1b-random"
-"""Llama-3.2-1B shape with random weights, for the GPU workloads (`rag`, `long-prefill`): a
-later issue builds that model and registers those workloads."""
+"""Llama-3.2-1B shape with random weights (benchmarks.models.LLAMA_3_2_1B), for the GPU
+workloads (`rag`, `no-share-gpu`, `long-prefill`)."""
+
+TINY_RANDOM = "llama-tiny-random"
+"""The same architecture shrunk (benchmarks.models.TINY_LLAMA), for the `--tiny` variants."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,16 @@ class Workload:
     dtype: str = "float32"
     device: str = "cpu"
     description: str = ""
+    hf_batch_size: int | None = None  # hf-static's requests per static batch (None: all)
+    # long-prefill: one prompt of this many tokens arrives once every request above has
+    # decoded `long_prompt_after` tokens; it decodes `long_output_len` tokens itself
+    long_prompt_len: int = 0
+    long_prompt_after: int = 0
+    long_output_len: int = 1
+    # the hardware floor of this job (../shared/BENCHMARKS.md), on a device whose name
+    # contains `floor_device`; None where no floor was worked out
+    floor_seconds: float | None = None
+    floor_device: str = "H200"
 
     def __post_init__(self) -> None:
         counts = ("num_documents", "chunks_per_document", "output_len")
@@ -65,6 +87,19 @@ class Workload:
                 raise ValueError(f"workload {self.name!r}: {field} must be >= 0")
         if self.prompt_len < 1:
             raise ValueError(f"workload {self.name!r}: prompts would be empty")
+        if self.long_prompt_len < 0 or self.long_prompt_after < 0 or self.long_output_len < 1:
+            raise ValueError(f"workload {self.name!r}: bad long-prompt settings")
+        if self.long_prompt_len and self.long_prompt_after >= self.output_len:
+            raise ValueError(
+                f"workload {self.name!r}: long_prompt_after must be < output_len "
+                "(the long prompt must arrive while the others still decode)"
+            )
+        if self.hf_batch_size is not None and self.hf_batch_size < 1:
+            raise ValueError(f"workload {self.name!r}: hf_batch_size must be >= 1")
+
+    @property
+    def has_long_prompt(self) -> bool:
+        return self.long_prompt_len > 0
 
     @property
     def num_requests(self) -> int:
@@ -85,6 +120,12 @@ class Workload:
 
     def summary(self) -> str:
         """One line for the top of a results table."""
+        if self.has_long_prompt:
+            return (
+                f"{self.name}: {self.num_requests} requests decoding {self.output_len} tokens "
+                f"(prompts of {self.prompt_len}), plus one {self.long_prompt_len}-token prompt "
+                f"arriving after {self.long_prompt_after} tokens, model {self.model}, {self.dtype}"
+            )
         kind = "shared documents" if self.shared else "no shared prefix"
         return (
             f"{self.name}: {self.num_requests} requests = {self.num_documents} documents x "
@@ -124,6 +165,15 @@ def make_prompts(workload: Workload, vocab_size: int) -> list[list[int]]:
     return prompts
 
 
+def make_long_prompt(workload: Workload, vocab_size: int) -> list[int]:
+    """The long-prefill workload's long prompt: unique tokens from a generator of its own, so
+    it shares nothing with `make_prompts`' prompts and does not change them."""
+    if not workload.has_long_prompt:
+        raise ValueError(f"workload {workload.name!r} has no long prompt")
+    rng = np.random.default_rng([workload.seed, 1])
+    return rng.integers(FIRST_ORDINARY_TOKEN, vocab_size, size=workload.long_prompt_len).tolist()
+
+
 _RAG_CPU = Workload(
     name="rag-cpu",
     model=SMOLLM2,
@@ -136,6 +186,48 @@ _RAG_CPU = Workload(
     description="prefix reuse and batch throughput on the CPU",
 )
 
+_RAG = Workload(
+    name="rag",
+    model=LLAMA_1B_RANDOM,
+    num_documents=16,
+    chunks_per_document=32,
+    document_len=1024,
+    chunk_len=128,
+    instruction_len=32,
+    output_len=64,
+    dtype="bfloat16",
+    device="cuda",
+    hf_batch_size=64,
+    floor_seconds=0.4,
+    description="prefix reuse and batch throughput on the GPU",
+)
+
+_NO_SHARE_GPU = dataclasses.replace(
+    _RAG,
+    name="no-share-gpu",
+    shared=False,
+    floor_seconds=None,
+    description="unique prompts of rag's shape: no regression where caching is useless",
+)
+
+_LONG_PREFILL = Workload(
+    name="long-prefill",
+    model=LLAMA_1B_RANDOM,
+    num_documents=64,  # 64 decoding requests with unique 128-token prompts
+    chunks_per_document=1,
+    document_len=0,
+    chunk_len=128,
+    instruction_len=0,
+    output_len=256,
+    shared=False,
+    dtype="bfloat16",
+    device="cuda",
+    long_prompt_len=32768,
+    long_prompt_after=16,
+    long_output_len=8,
+    description="chunked prefill: the longest token gap of decoding requests",
+)
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -146,13 +238,64 @@ WORKLOADS: dict[str, Workload] = {
             shared=False,
             description="unique prompts of rag-cpu's shape: no regression where caching is useless",
         ),
+        _RAG,
+        _NO_SHARE_GPU,
+        _LONG_PREFILL,
     )
 }
-"""Registry by name. The GPU rows (`rag`, `long-prefill`) are added by a later issue."""
+"""Registry by name (`kvbatch bench NAME`)."""
+
+_TINY_RAG = dataclasses.replace(
+    _RAG,
+    name="rag-tiny",
+    model=TINY_RANDOM,
+    num_documents=4,
+    chunks_per_document=4,
+    document_len=64,
+    chunk_len=16,
+    instruction_len=8,
+    output_len=8,
+    dtype="float32",
+    device="cpu",
+    hf_batch_size=8,
+    floor_seconds=None,
+    description="rag's structure on the tiny model, for the CPU",
+)
+
+TINY_WORKLOADS: dict[str, Workload] = {
+    "rag": _TINY_RAG,
+    "no-share-gpu": dataclasses.replace(
+        _TINY_RAG,
+        name="no-share-gpu-tiny",
+        shared=False,
+        description="no-share-gpu's structure on the tiny model, for the CPU",
+    ),
+    "long-prefill": dataclasses.replace(
+        _LONG_PREFILL,
+        name="long-prefill-tiny",
+        model=TINY_RANDOM,
+        num_documents=8,
+        chunk_len=32,
+        output_len=48,
+        dtype="float32",
+        device="cpu",
+        long_prompt_len=2048,
+        long_prompt_after=8,
+        long_output_len=4,
+        description="long-prefill's structure on the tiny model, for the CPU",
+    ),
+}
+"""The `--tiny` variant of each GPU workload: the same structure on the tiny model, float32 on
+the CPU, small enough for tests and for a CPU trial of scripts/gpu-check.sh."""
 
 
-def get_workload(name: str) -> Workload:
-    """The registered workload `name`; the error lists the known ones."""
+def get_workload(name: str, tiny: bool = False) -> Workload:
+    """The registered workload `name` (its tiny variant with `tiny`); errors list the names."""
+    if tiny:
+        if name in TINY_WORKLOADS:
+            return TINY_WORKLOADS[name]
+        known = ", ".join(sorted(TINY_WORKLOADS))
+        raise ValueError(f"workload {name!r} has no tiny variant; these do: {known}")
     try:
         return WORKLOADS[name]
     except KeyError:

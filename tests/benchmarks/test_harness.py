@@ -13,8 +13,16 @@ import pytest
 import torch
 
 from benchmarks import cli
-from benchmarks.harness import BenchConfig, BenchError, engine_order, run_benchmark
-from benchmarks.peers import PEERS, EngineOptions, HFStaticPeer, make_peer
+from benchmarks.harness import (
+    BenchConfig,
+    BenchError,
+    engine_order,
+    floor_applies,
+    percentiles,
+    run_benchmark,
+)
+from benchmarks.peers import PEERS, EngineOptions, HFStaticPeer, PeerUnavailable, make_peer
+from benchmarks.workloads import TINY_WORKLOADS as WORKLOADS_TINY
 from benchmarks.workloads import WORKLOADS, Workload, make_prompts
 
 VOCAB = 512
@@ -138,6 +146,8 @@ def test_registry_and_options():
 # --- harness and CLI -----------------------------------------------------------------------
 
 EXPECTED_KEYS = {
+    "kind",
+    "floor",
     "workload",
     "model_path",
     "options",
@@ -258,3 +268,156 @@ def test_kvbatch_prefix_cache_accounting(tiny_model):
         config, options=dataclasses.replace(options, enable_prefix_caching=False)
     )
     assert run_benchmark(no_cache).summary("kvbatch").extra["cached_prompt_tokens"] == 0
+
+
+# --- latency, floor, long-prefill, hf-cb, unavailable peers (issue 5) -----------------------
+
+LATENCY_KEYS = {"ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "floor_fraction", "long_prefill"}
+
+
+@pytest.fixture(scope="module")
+def random_cache(tmp_path_factory):
+    """The random-weight models of the --tiny workloads, built into a cache of this module."""
+    root = tmp_path_factory.mktemp("kvbatch-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVBATCH_CACHE", str(root))
+        yield root
+
+
+def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
+    """`kvbatch bench rag --tiny --peers hf-static`: the whole path the GPU check takes."""
+    from kvbatch.cli import main as kvbatch_main
+
+    out = tmp_path / "rag.json"
+    argv = ["bench", "rag", "--tiny", "--peers", "hf-static", "--json", str(out)]
+    assert kvbatch_main(argv + ["--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    for head in ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ratio", "greedy match"):
+        assert head in printed
+    assert "of floor" not in printed  # the floor is an H200 figure
+    data = json.loads(out.read_text())
+    assert data["kind"] == "bench" and data["workload"]["name"] == "rag-tiny"
+    assert str(random_cache) in data["model_path"]
+    assert data["options"]["hf_batch_size"] == 8  # the workload's static batch size
+    assert data["floor"] == {"seconds": None, "device": "H200", "applies": False}
+    kv, hf = data["engines"]
+    assert (kv["engine"], hf["engine"]) == ("kvbatch", "hf-static")
+    for e in (kv, hf):
+        assert LATENCY_KEYS <= set(e)
+        assert e["output_tokens"] == 16 * 8
+        assert 0 < e["ttft_p50"] <= e["ttft_p99"] <= e["seconds"]
+        assert 0 < e["tpot_p50"] <= e["tpot_p99"] < e["seconds"]
+        assert e["floor_fraction"] is None and e["long_prefill"] is None
+    assert kv["ratio"] == pytest.approx(1.0)
+    assert hf["ratio"] == pytest.approx(hf["seconds"] / kv["seconds"])
+    assert data["greedy_match"][0]["matching"] == 4  # float32 on the CPU: the same tokens
+    assert kv["extra"]["cached_prompt_tokens"] > 0  # documents are shared
+
+    # scripts/gpu_check_summary.py reads this JSON into the GPU check's closing table
+    (tmp_path / "steps.tsv").write_text(
+        "step\tstatus\trc\tseconds\tlimit\tlast line\nrag\tok\t0\t9\t180\twrote rag.json\n"
+    )
+    text = _summary_script().summary(tmp_path)
+    assert "rag-tiny on cpu" in text and "hf-static" in text and "ok" in text
+    assert "n/a here (not the full rag on an H200)" in text
+    assert "long-prefill: no results" in text
+
+
+def _summary_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check_summary.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_summary", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_long_prefill_tiny_reports_the_gap(random_cache, tmp_path, capsys):
+    out = tmp_path / "lp.json"
+    argv = ["long-prefill", "--tiny", "--json", str(out), "--threads", "1"]
+    argv += ["--max-num-batched-tokens", "256"]  # the 2048-token prompt takes 8 steps
+    assert cli.main(argv) == 0
+    assert "longest token gap" in capsys.readouterr().out
+    (kv,) = json.loads(out.read_text())["engines"]
+    w = WORKLOADS_TINY["long-prefill"]
+    assert kv["output_tokens"] == w.num_requests * w.output_len  # the decoders' tokens only
+    f = kv["long_prefill"]
+    assert f["long_prompt_tokens"] == w.long_prompt_len
+    assert 0 < f["median_decode_step_s"] <= f["max_token_gap_s"]
+    assert f["gap_ratio"] == pytest.approx(f["max_token_gap_s"] / f["median_decode_step_s"])
+    assert 0 < f["long_prompt_arrival_s"] < kv["seconds"]
+    assert f["long_prompt_ttft_s"] > 0
+    # one step per decoder token at least (the long prompt's chunks ride along with decodes)
+    assert f["steps"] >= w.output_len
+
+
+def test_long_prefill_refuses_peers_that_cannot_add_a_prompt_mid_run(random_cache, capsys):
+    assert cli.main(["long-prefill", "--tiny", "--peers", "hf-static"]) == 2
+    assert "kvbatch alone" in capsys.readouterr().err
+
+
+def test_hf_cb_decodes_hf_static_tokens_and_times_them(tiny_model):
+    from benchmarks.peers import HFContinuousBatchingPeer
+
+    prompts = make_prompts(TINY, VOCAB)
+    static = _hf(tiny_model).generate(prompts, 4)
+    peer = make_peer("hf-cb", tiny_model, EngineOptions())
+    assert isinstance(peer, HFContinuousBatchingPeer)
+    peer.load()
+    result = peer.run(prompts, max_tokens=4)
+    assert result.token_ids == static
+    assert result.timings is not None and len(result.timings.ttft) == len(prompts)
+    assert all(t is None or t > 0 for t in result.timings.ttft + result.timings.tpot)
+    peer.close()
+
+
+class _Unavailable(HFStaticPeer):
+    name = "test-unavailable"
+
+    def load(self) -> None:
+        raise PeerUnavailable("not in this transformers")
+
+
+def test_an_unavailable_peer_is_skipped_with_a_warning(tiny_model, monkeypatch):
+    monkeypatch.setitem(PEERS, _Unavailable.name, _Unavailable)
+    config = BenchConfig(
+        workload=TINY, model_path=str(tiny_model), engines=("hf-static", _Unavailable.name)
+    )
+    report = run_benchmark(config)
+    assert [s.engine for s in report.engines] == ["hf-static"]
+    assert "test-unavailable is unavailable" in report.warnings[0]
+    assert "warning: test-unavailable" in report.format_table()
+    with pytest.raises(BenchError, match="no engine could run"):
+        run_benchmark(dataclasses.replace(config, engines=(_Unavailable.name,)))
+
+
+def test_floor_shows_only_on_its_device():
+    rag = WORKLOADS["rag"]
+    h200 = {"device": "cuda", "device_name": "NVIDIA H200"}
+    assert floor_applies(rag, h200)
+    assert not floor_applies(rag, {"device": "cuda", "device_name": "NVIDIA A100"})
+    assert not floor_applies(rag, {"device": "cpu", "device_name": "AMD EPYC"})
+    assert not floor_applies(WORKLOADS["no-share-gpu"], h200)
+
+
+def test_percentiles_ignore_unknown_values():
+    assert percentiles([None, None]) == (None, None)
+    p50, p99 = percentiles([1.0, 2.0, 3.0, None, 4.0])
+    assert p50 == pytest.approx(2.5) and 3.9 < p99 <= 4.0
+
+
+def test_kvbatch_leaves_room_for_peers_on_cuda_only():
+    from benchmarks.harness import PEER_KV_FRACTION, leave_room_for_peers
+
+    gpu = EngineOptions(device="cuda", dtype="bfloat16")
+    both = BenchConfig(workload=TINY, model_path="x", engines=("kvbatch", "hf-static"), options=gpu)
+    assert leave_room_for_peers(both).options.kv_cache_memory_fraction == PEER_KV_FRACTION
+    alone = dataclasses.replace(both, engines=("kvbatch",))
+    assert leave_room_for_peers(alone).options.kv_cache_memory_fraction is None
+    chosen = dataclasses.replace(
+        both, options=dataclasses.replace(gpu, kv_cache_memory_fraction=0.8)
+    )
+    assert leave_room_for_peers(chosen).options.kv_cache_memory_fraction == 0.8
+    cpu = dataclasses.replace(both, options=EngineOptions())
+    assert leave_room_for_peers(cpu).options.kv_cache_memory_fraction is None

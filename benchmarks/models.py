@@ -1,0 +1,224 @@
+"""Random-weight models for the GPU workloads, built from a transformers `LlamaConfig`.
+
+No network: the shape is a config, the weights are drawn from a seeded generator, and the
+result is an ordinary Hugging Face folder (config.json + model.safetensors, no tokenizer:
+prompts are token ids) that kvbatch and transformers both load. Folders are cached under
+`$KVBATCH_CACHE/random-models/` (default ~/.cache/kvbatch), keyed by the spec, and written
+atomically so that an interrupted build is never mistaken for a finished one.
+
+Weights follow transformers' initialisation (normal, std `initializer_range`; RMSNorm weights
+1) so activations stay in range through all layers, but they are drawn directly in the target
+dtype on the fastest device at hand: building the 1.24 B-parameter `rag` model through
+`LlamaForCausalLM(config)` would first fill 5 GB of float32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CACHE_ENV = "KVBATCH_CACHE"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-architecture shape; `config()` turns it into a transformers LlamaConfig."""
+
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool = True
+    rope_theta: float = 500000.0
+    # Llama 3.x frequency scaling (None: plain RoPE)
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=True)
+    initializer_range: float = 0.02
+    dtype: str = "bfloat16"  # what the safetensors hold
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def config(self):
+        """The transformers LlamaConfig of this shape (no BOS/EOS: prompts are raw token ids)."""
+        from transformers import LlamaConfig
+
+        kwargs: dict[str, Any] = dict(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            initializer_range=self.initializer_range,
+            rms_norm_eps=1e-5,
+            hidden_act="silu",
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        try:  # transformers 5 reads RoPE settings from `rope_parameters`
+            config = LlamaConfig(**kwargs, rope_parameters=rope)
+        except TypeError:  # older releases: rope_theta + rope_scaling
+            scaling = None if self.rope_scaling is None else dict(self.rope_scaling)
+            config = LlamaConfig(**kwargs, rope_theta=self.rope_theta, rope_scaling=scaling)
+        return config
+
+    def num_parameters(self) -> int:
+        h, f, v, n = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.vocab_size,
+            self.num_hidden_layers,
+        )
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * h * 2 + h * kv * 2 + 3 * h * f + 2 * h
+        return v * h * (1 if self.tie_word_embeddings else 2) + n * per_layer + h
+
+    def key(self) -> str:
+        """A short digest of every field: a changed shape never reuses an old folder."""
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+LLAMA_3_2_1B = ModelSpec(
+    name="llama-3.2-1b-random",
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=8192,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_scaling=LLAMA3_ROPE_SCALING,
+)
+"""Llama-3.2-1B's shape (1.24 B parameters, tied embeddings), random weights."""
+
+TINY_LLAMA = ModelSpec(
+    name="llama-tiny-random",
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    max_position_embeddings=4096,
+    rope_scaling={**LLAMA3_ROPE_SCALING, "original_max_position_embeddings": 512},
+    # larger than transformers' 0.02 so greedy decoding is decisive on a tiny model
+    initializer_range=0.1,
+    dtype="float32",
+)
+"""The same architecture shrunk so `--tiny` runs on the CPU in seconds."""
+
+MODEL_SPECS: dict[str, ModelSpec] = {s.name: s for s in (LLAMA_3_2_1B, TINY_LLAMA)}
+
+
+def random_weights(spec: ModelSpec, device: str | torch.device | None = None) -> dict[str, Any]:
+    """The state dict of `spec` with seeded random weights, on the CPU in `spec.dtype`.
+
+    Names and shapes come from transformers' own module tree (built on the meta device, so
+    nothing is allocated). The draw is done on `device` (default: CUDA when present): the
+    same seed gives the same weights on the same kind of device.
+    """
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        shell = LlamaForCausalLM(spec.config())
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _dtype(spec.dtype)
+    gen = torch.Generator(device=device).manual_seed(spec.seed)
+    weights = {}
+    for name, meta in shell.state_dict().items():
+        if spec.tie_word_embeddings and name == "lm_head.weight":
+            continue  # tied: the checkpoint holds the embedding once, as real Llama 3.2 does
+        if name.endswith("norm.weight"):
+            t = torch.ones(meta.shape, dtype=dtype, device=device)
+        else:
+            t = torch.empty(meta.shape, dtype=torch.float32, device=device)
+            t.normal_(0.0, spec.initializer_range, generator=gen)
+            t = t.to(dtype)
+        weights[name] = t.cpu().contiguous()
+    return weights
+
+
+def random_model_dir(spec: ModelSpec | str, cache_dir: str | Path | None = None) -> Path:
+    """The folder of `spec`'s random model, built on first use and cached (no network)."""
+    if isinstance(spec, str):
+        try:
+            spec = MODEL_SPECS[spec]
+        except KeyError:
+            raise ValueError(f"unknown model {spec!r}; known: {', '.join(MODEL_SPECS)}") from None
+    root = _cache_root(cache_dir) / "random-models"
+    dest = root / f"{spec.name}-{spec.key()}"
+    if _complete(dest):
+        return dest
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=root))
+    try:
+        build_random_model(spec, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process finished first
+            if not _complete(dest):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def build_random_model(spec: ModelSpec, folder: str | Path) -> Path:
+    """Write `spec` with random weights into `folder` (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = spec.config()
+    config.dtype = spec.dtype
+    config.save_pretrained(str(folder))
+    save_file(random_weights(spec), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "kvbatch-spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2))
+    return folder
+
+
+def _complete(folder: Path) -> bool:
+    return all((folder / f).is_file() for f in ("config.json", "model.safetensors"))
+
+
+def _cache_root(cache_dir: str | Path | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvbatch"
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# The GPU check of issue 5: about 5 minutes on one H200 (torch 2.11, triton 3.6,
+# transformers 5.17, no network), every step time-boxed so a hang cannot eat the budget.
+#
+#   scripts/gpu-check.sh            # on the GPU machine
+#   scripts/gpu-check.sh --cpu      # the same steps on the CPU: --tiny workloads, tiny models
+#   scripts/gpu-check.sh --out DIR  # results folder (default: $OUT if set, else ./gpu-check-out)
+#
+# Steps, in order (a failing step is recorded and the next one still runs):
+#   versions      python, torch, triton, transformers, the device; nvidia-smi
+#   kernels       pytest -q tests/kernels (CUDA when present; the Triton interpreter otherwise)
+#   triton-test   pytest -q tests/engine/test_triton_backend.py (skipped if it does not exist)
+#   greedy        scripts/greedy_check.py: kvbatch (triton backend, float32) vs transformers on
+#                 a tiny random model and on the rag-shape model (--cpu: the tiny one, with
+#                 the Triton interpreter)
+#   rag           kvbatch bench rag --peers hf-static --repeat 1 --json rag.json
+#   long-prefill  kvbatch bench long-prefill --json long-prefill.json
+#   summary       scripts/gpu_check_summary.py: the short table (also summary.txt)
+#
+# The results folder gets at most five files: gpu-check.log (every step's output), steps.tsv,
+# rag.json, long-prefill.json, summary.txt. Each step's time limit can be changed through the
+# environment (e.g. RAG_TIMEOUT=400); the defaults add up to under 10 minutes.
+set -u -o pipefail
+
+cd "$(dirname "$0")/.."
+CPU=0
+OUT_DIR="${OUT:-./gpu-check-out}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu) CPU=1 ;;
+    --out) OUT_DIR="$2"; shift ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    *) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=python3
+fi
+export PY PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+if [ "$CPU" = 1 ]; then
+  # Same steps, tiny workloads; Triton kernels run under its interpreter (slow: longer limits).
+  MODE=cpu
+  TINY=(--tiny)
+  GREEDY=(env TRITON_INTERPRET=1 "$PY" scripts/greedy_check.py --device cpu --backend triton
+          --models tiny)
+  KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-150}
+  TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-240}
+  GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-180}
+else
+  MODE=gpu
+  TINY=()
+  GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny,rag)
+fi
+# GPU limits add up to 585 s (first Triton compiles included); a run takes about 5 minutes.
+VERSIONS_TIMEOUT=${VERSIONS_TIMEOUT:-20}
+KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-120}
+TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-90}
+GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-120}
+RAG_TIMEOUT=${RAG_TIMEOUT:-140}
+LONG_PREFILL_TIMEOUT=${LONG_PREFILL_TIMEOUT:-80}
+SUMMARY_TIMEOUT=${SUMMARY_TIMEOUT:-15}
+
+mkdir -p "$OUT_DIR"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+LOG="$OUT_DIR/gpu-check.log"
+STEPS="$OUT_DIR/steps.tsv"
+rm -f "$OUT_DIR/rag.json" "$OUT_DIR/long-prefill.json" "$OUT_DIR/summary.txt"
+STEP_LOG="$(mktemp)"
+trap 'rm -f "$STEP_LOG"' EXIT
+printf 'step\tstatus\trc\tseconds\tlimit\tlast line\n' > "$STEPS"
+echo "gpu-check ($MODE) $(date -u +%Y-%m-%dT%H:%M:%SZ) in $PWD with $PY" | tee "$LOG"
+
+# step NAME LIMIT CMD...: run CMD under `timeout`, log its output, record its status.
+step() {
+  local name="$1" limit="$2"; shift 2
+  echo "== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$STEP_LOG" 2>&1
+  local rc=$? secs=$((SECONDS - start)) status=ok
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status=TIMEOUT
+  elif [ $rc -ne 0 ]; then status=FAIL
+  fi
+  # pytest exits 5 when it collected no test: nothing failed, nothing was checked
+  if [ $rc -eq 5 ] && grep -q "no tests ran" "$STEP_LOG"; then status=no-tests; fi
+  cat "$STEP_LOG" >> "$LOG"
+  tail -n 40 "$STEP_LOG"
+  local last
+  last="$(grep -v '^\s*$' "$STEP_LOG" | tail -n 1 | tr '\t' ' ' | cut -c1-160)"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$secs" "$limit" "$last" >> "$STEPS"
+  echo "== $name: $status (rc $rc, ${secs}s)" | tee -a "$LOG"
+}
+
+skip() {
+  echo "== $1: skipped ($2)" | tee -a "$LOG"
+  printf '%s\tskipped\t-\t0\t-\t%s\n' "$1" "$2" >> "$STEPS"
+}
+
+versions() {
+  "$PY" - <<'EOF'
+import platform
+import torch
+import transformers
+print("python", platform.python_version(), platform.platform())
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError as e:
+    print("triton missing:", e)
+print("transformers", transformers.__version__)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, f"{p.total_memory / 2**30:.0f} GiB", p.multi_processor_count, "SMs")
+EOF
+  local rc=$?
+  if command -v nvidia-smi > /dev/null; then nvidia-smi; else echo "nvidia-smi: not on this machine"; fi
+  return $rc
+}
+
+export -f versions
+step versions "$VERSIONS_TIMEOUT" bash -c versions
+step kernels "$KERNELS_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider tests/kernels
+if [ -f tests/engine/test_triton_backend.py ]; then
+  step triton-test "$TRITON_TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider \
+    tests/engine/test_triton_backend.py
+else
+  skip triton-test "tests/engine/test_triton_backend.py does not exist yet"
+fi
+step greedy "$GREEDY_TIMEOUT" "${GREEDY[@]}"
+step rag "$RAG_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} --peers hf-static \
+  --repeat 1 --json "$OUT_DIR/rag.json"
+step long-prefill "$LONG_PREFILL_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill ${TINY[@]+"${TINY[@]}"} \
+  --json "$OUT_DIR/long-prefill.json"
+step summary "$SUMMARY_TIMEOUT" "$PY" scripts/gpu_check_summary.py "$OUT_DIR" \
+  --write "$OUT_DIR/summary.txt"
+
+echo "results in $OUT_DIR" | tee -a "$LOG"
+# failed (or timed-out) steps make the script fail; skipped ones and empty suites do not
+! cut -f2 "$STEPS" | grep -qE '^(FAIL|TIMEOUT)$'

@@ -1,0 +1,146 @@
+"""The short table at the end of scripts/gpu-check.sh, from its results folder.
+
+    python scripts/gpu_check_summary.py RESULTS_DIR [--write summary.txt]
+
+Reads steps.tsv (each step's status), rag.json and long-prefill.json (`kvbatch bench --json`)
+and prints the steps, the rag table (seconds, tokens/s, latency, ratio, fraction of the floor)
+and issue 5's two targets: `rag` in at most 1.5 s on an H200, and in `long-prefill` no decoding
+request waiting more than 3 decode steps. Runs with the standard library alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+RAG_TARGET_S = 1.5  # issue 5: at most 1.5 s on an H200 (8x transformers' static generate)
+RAG_GOAL_S = 1.0
+GAP_TARGET = 3.0  # decode steps
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.1f}"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])])
+        for r in rows
+    ]
+
+
+def steps_lines(path: Path) -> list[str]:
+    if not path.is_file():
+        return ["(no steps.tsv)"]
+    with path.open() as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    table = [["step", "status", "seconds", "limit", "last line"]]
+    for r in rows:
+        table.append(
+            [r["step"], r["status"], r["seconds"], r["limit"], (r["last line"] or "")[:90]]
+        )
+    return _table(table)
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def rag_lines(data: dict[str, Any] | None) -> list[str]:
+    if data is None:
+        return ["rag: no results (the step failed or timed out; see gpu-check.log)"]
+    w, m = data["workload"], data["machine"]
+    lines = [f"{w['name']} on {m['device']} ({m['device_name']}), {data['date']}"]
+    floor = data.get("floor") or {}
+    table = [["engine", "seconds", "tok/s", "TTFT p50", "TPOT p50", "TPOT p99", "ratio"]]
+    if floor.get("applies"):
+        table[0].append("of floor")
+    for e in data["engines"]:
+        row = [
+            e["engine"],
+            f"{e['seconds']:.2f}",
+            f"{e['tokens_per_s']:.0f}",
+            _ms(e.get("ttft_p50")),
+            _ms(e.get("tpot_p50")),
+            _ms(e.get("tpot_p99")),
+            "-" if e.get("ratio") is None else f"{e['ratio']:.2f}",
+        ]
+        if floor.get("applies"):
+            frac = e.get("floor_fraction")
+            row.append("-" if frac is None else f"{frac:.0%}")
+        table.append(row)
+    lines += _table(table)
+    lines.append("(TTFT/TPOT in ms; ratio = engine seconds / kvbatch seconds)")
+    for g in data.get("greedy_match", []):
+        lines.append(
+            f"greedy tokens {g['engine']} vs {g['reference']}: {g['matching']}/{g['compared']}"
+        )
+    kv = next((e for e in data["engines"] if e["engine"] == "kvbatch"), None)
+    if kv is None:
+        lines.append(f"target (<= {RAG_TARGET_S} s on an H200): kvbatch did not run")
+    elif w["name"] != "rag" or not floor.get("applies"):
+        lines.append(
+            f"target (<= {RAG_TARGET_S} s on an H200): n/a here (not the full rag on an H200)"
+        )
+    else:
+        verdict = "MET" if kv["seconds"] <= RAG_TARGET_S else "MISSED"
+        goal = "; goal 1.0 s met" if kv["seconds"] <= RAG_GOAL_S else ""
+        lines.append(
+            f"target (<= {RAG_TARGET_S} s on an H200): {verdict} ({kv['seconds']:.2f} s{goal})"
+        )
+    return lines
+
+
+def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
+    if data is None:
+        return ["long-prefill: no results (the step failed or timed out; see gpu-check.log)"]
+    kv = next((e for e in data["engines"] if e["engine"] == "kvbatch"), None)
+    f = (kv or {}).get("long_prefill") or {}
+    ratio = f.get("gap_ratio")
+    lines = [
+        f"{data['workload']['name']}: longest token gap {_ms(f.get('max_token_gap_s'))} ms, "
+        f"median decode step {_ms(f.get('median_decode_step_s'))} ms, "
+        f"ratio {'-' if ratio is None else f'{ratio:.1f}'} decode steps; the long prompt's "
+        f"first token after {_ms(f.get('long_prompt_ttft_s'))} ms"
+    ]
+    if ratio is None:
+        lines.append(f"target (<= {GAP_TARGET:g} decode steps): not measured")
+    else:
+        verdict = "MET" if ratio <= GAP_TARGET else "MISSED"
+        tiny = "" if data["workload"]["name"] == "long-prefill" else " (tiny run: indicative only)"
+        lines.append(f"target (<= {GAP_TARGET:g} decode steps): {verdict}{tiny}")
+    return lines
+
+
+def summary(folder: Path) -> str:
+    lines = [f"GPU check summary: {folder}", ""]
+    lines += steps_lines(folder / "steps.tsv")
+    lines.append("")
+    lines += rag_lines(_load(folder / "rag.json"))
+    lines.append("")
+    lines += long_prefill_lines(_load(folder / "long-prefill.json"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Summarise a scripts/gpu-check.sh results folder.")
+    p.add_argument("folder", type=Path)
+    p.add_argument("--write", type=Path, help="also write the summary to this file")
+    args = p.parse_args(argv)
+    text = summary(args.folder)
+    print(text)
+    if args.write is not None:
+        args.write.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
