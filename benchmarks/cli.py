@@ -33,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvbatch bench",
         description="Benchmark kvbatch against its peers on a named workload, side by side.",
     )
-    p.add_argument("workload", nargs="?", help=f"one of: {', '.join(WORKLOADS)}")
+    p.add_argument(
+        "workload",
+        nargs="?",
+        help=f"one of: {', '.join(WORKLOADS)}, or spec-copy (see `kvbatch bench spec-copy -h`)",
+    )
     p.add_argument("--list", action="store_true", help="list the workloads and engines, then exit")
     p.add_argument(
         "--tiny",
@@ -166,6 +170,10 @@ def sweep_grid_from_args(args: argparse.Namespace) -> SweepGrid:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: `argv` is what follows `kvbatch bench`. Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["spec-copy"]:  # speculative decoding on/off, its own table
+        from benchmarks.spec_copy import main as spec_copy_main
+
+        return spec_copy_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list:

@@ -17,6 +17,7 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "EngineStats": "engine.outputs",
+    "SpecConfig": "engine.config",
 }
 __all__ = list(_EXPORTS)
 

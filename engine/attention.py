@@ -46,6 +46,9 @@ class AttentionMetadata:
     # Shared-prefix groups among the decodes (engine/cascade.py). When present, the decode
     # tables and lengths above cover only each row's blocks after its group's shared prefix.
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # [num_prefills, width]: the prefills' block tables in one tensor (each span's block_ids is
+    # a view of its row), so a backend can pass them to one kernel without copying per span.
+    prefill_block_tables: torch.Tensor | None = None
 
 
 class TorchAttentionBackend:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +36,17 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None = auto: 8192 on CUDA, 4096 on the CPU
     max_model_len: int = 0  # filled in by the engine from the model (0 = the model's context)
+    # While other sequences decode, one prompt's chunk in a step is at most this many tokens
+    # (0 = no cap): a 32k-token prompt then costs running requests several short waits for
+    # their next token instead of a few long ones. Prompts shorter than this are unaffected.
+    long_prefill_token_threshold: int = 2048
 
     def __post_init__(self) -> None:
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0 (0 = no cap), got "
+                f"{self.long_prefill_token_threshold}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -45,6 +55,101 @@ class SchedulerConfig:
             )
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+SPEC_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: who proposes tokens, how many, and when it switches itself off.
+
+    `method` "ngram" looks the sequence's last tokens up in its own prompt and output; "draft"
+    runs `draft_model` (a checkpoint with the target's vocabulary). Speculation is decided per
+    sequence and per step: a sequence whose acceptance (an EWMA of accepted / proposed) falls
+    below `min_acceptance` decodes normally for `backoff_steps` steps, then tries again; the
+    acceptance a sequence needs grows with the step's decode batch (to `large_batch_acceptance`
+    at `max_batch_size`), since verification costs more there; and no sequence speculates in a
+    step whose decode batch is larger than `max_batch_size` (the step is compute-bound there,
+    and verifying k extra tokens per sequence costs more than it saves).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    ngram_min: int = 2  # shortest n-gram looked up
+    ngram_max: int = 4  # longest n-gram looked up (longest match wins)
+    min_acceptance: float = 0.25  # needed at batch 1; backoff below it
+    large_batch_acceptance: float = 0.6  # needed at max_batch_size (linear in between)
+    acceptance_decay: float = 0.5  # EWMA weight of the newest step's acceptance
+    backoff_steps: int = 16
+    # Decodes per step above which nobody speculates. On the CPU with SmolLM2 (spec-copy, ~90%
+    # acceptance, speculation forced) verification won 1.37x at batch 16 but only 1.06x at 32
+    # with two threads (1.3x with one): batch 32 is at the crossover, where lower acceptance
+    # loses. 16 keeps batch 32 as fast as without (benchmarks/spec_copy.py).
+    max_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative method {self.method!r} is not known; use 'ngram' or 'draft:PATH'"
+            )
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs a draft model: 'draft:PATH'")
+        if self.method == "ngram" and self.draft_model is not None:
+            raise ValueError("draft_model is only used with method 'draft'")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"
+            )
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if not 0.0 <= self.large_batch_acceptance <= 1.0:
+            raise ValueError(
+                f"large_batch_acceptance must be in [0, 1], got {self.large_batch_acceptance}"
+            )
+        if not 0.0 < self.acceptance_decay <= 1.0:
+            raise ValueError(f"acceptance_decay must be in (0, 1], got {self.acceptance_decay}")
+        if self.backoff_steps < 0:
+            raise ValueError(f"backoff_steps must be >= 0, got {self.backoff_steps}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+    @classmethod
+    def parse(
+        cls, value: str | SpecConfig | None, num_speculative_tokens: int | None = None
+    ) -> SpecConfig | None:
+        """`"ngram"`, `"draft:PATH"`, a SpecConfig or None (off); `num_speculative_tokens`
+        overrides k when given."""
+        if value is None:
+            if num_speculative_tokens is not None:
+                raise ValueError("num_speculative_tokens needs speculative='ngram' or 'draft:PATH'")
+            return None
+        if isinstance(value, SpecConfig):
+            config = value
+        elif isinstance(value, str):
+            method, _, path = value.partition(":")
+            if method == "ngram" and not path:
+                config = cls("ngram")
+            elif method == "draft" and path:
+                config = cls("draft", draft_model=path)
+            else:
+                raise ValueError(
+                    f"speculative={value!r}: expected 'ngram' or 'draft:PATH' "
+                    "(PATH a Hugging Face folder or .gguf with the target's vocabulary)"
+                )
+        else:
+            raise ValueError(
+                f"speculative must be None, 'ngram', 'draft:PATH' or a SpecConfig, "
+                f"not {type(value).__name__}"
+            )
+        if num_speculative_tokens is not None:
+            config = dataclasses.replace(config, num_speculative_tokens=num_speculative_tokens)
+        return config
 
 
 def default_batched_tokens(device: torch.device) -> int:
@@ -60,9 +165,11 @@ class EngineConfig:
     dtype: str = "auto"
     attention_backend: str = "auto"
     cascade_attention: bool = True  # decodes sharing prefix blocks read them once per group
+    cuda_graphs: bool = True  # CUDA + triton: decode steps replay captured graphs
     seed: int = 0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpecConfig | None = None  # None: no speculative decoding
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

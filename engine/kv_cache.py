@@ -280,13 +280,41 @@ class KVCacheManager:
         if seq is None:
             return
         for b in reversed(seq.table):
-            block = self._blocks[b]
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.hash is not None:
-                    self._free.push_tail(b)  # may be hit again: evict last
-                else:
-                    self._free.push_head(b)  # nobody can hit it: reuse first
+            self._release(b)
+
+    def truncate(self, seq_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Shrink seq_id's table to its first num_tokens tokens (speculative rollback).
+
+        The slots of rejected draft tokens go back: blocks wholly past the new end return to
+        the pool, and a partly kept block is simply overwritten later. ``token_ids`` are the
+        sequence's final tokens; blocks that the accepted tokens filled are registered in the
+        prefix cache now. Drafts never reach it: a block is hashed only when every token in it
+        is both final (in ``token_ids``) and covered by the table.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"seq {seq_id!r} has no blocks to truncate")
+        if not seq.num_hashed * self.block_size <= num_tokens <= seq.num_tokens:
+            raise ValueError(
+                f"seq {seq_id!r}: cannot truncate {seq.num_tokens} tokens to {num_tokens} "
+                f"(its first {seq.num_hashed * self.block_size} are final and cached)"
+            )
+        keep = -(-num_tokens // self.block_size)
+        for b in reversed(seq.table[keep:]):
+            self._release(b)
+        del seq.table[keep:]
+        seq.num_tokens = num_tokens
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, token_ids)
+
+    def _release(self, b: int) -> None:
+        block = self._blocks[b]
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            if block.hash is not None:
+                self._free.push_tail(b)  # may be hit again: evict last
+            else:
+                self._free.push_head(b)  # nobody can hit it: reuse first
 
     # -- queries --------------------------------------------------------------------------
 

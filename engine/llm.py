@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -26,6 +26,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
+        long_prefill_token_threshold: int = 2048,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         kv_cache_memory_fraction: float = 0.90,
@@ -33,14 +34,20 @@ class LLM:
         num_kv_blocks: int | None = None,
         attention_backend: str = "auto",
         cascade_attention: bool = True,
+        cuda_graphs: bool = True,
         seed: int = 0,
+        speculative: str | SpecConfig | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> None:
+        """`speculative`: None (off), "ngram" (prompt lookup), "draft:PATH" (a draft model
+        with the target's vocabulary) or a SpecConfig; `num_speculative_tokens` = k (4)."""
         config = EngineConfig(
             model=str(model),
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
             cascade_attention=cascade_attention,
+            cuda_graphs=cuda_graphs,
             seed=seed,
             cache=CacheConfig(
                 block_size=block_size,
@@ -53,7 +60,9 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len or 0,
+                long_prefill_token_threshold=long_prefill_token_threshold,
             ),
+            speculative=SpecConfig.parse(speculative, num_speculative_tokens),
         )
         self.engine = LLMEngine(config)
 

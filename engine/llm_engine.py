@@ -11,12 +11,12 @@ import itertools
 import logging
 import time
 
-import torch
-
 from engine.attention import get_backend
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, default_batched_tokens
+from engine.fused import model_forward
 from engine.kv_cache import KVCacheManager
 from engine.loader import load_model
+from engine.memory import cuda_kv_budget, profile_peak_activation_bytes
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from engine.runner import ModelRunner, kv_bytes_per_block
 from engine.sampling_params import SamplingParams
@@ -25,6 +25,10 @@ from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from engine.stopping import StopChecker
 
 log = logging.getLogger(__name__)
+
+# Decode steps of more sequences than this run eagerly: at such batches the GPU is busy long
+# enough to hide the launches, and each bucket's graph costs capture time and memory.
+CUDA_GRAPH_MAX_BATCH = 256
 
 PromptType = str | list[int] | dict
 
@@ -39,7 +43,15 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = self._max_model_len()
         cache = config.cache
-        num_blocks = self._num_blocks()
+        scheduler_config = config.scheduler
+        if scheduler_config.max_num_batched_tokens is None:
+            scheduler_config = dataclasses.replace(
+                scheduler_config, max_num_batched_tokens=default_batched_tokens(self.device)
+            )
+        backend = get_backend(config.attention_backend, self.device)
+        # The triton backend comes with the fused kernels and GEMMs (engine/fused.py).
+        self.forward = model_forward(self.model, fused=backend.name == "triton")
+        num_blocks = self._num_blocks(backend, scheduler_config)
         if num_blocks * cache.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * cache.block_size} tokens ({num_blocks} blocks "
@@ -48,11 +60,6 @@ class LLMEngine:
                 "kv_cache_memory_fraction on CUDA) or lower max_model_len"
             )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        scheduler_config = config.scheduler
-        if scheduler_config.max_num_batched_tokens is None:
-            scheduler_config = dataclasses.replace(
-                scheduler_config, max_num_batched_tokens=default_batched_tokens(self.device)
-            )
         self.scheduler = Scheduler(scheduler_config, self.kv)
         self.runner = ModelRunner(
             self.model,
@@ -61,20 +68,32 @@ class LLMEngine:
             cache.block_size,
             self.device,
             self.dtype,
-            get_backend(config.attention_backend, self.device),
+            backend,
             seed=config.seed,
             cascade=config.cascade_attention,
+            forward=self.forward,
         )
         self.stop_checker = StopChecker(loaded.eos_token_ids, self.max_model_len, self.tokenizer)
+        self.spec = None  # speculative decoding (engine/spec/), when config.speculative is set
+        if config.speculative is not None:
+            from engine.spec.decoder import build_spec_decoder
+
+            self.spec = build_spec_decoder(config.speculative, self)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._num_steps = self._computed = self._generated = self._prompt_tokens = 0
         self._num_finished = 0
+        if config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
+            self.runner.capture_decode_graphs(
+                min(scheduler_config.max_num_seqs, CUDA_GRAPH_MAX_BATCH), self.max_model_len
+            )
         log.info(
-            "KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d",
+            "KV cache: %d blocks of %d tokens = %d tokens at most in flight (%.1f requests "
+            "of max_model_len %d at once)",
             num_blocks,
             cache.block_size,
             num_blocks * cache.block_size,
+            num_blocks * cache.block_size / self.max_model_len,
             self.max_model_len,
         )
 
@@ -88,7 +107,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={asked} exceeds the model's context of {limit}")
         return asked or limit
 
-    def _num_blocks(self) -> int:
+    def _num_blocks(self, backend, scheduler_config) -> int:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
@@ -96,8 +115,26 @@ class LLMEngine:
         if cache.kv_cache_bytes is not None:
             budget = cache.kv_cache_bytes
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cache.kv_cache_memory_fraction)
+            peak = profile_peak_activation_bytes(
+                self.model,
+                self.forward,
+                backend,
+                num_tokens=scheduler_config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                max_num_seqs=scheduler_config.max_num_seqs,
+                block_size=cache.block_size,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            budget = cuda_kv_budget(peak, cache.kv_cache_memory_fraction, self.device)
+            log.info(
+                "profiled the largest step (%d tokens): %.2f GiB of activations; KV pool "
+                "%.2f GiB (kv_cache_memory_fraction=%.2f of what is left)",
+                scheduler_config.max_num_batched_tokens,
+                peak / 2**30,
+                budget / 2**30,
+                cache.kv_cache_memory_fraction,
+            )
         else:
             budget = DEFAULT_CPU_KV_BYTES
         return max(0, budget // per_block)
@@ -164,6 +201,8 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is not None:
             self.scheduler.abort(seq)
+            if self.spec is not None:
+                self.spec.release(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -172,6 +211,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the requests that finished in it."""
+        if self.spec is not None:  # drafts first: the scheduler counts them in the budget
+            self.spec.propose(self.scheduler.running, self._num_steps)
         out = self.scheduler.schedule()
         if not out.chunks:
             if self.scheduler.has_unfinished():
@@ -188,17 +229,36 @@ class LLMEngine:
             top_lps = result.sampler_output.top_logprobs.tolist()
         finished = []
         now = time.perf_counter()
-        for row, (seq, token) in enumerate(zip(result.seqs, result.token_ids)):
-            seq.token_ids.append(token)
-            seq.record_token_time(now)
-            if seq.logprobs is not None and want_logprobs:
-                n = seq.params.logprobs
-                seq.logprobs.append(
-                    TokenLogprobs(token, chosen[row], list(zip(top_ids[row][:n], top_lps[row][:n])))
-                )
-            if self.stop_checker.check(seq, token):
-                finished.append(seq)
-        self._generated += len(result.token_ids)
+        first_row = 0  # sampler rows follow the new tokens, flattened
+        for seq, tokens in zip(result.seqs, result.token_ids):
+            # With speculation several tokens arrive at once: each is checked for stops in
+            # turn, exactly as if decoded alone, and those after a stop are dropped.
+            kept = 0
+            for row, token in enumerate(tokens, first_row):
+                seq.token_ids.append(token)
+                seq.record_token_time(now)
+                if seq.logprobs is not None and want_logprobs:
+                    n = seq.params.logprobs
+                    seq.logprobs.append(
+                        TokenLogprobs(
+                            token, chosen[row], list(zip(top_ids[row][:n], top_lps[row][:n]))
+                        )
+                    )
+                kept += 1
+                if self.stop_checker.check(seq, token):
+                    finished.append(seq)
+                    break
+            first_row += len(tokens)
+            self._generated += kept
+            if seq.draft_token_ids:
+                num_drafts, num_accepted = len(seq.draft_token_ids), len(tokens) - 1
+                self.scheduler.accept_drafts(seq, num_accepted)
+                # Drafts cut off by a stop are not in the output: reported as rejected.
+                used = min(num_accepted, kept)
+                self.spec.observe(seq, num_drafts, num_accepted, used, self._num_steps)
+        if self.spec is not None:
+            for seq in finished:
+                self.spec.release(seq)
         self.scheduler.finish(finished)
         self._num_finished += len(finished)
         return [self._output(self.requests.pop(s.request_id)) for s in finished]
@@ -217,6 +277,7 @@ class LLMEngine:
             ],
             finished=seq.status is SequenceStatus.FINISHED,
             num_cached_tokens=max(seq.num_cached_tokens, 0),
+            spec_stats=seq.spec_stats if self.spec is not None else None,
             metrics=_metrics(seq),
         )
 
@@ -235,6 +296,17 @@ class LLMEngine:
             kv_usage=kv.usage,
             num_kv_blocks=kv.num_blocks,
             block_size=self.config.cache.block_size,
+            **self._spec_stats(),
+        )
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        s = self.spec.stats
+        return dict(
+            spec_draft_tokens=s.num_draft_tokens,
+            spec_accepted_tokens=s.num_accepted_tokens,
+            spec_acceptance_by_position=s.acceptance_by_position,
         )
 
 

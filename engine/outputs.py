@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sequence import TokenLogprobs
+from engine.spec.stats import SpecDecodeStats
+
+__all__ = [
+    "CompletionOutput",
+    "EngineStats",
+    "RequestMetrics",
+    "RequestOutput",
+    "SpecDecodeStats",
+]
 
 
 @dataclass
@@ -38,6 +47,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when this request alone failed (the others still ran)
     metrics: RequestMetrics | None = None
+    spec_stats: SpecDecodeStats | None = None  # draft tokens proposed / accepted (speculation on)
 
 
 @dataclass
@@ -54,6 +64,17 @@ class EngineStats:
     kv_usage: float
     num_kv_blocks: int
     block_size: int
+    # Speculative decoding: draft tokens proposed and accepted, and acceptance by position in
+    # the draft (accepted / proposed at that position).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_by_position: list[float] = field(default_factory=list)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        if not self.spec_draft_tokens:
+            return 0.0
+        return self.spec_accepted_tokens / self.spec_draft_tokens
 
     @property
     def prefix_hit_rate(self) -> float:

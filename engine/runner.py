@@ -4,7 +4,8 @@ chunks:      seq A: 1 token (decode)   seq B: 4 tokens (prefill chunk at offset 
 input_ids:   [a9 | b32 b33 b34 b35]
 positions:   [ 9 |  32  33  34  35]
 slots:       table[pos // block_size] * block_size + pos % block_size
-logits rows: the last token of every chunk that reaches the end of its sequence
+logits rows: the last token of every chunk that reaches the end of its sequence; for a
+             speculative chunk (last token + k drafts), all of its 1 + k tokens
 """
 
 from __future__ import annotations
@@ -20,15 +21,22 @@ from engine.model import LlamaForCausalLM
 from engine.sampler import Sampler, SamplerOutput, SamplingTensors
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from engine.spec.rejection import verify
 
 
 @dataclass
 class StepResult:
-    """Sampled tokens for the chunks that reached the end of their sequence, in step order."""
+    """New tokens for the chunks that reached the end of their sequence, in step order: one
+    each, or with speculation the accepted drafts and then one token of the target's own."""
 
     seqs: list[Sequence]
-    token_ids: list[int]
-    sampler_output: SamplerOutput
+    token_ids: list[list[int]]
+    sampler_output: SamplerOutput  # rows follow token_ids flattened
+
+
+# Decode steps whose longest context exceeds this run eagerly: a graph's block-table width is
+# fixed, and the decode kernel cuts contexts into splits by that width (kernels/).
+GRAPH_MAX_CONTEXT = 8192
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -49,9 +57,11 @@ class ModelRunner:
         backend,
         seed: int = 0,
         cascade: bool = True,
+        forward=None,  # the model's forward (engine/fused.py model_forward); default: model
     ) -> None:
         cfg = model.config
         self.model, self.kv, self.device, self.backend = model, kv, device, backend
+        self.forward = forward or model
         self.block_size = block_size
         self.cascade = cascade  # shared-prefix attention for decodes (engine/cascade.py)
         # One tensor per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim]. Zeroed, so
@@ -69,21 +79,19 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.sampler = Sampler(seed=seed)
+        self.decode_graphs = None  # set by capture_decode_graphs (CUDA, triton backend)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         input_ids, meta, logits_rows, sampling_seqs = self._prepare(out)
-        logits = self.model(
-            input_ids,
-            meta.positions,
-            self.kv_caches,
-            meta.attention,
-            self.backend,
-            logits_indices=logits_rows,
-        )
+        logits = self._forward(input_ids, meta, logits_rows)
         if not sampling_seqs:
             return StepResult(
                 [], [], SamplerOutput(torch.empty(0, dtype=torch.long), None, None, None)
             )
+        if any(s.draft_token_ids for s in sampling_seqs):  # speculative decoding: verify
+            vocab = self.model.config.vocab_size
+            tokens, sampled = verify(self.sampler, logits, sampling_seqs, vocab)
+            return StepResult(sampling_seqs, tokens, sampled)
         tensors = SamplingTensors.from_params(
             [s.params for s in sampling_seqs],
             [s.num_output_tokens for s in sampling_seqs],
@@ -91,7 +99,37 @@ class ModelRunner:
             self.device,
         )
         sampled = self.sampler(logits, tensors)
-        return StepResult(sampling_seqs, sampled.token_ids.tolist(), sampled)
+        return StepResult(sampling_seqs, [[t] for t in sampled.token_ids.tolist()], sampled)
+
+    def _forward(self, input_ids, meta: _StepMeta, logits_rows) -> torch.Tensor:
+        """Replay a captured decode graph when the step is a plain decode, else run eagerly."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.supports(meta.attention, input_ids.shape[0]):
+            return graphs.run(input_ids, meta.positions, meta.attention)[logits_rows]
+        return self.forward(
+            input_ids,
+            meta.positions,
+            self.kv_caches,
+            meta.attention,
+            self.backend,
+            logits_indices=logits_rows,
+        )
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True):
+        """Decode steps of up to max_batch sequences replay CUDA graphs from now on
+        (engine/cuda_graphs.py); capture=False runs the same padded path eagerly (CPU tests)."""
+        from engine.cuda_graphs import DecodeGraphs
+
+        def forward(ids, positions, meta):
+            return self.forward(ids, positions, self.kv_caches, meta, self.backend)
+
+        self.decode_graphs = DecodeGraphs(
+            forward,
+            max_batch=max_batch,
+            max_blocks=-(-min(max_model_len, GRAPH_MAX_CONTEXT) // self.block_size),
+            device=self.device,
+            capture=capture,
+        )
 
     def _prepare(self, out: SchedulerOutput):
         bs = self.block_size
@@ -108,7 +146,10 @@ class ModelRunner:
         lens = [c.num_new_tokens for c in chunks]
         ids: list[int] = []
         for (seq, n), start in zip(chunks, starts):
-            ids.extend(seq.token_ids[start : start + n])
+            part = seq.token_ids[start : start + n]
+            if len(part) < n:  # a speculative chunk: the last token, then the drafts
+                part = part + list(seq.draft_token_ids[: n - len(part)])
+            ids.extend(part)
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
 
@@ -122,12 +163,13 @@ class ModelRunner:
         slots = padded[seq_of_token, positions // bs] * bs + positions % bs
 
         context_lens = [s + n for s, n in zip(starts, lens)]
+        prefill_tables = padded[num_decodes:].to(self.device)  # one copy for all the chunks
         prefills = [
             PrefillSpan(
                 int(query_start[i]),
                 lens[i],
                 context_lens[i],
-                padded[i, : -(-context_lens[i] // bs)].to(self.device),
+                prefill_tables[i - num_decodes, : -(-context_lens[i] // bs)],
             )
             for i in range(num_decodes, len(chunks))
         ]
@@ -135,10 +177,15 @@ class ModelRunner:
             slot_mapping=slots.to(self.device),
             num_decode_tokens=num_decodes,
             prefills=prefills,
+            prefill_block_tables=prefill_tables,
             **self._decode_metadata(tables[:num_decodes], context_lens[:num_decodes], groups),
         )
         sample_idx = [i for i, c in enumerate(chunks) if c.samples]
         rows = (query_start + lens_t - 1)[sample_idx]
+        num_rows = [1 + len(chunks[i].seq.draft_token_ids) for i in sample_idx]
+        if any(r > 1 for r in num_rows):  # speculative chunks are scored at every position
+            ends = rows.tolist()
+            rows = torch.cat([torch.arange(e - r + 1, e + 1) for e, r in zip(ends, num_rows)])
         meta = _StepMeta(positions.to(self.device), attention)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return input_ids, meta, rows.to(self.device), [chunks[i].seq for i in sample_idx]

@@ -134,16 +134,31 @@ class Sampler:
         return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
 
     def _sample(self, logits: Tensor, t: SamplingTensors) -> Tensor:
+        probs = self.processed_probs(logits, t, normalize=False)
+        return (probs / self.noise(probs, t)).argmax(dim=-1)
+
+    @staticmethod
+    def processed_probs(logits: Tensor, t: SamplingTensors, normalize: bool = True) -> Tensor:
+        """The distribution each sampled row draws from [B, V]: temperature, top-k, top-p,
+        min-p applied (what speculative decoding's rejection sampler calls p). Greedy rows get
+        softmax(logits): callers replace them by the argmax. normalize=False skips the final
+        renormalisation after min-p (the exponential race does not need it)."""
         # Greedy rows divide by 1: their result is replaced by the argmax afterwards.
         temperature = torch.where(t.temperature > 0, t.temperature, 1.0)
-        logits = logits / temperature[:, None]
+        logits = logits.float() / temperature[:, None]
         if t.need_top_k or t.need_top_p:
             logits = _apply_top_k_top_p(logits, t)
         probs = logits.softmax(dim=-1)  # [B, V]
         if t.need_min_p:
             threshold = t.min_p * probs.amax(dim=-1)
             probs = probs.masked_fill(probs < threshold[:, None], 0.0)
+            if normalize:
+                probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
 
+    def noise(self, probs: Tensor, t: SamplingTensors) -> Tensor:
+        """Exp(1) noise [B, V] for the exponential race: seeded rows from (seed, offset),
+        the others from the sampler's generator (greedy rows: ones, they are replaced)."""
         if t.any_unseeded:
             noise = torch.empty_like(probs).exponential_(generator=self._generator(probs.device))
             # Exp(1) noise of exactly 0 would turn an excluded token's 0 / 0 into NaN.
@@ -153,7 +168,11 @@ class Sampler:
         if t.any_seeded:
             rows = t.seeded_rows
             noise[rows] = seeded_exponential(t.seeds[rows], t.offsets[rows], probs.shape[-1])
-        return (probs / noise).argmax(dim=-1)
+        return noise
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator of unseeded rows on `device` (shared with speculative decoding)."""
+        return self._generator(device)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)

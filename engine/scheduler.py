@@ -10,6 +10,11 @@ token being decoded, or a preempted sequence being recomputed all look the same.
 When blocks run out, the newest running sequence is preempted: its blocks are freed (its
 prefix usually stays in the prefix cache) and it goes back to the front of the queue to be
 recomputed. Older sequences always finish first, so nobody starves.
+
+Speculative decoding: a decode with k proposed tokens (`seq.draft_token_ids`, set before
+`schedule`) is one chunk of 1 + k tokens, drafts counted against the budget (trimmed to fit,
+dropped before anyone is preempted for them). After the forward, `accept_drafts` keeps the
+accepted drafts' KV and releases the slots of the rejected ones.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ from engine.sequence import Sequence, SequenceStatus
 
 class ScheduledChunk(NamedTuple):
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # including the sequence's draft tokens, if any
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the end of the sequence's tokens, so its last logits are sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """The chunk reaches the end of the sequence's tokens (and drafts), so it is sampled."""
+        seq = self.seq
+        return seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens + len(
+            seq.draft_token_ids
+        )
 
 
 class SchedulerOutput(NamedTuple):
@@ -63,13 +71,22 @@ class Scheduler:
         preempted = 0
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        prefill_set = set(prefills)
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if len(seq.draft_token_ids) >= budget:  # drafts fit the budget, with the last token
+                self._trim_drafts(seq, budget - 1)
+            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids), budget)
+            if seq in prefill_set:
+                n = self._cap_long_prefill(n, chosen)
             while not self.kv.allocate_slots(id(seq), seq.token_ids, n):
+                if seq.draft_token_ids:  # drop our own drafts before preempting anyone
+                    n -= len(seq.draft_token_ids)
+                    seq.clear_drafts()
+                    continue
                 victim = self.running[-1]
                 budget += chosen.pop(victim, 0)
                 self._preempt(victim)
@@ -79,6 +96,9 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 chosen[seq] = n
                 budget -= n
+        for seq in self.running:
+            if seq.draft_token_ids and seq not in chosen:
+                seq.clear_drafts()  # not scheduled this step: proposed again next time
         if not preempted:
             budget = self._admit(chosen, budget)
         chunks = [ScheduledChunk(s, n) for s, n in chosen.items()]
@@ -90,7 +110,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             computed = self.kv.get_computed_blocks(seq.token_ids)
-            n = min(seq.num_tokens - computed.num_tokens, budget)
+            n = self._cap_long_prefill(min(seq.num_tokens - computed.num_tokens, budget), chosen)
             if not self.kv.allocate_slots(id(seq), seq.token_ids, n, computed):
                 break  # wait for running sequences to finish; never preempt for newcomers
             self.waiting.popleft()
@@ -103,19 +123,46 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _cap_long_prefill(self, n: int, chosen: dict[Sequence, int]) -> int:
+        """A prompt's chunk, capped while this step carries decodes (long_prefill_token_threshold)."""
+        cap = self.config.long_prefill_token_threshold
+        if cap and n > cap and any(s.num_tokens - s.num_computed_tokens == 1 for s in chosen):
+            return cap
+        return n
+
     def _preempt(self, seq: Sequence) -> None:
         """Free the newest sequence's blocks; it will be recomputed from its tokens."""
         self.running.pop()
         self.kv.free(id(seq))
+        seq.clear_drafts()
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def advance(self, out: SchedulerOutput) -> None:
-        """After the forward: the scheduled tokens' KV is now in the cache."""
+        """After the forward: the scheduled tokens' KV is now in the cache (drafts' KV counts
+        only once accept_drafts has accepted them)."""
         for seq, n in out.chunks:
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification, with the accepted tokens appended to `seq.token_ids`: the first
+        `num_accepted` drafts' KV is final; the rejected drafts' slots are released."""
+        if not 0 <= num_accepted <= len(seq.draft_token_ids):
+            raise ValueError(f"accepted {num_accepted} of {len(seq.draft_token_ids)} draft tokens")
+        seq.num_computed_tokens += num_accepted
+        seq.clear_drafts()
+        self.kv.truncate(id(seq), seq.token_ids, seq.num_computed_tokens)
+
+    @staticmethod
+    def _trim_drafts(seq: Sequence, k: int) -> None:
+        if k <= 0:
+            seq.clear_drafts()
+            return
+        del seq.draft_token_ids[k:]
+        if seq.draft_probs is not None:
+            seq.draft_probs = seq.draft_probs[:k]
 
     def finish(self, finished: list[Sequence]) -> None:
         """Release finished sequences (their full blocks stay in the prefix cache)."""

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from engine.spec.stats import SpecDecodeStats
 
 
 class SequenceStatus(enum.Enum):
@@ -47,6 +48,13 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     max_token_gap: float = 0.0
+    # Speculative decoding (engine/spec/). Drafts are proposed, unverified tokens that follow
+    # token_ids: scheduled and scored with them, but never part of them until accepted.
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: object | None = None  # [k, vocab] tensor: the draft's q per draft; None = one-hot
+    spec_stats: SpecDecodeStats | None = None  # set once the sequence has speculated
+    spec_acceptance: float = 1.0  # EWMA of accepted / proposed, for switching speculation off
+    spec_resume_step: int = 0  # engine step from which the sequence may speculate again
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -59,6 +67,10 @@ class Sequence:
         else:
             self.max_token_gap = max(self.max_token_gap, now - self.last_token_time)
         self.last_token_time = now
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids = []
+        self.draft_probs = None
 
     @property
     def num_tokens(self) -> int:

@@ -44,10 +44,12 @@ def pack_prefills(meta: AttentionMetadata) -> PrefillBatch | None:
     if not spans:
         return None
     device = meta.slot_mapping.device
-    width = max(int(s.block_ids.numel()) for s in spans)
-    tables = torch.zeros(len(spans), width, dtype=torch.int32, device=device)
-    for i, s in enumerate(spans):
-        tables[i, : s.block_ids.numel()] = s.block_ids
+    tables = meta.prefill_block_tables
+    if tables is None:  # metadata built by hand (tests, profiling): pack the spans' tables
+        width = max(int(s.block_ids.numel()) for s in spans)
+        tables = torch.zeros(len(spans), width, dtype=torch.int32, device=device)
+        for i, s in enumerate(spans):
+            tables[i, : s.block_ids.numel()] = s.block_ids
     # [3, S]: each row contiguous (the kernels index these vectors with unit stride)
     lens = torch.tensor(
         [

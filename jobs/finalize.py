@@ -4,6 +4,8 @@ and the merge into output.jsonl / errors.jsonl / batch.json.
     <job>/attempts/<shard_id>.<n>      attempt n of a shard was claimed (write_if_absent)
     <job>/results/<shard_id>.jsonl     {"index": i, "record": <output or error line>} per request
     <job>/cancel                       `kvbatch cancel` was asked (jobs/cancel.py)
+    <job>/failures/<shard_id>.json     why the shard last failed (worker/tasks.py), shown by
+                                       job_status while the shard has no result
     <job>/finalize.json                the completion time and whether the job was cancelled,
                                        claimed once (so reruns write the same bytes)
     <job>/output.jsonl, errors.jsonl   the merge; batch.json is written last
@@ -21,7 +23,7 @@ from collections.abc import Iterator
 
 from jobs.batch_record import BatchRecord
 from jobs.responses import error_line
-from jobs.shards import ShardMessage, read_shard
+from jobs.shards import ShardMessage, read_shard, read_shard_lines
 from jobs.storage import Storage, StorageError, validate_key_part
 from jobs.validate import LineError
 
@@ -97,15 +99,22 @@ def cancel_shard(job: Storage, msg: ShardMessage) -> bool:
 def _write_error_result(job: Storage, msg: ShardMessage, code: str, message) -> bool:
     manifest = read_manifest(job)
     try:
-        requests = read_shard(msg)
-    except ValueError:  # a payload that changed still names its lines
-        requests = read_shard(msg, verify=False)
+        requests = [(r.index, r.line, r.custom_id) for r in _read_payload(msg)]
+    except StorageError:  # the payload cannot be read (access denied, gone): its lines index
+        requests = read_shard_lines(job, msg.shard_id)
     records = [
-        (r.index, error_line(LineError(r.line, r.custom_id, code, message(r.line)),
-                             batch_id=manifest["batch_id"]))
-        for r in requests
+        (index, error_line(LineError(line, custom_id, code, message(line)),
+                           batch_id=manifest["batch_id"]))
+        for index, line, custom_id in requests
     ]  # fmt: skip
     return write_shard_result(job, msg.shard_id, records)
+
+
+def _read_payload(msg: ShardMessage):
+    try:
+        return read_shard(msg)
+    except ValueError:  # a payload that changed still names its lines
+        return read_shard(msg, verify=False)
 
 
 def _read_lines(target: Storage) -> Iterator[bytes]:
@@ -164,6 +173,21 @@ def try_finalize(job: Storage) -> BatchRecord | None:
     return record
 
 
+def mark_job_failed(job: Storage, code: str, reason: str) -> None:
+    """Mark a job that can never finish "failed" in batch.json, with the reason as its errors
+    (OpenAI's shape: {"object": "list", "data": [{"code", "message"}]}). A job already
+    finalized is left as it is."""
+    if job.join("finalize.json").exists():
+        return
+    target = job.join("batch.json")
+    with target.open_read() as f:
+        batch = json.loads(f.read())
+    batch["status"] = "failed"
+    batch["failed_at"] = int(time.time())
+    batch["errors"] = {"object": "list", "data": [{"code": code, "message": reason}]}
+    target.write_bytes(json.dumps(batch, indent=2).encode() + b"\n")
+
+
 def _cancel_time(job: Storage) -> int | None:
     try:
         with job.join(CANCEL_MARKER).open_read() as f:
@@ -219,8 +243,15 @@ def job_status(job: Storage, *, now: float | None = None) -> dict:
         if batch["status"] in ("completed", "cancelled"):
             status["request_counts"] = batch["request_counts"]
             status["usage"] = batch["usage"]
+        if batch.get("errors"):
+            status["errors"] = [e.get("message") for e in batch["errors"].get("data", [])]
     except StorageError:
         pass
+    # Why shards without a result last failed (worker/tasks.py notes it): a job stuck
+    # in_progress because its results cannot be written says so here.
+    status["shard_failures"] = {
+        key.split("/", 1)[1].removesuffix(".json"): reason for key, reason in _failures(job, done)
+    }
     if status["status"] == "in_progress" and cancel_requested(job):
         status["status"] = "cancelling"
     started = _first_attempt_time(job)
@@ -238,6 +269,23 @@ def job_status(job: Storage, *, now: float | None = None) -> dict:
     elif elapsed and answered and status["status"] == "in_progress":
         status["eta_s"] = round((status["requests"] - answered) * elapsed / answered, 1)
     return status
+
+
+def _failures(job: Storage, done: set[str]):
+    """(key, reason) of the failure notes of shards that have no result yet."""
+    try:
+        keys = list(job.list("failures/"))
+    except StorageError:
+        return
+    for key in keys:
+        shard_id = key.split("/", 1)[1].removesuffix(".json")
+        if f"results/{shard_id}.jsonl" in done:
+            continue
+        try:
+            with job.join(key).open_read() as f:
+                yield key, json.loads(f.read())["reason"]
+        except (StorageError, ValueError, KeyError, TypeError):
+            continue
 
 
 def _progress(job: Storage, shard_ids: list[str]) -> dict:

@@ -112,6 +112,7 @@ def _key(batch_id: str, line: int, custom_id: str | None) -> str:
 def _usage(out: RequestOutput) -> dict[str, Any]:
     prompt = len(out.prompt_token_ids)
     completion = len(out.outputs[0].token_ids)
+    spec = getattr(out, "spec_stats", None)  # speculative decoding's draft tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -119,9 +120,8 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
         "completion_tokens_details": {
             "reasoning_tokens": 0,
-            # The engine does not report speculative acceptance per request yet.
-            "accepted_prediction_tokens": 0,
-            "rejected_prediction_tokens": 0,
+            "accepted_prediction_tokens": spec.num_accepted_tokens if spec else 0,
+            "rejected_prediction_tokens": spec.num_rejected_tokens if spec else 0,
         },
     }
 

@@ -168,6 +168,7 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
             progress.update(out)
         partial.close()
         progress.close()
+    _log_speculation(engine)
     spill.rmdir()
     record.mark_finalizing()
     _finalize(paths, partial, job, record)
@@ -271,6 +272,20 @@ def _finalize(
     record.endpoint = next(iter(job.urls)) if len(job.urls) == 1 else None
     record.finish(completed=len(answered), failed=len(errors))
     _write(paths.batch, [json.dumps(record.to_dict(), indent=2).encode() + b"\n"])
+
+
+def _log_speculation(engine) -> None:
+    if getattr(engine, "spec", None) is None:
+        return
+    stats = engine.stats()
+    if stats.spec_draft_tokens:
+        log.info(
+            "speculative decoding: %d of %d draft tokens accepted (%.0f%%; by position %s)",
+            stats.spec_accepted_tokens,
+            stats.spec_draft_tokens,
+            100 * stats.spec_acceptance_rate,
+            ", ".join(f"{a:.0%}" for a in stats.spec_acceptance_by_position),
+        )
 
 
 def _write(uri: str, chunks) -> None:

@@ -3,6 +3,9 @@ at them (claim check: a queue message carries `{job_id, shard_id, uri, sha256}`,
 prompt).
 
     <output>/<job_id>/shards/<shard_id>.jsonl   one ShardRequest per line, in prefix order
+    <output>/<job_id>/shards/<shard_id>.lines.jsonl   [index, line, custom_id] per request: what
+                                                a failed shard's error records need when its
+                                                payload itself cannot be read (access denied)
     ShardMessage(job_id, shard_id, uri, sha256)  what goes on the queue
 
 `run_shard` is the engine part of a worker's task: read the payload (checking its sha256),
@@ -121,12 +124,24 @@ def shard_payload(requests: list[ShardRequest]) -> bytes:
 def write_shard(
     job: Storage, job_id: str, shard_id: str, requests: list[ShardRequest]
 ) -> ShardMessage:
-    """Write one shard's payload under `job` (the job's folder) and return its message."""
+    """Write one shard's payload (and its lines index) under `job` (the job's folder) and
+    return its message."""
     validate_key_part(shard_id)
     data = shard_payload(requests)
     target = job.join("shards", f"{shard_id}.jsonl")
     target.write_bytes(data)
+    index = b"".join(
+        json.dumps([r.index, r.line, r.custom_id], ensure_ascii=False).encode() + b"\n"
+        for r in requests
+    )
+    job.join("shards", f"{shard_id}.lines.jsonl").write_bytes(index)
     return ShardMessage(job_id, shard_id, target.uri, hashlib.sha256(data).hexdigest())
+
+
+def read_shard_lines(job: Storage, shard_id: str) -> list[tuple[int, int, str]]:
+    """A shard's requests as (index, line, custom_id), from its lines index."""
+    with job.join("shards", f"{validate_key_part(shard_id)}.lines.jsonl").open_read() as f:
+        return [tuple(json.loads(line)) for line in f if line.strip()]
 
 
 def read_shard(msg: ShardMessage, *, verify: bool = True) -> list[ShardRequest]:

@@ -159,6 +159,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument(
+        "--speculative",
+        default=None,
+        metavar="ngram|draft:PATH",
+        help="speculative decoding: n-gram prompt lookup, or a draft model with the same "
+        "vocabulary (default: off)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="tokens proposed per step with --speculative (default 4)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -171,6 +185,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
 
 
@@ -208,6 +224,11 @@ def _generate(args: argparse.Namespace) -> int:
         f"({stats.generation_tokens / seconds:.1f} tokens/s), prefix cache hit rate "
         f"{stats.prefix_hit_rate:.0%}"
     )
+    if stats.spec_draft_tokens:
+        print(
+            f"speculative decoding: {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} "
+            f"draft tokens accepted ({stats.spec_acceptance_rate:.0%})"
+        )
     return 0
 
 

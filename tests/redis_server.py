@@ -1,8 +1,10 @@
 """A real redis-server on a free local port, for tests of the Celery broker.
 
 Use it from a test module with `from tests.redis_server import redis_server  # noqa: F401`.
-The server keeps nothing on disk (`--save ''`, no AOF) and never evicts keys (kombu's keys
-must not vanish under memory pressure).
+The server never evicts keys (kombu's keys must not vanish under memory pressure). By default
+it keeps nothing on disk (`--save ''`, no AOF); `persistent_redis_server` writes an append-only
+file to the test's tmp_path (`appendfsync always`, so a SIGKILL loses nothing acknowledged), as
+a production broker should: a restart then keeps the queued and unacknowledged shards.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +38,7 @@ def _ping(port: int) -> bool:
 @dataclass
 class RedisServer:
     port: int
+    data_dir: Path | None = None  # an append-only file here; None: nothing on disk
     _proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -47,9 +51,13 @@ class RedisServer:
             pytest.fail(
                 "redis-server is not installed: run `make sysdeps` (apt-get install redis-server)"
             )
+        if self.data_dir is None:
+            disk = ["--appendonly", "no"]
+        else:
+            disk = ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.data_dir)]
         self._proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--maxmemory-policy", "noeviction"],
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *disk,
+             "--maxmemory-policy", "noeviction"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
@@ -66,10 +74,25 @@ class RedisServer:
             self._proc.wait()
             self._proc = None
 
-    def restart(self) -> None:
-        """Stop and start again on the same port; every key is lost (nothing is saved)."""
+    def restart(self, down: float = 0.0) -> None:
+        """SIGKILL the server, wait `down` seconds, start it again on the same port. Without
+        a data_dir every key is lost; with one, the append-only file brings them back."""
         self.stop()
+        time.sleep(down)
         self.start()
+
+
+@pytest.fixture
+def persistent_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh redis-server for one test that survives restart() with its keys."""
+    data = tmp_path / "redis-data"
+    data.mkdir()
+    server = RedisServer(_free_port(), data)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -183,6 +183,26 @@ def test_kvbatch_commands_are_valid_invocations(compose, monkeypatch):
     assert worker.device == "cuda"
 
 
+def test_beat_state_is_on_a_volume(compose, monkeypatch):
+    """Beat's state file survives a restart of its container: on a named volume, which the
+    image's /state (owned by the non-root user) seeds."""
+    beat = _services(compose)["beat"]
+    ns = parse_kvbatch(beat["command"], monkeypatch)
+    state_dir = str(Path(ns.state).parent)
+    named = {v.split(":")[1]: v.split(":")[0] for v in beat["volumes"]}
+    assert state_dir in named, f"{ns.state} is not on a volume"
+    assert named[state_dir] in compose["volumes"], "a named volume, not a bind mount"
+    assert not named[state_dir].startswith(".")
+    assert f"mkdir {state_dir}" in (ROOT / "Dockerfile").read_text()
+
+
+def test_redis_keeps_the_queue_across_restarts(compose):
+    command = _services(compose)["redis"]["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    mounts = {v.split(":")[1] for v in _services(compose)["redis"]["volumes"]}
+    assert "/data" in mounts
+
+
 def test_submit_example_input_is_mounted(compose, monkeypatch):
     submit = _services(compose)["submit"]
     ns = parse_kvbatch(submit["command"], monkeypatch)

@@ -11,7 +11,8 @@ Why each setting (see docs in /work/shared/NOTES.md, "Queue"):
 - visibility_timeout above the longest shard: on Redis and SQS an unacknowledged message is
   handed out again once it expires, even while its first worker still runs it.
 - cancel long-running tasks on connection loss: else an acks_late shard can run twice after
-  a broker reconnect.
+  a broker reconnect. Reconnect forever (a broker restart must not end a worker), and retry
+  storing results while Redis is away.
 - The solo pool (worker/cli.py) runs shards in the worker's own process: no fork, so CUDA is
   never initialised in a parent that forks, and the model is loaded once per process.
 """
@@ -76,6 +77,9 @@ def make_app(broker: str, *, visibility: int | None = None) -> Celery:
         worker_pool="solo",
         worker_cancel_long_running_tasks_on_connection_loss=True,
         broker_connection_retry_on_startup=True,
+        # A broker restart must not end a worker: reconnect for as long as it takes.
+        broker_connection_retry=True,
+        broker_connection_max_retries=None,
         task_default_queue=DEFAULT_QUEUE,
         task_create_missing_queues=True,
         worker_send_task_events=False,
@@ -88,6 +92,9 @@ def make_app(broker: str, *, visibility: int | None = None) -> Celery:
             result_backend=broker,
             result_backend_transport_options={"visibility_timeout": vt},
             result_expires=24 * 3600,
+            # Storing a result while Redis restarts is retried, not a failed task.
+            result_backend_always_retry=True,
+            result_backend_max_retries=20,
         )
     else:
         app.conf.update(task_ignore_result=True)  # SQS has no result backend

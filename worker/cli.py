@@ -4,6 +4,7 @@ kvbatch submit INPUT --output URI --model PATH [--broker URL] [--shard-tokens N]
     validate, tokenize and shard the input into <URI>/<job_id>/, send one message per
     shard; the job id is the last line printed
 kvbatch worker --model PATH [--broker URL] [--queue Q] [--device ...] [--metrics-port N]
+        [--speculative ngram|draft:PATH] [--num-speculative-tokens K]
     load the model once, then run shards until stopped (solo pool: one process per GPU);
     Prometheus metrics on port N (default 9400, 0: off; worker/metrics.py)
 kvbatch finalize JOB --output URI
@@ -101,6 +102,13 @@ def submit(args: argparse.Namespace) -> int:
         print(f"kvbatch submit: cannot reach the broker {where}: {e}", file=sys.stderr)
         return 1
     try:
+        from worker.sqs import ensure_queue
+
+        ensure_queue(app, args.queue)  # SQS: the queue and its dead-letter queue; Redis: no-op
+    except Exception as e:
+        print(f"kvbatch submit: cannot create the queue {args.queue}: {e}", file=sys.stderr)
+        return 1
+    try:
         job = prepare_job(
             args.input,
             args.output,
@@ -119,11 +127,15 @@ def submit(args: argparse.Namespace) -> int:
         for msg in job.messages:
             send_shard(app, args.output, msg, args.queue)
     except Exception as e:
-        print(
-            f"kvbatch submit: job {job.job_id} written to {job.dir_uri} but sending its shards "
-            f"failed: {e}; resubmit the input",
-            file=sys.stderr,
-        )
+        from jobs.finalize import mark_job_failed
+        from jobs.shards import job_dir
+
+        reason = f"sending the shards to the broker failed: {e}; resubmit the input"
+        try:  # the job can never finish: say so in its batch.json (and kvbatch status)
+            mark_job_failed(job_dir(args.output, job.job_id), "send_failed", reason)
+        except Exception as mark_error:
+            reason += f" (marking the job failed failed too: {mark_error})"
+        print(f"kvbatch submit: job {job.job_id} at {job.dir_uri}: {reason}", file=sys.stderr)
         return 1
     if not job.messages:  # every line was invalid: nothing to run, finalize now
         from jobs.finalize import try_finalize
@@ -158,6 +170,13 @@ def worker(args: argparse.Namespace, engine: dict) -> int:
         print(f"kvbatch worker: cannot load the model: {e}", file=sys.stderr)
         return 1
     use_model(model)
+    try:
+        from worker.sqs import ensure_queue
+
+        ensure_queue(app, args.queue)  # SQS: the queue and its dead-letter queue; Redis: no-op
+    except Exception as e:
+        print(f"kvbatch worker: cannot create the queue {args.queue}: {e}", file=sys.stderr)
+        return 1
     port = getattr(args, "metrics_port", 0)
     if port:
         from worker.metrics import observe_engine, start_metrics_server
@@ -273,6 +292,9 @@ def format_status(s: dict) -> str:
         ("elapsed", seconds(s["elapsed_s"])),
         ("eta", seconds(s["eta_s"])),
     ]
+    failures = s.get("shard_failures") or {}
+    rows += [(f"shard {k}", f"last failure: {v}") for k, v in failures.items()]
+    rows += [("error", e) for e in s.get("errors") or []]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

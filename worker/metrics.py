@@ -25,7 +25,6 @@ log = logging.getLogger("kvbatch.worker")
 DEFAULT_PORT = 9400
 SHARD_STATUSES = ("done", "duplicate", "failed", "poisoned", "cancelled")
 LINE_STATUSES = ("completed", "failed", "cancelled")
-SPECULATIVE_HELP = " (speculative decoding is not built yet: always 0)"
 
 # engine.stats() field -> the counter that follows it
 _ENGINE_COUNTERS = {
@@ -37,6 +36,8 @@ _ENGINE_COUNTERS = {
     "prefix_hits": "prefix_hits",
     "num_steps": "steps",
     "num_finished": "requests_finished",
+    "spec_draft_tokens": "spec_draft_tokens",
+    "spec_accepted_tokens": "spec_accepted_tokens",
 }
 
 
@@ -93,12 +94,12 @@ class WorkerMetrics:
         )
         self.spec_draft_tokens = Counter(
             "kvbatch_spec_decode_draft_tokens",
-            "Speculative draft tokens proposed" + SPECULATIVE_HELP,
+            "Speculative draft tokens proposed (0 when speculative decoding is off)",
             registry=r,
         )
         self.spec_accepted_tokens = Counter(
             "kvbatch_spec_decode_accepted_tokens",
-            "Speculative draft tokens accepted" + SPECULATIVE_HELP,
+            "Speculative draft tokens accepted by the target model",
             registry=r,
         )
         self.shards = Counter("kvbatch_shards", "Shards handled, by status", ["status"], registry=r)

@@ -11,8 +11,11 @@ nothing. The steps:
    Document first: all chunks of a document share it as a prompt prefix, which prefix grouping
    turns into one document prefill per group (and one shard per document group).
 2. jobs.submit.prepare_job(..., job_id=<name>-<date>); JobError because the job exists -> None.
-3. one message per shard (worker.tasks.send_shard), then `<output>/runs/<name>-<date>.json`
-   records the documents read (key -> sha256), so the next run takes only new or changed ones.
+3. `<output>/runs/<name>-<date>.json` records the documents read (key -> sha256), so the next
+   run takes only new or changed ones, with `sent: false`; one message per shard
+   (worker.tasks.send_shard); then `sent: true`. A trigger that finds job.json but not
+   `sent: true` (a send failed part-way) sends the shards that have no attempt or result yet;
+   the scheduled task itself retries the same date a few times after such a failure.
 """
 
 from __future__ import annotations
@@ -139,10 +142,12 @@ def start_scheduled_run(entry: ScheduleEntry, run_date: dt.date, *, app=None) ->
 
     job_id = run_id(entry.name, run_date)
     job = job_dir(entry.output, job_id)  # validates the key part
-    if job.join("job.json").exists():
-        log.info("scheduled %s: run %s exists; nothing to do", entry.name, job_id)
-        return None
     out = open_storage(entry.output)
+    if job.join("job.json").exists():
+        if _run_record(out, job_id).get("sent", True):
+            log.info("scheduled %s: run %s exists; nothing to do", entry.name, job_id)
+            return None
+        return _resend(entry, job, job_id, out, app)
     documents: dict[str, str] = {}
     if entry.documents is not None:
         model_name = entry.model_name or PurePosixPath(entry.model.rstrip("/")).name
@@ -170,30 +175,82 @@ def start_scheduled_run(entry: ScheduleEntry, run_date: dt.date, *, app=None) ->
             log.info("scheduled %s: run %s was created concurrently", entry.name, job_id)
             return None
         raise
-    if app is None:
-        from worker.app import broker_url, make_app
-
-        app = make_app(broker_url())
-    from worker.tasks import send_shard
-
-    for msg in submitted.messages:
-        send_shard(app, entry.output, msg, entry.queue)
-    if not submitted.messages:
-        from jobs.finalize import try_finalize
-
-        try_finalize(job)
     record = {
         "job_id": job_id,
         "input": input_uri,
         "shards": len(submitted.messages),
         "requests": submitted.num_requests,
         "documents": documents,
+        "sent": False,  # True once every shard's message is sent
     }
-    out.join("runs", f"{job_id}.json").write_bytes(json.dumps(record, indent=2).encode() + b"\n")
+    # The record first (with sent: False): if a send fails, a later trigger of the same date
+    # finds it and sends what is missing (_resend) instead of doing nothing.
+    _write_run_record(out, record)
+    _send(entry, job, submitted.messages, app)
+    _write_run_record(out, {**record, "sent": True})
     log.info(
         "scheduled %s: job %s, %d requests in %d shards",
         entry.name, job_id, submitted.num_requests, len(submitted.messages),
     )  # fmt: skip
+    return job_id
+
+
+def _run_record(out, job_id: str) -> dict:
+    """runs/<job_id>.json, or {"sent": False} when it is missing (job.json was written, the
+    run record was not: the run stopped before its sends)."""
+    try:
+        with out.join("runs", f"{job_id}.json").open_read() as f:
+            return json.loads(f.read())
+    except Exception:
+        return {"sent": False}
+
+
+def _write_run_record(out, record: dict) -> None:
+    target = out.join("runs", f"{record['job_id']}.json")
+    target.write_bytes(json.dumps(record, indent=2).encode() + b"\n")
+
+
+def _send(entry: ScheduleEntry, job, messages, app) -> None:
+    """One message per shard, then finalize a job with nothing to run."""
+    if app is None:
+        from worker.app import broker_url, make_app
+
+        app = make_app(broker_url())
+    from worker.sqs import ensure_queue
+    from worker.tasks import send_shard
+
+    if messages:
+        ensure_queue(app, entry.queue)
+    for msg in messages:
+        send_shard(app, entry.output, msg, entry.queue)
+    if not messages:
+        from jobs.finalize import try_finalize
+
+        try_finalize(job)
+
+
+def _resend(entry: ScheduleEntry, job, job_id: str, out, app) -> str:
+    """Send again the shards of a run whose sends failed part-way: every shard that has no
+    result and no attempt yet (one already sent and still queued is sent twice; its second
+    delivery finds the result and does nothing)."""
+    from jobs.finalize import read_manifest
+    from jobs.shards import ShardMessage
+
+    manifest = read_manifest(job)
+    started = {k.split("/", 1)[1].rsplit(".", 1)[0] for k in job.list("attempts/")}
+    done = {k.split("/", 1)[1].removesuffix(".jsonl") for k in job.list("results/")}
+    messages = [
+        ShardMessage(job_id, s["shard_id"], s["uri"], s["sha256"])
+        for s in manifest["shards"]
+        if s["shard_id"] not in started | done
+    ]
+    log.warning("scheduled %s: run %s was not fully sent; sending %d shards again",
+                entry.name, job_id, len(messages))  # fmt: skip
+    record = _run_record(out, job_id)
+    record = {"job_id": job_id, "input": manifest["input"], "shards": len(manifest["shards"]),
+              "requests": manifest["num_requests"], "documents": {}, **record}  # fmt: skip
+    _send(entry, job, messages, app)
+    _write_run_record(out, {**record, "sent": True})
     return job_id
 
 
@@ -213,7 +270,13 @@ def register_scheduled(app, schedule: Schedule) -> None:
     def scheduled_run(self, name: str, run_key: str | None = None) -> str | None:
         entry = schedule.entry(name)
         run_date = dt.date.fromisoformat(run_key) if run_key else run_date_now(schedule)
-        return start_scheduled_run(entry, run_date, app=app)
+        try:
+            return start_scheduled_run(entry, run_date, app=app)
+        except Exception as e:  # e.g. the broker away while sending: try the same date again
+            log.warning("scheduled %s: run %s failed (%s); retrying", name, run_date, e)
+            raise self.retry(
+                exc=e, args=(name, run_date.isoformat()), countdown=60, max_retries=5
+            ) from e
 
     app.conf.timezone = schedule.timezone
     app.conf.enable_utc = True

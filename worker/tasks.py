@@ -15,20 +15,24 @@ the engine is observed between its steps (at most once a second) and after the s
 
 A shard that raises is retried by Celery after a short countdown; one that kills its worker
 comes back through acks_late + reject_on_worker_lost (or the broker's visibility timeout).
-Either way each delivery records an attempt, so the attempt markers cap the total.
+Either way each delivery records an attempt, so the attempt markers cap the total. A failure
+in any other step (storage unreachable, finalize) is retried with backoff up to INFRA_RETRIES
+times, then the shard is failed: Celery acknowledges a failed task, so none may fail silently.
+On SQS a heartbeat thread keeps the message invisible while the shard runs (worker/sqs.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject, Retry
 
 from worker.app import TASK_NAME
 
@@ -39,6 +43,10 @@ DEFAULT_MAX_ATTEMPTS = 3
 # countdown message waits unacknowledged in the worker, and one longer than the visibility
 # timeout would be handed out again and again (NOTES.md, "Queue").
 RETRY_COUNTDOWN = 2
+# Retries of a failure outside the shard's run (storage, finalize), backing off 2, 4, ... s up
+# to MAX_RETRY_COUNTDOWN: about two minutes in all before the shard is failed.
+INFRA_RETRIES = 6
+MAX_RETRY_COUNTDOWN = 60
 
 
 @dataclass
@@ -76,7 +84,12 @@ def run_shard_task(self, output: str, shard: dict) -> dict:
 def register(app: Celery) -> None:
     """Register the shard task on `app` (one function for every app, so Celery sees one
     callable under the task's name)."""
-    app.task(name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True)(run_shard_task)
+    # max_retries=None on the task: Celery's own cap (3 by default, and `retry(max_retries=
+    # None)` falls back to it) would fail the message past it; the attempt markers and
+    # INFRA_RETRIES are the caps.
+    app.task(
+        name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None
+    )(run_shard_task)
 
 
 def send_shard(app: Celery, output: str, message, queue: str) -> None:
@@ -87,7 +100,36 @@ def send_shard(app: Celery, output: str, message, queue: str) -> None:
 
 
 def handle_shard(task, output: str, shard: dict) -> dict:
-    """The task's body (see the module docstring); returns a small summary."""
+    """The task's body (see the module docstring); returns a small summary.
+
+    Every path ends in a written shard result, a retry, or a failure record: an exception
+    outside the shard's run (storage unreachable while reading job.json, claiming an attempt,
+    writing the result, finalizing) is retried with backoff up to INFRA_RETRIES times, then
+    the shard is failed (fail_shard) so the job still finalizes. Only when even that cannot be
+    written is the message given up, with the reason in the log (and in
+    `<job>/failures/<shard_id>.json` when that can be written)."""
+    from worker.sqs import visibility_heartbeat
+
+    msg, job = _parse(output, shard)
+    if _model is None:
+        raise RuntimeError("this process has no model: start workers with `kvbatch worker`")
+    step = _Step()
+    with visibility_heartbeat(task):
+        try:
+            return _handle(task, msg, job, step)
+        except (Retry, Reject, Ignore):
+            raise
+        except Exception as e:
+            return _failed_outside_run(task, msg, job, step.name, e)
+
+
+class _Step:
+    """What handle_shard is doing, for the message of a failure outside the run."""
+
+    name = "starting"
+
+
+def _handle(task, msg, job, step: _Step) -> dict:
     from jobs.cancel import CancelCheck
     from jobs.finalize import (
         cancel_requested,
@@ -102,37 +144,44 @@ def handle_shard(task, output: str, shard: dict) -> dict:
     from jobs.shards import run_shard
     from worker import metrics
 
-    msg, job = _parse(output, shard)
-    if _model is None:
-        raise RuntimeError("this process has no model: start workers with `kvbatch worker`")
+    step.name = "reading job.json"
     manifest = read_manifest(job)
     max_attempts = int(manifest.get("max_attempts") or DEFAULT_MAX_ATTEMPTS)
     summary = {"job_id": msg.job_id, "shard_id": msg.shard_id}
+    step.name = "checking for a result"
     if has_result(job, msg.shard_id):
         log.info("%s/%s: already written (a duplicate delivery)", msg.job_id, msg.shard_id)
         metrics.shard_finished(msg.job_id, "duplicate")
+        step.name = "finalizing the job"
         try_finalize(job)
         return {**summary, "duplicate": True}
+    step.name = "checking for a cancel"
     if cancel_requested(job):
         log.info("%s/%s: the job was cancelled; skipping the shard", msg.job_id, msg.shard_id)
+        step.name = "writing the cancelled result"
         written = cancel_shard(job, msg)
         _count_written(msg, "cancelled", job if written else None)
+        step.name = "finalizing the job"
         try_finalize(job)
         return {**summary, "cancelled": True}
+    step.name = "claiming an attempt"
     attempt = record_attempt(job, msg.shard_id, max_attempts)
     if attempt is None:
-        reason = (
+        reason = _last_failure(job, msg) or (
             f"shard {msg.shard_id} failed {max_attempts} times (it raised or killed its "
             "worker each time); its requests were given up"
         )
         log.error("%s/%s: %s", msg.job_id, msg.shard_id, reason)
+        step.name = "writing the failed result"
         written = fail_shard(job, msg, reason)
         _count_written(msg, "poisoned", job if written else None)
+        step.name = "finalizing the job"
         try_finalize(job)
         return {**summary, "failed": True}
     log.info("%s/%s: attempt %d of %d", msg.job_id, msg.shard_id, attempt, max_attempts)
     llm = None
     started = time.monotonic()
+    step.name = "running the shard"
     try:
         llm = _model.llm()
         records = run_shard(
@@ -141,22 +190,26 @@ def handle_shard(task, output: str, shard: dict) -> dict:
             model_name=manifest.get("model_name") or Path(_model.path.rstrip("/")).name,
             batch_id=manifest.get("batch_id") or msg.job_id,
             created=manifest.get("created_at"),
-            should_stop=metrics.StepObserver(llm, CancelCheck(job)),
+            should_stop=_slowed(metrics.StepObserver(llm, CancelCheck(job))),
         )
     except Exception as e:
         if llm is not None:
             metrics.safe_observe(llm)
+        _note_failure(job, msg, f"attempt {attempt} raised: {e}")
         if attempt < max_attempts:
             log.warning(
                 "%s/%s: attempt %d raised %r; retrying", msg.job_id, msg.shard_id, attempt, e
             )
-            raise task.retry(exc=e, countdown=RETRY_COUNTDOWN, max_retries=None) from e
+            raise task.retry(exc=e, countdown=RETRY_COUNTDOWN) from e
         log.exception("%s/%s: last attempt raised", msg.job_id, msg.shard_id)
+        step.name = "writing the failed result"
         written = fail_shard(job, msg, f"shard {msg.shard_id} raised on its last attempt: {e}")
         _count_written(msg, "failed", job if written else None)
+        step.name = "finalizing the job"
         try_finalize(job)
         return {**summary, "failed": True}
     metrics.safe_observe(llm)
+    step.name = "writing the result"
     written = write_shard_result(job, msg.shard_id, records)
     metrics.shard_finished(
         msg.job_id,
@@ -164,8 +217,90 @@ def handle_shard(task, output: str, shard: dict) -> dict:
         metrics.lines_by_status(records) if written else None,
         seconds=time.monotonic() - started,
     )
+    step.name = "finalizing the job"
     try_finalize(job)
     return {**summary, "records": len(records), "written": written}
+
+
+def _failed_outside_run(task, msg, job, step: str, error: Exception) -> dict:
+    """An exception outside the shard's run: retry with backoff, then fail the shard."""
+    from jobs.finalize import fail_shard, try_finalize
+
+    where = f"{msg.job_id}/{msg.shard_id}"
+    if step == "reading job.json" and _exists(job.join("job.json")) is False:
+        log.error("%s: the job has no job.json (deleted?); dropping the shard", where)
+        return {"job_id": msg.job_id, "shard_id": msg.shard_id, "dropped": True}
+    _note_failure(job, msg, f"{step} failed: {error}")
+    retries = int(getattr(task.request, "retries", 0) or 0)
+    if retries < INFRA_RETRIES:
+        countdown = min(RETRY_COUNTDOWN * 2**retries, _max_countdown())
+        log.warning("%s: %s failed (%s); retry %d of %d in %d s", where, step, error,
+                    retries + 1, INFRA_RETRIES, countdown)  # fmt: skip
+        raise task.retry(exc=error, countdown=countdown) from error
+    reason = f"shard {msg.shard_id} failed while {step}, {INFRA_RETRIES + 1} times: {error}"
+    log.error("%s: %s; giving up on the shard", where, reason)
+    try:
+        written = fail_shard(job, msg, reason)
+        _count_written(msg, "failed", job if written else None)
+        try_finalize(job)
+    except Exception as e:
+        log.critical(
+            "%s: cannot record the shard's failure either (%s): the job stays in_progress. "
+            "Fix the storage, then resubmit the input (or send the shard again)",
+            where, e,
+        )  # fmt: skip
+        raise
+    return {"job_id": msg.job_id, "shard_id": msg.shard_id, "failed": True}
+
+
+def _exists(target) -> bool | None:
+    try:
+        return target.exists()
+    except Exception:
+        return None
+
+
+def _max_countdown() -> int:
+    """Backoff stays well below the visibility timeout: on Redis a countdown message waits
+    unacknowledged in the worker and would be handed out again past it (NOTES.md)."""
+    from worker.app import visibility_timeout
+
+    try:
+        return max(1, min(MAX_RETRY_COUNTDOWN, visibility_timeout() // 4))
+    except ValueError:
+        return MAX_RETRY_COUNTDOWN
+
+
+def _note_failure(job, msg, reason: str) -> None:
+    """Best effort: `<job>/failures/<shard_id>.json` says why the shard last failed, for
+    `kvbatch status` and for the error records of a shard given up later."""
+    try:
+        payload = json.dumps({"at": time.time(), "reason": reason}).encode()
+        job.join("failures", f"{msg.shard_id}.json").write_bytes(payload)
+    except Exception as e:
+        log.warning("%s/%s: could not note the failure: %s", msg.job_id, msg.shard_id, e)
+
+
+def _last_failure(job, msg) -> str | None:
+    try:
+        with job.join("failures", f"{msg.shard_id}.json").open_read() as f:
+            reason = json.loads(f.read())["reason"]
+    except Exception:
+        return None
+    return f"shard {msg.shard_id} was given up after its last attempt; last failure: {reason}"
+
+
+def _slowed(should_stop):
+    """KVBATCH_STEP_DELAY (seconds, for tests of long shards): sleep before each engine step."""
+    delay = float(os.environ.get("KVBATCH_STEP_DELAY") or 0)
+    if delay <= 0:
+        return should_stop
+
+    def slowed() -> bool:
+        time.sleep(delay)
+        return should_stop()
+
+    return slowed
 
 
 def _count_written(msg, status: str, job) -> None:

@@ -64,6 +64,10 @@ def client() -> Any:
         with _client_lock:
             if _client is None:
                 config = Config(
+                    # Standard mode, set here rather than left to botocore's `legacy`
+                    # default: throttling (503 SlowDown, 429) and 5xx/timeouts are retried
+                    # with jittered exponential backoff. Past these tries the error reaches
+                    # the worker, which retries the shard's step (worker/tasks.py).
                     # total_max_attempts counts the first try, as AWS_MAX_ATTEMPTS does
                     # (Config's max_attempts would count retries only: 5 -> 6 tries).
                     retries={
@@ -187,7 +191,7 @@ class S3Storage(Storage):
                     if not name.rpartition("/")[2].startswith(_PROBE):
                         yield name
         except (ClientError, BotoCoreError) as e:
-            raise self._error(e, "listing") from e
+            raise self._error(e, "listing", "list_objects_v2") from e
 
     # -- helpers
 
@@ -196,7 +200,7 @@ class S3Storage(Storage):
         try:
             return getattr(client(), op)(Bucket=self.bucket, **kwargs)
         except (ClientError, BotoCoreError) as e:
-            raise self._error(e, action) from e
+            raise self._error(e, action, op, kwargs.get("Key")) from e
 
     def _put_if_absent(self, op: str, **kwargs: Any) -> None:
         """A conditional put/complete: AlreadyExists on 412; 409 retried with backoff.
@@ -246,7 +250,7 @@ class S3Storage(Storage):
             404,
         )
 
-    def _error(self, e: Exception, action: str) -> _S3Error:
+    def _error(self, e: Exception, action: str, op: str = "", key: str | None = None) -> _S3Error:
         """One clear message per failure kind. Messages never carry credentials."""
         if isinstance(e, ClientError):
             error = e.response.get("Error", {})
@@ -258,10 +262,13 @@ class S3Storage(Storage):
             if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") or (
                 status == 403
             ):
+                where = f"s3://{self.bucket}/{key}" if key is not None else self.uri
+                permission = _PERMISSIONS.get(op, "the S3 permission for this request")
                 return _S3Error(
-                    f"access denied {action} {self.uri} ({code or status}): check the AWS "
-                    "credentials and the bucket policy (S3 answers 403, not 404, for a "
-                    "missing key if you may not list the bucket)",
+                    f"access denied {action} {where} ({code or status}): the credentials "
+                    f"need {permission} on bucket {self.bucket!r}, key {key or self.key!r}; "
+                    "check the IAM policy, the bucket policy and any KMS key (S3 answers "
+                    "403, not 404, for a missing key if you may not list the bucket)",
                     403,
                 )
             detail = error.get("Message") or code
@@ -279,6 +286,21 @@ class S3Storage(Storage):
                 None,
             )
         return _S3Error(f"S3 error {action} {self.uri}: {e}", None)
+
+
+# The IAM action each call needs, named in access-denied messages.
+_PERMISSIONS = {
+    "get_object": "s3:GetObject",
+    "head_object": "s3:GetObject",
+    "put_object": "s3:PutObject",
+    "create_multipart_upload": "s3:PutObject",
+    "upload_part": "s3:PutObject",
+    "complete_multipart_upload": "s3:PutObject",
+    "abort_multipart_upload": "s3:AbortMultipartUpload",
+    "delete_object": "s3:DeleteObject",
+    "list_objects_v2": "s3:ListBucket",
+    "head_bucket": "s3:ListBucket",
+}
 
 
 class _S3Error(StorageError):

@@ -122,3 +122,25 @@ def test_no_request_starves_under_random_pressure():
     assert not sched.has_unfinished()
     assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
     assert sched.kv.num_free_blocks == 24
+
+
+def test_a_long_prompt_is_cut_into_short_chunks_while_others_decode():
+    """long_prefill_token_threshold: with decodes in the step, a prompt's chunk is capped;
+    alone, it takes the whole budget."""
+    kv = KVCacheManager(256, 4, True)
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=16
+    )
+    sched = Scheduler(config, kv)
+    long_alone = make_seq("alone", 100, max_tokens=1, base=1000)
+    sched.add(long_alone)
+    assert [c.num_new_tokens for c in run_step(sched).chunks] == [64]
+    while sched.has_unfinished():
+        run_step(sched)
+
+    decoder = make_seq("decoder", 5, max_tokens=50)
+    sched.add(decoder)
+    run_step(sched)  # its prompt; from now on it decodes
+    sched.add(make_seq("long", 100, max_tokens=1, base=2000))
+    steps = [run_step(sched) for _ in range(3)]
+    assert [[c.num_new_tokens for c in s.chunks] for s in steps] == [[1, 16]] * 3

@@ -184,3 +184,45 @@ def test_beat_bad_schedule_fails_clearly(tmp_path, capsys):
     assert main(["beat", "--schedule", str(bad), "--broker", "redis://127.0.0.1:1/0"]) == 1
     err = capsys.readouterr().err
     assert "job 'x': cron" in err and "output: missing" in err
+
+
+def test_a_run_whose_sends_failed_is_sent_by_the_next_trigger(
+    tmp_path,
+    redis_server,  # noqa: F811
+    tiny_chat_model,
+):
+    """The broker goes away while a run's shards are sent: job.json is written, the run
+    record says not sent; the next trigger of that date sends the shards, once."""
+    import redis
+    from kombu.exceptions import OperationalError
+
+    from worker.app import DEFAULT_QUEUE, make_app
+    from worker.scheduled import start_scheduled_run
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "tides.txt").write_text((ROOT / "examples/docs/tides.txt").read_text())
+    out = tmp_path / "out"
+    entry = parse_schedule(
+        {"jobs": [_entry(
+            name="rag", output=str(out), model=str(tiny_chat_model), input=None,
+            shard_tokens=300, documents={"prefix": str(docs), "chunk_chars": 300},
+        )]}
+    ).jobs[0]  # fmt: skip
+    day = dt.date(2025, 4, 1)
+    dead = make_app("redis://127.0.0.1:1/0")  # nothing listens there
+    dead.conf.broker_connection_max_retries = 1
+    dead.conf.task_publish_retry = False
+    dead.conf.task_ignore_result = True
+    with pytest.raises(OperationalError):
+        start_scheduled_run(entry, day, app=dead)
+    assert (out / "rag-2025-04-01" / "job.json").exists()
+    assert json.loads((out / "runs" / "rag-2025-04-01.json").read_text())["sent"] is False
+    app = make_app(redis_server.url)
+    assert start_scheduled_run(entry, day, app=app) == "rag-2025-04-01"  # sent now
+    assert start_scheduled_run(entry, day, app=app) is None  # and only once
+    manifest = json.loads((out / "rag-2025-04-01" / "job.json").read_text())
+    queued = redis.Redis.from_url(redis_server.url).llen(DEFAULT_QUEUE)
+    assert queued == len(manifest["shards"]) >= 1
+    record = json.loads((out / "runs" / "rag-2025-04-01.json").read_text())
+    assert record["sent"] is True and "tides.txt" in record["documents"]

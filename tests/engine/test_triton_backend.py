@@ -1,0 +1,113 @@
+"""The triton attention backend gives the torch backend's greedy tokens (on the CPU under
+TRITON_INTERPRET=1, on CUDA when there is one), with shared prefixes, chunked prefill and the
+padded decode-graph path; and the largest-step profile runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import TorchAttentionBackend, get_backend
+from engine.cuda_graphs import batch_buckets
+from engine.memory import largest_step, run_step
+from tests.engine.test_llm import random_prompts, shared_prefix_prompts, tokens
+from tests.reference import hf_greedy
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def generate(path, prompts, **engine_args):
+    llm = LLM(path, device=DEVICE, dtype="float32", **engine_args)
+    outs = llm.generate(prompts, GREEDY)
+    llm.engine.kv.check_integrity()
+    return tokens(outs), llm
+
+
+@pytest.fixture(scope="module")
+def torch_tokens(tiny_models):
+    return generate(tiny_models("llama-gqa"), shared_prefix_prompts(), attention_backend="torch")[0]
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(),  # shared prefixes: prefix-cache hits in prefill, cascade groups in decode
+        dict(cascade_attention=False, max_num_batched_tokens=32),  # chunked prefill
+    ],
+    ids=["cascade", "chunked"],
+)
+def test_triton_backend_gives_the_torch_backends_tokens(tiny_models, torch_tokens, engine_args):
+    got, llm = generate(
+        tiny_models("llama-gqa"), shared_prefix_prompts(), attention_backend="triton", **engine_args
+    )
+    assert llm.engine.runner.backend.name == "triton"
+    assert got == torch_tokens
+
+
+@pytest.mark.parametrize("kind", ["llama3-rope", "qwen2"])
+def test_triton_backend_matches_transformers(tiny_models, kind):
+    """Float32 greedy tokens equal transformers' (on CUDA when there is one: the GPU check)."""
+    path = tiny_models(kind)
+    prompts = random_prompts(512, (7, 30, 18), seed=5)
+    got, _ = generate(path, prompts, attention_backend="triton")
+    assert got == hf_greedy(path, prompts, GREEDY.max_tokens, ignore_eos=True)
+
+
+def test_padded_decode_graph_path_gives_the_same_tokens(tiny_models):
+    """The static-buffer path of CUDA graphs (padding rows: slot -1, length 0), run eagerly:
+    batches of 1..5 decodes land in buckets 1, 2, 4, 8 with padding rows."""
+    path = tiny_models("llama-mha")
+    prompts = random_prompts(512, (5, 19, 33, 2, 40), seed=3)
+    want, _ = generate(path, prompts, attention_backend="triton", cascade_attention=False)
+    llm = LLM(
+        path, device=DEVICE, dtype="float32", attention_backend="triton", cascade_attention=False
+    )
+    llm.engine.runner.capture_decode_graphs(max_batch=8, max_model_len=64, capture=False)
+    replays = []
+    graphs = llm.engine.runner.decode_graphs
+    real_run = graphs.run
+    graphs.run = lambda ids, *a: replays.append(ids.shape[0]) or real_run(ids, *a)
+    assert tokens(llm.generate(prompts, GREEDY)) == want
+    assert replays and max(replays) == 5
+    llm.engine.kv.check_integrity()
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert batch_buckets(256)[-3:] == [224, 240, 256]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_profiled_largest_step_runs(tiny_models, backend):
+    """The step used to size the KV pool on CUDA: a full token budget in sequences no longer
+    than the context, every slot distinct, logits for max_num_seqs rows."""
+    llm = LLM(tiny_models("llama-gqa"), device=DEVICE, dtype="float32", max_model_len=64)
+    model = llm.engine.model
+    step = largest_step(
+        model,
+        num_tokens=100,
+        max_model_len=40,
+        max_num_seqs=7,
+        block_size=16,
+        dtype=torch.float32,
+        device=torch.device(DEVICE),
+    )
+    assert [s.query_len for s in step.meta.prefills] == [39, 39, 22]
+    assert step.meta.slot_mapping.unique().numel() == 100
+    probs = run_step(model, get_backend(backend, torch.device(DEVICE)), step)
+    assert probs.shape == (7, model.config.vocab_size)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(7))
+
+
+def test_auto_backend_is_torch_on_the_cpu_and_triton_needs_a_gpu(monkeypatch):
+    cpu = torch.device("cpu")
+    assert isinstance(get_backend("auto", cpu), TorchAttentionBackend)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        get_backend("triton", cpu)
+    with pytest.raises(ValueError, match="choose one of"):
+        get_backend("flash", cpu)
