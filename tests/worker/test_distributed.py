@@ -183,6 +183,7 @@ def test_two_workers_answer_like_run_job(tmp_path, persistent_redis_server, tiny
         while not any((job / "results").glob("*.jsonl")):
             assert time.monotonic() < deadline, workers.text()
             time.sleep(0.05)
+        before = [log.stat().st_size if log.exists() else 0 for log in workers.logs]
         redis.restart(down=1.0)
         pending = len(manifest["shards"]) - len(list((job / "results").glob("*.jsonl")))
         record = _wait_completed(job, workers, timeout=120)
@@ -191,13 +192,12 @@ def test_two_workers_answer_like_run_job(tmp_path, persistent_redis_server, tiny
     print(f"{n} lines over Redis: {time.monotonic() - started:.1f} s from start-up; "
           f"{pending} of {len(manifest['shards'])} shards pending at the restart")  # fmt: skip
     assert pending > 0, "the job ended before the restart"
-    # Each worker (re)connected after the restart and went on consuming (NOTES.md: workers can
-    # silently stop after a Redis reconnect). A worker still starting when Redis went down has
-    # no connection to lose: it logs a refused first connection instead.
-    for log in workers.logs:
-        text = log.read_text()
-        cut = max(text.rfind("Connection to broker lost"), text.rfind("Cannot connect to redis"))
-        assert cut >= 0 and "received" in text[cut:], workers.text()
+    # Each worker went on consuming after the restart (NOTES.md: workers can silently stop
+    # after a Redis reconnect). Whether a worker logs the lost connection depends on timing (a
+    # busy solo worker's client may reconnect on its next command), so judge by what it does.
+    for log, size in zip(workers.logs, before):
+        after = log.read_bytes()[size:].decode(errors="replace")
+        assert "received" in after, workers.text()
 
     ids = _ids(job / "output.jsonl")
     assert Counter(ids) == Counter(f"req-{i}" for i in range(n))  # each exactly once
