@@ -148,18 +148,17 @@ def _answers(path: Path) -> dict[str, str]:
 
 
 def test_two_workers_answer_like_run_job(tmp_path, persistent_redis_server, tiny_chat_model):  # noqa: F811
-    """200 lines (plus a bad line and a duplicate custom_id), two workers, one shard message
+    """2,000 lines (plus a bad line and a duplicate custom_id), two workers, one shard message
     sent twice, and Redis SIGKILLed and restarted (from its append-only file) once the first
     shard is written: every custom_id is answered exactly once, as `kvbatch run` answers it.
-
-    2,000 lines took 147 s here (2 shared cores): too slow for the suite, so 200."""
+    (~30 s on an idle 2-core machine.)"""
     from jobs.run import RunOptions, run_job
     from jobs.shards import ShardMessage
     from worker.app import make_app
     from worker.tasks import send_shard
 
     redis = persistent_redis_server
-    n = 200
+    n = 2000
     lines: list = [_chat(i, system=i % 3 == 0) for i in range(n)]
     lines.insert(17, "this is not JSON")
     lines.insert(60, _chat(5, system=False))  # a duplicate custom_id
@@ -171,7 +170,7 @@ def test_two_workers_answer_like_run_job(tmp_path, persistent_redis_server, tiny
     workers = Workers(tmp_path, redis.url, tiny_chat_model, env, "--metrics-port", "0")
     started = time.monotonic()
     try:
-        job_id = _submit(redis.url, input_path, output, tiny_chat_model, "--shard-tokens", "1500")
+        job_id = _submit(redis.url, input_path, output, tiny_chat_model, "--shard-tokens", "15000")
         job = output / job_id
         manifest = json.loads((job / "job.json").read_text())
         assert len(manifest["shards"]) >= 3

@@ -30,6 +30,9 @@ import pycurl  # noqa: E402,F401  (kombu's SQS transport polls with it: celery[s
 BROKER = "sqs://testing:testing@"  # no host: the endpoint comes from AWS_ENDPOINT_URL
 
 
+N_LINES = 2000
+
+
 def test_sqs_jobs_two_workers_heartbeat_and_answers(
     tmp_path, s3_server, tiny_chat_model, monkeypatch
 ):
@@ -37,7 +40,7 @@ def test_sqs_jobs_two_workers_heartbeat_and_answers(
 
     - a one-shard job three times longer than the timeout is delivered once: the worker's
       heartbeat extends the message's visibility while the other worker polls;
-    - a 60-line job of several shards answers each custom_id once, as `kvbatch run` does;
+    - a 2,000-line job of several shards answers each custom_id once, as `kvbatch run` does;
     - kvbatch made the queue, with its dead-letter queue."""
     from jobs.run import RunOptions, run_job
 
@@ -45,7 +48,7 @@ def test_sqs_jobs_two_workers_heartbeat_and_answers(
     long_input = _write_input(
         tmp_path / "long.jsonl", [_chat(i, system=False, max_tokens=40) for i in range(4)]
     )
-    lines = [_chat(i, system=i % 3 == 0) for i in range(60)]
+    lines = [_chat(i, system=i % 3 == 0) for i in range(N_LINES)]
     input_path = _write_input(tmp_path / "input.jsonl", lines)
     output = tmp_path / "out"
     # submit (in this process) makes the queue: with the workers' visibility timeout.
@@ -57,7 +60,7 @@ def test_sqs_jobs_two_workers_heartbeat_and_answers(
         # Sent while the workers start: the second is polling long before the shard ends.
         long_id = _submit(BROKER, long_input, output, tiny_chat_model, "--queue", queue)
         job_id = _submit(
-            BROKER, input_path, output, tiny_chat_model, "--shard-tokens", "600",
+            BROKER, input_path, output, tiny_chat_model, "--shard-tokens", "15000",
             "--queue", queue,
         )  # fmt: skip
         job, long_job = output / job_id, output / long_id
@@ -65,7 +68,7 @@ def test_sqs_jobs_two_workers_heartbeat_and_answers(
         assert len(manifest["shards"]) >= 2
         (long_shard,) = json.loads((long_job / "job.json").read_text())["shards"]
         _wait_completed(long_job, workers, timeout=90)
-        record = _wait_completed(job, workers, timeout=60)
+        record = _wait_completed(job, workers, timeout=120)
     finally:
         workers.stop()
 
@@ -79,10 +82,10 @@ def test_sqs_jobs_two_workers_heartbeat_and_answers(
     logs = "".join(p.read_text() for p in workers.logs)
     assert "already written" not in logs  # no duplicate delivery either
     assert "SQS heartbeat: extended the message's visibility" in logs
-    # The 60-line job.
+    # The 2,000-line job.
     ids = _ids(job / "output.jsonl")
-    assert Counter(ids) == Counter(f"req-{i}" for i in range(60))  # each exactly once
-    assert record["request_counts"] == {"total": 60, "completed": 60, "failed": 0}
+    assert Counter(ids) == Counter(f"req-{i}" for i in range(N_LINES))  # each exactly once
+    assert record["request_counts"] == {"total": N_LINES, "completed": N_LINES, "failed": 0}
     reference = tmp_path / "ref" / "output.jsonl"
     reference.parent.mkdir()
     run_job(RunOptions(input=str(input_path), model=str(tiny_chat_model), output=str(reference),
