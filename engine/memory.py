@@ -13,14 +13,11 @@ and fragmentation.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

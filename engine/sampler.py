@@ -160,7 +160,7 @@ class Sampler:
         """Exp(1) noise [B, V] for the exponential race: seeded rows from (seed, offset),
         the others from the sampler's generator (greedy rows: ones, they are replaced)."""
         if t.any_unseeded:
-            noise = torch.empty_like(probs).exponential_(generator=self._generator(probs.device))
+            noise = torch.empty_like(probs).exponential_(generator=self.generator(probs.device))
             # Exp(1) noise of exactly 0 would turn an excluded token's 0 / 0 into NaN.
             noise.clamp_(min=torch.finfo(torch.float32).tiny)
         else:
@@ -172,9 +172,6 @@ class Sampler:
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The generator of unseeded rows on `device` (shared with speculative decoding)."""
-        return self._generator(device)
-
-    def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
         if gen is None:
             gen = torch.Generator(device=device)

@@ -36,54 +36,40 @@ class PrefillBatch:
 class StepTensors:
     prefill: PrefillBatch | None
     shared: PrefillBatch | None  # cascade groups as non-causal "sequences" of decode rows
-    ungrouped: torch.Tensor | None  # [num_decodes] bool: decode rows outside every group
 
 
 def pack_prefills(meta: AttentionMetadata) -> PrefillBatch | None:
     spans = meta.prefills
     if not spans:
         return None
-    device = meta.slot_mapping.device
-    tables = meta.prefill_block_tables
-    if tables is None:  # metadata built by hand (tests, profiling): pack the spans' tables
-        width = max(int(s.block_ids.numel()) for s in spans)
-        tables = torch.zeros(len(spans), width, dtype=torch.int32, device=device)
-        for i, s in enumerate(spans):
-            tables[i, : s.block_ids.numel()] = s.block_ids
-    # [3, S]: each row contiguous (the kernels index these vectors with unit stride)
-    lens = torch.tensor(
-        [
-            [s.query_start for s in spans],
-            [s.query_len for s in spans],
-            [s.context_len for s in spans],
-        ],
-        dtype=torch.int32,
-    ).to(device)
-    return PrefillBatch(tables, lens[0], lens[1], lens[2], max(s.query_len for s in spans))
+    return _batch(
+        [s.block_ids for s in spans],
+        [(s.query_start, s.query_len, s.context_len) for s in spans],
+        meta.slot_mapping.device,
+        tables=meta.prefill_block_tables,  # None when the metadata was built by hand
+    )
 
 
-def pack_groups(meta: AttentionMetadata, block_size: int) -> tuple[PrefillBatch, torch.Tensor]:
+def pack_groups(meta: AttentionMetadata, block_size: int) -> PrefillBatch:
     """Cascade groups as non-causal query ranges over the decode rows."""
     groups = meta.decode_groups
-    device = meta.slot_mapping.device
-    width = max(int(g.block_ids.numel()) for g in groups)
-    tables = torch.zeros(len(groups), width, dtype=torch.int32, device=device)
-    for i, g in enumerate(groups):
-        tables[i, : g.block_ids.numel()] = g.block_ids
-    lens = torch.tensor(
-        [
-            [g.start for g in groups],
-            [g.end - g.start for g in groups],
-            [g.block_ids.numel() * block_size for g in groups],
-        ],
-        dtype=torch.int32,
-    ).to(device)
-    ungrouped = torch.ones(meta.num_decode_tokens, dtype=torch.bool)
-    for g in groups:
-        ungrouped[g.start : g.end] = False
-    longest = max(g.end - g.start for g in groups)
-    batch = PrefillBatch(tables, lens[0], lens[1], lens[2], longest)
-    return batch, ungrouped.to(device)
+    return _batch(
+        [g.block_ids for g in groups],
+        [(g.start, g.end - g.start, g.block_ids.numel() * block_size) for g in groups],
+        meta.slot_mapping.device,
+    )
+
+
+def _batch(block_ids, ranges, device, tables=None) -> PrefillBatch:
+    """`ranges`: (first query row, query rows, context tokens) per sequence."""
+    if tables is None:
+        width = max(int(ids.numel()) for ids in block_ids)
+        tables = torch.zeros(len(block_ids), width, dtype=torch.int32, device=device)
+        for i, ids in enumerate(block_ids):
+            tables[i, : ids.numel()] = ids
+    # [3, S]: each row contiguous (the kernels index these vectors with unit stride)
+    lens = torch.tensor(list(zip(*ranges)), dtype=torch.int32).to(device)
+    return PrefillBatch(tables, lens[0], lens[1], lens[2], max(r[1] for r in ranges))
 
 
 class TritonAttentionBackend:
@@ -108,10 +94,8 @@ class TritonAttentionBackend:
     def step_tensors(self, meta: AttentionMetadata, block_size: int) -> StepTensors:
         """Packed once per step (keyed by the metadata object), reused by every layer."""
         if self._step_meta is not meta:
-            shared = ungrouped = None
-            if meta.decode_groups:
-                shared, ungrouped = pack_groups(meta, block_size)
-            self._step = StepTensors(pack_prefills(meta), shared, ungrouped)
+            shared = pack_groups(meta, block_size) if meta.decode_groups else None
+            self._step = StepTensors(pack_prefills(meta), shared)
             self._step_meta = meta
         return self._step
 
@@ -153,7 +137,8 @@ class TritonAttentionBackend:
             q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, return_lse=True
         )
         s = step.shared
-        shared = torch.zeros_like(q)
+        # Rows outside every group get lse -inf from the kernel: the merge keeps their private
+        # part as it is (whatever their unwritten `shared` rows hold).
         shared, lse_s = self._prefill(
             q,
             kv_cache,
@@ -163,8 +148,7 @@ class TritonAttentionBackend:
             s.context_lens,
             s.max_query_len,
             causal=False,
-            out=shared,
+            out=torch.empty_like(q),
             return_lse=True,
         )
-        lse_s.masked_fill_(step.ungrouped[:, None], float("-inf"))  # rows no group covered
         self._merge(private, lse_p, shared, lse_s, out=out)
