@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "workload",
         nargs="?",
-        help=f"one of: {', '.join(WORKLOADS)}, or spec-copy (see `kvbatch bench spec-copy -h`)",
+        help=f"one of: {', '.join(WORKLOADS)}, or spec-copy / host-overhead (each has its own -h)",
     )
     p.add_argument("--list", action="store_true", help="list the workloads and engines, then exit")
     p.add_argument(
@@ -174,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.spec_copy import main as spec_copy_main
 
         return spec_copy_main(argv[1:])
+    if argv[:1] == ["host-overhead"]:  # host time per decode step, phase by phase
+        from benchmarks.host_overhead import main as host_overhead_main
+
+        return host_overhead_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list:

@@ -49,6 +49,9 @@ class AttentionMetadata:
     # [num_prefills, width]: the prefills' block tables in one tensor (each span's block_ids is
     # a view of its row), so a backend can pass them to one kernel without copying per span.
     prefill_block_tables: torch.Tensor | None = None
+    # [num_groups, max shared blocks]: the groups' shared blocks in one tensor (each group's
+    # block_ids is a view of its row), for the same reason.
+    decode_group_tables: torch.Tensor | None = None
 
 
 class TorchAttentionBackend:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -33,34 +34,32 @@ class DecodeGroup:
 
 
 def find_shared_prefixes(
-    tables: list[list[int]], context_lens: list[int], block_size: int, min_group: int = 2
-) -> tuple[list[int], list[tuple[int, int, int]]]:
+    tables: np.ndarray,  # [B, W] block tables, zero-padded (KVCacheManager.block_tables)
+    context_lens: np.ndarray,  # [B] tokens per row, including the new one
+    block_size: int,
+    min_group: int = 2,
+) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """Order decode rows so sharers are adjacent and find each group's shared block count.
 
     Returns (row order, [(start, end, num_shared_blocks)] in that order). Rows are grouped
     by their first physical block; a group's shared prefix is the longest common run of block
-    ids, capped so that every member keeps at least its newest token private.
+    ids, capped so that every member keeps at least its newest token private. Vectorised per
+    group: a step of 512 decodes in 16 groups costs 16 small array comparisons.
     """
-    order = sorted(range(len(tables)), key=lambda i: tables[i][0])
+    n = len(tables)
+    order = np.argsort(tables[:, 0], kind="stable")
+    first = tables[order, 0]
+    cuts = (np.flatnonzero(first[1:] != first[:-1]) + 1).tolist()
     groups = []
-    start = 0
-    while start < len(order):
-        end = start + 1
-        first = tables[order[start]][0]
-        while end < len(order) and tables[order[end]][0] == first:
-            end += 1
-        if end - start >= min_group:
-            ref = tables[order[start]]
-            shared = min((context_lens[i] - 1) // block_size for i in order[start:end])
-            for i in order[start + 1 : end]:
-                t = tables[i]
-                n = 0
-                while n < shared and t[n] == ref[n]:
-                    n += 1
-                shared = n
-            if shared:
-                groups.append((start, end, shared))
-        start = end
+    for start, end in zip([0, *cuts], [*cuts, n]):
+        if end - start < min_group:
+            continue
+        rows = order[start:end]
+        cap = int(((context_lens[rows] - 1) // block_size).min())
+        same = (tables[rows, :cap] == tables[rows[0], :cap]).all(axis=0)  # [cap]
+        shared = cap if same.all() else int(np.argmin(same))
+        if shared:
+            groups.append((start, end, shared))
     return order, groups
 
 

@@ -33,9 +33,12 @@ their shared beginnings; blocks without a hash join the head and are reused firs
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+import numpy as np
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 
@@ -182,6 +185,13 @@ class _SeqState:
     chain_broken: bool = False  # a true collision: later blocks cannot be shared
 
 
+class BlockTables(NamedTuple):
+    """Several sequences' block tables in one array (`KVCacheManager.block_tables`)."""
+
+    table: np.ndarray  # [num_seqs, max_blocks] int64, rows padded with block 0
+    num_blocks: np.ndarray  # [num_seqs] int64: each row's real length
+
+
 class KVCacheManager:
     """Block tables, reference counts, prefix cache and LRU free list for one KV pool."""
 
@@ -322,6 +332,22 @@ class KVCacheManager:
         """A copy of seq_id's block table (empty for an unknown sequence)."""
         seq = self._seqs.get(seq_id)
         return list(seq.table) if seq else []
+
+    def block_tables(self, seq_ids: Sequence[Hashable]) -> BlockTables:
+        """The tables of `seq_ids` as one zero-padded array, rows in the order given.
+
+        The runner's per-step path: one pass in C over the tables instead of a Python list per
+        sequence (at 512 running sequences this is most of a step's host time otherwise).
+        """
+        tables = [self._seqs[s].table if s in self._seqs else [] for s in seq_ids]
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        width = int(lens.max()) if len(tables) else 0
+        flat = np.fromiter(
+            itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum())
+        )
+        padded = np.zeros((len(tables), width), dtype=np.int64)
+        padded[np.arange(width) < lens[:, None]] = flat  # row-major: row by row, in order
+        return BlockTables(padded, lens)
 
     def num_computed_tokens(self, seq_id: Hashable) -> int:
         """Tokens covered by seq_id's table so far (cached + allocated)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
@@ -132,82 +133,112 @@ class ModelRunner:
         )
 
     def _prepare(self, out: SchedulerOutput):
+        """Host side of a step, vectorised with numpy (at 512 decodes, Python per sequence
+        would cost more than the GPU's step), then one host-to-device copy."""
         bs = self.block_size
         chunks = out.chunks
-        tables = [self.kv.block_table(id(c.seq)) for c in chunks]
         num_decodes = sum(1 for c in chunks if c.num_new_tokens == 1)  # decodes come first
+        tables, num_blocks = self.kv.block_tables([id(c.seq) for c in chunks])
+        starts = np.fromiter((c.seq.num_computed_tokens for c in chunks), np.int64, len(chunks))
         groups: list[tuple[int, int, int]] = []
         if self.cascade and num_decodes >= 2:
-            ctx = [c.seq.num_computed_tokens + 1 for c in chunks[:num_decodes]]
-            order, groups = find_shared_prefixes(tables[:num_decodes], ctx, bs)
-            chunks = [chunks[i] for i in order] + chunks[num_decodes:]
-            tables = [tables[i] for i in order] + tables[num_decodes:]
-        starts = [c.seq.num_computed_tokens for c in chunks]
-        lens = [c.num_new_tokens for c in chunks]
+            order, groups = find_shared_prefixes(tables[:num_decodes], starts[:num_decodes] + 1, bs)
+            if groups:  # sharers adjacent; prefill chunks stay where they are
+                perm = np.concatenate([order, np.arange(num_decodes, len(chunks))])
+                chunks = [chunks[i] for i in perm]
+                tables, num_blocks, starts = tables[perm], num_blocks[perm], starts[perm]
+        lens = np.fromiter((c.num_new_tokens for c in chunks), np.int64, len(chunks))
         ids: list[int] = []
-        for (seq, n), start in zip(chunks, starts):
+        for (seq, n), start in zip(chunks, starts.tolist()):
             part = seq.token_ids[start : start + n]
             if len(part) < n:  # a speculative chunk: the last token, then the drafts
                 part = part + list(seq.draft_token_ids[: n - len(part)])
             ids.extend(part)
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
 
-        # Positions and slots for every token, vectorised over the step.
-        lens_t = torch.tensor(lens, dtype=torch.long)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lens_t)
-        query_start = torch.cumsum(lens_t, 0) - lens_t
-        positions = torch.tensor(starts, dtype=torch.long)[seq_of_token] + (
-            torch.arange(len(ids)) - query_start[seq_of_token]
+        # Positions and slots for every token.
+        query_start = np.cumsum(lens) - lens
+        seq_of_token = np.repeat(np.arange(len(chunks)), lens)
+        positions = starts[seq_of_token] + np.arange(len(ids)) - query_start[seq_of_token]
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        context_lens = starts + lens
+
+        sample_idx = [i for i, c in enumerate(chunks) if c.samples]
+        rows = (query_start + lens - 1)[sample_idx]
+        num_rows = [1 + len(chunks[i].seq.draft_token_ids) for i in sample_idx]
+        if any(r > 1 for r in num_rows):  # speculative chunks are scored at every position
+            rows = np.concatenate([np.arange(e - r + 1, e + 1) for e, r in zip(rows, num_rows)])
+
+        decode = _decode_tables(
+            tables[:num_decodes], num_blocks[:num_decodes], context_lens[:num_decodes], groups, bs
         )
-        slots = padded[seq_of_token, positions // bs] * bs + positions % bs
-
-        context_lens = [s + n for s, n in zip(starts, lens)]
-        prefill_tables = padded[num_decodes:].to(self.device)  # one copy for all the chunks
+        (ids_d, positions_d, slots_d, rows_d, prefill_tables, private, private_lens, shared) = (
+            to_device_at_once(
+                [
+                    np.array(ids, dtype=np.int64),
+                    positions,
+                    slots,
+                    rows,
+                    tables[num_decodes:],  # every prefill chunk's table in one tensor
+                    *decode,
+                ],
+                self.device,
+            )
+        )
         prefills = [
             PrefillSpan(
                 int(query_start[i]),
-                lens[i],
-                context_lens[i],
-                prefill_tables[i - num_decodes, : -(-context_lens[i] // bs)],
+                int(lens[i]),
+                int(context_lens[i]),
+                prefill_tables[i - num_decodes, : -(-int(context_lens[i]) // bs)],
             )
             for i in range(num_decodes, len(chunks))
         ]
         attention = AttentionMetadata(
-            slot_mapping=slots.to(self.device),
+            slot_mapping=slots_d,
             num_decode_tokens=num_decodes,
+            decode_block_tables=private,
+            decode_seq_lens=private_lens,
             prefills=prefills,
+            decode_groups=[
+                DecodeGroup(start, end, shared[i, :n]) for i, (start, end, n) in enumerate(groups)
+            ],
             prefill_block_tables=prefill_tables,
-            **self._decode_metadata(tables[:num_decodes], context_lens[:num_decodes], groups),
+            decode_group_tables=shared if groups else None,
         )
-        sample_idx = [i for i, c in enumerate(chunks) if c.samples]
-        rows = (query_start + lens_t - 1)[sample_idx]
-        num_rows = [1 + len(chunks[i].seq.draft_token_ids) for i in sample_idx]
-        if any(r > 1 for r in num_rows):  # speculative chunks are scored at every position
-            ends = rows.tolist()
-            rows = torch.cat([torch.arange(e - r + 1, e + 1) for e, r in zip(ends, num_rows)])
-        meta = _StepMeta(positions.to(self.device), attention)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return input_ids, meta, rows.to(self.device), [chunks[i].seq for i in sample_idx]
+        return ids_d, _StepMeta(positions_d, attention), rows_d, [chunks[i].seq for i in sample_idx]
 
-    def _decode_metadata(self, tables, context_lens, groups) -> dict:
-        """Decode block tables and lengths; with shared-prefix groups, only the private part
-        after each group's shared blocks (the groups' blocks are listed once per group)."""
-        skip = [0] * len(tables)
-        decode_groups = []
-        for start, end, shared in groups:
-            skip[start:end] = [shared] * (end - start)
-            ids = torch.tensor(tables[start][:shared], dtype=torch.long, device=self.device)
-            decode_groups.append(DecodeGroup(start, end, ids))
-        private = [t[k:] for t, k in zip(tables, skip)]
-        width = max((len(t) for t in private), default=0)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in private], dtype=torch.long)
-        lens = [n - k * self.block_size for n, k in zip(context_lens, skip)]
-        return dict(
-            decode_block_tables=padded.view(len(private), width).to(self.device),
-            decode_seq_lens=torch.tensor(lens, dtype=torch.long, device=self.device),
-            decode_groups=decode_groups,
-        )
+
+def _decode_tables(tables, num_blocks, context_lens, groups, block_size):
+    """Decode block tables and lengths; with shared-prefix groups, only the private part
+    after each group's shared blocks, and the groups' blocks once per group:
+
+        row tables   [S S S a1 a2]   [S S S b1]      groups' tables  [S S S]
+        private      [a1 a2]         [b1 0]          (one row per group)
+
+    Returns (private tables [D, P], private lengths [D], group tables [G, max shared])."""
+    skip = np.zeros(len(tables), dtype=np.int64)
+    for start, end, shared in groups:
+        skip[start:end] = shared
+    width = int((num_blocks - skip).max(initial=0))
+    cols = skip[:, None] + np.arange(width)  # [D, P]: which column of its table each entry is
+    private = np.take_along_axis(tables, np.minimum(cols, max(tables.shape[1] - 1, 0)), axis=1)
+    private[cols >= num_blocks[:, None]] = 0
+    group_tables = np.zeros((len(groups), max((g[2] for g in groups), default=0)), np.int64)
+    for i, (start, _, shared) in enumerate(groups):
+        group_tables[i, :shared] = tables[start, :shared]
+    return private, context_lens - skip * block_size, group_tables
+
+
+def to_device_at_once(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 arrays -> views of one device tensor with their shapes: one host-to-device copy
+    per step instead of one per array (each copy from pageable memory waits for the host)."""
+    flat = np.concatenate([a.astype(np.int64, copy=False).ravel() for a in arrays])
+    buf = torch.from_numpy(flat).to(device)
+    views, at = [], 0
+    for a in arrays:
+        views.append(buf[at : at + a.size].view(a.shape))
+        at += a.size
+    return views
 
 
 @dataclass

@@ -57,6 +57,7 @@ def pack_groups(meta: AttentionMetadata, block_size: int) -> PrefillBatch:
         [g.block_ids for g in groups],
         [(g.start, g.end - g.start, g.block_ids.numel() * block_size) for g in groups],
         meta.slot_mapping.device,
+        tables=meta.decode_group_tables,  # None when the metadata was built by hand
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,10 +12,16 @@ from engine.attention import AttentionMetadata, TorchAttentionBackend
 from engine.cascade import DecodeGroup, cascade_decode, find_shared_prefixes
 
 
+def padded(tables: list[list[int]]) -> np.ndarray:
+    width = max(map(len, tables))
+    return np.array([t + [0] * (width - len(t)) for t in tables])
+
+
 def test_groups_by_first_block_and_longest_common_run():
     tables = [[7, 8, 9, 1], [3, 4], [7, 8, 9, 2], [7, 8, 5], [3, 4, 6]]
-    ctx = [60, 20, 64, 40, 40]
-    order, groups = find_shared_prefixes(tables, ctx, block_size=16)
+    ctx = np.array([60, 20, 64, 40, 40])
+    order, groups = find_shared_prefixes(padded(tables), ctx, block_size=16)
+    order = order.tolist()
     assert sorted(order) == list(range(5))
     by_rows = {tuple(order[s:e]): n for s, e, n in groups}
     assert by_rows[(0, 2, 3)] == 2  # 7, 8 shared by all three
@@ -23,8 +30,14 @@ def test_groups_by_first_block_and_longest_common_run():
 
 
 def test_a_lone_sequence_or_no_common_block_makes_no_group():
-    order, groups = find_shared_prefixes([[1, 2], [3, 4], [5]], [30, 30, 10], 16)
+    order, groups = find_shared_prefixes(padded([[1, 2], [3, 4], [5]]), np.array([30, 30, 10]), 16)
     assert groups == []
+
+
+def test_a_group_whose_members_differ_from_the_second_block_shares_one():
+    tables = padded([[4, 5, 6, 7], [4, 5, 9, 7], [4, 8, 6, 7], [2, 5, 6]])
+    order, groups = find_shared_prefixes(tables, np.array([64, 64, 64, 48]), 16)
+    assert [(order[s:e].tolist(), n) for s, e, n in groups] == [([0, 1, 2], 1)]
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3)])

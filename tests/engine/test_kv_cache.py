@@ -444,3 +444,16 @@ def test_a_lookup_that_waits_for_blocks_is_counted_once():
     kv.free("a")
     assert kv.allocate_slots("b", waiting, len(waiting), kv.get_computed_blocks(waiting))
     assert kv.stats().prefix_queries == 2 * BS + len(waiting)
+
+
+def test_block_tables_pads_each_row_and_keeps_the_order_given():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    assert kv.allocate_slots("a", list(range(9)), 9)  # 3 blocks
+    assert kv.allocate_slots("b", list(range(100, 104)), 4)  # 1 block
+    tables, num_blocks = kv.block_tables(["b", "a", "unknown"])
+    assert num_blocks.tolist() == [1, 3, 0]
+    assert tables.tolist() == [
+        kv.block_table("b") + [0, 0],
+        kv.block_table("a"),
+        [0, 0, 0],
+    ]
