@@ -49,9 +49,13 @@ class AttentionMetadata:
     # [num_prefills, width]: the prefills' block tables in one tensor (each span's block_ids is
     # a view of its row), so a backend can pass them to one kernel without copying per span.
     prefill_block_tables: torch.Tensor | None = None
-    # [num_groups, max shared blocks]: the groups' shared blocks in one tensor (each group's
-    # block_ids is a view of its row), for the same reason.
+    # The groups packed for one kernel launch (the triton backend; CUDA graphs fill these in
+    # static buffers): [num_groups, max shared blocks] tables (each group's block_ids is a view
+    # of its row), [3, num_groups] (first decode row, rows, shared tokens), and the largest
+    # group's rows. Groups past the real ones may have 0 rows (padding in a graph).
     decode_group_tables: torch.Tensor | None = None
+    decode_group_ranges: torch.Tensor | None = None
+    decode_group_max_rows: int = 0
 
 
 class TorchAttentionBackend:

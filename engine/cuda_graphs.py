@@ -9,10 +9,17 @@ bucket, and a step of n sequences runs the graph of the smallest bucket b >= n:
     rows n .. b-1   padding: slot -1 (the KV write skips it), context length 0 (attention
                     writes zeros); their logits are computed and dropped
 
-Only plain decode steps replay (no prefill chunks, no shared-prefix groups: their shapes
-change every step); the rest run eagerly. Buckets are captured largest first and share one
-memory pool (NOTES.md). Needs the triton backend, whose kernels skip negative slots and never
-read device values on the host.
+Decode steps with shared-prefix (cascade) groups replay a second graph per bucket, whose
+groups live in static buffers too: up to `max_groups` groups, each a range of decode rows
+and its shared blocks; unused groups have 0 rows (their programs exit at once), and the
+shared-prefix launch is sized for the bucket's rows (the largest a group can be):
+
+    group_tables  [max_groups, max_blocks]   each group's shared blocks
+    group_ranges  [3, max_groups]            first row, rows (0 = unused), shared tokens
+
+Steps with prefill chunks, more groups, or longer contexts run eagerly. Buckets are captured
+largest first and share one memory pool (NOTES.md). Needs the triton backend, whose kernels
+skip negative slots and never read device values on the host.
 
 Without CUDA, `capture=False` runs the same static-buffer path eagerly: the padding and
 bucketing logic is then testable on the CPU.
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -47,56 +55,99 @@ class DecodeGraphs:
         max_blocks: int,  # block-table width: ceil(max_model_len / block_size)
         device: torch.device,
         capture: bool = True,
+        max_groups: int = 32,  # shared-prefix groups a graphed step may have (0: none)
     ) -> None:
         self.forward, self.max_blocks, self.device = forward, max_blocks, device
         self.buckets = batch_buckets(max_batch)
+        self.max_groups = max_groups
         top = self.buckets[-1]
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
         self.slots = torch.full((top,), -1, dtype=torch.long, device=device)
         self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(top, dtype=torch.int32, device=device)
-        self.metas = {b: self._meta(b) for b in self.buckets}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.graphs: dict[int, object] = {}
+        self.group_tables = torch.zeros(max_groups, max_blocks, dtype=torch.int32, device=device)
+        self.group_ranges = torch.zeros(3, max_groups, dtype=torch.int32, device=device)
+        # (bucket, cascade) -> metadata, graph, logits; cascade graphs for buckets of 2 or more
+        self.keys = [(b, False) for b in self.buckets]
+        if max_groups:
+            self.keys += [(b, True) for b in self.buckets if b >= 2]
+        self.metas = {key: self._meta(*key) for key in self.keys}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, bool], object] = {}
         if capture:
             self._capture_all()
 
-    def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(
+    def _meta(self, b: int, cascade: bool) -> AttentionMetadata:
+        meta = AttentionMetadata(
             slot_mapping=self.slots[:b],
             num_decode_tokens=b,
             decode_block_tables=self.tables[:b],
             decode_seq_lens=self.seq_lens[:b],
             prefills=[],
         )
+        if cascade:
+            meta.decode_group_tables = self.group_tables
+            meta.decode_group_ranges = self.group_ranges
+            meta.decode_group_max_rows = b
+        return meta
 
-    def _run(self, b: int) -> torch.Tensor:
-        return self.forward(self.input_ids[:b], self.positions[:b], self.metas[b])
+    def _run(self, key: tuple[int, bool]) -> torch.Tensor:
+        b = key[0]
+        return self.forward(self.input_ids[:b], self.positions[:b], self.metas[key])
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        start = time.perf_counter()
+        plain = [k for k in self.keys if not k[1]]
+        cascade = [k for k in self.keys if k[1]]
         with torch.cuda.stream(stream):
-            for b in reversed(self.buckets):  # largest first: the pool fits the rest after it
-                self._run(b)  # warm-up: compiles the kernels outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[b] = self._run(b)
-                self.graphs[b] = graph
+            self._capture(plain, pool, stream)
+            try:
+                self._capture(cascade, pool, stream)
+            except RuntimeError as e:  # plain graphs still serve; cascade steps run eagerly
+                log.warning("shared-prefix decode graphs not captured (%s); they run eagerly", e)
+                for key in cascade:
+                    self.graphs.pop(key, None)
+                self.max_groups = 0
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        log.info(
+            "captured %d decode CUDA graphs in %.1f s: batch sizes %s, plain and with up to %d "
+            "shared-prefix groups",
+            len(self.graphs),
+            time.perf_counter() - start,
+            self.buckets,
+            self.max_groups,
+        )
+
+    def _capture(self, keys, pool, stream) -> None:
+        for key in sorted(keys, reverse=True):  # largest first: the pool fits the rest after it
+            self._run(key)  # warm-up: compiles the kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.logits[key] = self._run(key)
+            self.graphs[key] = graph
 
     def supports(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A plain decode step that fits the buckets and the table width."""
+        """A decode step that fits the buckets, the table width and the group buffers."""
+        if (
+            meta.prefills
+            or meta.num_decode_tokens != num_tokens
+            or not 0 < num_tokens <= self.buckets[-1]
+            or meta.decode_block_tables.shape[1] > self.max_blocks
+        ):
+            return False
+        if not meta.decode_groups:
+            return True
         return (
-            not meta.prefills
-            and not meta.decode_groups
-            and meta.num_decode_tokens == num_tokens
-            and 0 < num_tokens <= self.buckets[-1]
-            and meta.decode_block_tables.shape[1] <= self.max_blocks
+            self.max_groups > 0
+            and meta.decode_group_ranges is not None
+            and len(meta.decode_groups) <= self.max_groups
+            and num_tokens >= 2
+            and meta.decode_group_tables.shape[1] <= self.max_blocks
         )
 
     def run(
@@ -113,8 +164,15 @@ class DecodeGraphs:
         self.tables[:n, :width].copy_(meta.decode_block_tables)
         self.seq_lens[:n].copy_(meta.decode_seq_lens)
         self.seq_lens[n:b].zero_()
-        graph = self.graphs.get(b)
+        cascade = bool(meta.decode_groups)
+        if cascade:
+            g, width = meta.decode_group_tables.shape
+            self.group_tables[:g, :width].copy_(meta.decode_group_tables)
+            self.group_ranges[:, :g].copy_(meta.decode_group_ranges)
+            self.group_ranges[1, g:].zero_()  # unused groups: no rows
+        key = (b, cascade)
+        graph = self.graphs.get(key)
         if graph is None:  # not captured (CPU): the same buffers, run eagerly
-            return self._run(b)[:n]
+            return self._run(key)[:n]
         graph.replay()
-        return self.logits[b][:n]
+        return self.logits[key][:n]

@@ -38,6 +38,9 @@ class StepResult:
 # Decode steps whose longest context exceeds this run eagerly: a graph's block-table width is
 # fixed, and the decode kernel cuts contexts into splits by that width (kernels/).
 GRAPH_MAX_CONTEXT = 8192
+# Decode steps with more shared-prefix groups than this run eagerly (`rag` at 256 running
+# sequences has 8: 32 chunks per document).
+GRAPH_MAX_GROUPS = 32
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -130,6 +133,7 @@ class ModelRunner:
             max_blocks=-(-min(max_model_len, GRAPH_MAX_CONTEXT) // self.block_size),
             device=self.device,
             capture=capture,
+            max_groups=GRAPH_MAX_GROUPS if self.cascade else 0,
         )
 
     def _prepare(self, out: SchedulerOutput):
@@ -171,18 +175,16 @@ class ModelRunner:
         decode = _decode_tables(
             tables[:num_decodes], num_blocks[:num_decodes], context_lens[:num_decodes], groups, bs
         )
-        (ids_d, positions_d, slots_d, rows_d, prefill_tables, private, private_lens, shared) = (
-            to_device_at_once(
-                [
-                    np.array(ids, dtype=np.int64),
-                    positions,
-                    slots,
-                    rows,
-                    tables[num_decodes:],  # every prefill chunk's table in one tensor
-                    *decode,
-                ],
-                self.device,
-            )
+        (ids_d, positions_d, slots_d, rows_d, prefill_tables, *decode_d) = to_device_at_once(
+            [
+                np.array(ids, dtype=np.int64),
+                positions,
+                slots,
+                rows,
+                tables[num_decodes:],  # every prefill chunk's table in one tensor
+                *decode,
+            ],
+            self.device,
         )
         prefills = [
             PrefillSpan(
@@ -193,6 +195,7 @@ class ModelRunner:
             )
             for i in range(num_decodes, len(chunks))
         ]
+        private, private_lens, shared, ranges = decode_d
         attention = AttentionMetadata(
             slot_mapping=slots_d,
             num_decode_tokens=num_decodes,
@@ -204,6 +207,8 @@ class ModelRunner:
             ],
             prefill_block_tables=prefill_tables,
             decode_group_tables=shared if groups else None,
+            decode_group_ranges=ranges if groups else None,
+            decode_group_max_rows=max((end - start for start, end, _ in groups), default=0),
         )
         return ids_d, _StepMeta(positions_d, attention), rows_d, [chunks[i].seq for i in sample_idx]
 
@@ -215,7 +220,8 @@ def _decode_tables(tables, num_blocks, context_lens, groups, block_size):
         row tables   [S S S a1 a2]   [S S S b1]      groups' tables  [S S S]
         private      [a1 a2]         [b1 0]          (one row per group)
 
-    Returns (private tables [D, P], private lengths [D], group tables [G, max shared])."""
+    Returns (private tables [D, P], private lengths [D], group tables [G, max shared],
+    group ranges [3, G]: first row, rows, shared tokens)."""
     skip = np.zeros(len(tables), dtype=np.int64)
     for start, end, shared in groups:
         skip[start:end] = shared
@@ -226,7 +232,8 @@ def _decode_tables(tables, num_blocks, context_lens, groups, block_size):
     group_tables = np.zeros((len(groups), max((g[2] for g in groups), default=0)), np.int64)
     for i, (start, _, shared) in enumerate(groups):
         group_tables[i, :shared] = tables[start, :shared]
-    return private, context_lens - skip * block_size, group_tables
+    ranges = np.array([(s, e - s, n * block_size) for s, e, n in groups], np.int64).reshape(-1, 3)
+    return private, context_lens - skip * block_size, group_tables, ranges.T.copy()
 
 
 def to_device_at_once(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

@@ -95,7 +95,13 @@ class TritonAttentionBackend:
     def step_tensors(self, meta: AttentionMetadata, block_size: int) -> StepTensors:
         """Packed once per step (keyed by the metadata object), reused by every layer."""
         if self._step_meta is not meta:
-            shared = pack_groups(meta, block_size) if meta.decode_groups else None
+            shared = None
+            if meta.decode_group_ranges is not None:  # packed by the runner (or a CUDA graph)
+                r = meta.decode_group_ranges
+                tables, rows = meta.decode_group_tables, meta.decode_group_max_rows
+                shared = PrefillBatch(tables, r[0], r[1], r[2], rows)
+            elif meta.decode_groups:  # metadata built by hand
+                shared = pack_groups(meta, block_size)
             self._step = StepTensors(pack_prefills(meta), shared)
             self._step_meta = meta
         return self._step

@@ -74,6 +74,33 @@ def test_padded_decode_graph_path_gives_the_same_tokens(tiny_models):
     llm.engine.kv.check_integrity()
 
 
+def test_padded_decode_graph_path_with_shared_prefix_groups(tiny_models):
+    """Cascade steps in the static buffers: groups come and go as their members finish at
+    different lengths (a stale group left in the buffers would attend the wrong rows), and
+    with 7 sequences the bucket of 8 has a padding row."""
+    path = tiny_models("llama-gqa")
+    prompts = shared_prefix_prompts()[:7]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        for n in (9, 3, 7, 5, 2, 8, 6)
+    ]
+    ref = LLM(path, device=DEVICE, dtype="float32", attention_backend="torch")
+    want = tokens(ref.generate(prompts, params))
+    llm = LLM(path, device=DEVICE, dtype="float32", attention_backend="triton")
+    llm.engine.runner.capture_decode_graphs(max_batch=8, max_model_len=128, capture=False)
+    graphs = llm.engine.runner.decode_graphs
+    seen = []  # (rows, groups) of every graphed step
+    real_run = graphs.run
+    graphs.run = lambda ids, pos, meta: (
+        seen.append((ids.shape[0], len(meta.decode_groups))) or real_run(ids, pos, meta)
+    )
+    assert tokens(llm.generate(prompts, params)) == want
+    assert (7, 2) in seen  # both groups, one padding row
+    assert any(g == 1 for _, g in seen)  # group b dissolved (its member with 2 tokens is done)
+    assert any(g == 0 for _, g in seen)  # plain decode steps still replay the plain graphs
+    llm.engine.kv.check_integrity()
+
+
 def test_batch_buckets():
     assert batch_buckets(1) == [1]
     assert batch_buckets(8) == [1, 2, 4, 8]
