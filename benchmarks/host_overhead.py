@@ -23,6 +23,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from typing import Any
@@ -30,8 +31,8 @@ from typing import Any
 PHASES = ("schedule", "prepare", "forward", "sample", "rest")
 
 
-def _timed(obj: Any, name: str, totals: collections.Counter, key: str) -> None:
-    """Wrap obj.name so its wall time is added to totals[key]."""
+def _timed(obj: Any, name: str, times: dict[str, list[float]], key: str) -> None:
+    """Wrap obj.name (called once per step) so each call's wall time goes to times[key]."""
     inner = getattr(obj, name)
 
     def wrapper(*args, **kwargs):
@@ -39,7 +40,7 @@ def _timed(obj: Any, name: str, totals: collections.Counter, key: str) -> None:
         try:
             return inner(*args, **kwargs)
         finally:
-            totals[key] += time.perf_counter() - t
+            times[key].append(time.perf_counter() - t)
 
     setattr(obj, name, wrapper)
 
@@ -78,30 +79,32 @@ def measure(
         max_model_len=workload.prompt_len + output_len + 16,
     )
     engine = llm.engine
-    totals: collections.Counter = collections.Counter()
-    _timed(engine.scheduler, "schedule", totals, "schedule")
-    _timed(engine.runner, "_prepare", totals, "prepare")
-    _timed(engine.runner, "_forward", totals, "forward")
-    _timed(engine.runner, "execute", totals, "execute")
-    _timed(engine, "step", totals, "step")
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    _timed(engine.scheduler, "schedule", times, "schedule")
+    _timed(engine.runner, "_prepare", times, "prepare")
+    _timed(engine.runner, "_forward", times, "forward")
+    _timed(engine.runner, "execute", times, "execute")
+    _timed(engine, "step", times, "step")
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
     for p in prompts:
         engine.add_request(p, params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.requests.values()):
         engine.step()  # prefill (and the first tokens): not what this measures
-    totals.clear()
-    first = engine._num_steps
+    times.clear()
     while engine.has_unfinished():
         engine.step()
-    steps = engine._num_steps - first
-    ms = {k: v * 1e3 / steps for k, v in totals.items()}
-    phases = {
-        "schedule": ms["schedule"],
-        "prepare": ms["prepare"],
-        "forward": ms["forward"],
-        "sample": ms["execute"] - ms["prepare"] - ms["forward"],
-        "rest": ms["step"] - ms["execute"] - ms["schedule"],
+    steps = len(times["step"])
+    per_step = {
+        "schedule": times["schedule"],
+        "prepare": times["prepare"],
+        "forward": times["forward"],
+        "sample": [
+            e - p - f for e, p, f in zip(times["execute"], times["prepare"], times["forward"])
+        ],
+        "rest": [t - e - s for t, e, s in zip(times["step"], times["execute"], times["schedule"])],
     }
+    # Medians: a step that the machine interrupted does not move them (these VMs are noisy).
+    phases = {k: statistics.median(v) * 1e3 for k, v in per_step.items()}
     return {
         "requests": len(prompts),
         "backend": backend,
@@ -109,6 +112,10 @@ def measure(
         "decode_steps": steps,
         "ms_per_step": phases,
         "host_ms_per_step": sum(v for k, v in phases.items() if k != "forward"),
+        "host_ms_per_step_mean": statistics.mean(
+            t - f for t, f in zip(times["step"], times["forward"])
+        )
+        * 1e3,
         "torch": torch.__version__,
     }
 
@@ -124,7 +131,7 @@ def format_result(r: dict[str, Any]) -> str:
         [
             head,
             "",
-            "| phase | ms per decode step |",
+            "| phase | ms per decode step (median) |",
             "|---|---|",
             *rows,
             f"| host total (all but forward) | {r['host_ms_per_step']:.2f} |",

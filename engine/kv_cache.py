@@ -267,9 +267,17 @@ class KVCacheManager:
         registered in the prefix cache. Pass only final tokens: unverified draft tokens beyond
         ``len(token_ids)`` get slots but their blocks are not hashed until a later call.
         """
+        seq = self._seqs.get(seq_id)
+        if seq is not None and computed is None and 0 <= num_new_tokens:
+            total = seq.num_tokens + num_new_tokens
+            if total <= len(seq.table) * self.block_size:  # a decode, most steps: no new block
+                seq.num_tokens = total
+                full = min(total, len(token_ids)) // self.block_size
+                if self.enable_prefix_caching and full > seq.num_hashed:
+                    self._register_full_blocks(seq, token_ids)
+                return True
         if self._num_blocks_to_take(seq_id, num_new_tokens, computed) > len(self._free):
             return False
-        seq = self._seqs.get(seq_id)
         if seq is None:
             seq = self._start_seq(seq_id, token_ids, computed)
         seq.num_tokens += num_new_tokens

@@ -96,8 +96,12 @@ class ModelRunner:
             vocab = self.model.config.vocab_size
             tokens, sampled = verify(self.sampler, logits, sampling_seqs, vocab)
             return StepResult(sampling_seqs, tokens, sampled)
+        params = [s.params for s in sampling_seqs]
+        if all(p.argmax_only for p in params):  # e.g. a greedy batch job: skip the tensors
+            sampled = self.sampler.argmax(logits)
+            return StepResult(sampling_seqs, [[t] for t in sampled.token_ids.tolist()], sampled)
         tensors = SamplingTensors.from_params(
-            [s.params for s in sampling_seqs],
+            params,
             [s.num_output_tokens for s in sampling_seqs],
             self.model.config.vocab_size,
             self.device,
@@ -166,6 +170,7 @@ class ModelRunner:
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         context_lens = starts + lens
 
+        # not every 1-token chunk samples: it may be a prompt's chunk cut by the token budget
         sample_idx = [i for i, c in enumerate(chunks) if c.samples]
         rows = (query_start + lens - 1)[sample_idx]
         num_rows = [1 + len(chunks[i].seq.draft_token_ids) for i in sample_idx]

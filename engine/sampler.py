@@ -133,6 +133,12 @@ class Sampler:
         top_logprobs, top_ids = raw_logprobs.topk(t.max_num_logprobs, dim=-1)
         return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
 
+    @staticmethod
+    def argmax(logits: Tensor) -> SamplerOutput:
+        """Every row greedy and no logprobs: what __call__ gives for such a batch, without
+        building its SamplingTensors (ties -> lowest index, in any float dtype)."""
+        return SamplerOutput(logits.argmax(dim=-1), None, None, None)
+
     def _sample(self, logits: Tensor, t: SamplingTensors) -> Tensor:
         probs = self.processed_probs(logits, t, normalize=False)
         return (probs / self.noise(probs, t)).argmax(dim=-1)

@@ -94,6 +94,8 @@ class SamplingParams:
                 )
             if type(self.logprobs) is not int:
                 set_(self, "logprobs", int(self.logprobs))
+        # Read per row per step by the runner: greedy rows without logprobs need no sampler.
+        set_(self, "argmax_only", self.greedy and self.logprobs is None)
 
     @property
     def greedy(self) -> bool:

@@ -32,7 +32,17 @@ class StopChecker:
         return False
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
-        # Checked after every token, so the first occurrence anywhere is the new one.
+        # Checked after every token, so a new occurrence ends in the newest token's text and
+        # spans at most as many tokens as it has bytes (a token decodes to >= 1 byte): only a
+        # short tail is decoded each step, the whole output once there is a candidate. A few
+        # more tokens in front keep a character split across tokens, or a leading space that a
+        # tokenizer drops at the start of a decode, away from the occurrence.
+        stops = seq.params.stop
+        window = max(len(stop.encode()) for stop in stops) + 4
+        if seq.num_output_tokens > window:
+            tail = self.decode(seq.token_ids[-window:])
+            if not any(stop in tail for stop in stops):
+                return False
         text = self.decode(seq.output_token_ids)
         best = None
         for stop in seq.params.stop:

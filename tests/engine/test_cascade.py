@@ -40,6 +40,44 @@ def test_a_group_whose_members_differ_from_the_second_block_shares_one():
     assert [(order[s:e].tolist(), n) for s, e, n in groups] == [([0, 1, 2], 1)]
 
 
+def shared_prefixes_by_loops(tables, ctx, block_size):
+    """Reference: group rows by first block, then walk each group's common run in Python."""
+    order = sorted(range(len(tables)), key=lambda i: tables[i][0])
+    groups, start = [], 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and tables[order[end]][0] == tables[order[start]][0]:
+            end += 1
+        members = order[start:end]
+        shared = min((ctx[i] - 1) // block_size for i in members)
+        for i in members[1:]:
+            n = 0
+            while n < shared and tables[i][n] == tables[members[0]][n]:
+                n += 1
+            shared = n
+        if end - start >= 2 and shared:
+            groups.append((start, end, shared))
+        start = end
+    return order, groups
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_vectorised_grouping_equals_the_loops(seed):
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(0, 6, size=rng.integers(1, 6)).tolist() for _ in range(4)]
+    tables, ctx = [], []
+    for _ in range(rng.integers(2, 40)):
+        t = prefixes[rng.integers(0, 4)][: rng.integers(1, 6)]
+        t = t + rng.integers(0, 6, size=rng.integers(0, 4)).tolist()
+        if not t:
+            t = [int(rng.integers(0, 6))]
+        tables.append(t)
+        ctx.append(int(rng.integers((len(t) - 1) * 4 + 1, len(t) * 4 + 1)))
+    order, groups = find_shared_prefixes(padded(tables), np.array(ctx), block_size=4)
+    want_order, want_groups = shared_prefixes_by_loops(tables, ctx, 4)
+    assert order.tolist() == want_order and groups == want_groups
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3)])
 def test_cascade_equals_plain_paged_attention(heads, kv_heads):
     g = torch.Generator().manual_seed(0)

@@ -73,6 +73,21 @@ def test_greedy_equals_argmax_with_ties() -> None:
     assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
 
 
+def test_argmax_fast_path_equals_the_full_sampler_for_argmax_only_rows() -> None:
+    logits = random_logits(64, 1000, seed=3)
+    logits[::4, 10] = logits[::4, 500] = 1e3
+    for params in (SamplingParams(temperature=0), SamplingParams(top_k=1, temperature=0.8)):
+        assert params.argmax_only
+        full = Sampler()(logits, tensors([params] * 64, 1000))
+        assert torch.equal(Sampler.argmax(logits).token_ids, full.token_ids)
+        assert torch.equal(
+            Sampler.argmax(logits.to(torch.bfloat16)).token_ids[::4], full.token_ids[::4]
+        )
+    # rows that need more than the argmax
+    assert not SamplingParams(temperature=0, logprobs=2).argmax_only
+    assert not SamplingParams(temperature=0.5).argmax_only
+
+
 def test_mixed_batch_leaves_greedy_rows_exact() -> None:
     rows = 48
     logits = random_logits(rows, 500, seed=1)
