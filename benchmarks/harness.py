@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.peers import EngineOptions, Peer, PeerUnavailable, RunResult, make_peer
+from benchmarks.step_profile import format_step_profile
 from benchmarks.workloads import (
     LLAMA_1B_RANDOM,
     SMOLLM2,
@@ -208,6 +209,8 @@ class BenchReport:
                 f"{x.get('cached_prompt_tokens')} of {x.get('prompt_tokens')} prompt tokens "
                 f"cached ({_fmt(self.cached_token_fraction)}) in the last run"
             )
+            if x.get("step_profile", {}).get("steps"):
+                lines.append(format_step_profile(x["step_profile"]))
         lines.append(
             f"ratio = median over rounds of engine seconds / {self.reference} seconds "
             f"(how many times faster {self.reference} is)"

@@ -20,29 +20,12 @@ forward itself is cheap and reported apart. Phases per decode step (prefill step
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
-import statistics
 import sys
-import time
 from typing import Any
 
-PHASES = ("schedule", "prepare", "forward", "sample", "rest")
-
-
-def _timed(obj: Any, name: str, times: dict[str, list[float]], key: str) -> None:
-    """Wrap obj.name (called once per step) so each call's wall time goes to times[key]."""
-    inner = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            times[key].append(time.perf_counter() - t)
-
-    setattr(obj, name, wrapper)
+from benchmarks.step_profile import PHASES, StepProfile
 
 
 def measure(
@@ -79,43 +62,26 @@ def measure(
         max_model_len=workload.prompt_len + output_len + 16,
     )
     engine = llm.engine
-    times: dict[str, list[float]] = collections.defaultdict(list)
-    _timed(engine.scheduler, "schedule", times, "schedule")
-    _timed(engine.runner, "_prepare", times, "prepare")
-    _timed(engine.runner, "_forward", times, "forward")
-    _timed(engine.runner, "execute", times, "execute")
-    _timed(engine, "step", times, "step")
+    profile = StepProfile(engine)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
     for p in prompts:
         engine.add_request(p, params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.requests.values()):
         engine.step()  # prefill (and the first tokens): not what this measures
-    times.clear()
+    profile.clear()
     while engine.has_unfinished():
         engine.step()
-    steps = len(times["step"])
-    per_step = {
-        "schedule": times["schedule"],
-        "prepare": times["prepare"],
-        "forward": times["forward"],
-        "sample": [
-            e - p - f for e, p, f in zip(times["execute"], times["prepare"], times["forward"])
-        ],
-        "rest": [t - e - s for t, e, s in zip(times["step"], times["execute"], times["schedule"])],
-    }
-    # Medians: a step that the machine interrupted does not move them (these VMs are noisy).
-    phases = {k: statistics.median(v) * 1e3 for k, v in per_step.items()}
+    summary = profile.summary()
+    phases = summary["ms_per_step"]
     return {
         "requests": len(prompts),
         "backend": backend,
         "cascade": cascade,
-        "decode_steps": steps,
+        "decode_steps": summary["steps"],
         "ms_per_step": phases,
+        # medians of schedule + prepare + sample + rest: the host's share of a step on the
+        # CPU, where the forward runs synchronously (on a GPU, sample includes the GPU's wait)
         "host_ms_per_step": sum(v for k, v in phases.items() if k != "forward"),
-        "host_ms_per_step_mean": statistics.mean(
-            t - f for t, f in zip(times["step"], times["forward"])
-        )
-        * 1e3,
         "torch": torch.__version__,
     }
 

@@ -218,6 +218,9 @@ class KvbatchPeer(Peer):
         )
         self._cached_tokens: list[int] = []
         self._stats_before: dict[str, Any] = {}
+        from benchmarks.step_profile import StepProfile
+
+        self._profile = StepProfile(self.llm.engine)
 
     def _params(self, max_tokens: int):
         return self._sampling_params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -307,6 +310,7 @@ class KvbatchPeer(Peer):
 
     def before_run(self) -> None:
         self._stats_before = _plain(self.llm.stats())
+        self._profile.clear()
 
     def run_extra(self, prompts: list[list[int]], outputs: list[list[int]]) -> dict[str, Any]:
         prompt_tokens = sum(len(p) for p in prompts)
@@ -323,6 +327,7 @@ class KvbatchPeer(Peer):
             # the engine's own figure, over the LLM's whole life
             "prefix_hit_rate_total": _float_or_none(getattr(stats, "prefix_hit_rate", None)),
             "stats": after,
+            "step_profile": self._profile.summary(),  # benchmarks/step_profile.py
         }
 
 

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.step_profile import format_step_profile
+
 RAG_TARGET_S = 1.5  # issue 5: at most 1.5 s on an H200 (8x transformers' static generate)
 RAG_GOAL_S = 1.0
 GAP_TARGET = 3.0  # decode steps
@@ -84,6 +86,9 @@ def rag_lines(data: dict[str, Any] | None) -> list[str]:
             f"greedy tokens {g['engine']} vs {g['reference']}: {g['matching']}/{g['compared']}"
         )
     kv = next((e for e in data["engines"] if e["engine"] == "kvbatch"), None)
+    profile = (kv or {}).get("extra", {}).get("step_profile") or {}
+    if profile.get("steps"):
+        lines.append(format_step_profile(profile))
     if kv is None:
         lines.append(f"target (<= {RAG_TARGET_S} s on an H200): kvbatch did not run")
     elif w["name"] != "rag" or not floor.get("applies"):

@@ -312,6 +312,8 @@ def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
     assert hf["ratio"] == pytest.approx(hf["seconds"] / kv["seconds"])
     assert data["greedy_match"][0]["matching"] == 4  # float32 on the CPU: the same tokens
     assert kv["extra"]["cached_prompt_tokens"] > 0  # documents are shared
+    profile = kv["extra"]["step_profile"]  # where the steps' time went (last run)
+    assert profile["steps"] >= 8 and profile["host_seconds"] < kv["seconds"]  # 8 output tokens
 
     # scripts/gpu_check_summary.py reads this JSON into the GPU check's closing table
     (tmp_path / "steps.tsv").write_text(
@@ -320,6 +322,7 @@ def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
     text = _summary_script().summary(tmp_path)
     assert "rag-tiny on cpu" in text and "hf-static" in text and "ok" in text
     assert "n/a here (not the full rag on an H200)" in text
+    assert "kvbatch steps (last run)" in text
     assert "long-prefill: no results" in text
 
 

@@ -1,0 +1,107 @@
+"""Where an engine step's time goes: wall time of each phase of every `LLMEngine.step`.
+
+    schedule   Scheduler.schedule: which sequences run, block allocation
+    prepare    ModelRunner._prepare: token ids, positions, slots, block tables, cascade groups,
+               the host-to-device copy
+    forward    the model call: on a GPU only the kernel launches (or one graph replay), since
+               the GPU runs ahead of the host
+    sample     the sampler and the tokens' trip back to the host: on a GPU this is where the
+               host waits for the step's kernels to finish
+    rest       appending tokens, stop checks, finishing requests
+
+schedule + prepare + rest is host time the GPU cannot hide (the next step starts only when
+the host has it ready). The profile wraps the engine's methods in place; it costs a few
+`perf_counter` calls per step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+PHASES = ("schedule", "prepare", "forward", "sample", "rest")
+HOST_PHASES = ("schedule", "prepare", "rest")
+
+
+class StepProfile:
+    def __init__(self, engine: Any) -> None:
+        self.steps: list[dict[str, float]] = []  # seconds per phase, steps that ran the model
+        self.graph_steps = 0
+        self._step: dict[str, float] = {}
+        self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(engine.runner, "_prepare", "prepare")
+        self._wrap(engine.runner, "_forward", "forward")
+        self._wrap(engine.runner, "execute", "execute")
+        inner_step = engine.step
+
+        def step(*args, **kwargs):
+            self._step = {}
+            start = time.perf_counter()
+            try:
+                return inner_step(*args, **kwargs)
+            finally:
+                total = time.perf_counter() - start
+                t = self._step
+                if "execute" in t:  # a step that scheduled nothing never reached the model
+                    self.steps.append(
+                        {
+                            "schedule": t["schedule"],
+                            "prepare": t["prepare"],
+                            "forward": t["forward"],
+                            "sample": t["execute"] - t["prepare"] - t["forward"],
+                            "rest": total - t["execute"] - t["schedule"],
+                        }
+                    )
+
+        engine.step = step
+        graphs = engine.runner.decode_graphs
+        if graphs is not None:
+            replay = graphs.run
+
+            def counted(*args, **kwargs):
+                self.graph_steps += 1
+                return replay(*args, **kwargs)
+
+            graphs.run = counted
+
+    def _wrap(self, obj: Any, name: str, key: str) -> None:
+        """obj.name runs once per step: its wall time goes into the current step's record."""
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._step[key] = time.perf_counter() - start
+
+        setattr(obj, name, timed)
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.graph_steps = 0
+
+    def summary(self) -> dict[str, Any]:
+        """Median milliseconds per phase (robust to a step the machine interrupted), the mean
+        host milliseconds per step, steps run and steps that replayed a CUDA graph."""
+        if not self.steps:
+            return {"steps": 0, "graph_steps": 0, "ms_per_step": {}, "host_ms_per_step": None}
+        host = [sum(s[k] for k in HOST_PHASES) for s in self.steps]
+        return {
+            "steps": len(self.steps),
+            "graph_steps": self.graph_steps,
+            "ms_per_step": {k: statistics.median(s[k] for s in self.steps) * 1e3 for k in PHASES},
+            "host_ms_per_step": statistics.mean(host) * 1e3,
+            "host_seconds": sum(host),
+        }
+
+
+def format_step_profile(p: dict[str, Any]) -> str:
+    ms = p["ms_per_step"]
+    return (
+        f"kvbatch steps (last run): {p['steps']}, {p['graph_steps']} replayed a CUDA graph; "
+        f"median ms per step: schedule {ms['schedule']:.2f}, prepare {ms['prepare']:.2f}, "
+        f"forward {ms['forward']:.2f}, sample {ms['sample']:.2f}, rest {ms['rest']:.2f}; "
+        f"host-only time {p['host_seconds']:.2f} s in all (schedule + prepare + rest)"
+    )
