@@ -173,9 +173,15 @@ def get_backend(name: str, device: torch.device):
             f"attention_backend {name!r} is not available; choose one of: auto, "
             + ", ".join(BACKENDS)
         )
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            "attention_backend='triton' needs a CUDA device (on the CPU it runs only under "
-            "TRITON_INTERPRET=1, for testing): use attention_backend='torch' or 'auto'"
-        )
+    if name == "triton" and device.type != "cuda":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' needs a CUDA device (on the CPU it runs only under "
+                "TRITON_INTERPRET=1, for testing): use attention_backend='torch' or 'auto'"
+            )
+        from kernels.interpreter import interpreter_problem
+
+        problem = interpreter_problem()
+        if problem:
+            raise ValueError(problem)
     return BACKENDS[name]()

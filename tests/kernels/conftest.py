@@ -21,6 +21,12 @@ TOLERANCES = {
 
 @pytest.fixture
 def device() -> torch.device:
+    if not torch.cuda.is_available():
+        from kernels.interpreter import interpreter_problem
+
+        problem = interpreter_problem()
+        if problem:
+            pytest.fail(problem, pytrace=False)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
