@@ -51,7 +51,13 @@ class LLMEngine:
         backend = get_backend(config.attention_backend, self.device)
         # The triton backend comes with the fused kernels and GEMMs (engine/fused.py).
         self.forward = model_forward(self.model, fused=backend.name == "triton")
-        num_blocks = self._num_blocks(backend, scheduler_config)
+        # A draft model keeps a KV pool of as many blocks as the target's: load it first, so
+        # that its weights are counted in free memory and its blocks in the KV budget.
+        spec = config.speculative
+        draft = None
+        if spec is not None and spec.method == "draft":
+            draft = load_model(spec.draft_model, self.dtype, self.device)
+        num_blocks = self._num_blocks(backend, scheduler_config, draft)
         if num_blocks * cache.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * cache.block_size} tokens ({num_blocks} blocks "
@@ -78,7 +84,7 @@ class LLMEngine:
         if config.speculative is not None:
             from engine.spec.decoder import build_spec_decoder
 
-            self.spec = build_spec_decoder(config.speculative, self)
+            self.spec = build_spec_decoder(config.speculative, self, draft)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._num_steps = self._computed = self._generated = self._prompt_tokens = 0
@@ -107,11 +113,15 @@ class LLMEngine:
             raise ValueError(f"max_model_len={asked} exceeds the model's context of {limit}")
         return asked or limit
 
-    def _num_blocks(self, backend, scheduler_config) -> int:
+    def _num_blocks(self, backend, scheduler_config, draft=None) -> int:
+        """Blocks of the KV pool (and of the draft model's, which has as many): the budget
+        divided by what one block costs, both models' KV together."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         per_block = kv_bytes_per_block(self.model, cache.block_size, self.dtype)
+        if draft is not None:
+            per_block += kv_bytes_per_block(draft.model, cache.block_size, self.dtype)
         if cache.kv_cache_bytes is not None:
             budget = cache.kv_cache_bytes
         elif self.device.type == "cuda":

@@ -83,8 +83,9 @@ class SpecDecoder:
         self.proposer.release(seq)
 
 
-def build_spec_decoder(config: SpecConfig, engine) -> SpecDecoder:
-    """The proposer of `config.method` for an LLMEngine (after its KV cache is sized)."""
+def build_spec_decoder(config: SpecConfig, engine, draft=None) -> SpecDecoder:
+    """The proposer of `config.method` for an LLMEngine (after its KV cache is sized);
+    `draft`: the draft model, when the engine loaded it already (engine.loader.LoadedModel)."""
     if config.method == "ngram":
         from engine.spec.ngram import NgramProposer
 
@@ -104,5 +105,6 @@ def build_spec_decoder(config: SpecConfig, engine) -> SpecDecoder:
             dtype=engine.dtype,
             backend=engine.runner.backend,
             seed=engine.config.seed,
+            loaded=draft,
         )
     return SpecDecoder(config, proposer, engine.max_model_len)

@@ -24,7 +24,7 @@ import logging
 import torch
 
 from engine.kv_cache import KVCacheManager
-from engine.loader import load_model
+from engine.loader import LoadedModel, load_model
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingTensors
 from engine.sampling_params import SamplingParams
@@ -67,8 +67,9 @@ class DraftModelProposer:
         dtype: torch.dtype,
         backend,
         seed: int = 0,
+        loaded: LoadedModel | None = None,  # the draft already loaded (LLMEngine sizes KV by it)
     ) -> None:
-        loaded = load_model(path, dtype, device)
+        loaded = loaded or load_model(path, dtype, device)
         if loaded.config.vocab_size != vocab_size:
             raise ValueError(
                 f"the draft model {path} has a vocabulary of {loaded.config.vocab_size} tokens "

@@ -288,3 +288,26 @@ def test_triton_backend_verifies_drafts_too(tiny_models, reference):
     stats = llm.stats()
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
     llm.engine.kv.check_integrity()
+
+
+def test_the_kv_budget_pays_for_the_drafts_pool_too(tiny_models):
+    """A draft keeps as many blocks as the target: with a byte budget both pools fit in it
+    (on CUDA the budget is what the profile leaves, so two full pools would not fit)."""
+    from engine.runner import kv_bytes_per_block
+
+    target = tiny_models("llama-gqa")
+    budget = 400_000
+    plain = LLM(model=str(target), device="cpu", max_model_len=256, kv_cache_bytes=budget)
+    per_block = kv_bytes_per_block(plain.engine.model, 16, torch.float32)
+    assert plain.engine.kv.num_blocks == budget // per_block
+    spec = LLM(
+        model=str(target),
+        device="cpu",
+        max_model_len=256,
+        kv_cache_bytes=budget,
+        speculative=f"draft:{target}",
+    )
+    draft = spec.engine.spec.proposer
+    assert spec.engine.kv.num_blocks == draft.kv.num_blocks == budget // (2 * per_block)
+    pools = spec.engine.runner.kv_caches + draft.runner.kv_caches
+    assert sum(t.numel() * t.element_size() for t in pools) <= budget
