@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.attention_backend,
         help="auto (triton on CUDA, torch on the CPU), torch or triton",
     )
+    e.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        metavar="N",
+        help="while others decode, a prompt's chunk costs at most N tokens' worth of compute "
+        "(the engine's default: 2048; 0 = no cap)",
+    )
 
     s = p.add_argument_group("sweep (kvbatch alone, one engine per cell)")
     s.add_argument(
@@ -138,6 +145,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         attention_backend=args.attention_backend,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         hf_batch_size=args.hf_batch_size or workload.hf_batch_size,
     )
     return BenchConfig(

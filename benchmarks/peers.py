@@ -47,6 +47,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     kv_cache_memory_fraction: float | None = None  # CUDA KV pool share; None = the engine's
     attention_backend: str = "auto"  # kvbatch: "auto" is triton on CUDA, torch on the CPU
+    long_prefill_token_threshold: int | None = None  # kvbatch: None = the engine's default
     hf_batch_size: int | None = None  # hf-static: requests per static batch; None = all
 
     def __post_init__(self) -> None:
@@ -205,6 +206,8 @@ class KvbatchPeer(Peer):
         kwargs: dict[str, Any] = {}
         if o.kv_cache_memory_fraction is not None:
             kwargs["kv_cache_memory_fraction"] = o.kv_cache_memory_fraction
+        if o.long_prefill_token_threshold is not None:
+            kwargs["long_prefill_token_threshold"] = o.long_prefill_token_threshold
         self.llm = LLM(
             model=self.model_path,
             device=o.device,

@@ -40,12 +40,23 @@ class SchedulerConfig:
     # (0 = no cap): a 32k-token prompt then costs running requests several short waits for
     # their next token instead of a few long ones. Prompts shorter than this are unaffected.
     long_prefill_token_threshold: int = 2048
+    # The context length at which one prompt token's attention costs as much as its matmuls
+    # (None = the engine reads it off the model, ModelConfig.attention_break_even_context;
+    # 0 = count tokens only). With it, the cap above is in tokens' worth of compute: a token
+    # at context x costs (1 + x / this) plain tokens, so chunks late in a 32k prompt are
+    # shorter and every step that carries one takes about as long.
+    attention_break_even_context: int | None = None
 
     def __post_init__(self) -> None:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 "long_prefill_token_threshold must be >= 0 (0 = no cap), got "
                 f"{self.long_prefill_token_threshold}"
+            )
+        if self.attention_break_even_context is not None and self.attention_break_even_context < 0:
+            raise ValueError(
+                "attention_break_even_context must be >= 0 (0 = count tokens only), got "
+                f"{self.attention_break_even_context}"
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

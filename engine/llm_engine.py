@@ -48,6 +48,11 @@ class LLMEngine:
             scheduler_config = dataclasses.replace(
                 scheduler_config, max_num_batched_tokens=default_batched_tokens(self.device)
             )
+        if scheduler_config.attention_break_even_context is None:
+            scheduler_config = dataclasses.replace(
+                scheduler_config,
+                attention_break_even_context=self.model_config.attention_break_even_context,
+            )
         backend = get_backend(config.attention_backend, self.device)
         # The triton backend comes with the fused kernels and GEMMs (engine/fused.py).
         self.forward = model_forward(self.model, fused=backend.name == "triton")
@@ -59,9 +64,10 @@ class LLMEngine:
             draft = load_model(spec.draft_model, self.dtype, self.device)
         num_blocks = self._num_blocks(backend, scheduler_config, draft)
         if num_blocks * cache.block_size < self.max_model_len:
+            shared = " (the budget pays for the draft model's KV too)" if draft else ""
             raise ValueError(
                 f"the KV cache holds {num_blocks * cache.block_size} tokens ({num_blocks} blocks "
-                f"of {cache.block_size}) but one request may need max_model_len="
+                f"of {cache.block_size}){shared} but one request may need max_model_len="
                 f"{self.max_model_len}: raise kv_cache_bytes (or num_kv_blocks, or "
                 "kv_cache_memory_fraction on CUDA) or lower max_model_len"
             )

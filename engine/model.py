@@ -50,6 +50,17 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
 
+    @property
+    def attention_break_even_context(self) -> int:
+        """The context length at which one token's attention FLOPs (QK and PV: 4 x heads x
+        head_dim per context token per layer) equal its matmul FLOPs (2 x a layer's weights):
+        about 14.8k tokens for Llama-3.2-1B. Sizes long-prompt chunks (SchedulerConfig)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        weights = (
+            self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+        )
+        return max(1, round(weights / (2 * q)))
+
     @classmethod
     def from_hf(cls, hf_config) -> ModelConfig:
         """Read a transformers config; unsupported architectures are named in the error."""

@@ -19,6 +19,7 @@ accepted drafts' KV and releases the slots of the rejected ones.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import NamedTuple
 
@@ -81,7 +82,7 @@ class Scheduler:
                 self._trim_drafts(seq, budget - 1)
             n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids), budget)
             if seq in prefill_set:
-                n = self._cap_long_prefill(n, chosen)
+                n = self._cap_long_prefill(n, seq.num_computed_tokens, chosen)
             while not self.kv.allocate_slots(id(seq), seq.token_ids, n):
                 if seq.draft_token_ids:  # drop our own drafts before preempting anyone
                     n -= len(seq.draft_token_ids)
@@ -110,7 +111,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             computed = self.kv.get_computed_blocks(seq.token_ids)
-            n = self._cap_long_prefill(min(seq.num_tokens - computed.num_tokens, budget), chosen)
+            n = min(seq.num_tokens - computed.num_tokens, budget)
+            n = self._cap_long_prefill(n, computed.num_tokens, chosen)
             if not self.kv.allocate_slots(id(seq), seq.token_ids, n, computed):
                 break  # wait for running sequences to finish; never preempt for newcomers
             self.waiting.popleft()
@@ -123,10 +125,20 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _cap_long_prefill(self, n: int, chosen: dict[Sequence, int]) -> int:
-        """A prompt's chunk, capped while this step carries decodes (long_prefill_token_threshold)."""
+    def _cap_long_prefill(self, n: int, context: int, chosen: dict[Sequence, int]) -> int:
+        """A prompt's chunk of n tokens after `context` computed ones, capped while this step
+        carries decodes (long_prefill_token_threshold, in tokens' worth of compute)."""
         cap = self.config.long_prefill_token_threshold
-        if cap and n > cap and any(s.num_tokens - s.num_computed_tokens == 1 for s in chosen):
+        if not cap or n <= 1:
+            return n
+        c = self.config.attention_break_even_context
+        if c:
+            # A token at context x costs (1 + x / c) plain tokens, so n tokens after `context`
+            # cost n * (1 + (context + n / 2) / c): the largest n within the cap solves
+            # n^2 / 2c + n (1 + context / c) = cap.
+            a = 1 + context / c
+            cap = max(1, int(c * (math.sqrt(a * a + 2 * cap / c) - a)))
+        if n > cap and any(s.num_tokens - s.num_computed_tokens == 1 for s in chosen):
             return cap
         return n
 

@@ -424,3 +424,13 @@ def test_kvbatch_leaves_room_for_peers_on_cuda_only():
     assert leave_room_for_peers(chosen).options.kv_cache_memory_fraction == 0.8
     cpu = dataclasses.replace(both, options=EngineOptions())
     assert leave_room_for_peers(cpu).options.kv_cache_memory_fraction is None
+
+
+def test_long_prefill_token_threshold_reaches_the_engine(random_cache, capsys):
+    """`--long-prefill-token-threshold` sets kvbatch's chunk cap (the gap/TTFT trade-off)."""
+    argv = ["long-prefill", "--tiny", "--long-prefill-token-threshold", "256"]
+    config = cli.config_from_args(cli.build_parser().parse_args(argv), "kvbatch bench")
+    assert config.options.long_prefill_token_threshold == 256
+    peer = make_peer("kvbatch", config.model_path, config.options)
+    peer.load()
+    assert peer.llm.engine.scheduler.config.long_prefill_token_threshold == 256

@@ -124,6 +124,39 @@ def test_no_request_starves_under_random_pressure():
     assert sched.kv.num_free_blocks == 24
 
 
+def test_long_prompt_chunks_shrink_as_attention_over_their_context_grows():
+    """With attention_break_even_context c, a token at context x costs (1 + x / c) tokens'
+    worth: a chunk of n after x costs n * (1 + (x + n / 2) / c), at most the cap's 16."""
+    kv = KVCacheManager(256, 4, True)
+    config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=16,
+        attention_break_even_context=32,
+    )
+    sched = Scheduler(config, kv)
+    decoder = make_seq("decoder", 5, max_tokens=200)
+    sched.add(decoder)
+    run_step(sched)
+    long = make_seq("long", 300, max_tokens=1, base=2000)
+    sched.add(long)
+    contexts, chunks = [], []
+    while long.num_computed_tokens < 200:
+        contexts.append(long.num_computed_tokens)
+        step = run_step(sched)
+        chunks.append(next(c.num_new_tokens for c in step.chunks if c.seq is long))
+
+    def cost(n: int, x: int) -> float:
+        return n * (1 + (x + n / 2) / 32)
+
+    for n, x in zip(chunks, contexts):  # the largest chunk within the cap (1 at least)
+        assert n == 1 or cost(n, x) <= 16 < cost(n + 1, x)
+    assert chunks[0] == 13 and chunks[-1] < 3
+    # alone, the prompt still takes the whole budget
+    sched.abort(decoder)
+    assert [c.num_new_tokens for c in run_step(sched).chunks] == [64]
+
+
 def test_a_long_prompt_is_cut_into_short_chunks_while_others_decode():
     """long_prefill_token_threshold: with decodes in the step, a prompt's chunk is capped;
     alone, it takes the whole budget."""

@@ -69,7 +69,7 @@ def test_draft_model_greedy_matches_transformers(smollm2_dir, tiny_chat_model, d
     llm = LLM(
         model=str(smollm2_dir),
         device="cpu",
-        kv_cache_bytes=128 << 20,
+        kv_cache_bytes=256 << 20,  # both pools: the target's and the draft's
         max_model_len=2048,
         max_num_batched_tokens=96,
         speculative=f"draft:{path}",
