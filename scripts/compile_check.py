@@ -1,0 +1,251 @@
+"""Compile every Triton kernel the engine launches for an H200 (sm_90), on a machine without
+a GPU: compile errors, shared memory and register spills show up before any GPU time is spent.
+
+    python scripts/compile_check.py [--arch 90] [--dtypes bfloat16,float32] [--json FILE]
+
+Triton ships ptxas, so the whole chain (Python -> TTIR -> TTGIR -> LLVM -> PTX -> cubin) runs on
+the CPU once the runtime is told the target instead of asking a driver. This script puts a
+compile-only driver in place and turns every launch into a compile (`warmup`), then drives the
+engine's own GPU path on the CPU: the fused forward (engine/fused.py) and the triton attention
+backend of a one-layer model of `rag`'s shape (hidden 2048, 32 heads, 8 KV heads, head dim 64,
+ffn 8192, llama3 rope), through a scheduler and the model runner over shared-prefix requests,
+chunked prefill and the padded decode-graph path, so each kernel is compiled with exactly the
+constexprs and argument specialisations the engine gives it. Outputs are never computed (the
+torch ops between kernels run on the CPU on uninitialised data).
+
+For each compiled kernel: shared memory (from Triton's metadata; must fit the 227 KiB an
+sm_90 block may use), registers and spill bytes (ptxas -v on its PTX). Exit status 1 when a
+kernel fails to compile or overflows shared memory; spills are reported, not fatal.
+Run it under the GPU machine's Triton (3.6) too: that is the version that will compile there.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.pop("TRITON_INTERPRET", None)  # real compiles, before anything imports kernels/
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import jit as triton_jit  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+SM90_MAX_SHARED = 232_448  # bytes of shared memory one block may opt into on sm_90 (227 KiB)
+
+
+class CompileOnlyDriver:
+    """What Triton's JIT asks of a driver before launching, with a fixed target."""
+
+    def __init__(self, arch: int) -> None:
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def is_active(self) -> bool:
+        return True
+
+
+def record_compiles(arch: int) -> list[tuple[str, object]]:
+    """From now on every kernel launch compiles for `arch` and returns without running."""
+    driver.set_active(CompileOnlyDriver(arch))
+    compiled: list[tuple[str, object]] = []
+    run = triton_jit.JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+        return kernel
+
+    triton_jit.JITFunction.run = compile_only
+    return compiled
+
+
+def rag_shaped_model(dtype: torch.dtype):
+    """One layer of Llama-3.2-1B's shape, uninitialised (built like engine/loader.py does)."""
+    from engine.model import LlamaForCausalLM, ModelConfig
+    from engine.rope import RopeConfig, RotaryEmbedding
+
+    scaling = {
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=2048,  # the vocabulary only sizes GEMMs and the sampler, no kernel
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=1,
+        num_heads=32,
+        num_kv_heads=8,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope=RopeConfig(head_dim=64, theta=500000.0, rope_type="llama3", scaling=scaling),
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu").to(dtype)
+    model.rotary = RotaryEmbedding(cfg.rope)  # float32 frequencies, as the loader builds them
+    return model
+
+
+def drive_engine(dtype: torch.dtype) -> None:
+    """The engine's GPU path on the CPU: a scheduler, the runner, the triton backend."""
+    from engine.config import SchedulerConfig
+    from engine.fused import model_forward
+    from engine.kv_cache import KVCacheManager
+    from engine.runner import ModelRunner
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+    from engine.triton_backend import TritonAttentionBackend
+
+    model = rag_shaped_model(dtype)
+    block_size, num_blocks = 16, 256
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256), kv)
+    runner = ModelRunner(
+        model,
+        kv,
+        num_blocks,
+        block_size,
+        torch.device("cpu"),
+        dtype,
+        TritonAttentionBackend(),
+        forward=model_forward(model, fused=True),
+    )
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    docs = [[100 + i] * 40 for i in range(2)]  # two documents of 2.5 blocks, 3 chunks each
+    prompts = [doc + [7 + j] * (5 + j) for doc in docs for j in range(3)]
+    prompts.append(list(range(3, 303)))  # a 300-token prompt: chunked over two steps
+    for i, p in enumerate(prompts):
+        scheduler.add(Sequence(str(i), p, params))
+    while scheduler.has_unfinished():  # prefill chunks, cascade decode steps, plain decodes
+        out = scheduler.schedule()
+        result = runner.execute(out)
+        scheduler.advance(out)
+        done = []
+        for seq, tokens in zip(result.seqs, result.token_ids):
+            seq.token_ids.extend(tokens)
+            if seq.num_output_tokens >= params.max_tokens:
+                done.append(seq)
+        scheduler.finish(done)
+
+    # The decode-graph path: static buffers sized for a bucket, with and without groups.
+    runner.capture_decode_graphs(max_batch=8, max_model_len=4096, capture=False)
+    for key in runner.decode_graphs.keys:
+        runner.decode_graphs._run(key)
+
+
+def ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
+    """(registers, spill bytes) that ptxas reports for the kernel."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(arch).path
+    name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        cmd = [ptxas, "-v", f"--gpu-name={name}", str(src), "-o", str(Path(tmp) / "k.cubin")]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    text = done.stdout + done.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", text)]
+    return (int(regs.group(1)) if regs else None, max(spills) if spills else None)
+
+
+def check(arch: int, dtypes: list[str]) -> dict:
+    compiled = record_compiles(arch)
+    rows, errors = [], []
+    for name in dtypes:
+        start = len(compiled)
+        try:
+            drive_engine(getattr(torch, name))
+        except Exception as e:  # a kernel that does not compile: the finding itself
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+        seen = set()
+        for kernel_name, kernel in compiled[start:]:
+            if kernel is None or kernel.hash in seen:
+                continue
+            seen.add(kernel.hash)
+            regs, spills = ptxas_usage(kernel.asm["ptx"], arch)
+            shared = int(kernel.metadata.shared)
+            rows.append(
+                {
+                    "kernel": kernel_name,
+                    "dtype": name,
+                    "num_warps": kernel.metadata.num_warps,
+                    "num_stages": kernel.metadata.num_stages,
+                    "shared_bytes": shared,
+                    "registers": regs,
+                    "spill_bytes": spills,
+                    "fits": shared <= SM90_MAX_SHARED,
+                }
+            )
+    ok = not errors and all(r["fits"] for r in rows)
+    return {
+        "arch": arch,
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "ok": ok,
+        "errors": errors,
+        "kernels": rows,
+    }
+
+
+def format_report(report: dict) -> str:
+    lines = [
+        f"Triton {report['triton']} compile check for sm_{report['arch']}: "
+        f"{'OK' if report['ok'] else 'FAILED'} ({len(report['kernels'])} specialisations)",
+        "",
+        "| kernel | dtype | warps | stages | shared KiB | registers | spill bytes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["kernels"]:
+        flag = "" if r["fits"] else " (over 227 KiB)"
+        lines.append(
+            f"| {r['kernel']} | {r['dtype']} | {r['num_warps']} | {r['num_stages']} | "
+            f"{r['shared_bytes'] / 1024:.1f}{flag} | {r['registers']} | {r['spill_bytes']} |"
+        )
+    lines += [f"error: {e}" for e in report["errors"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="model dtypes to drive")
+    ap.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    args = ap.parse_args(argv)
+    report = check(args.arch, [d.strip() for d in args.dtypes.split(",") if d.strip()])
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
