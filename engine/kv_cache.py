@@ -33,12 +33,13 @@ their shared beginnings; blocks without a hash join the head and are reused firs
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+
+from engine.table_rows import TableRows
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 
@@ -183,6 +184,7 @@ class _SeqState:
     last_hash: int | None = None  # chain hash of block num_hashed - 1
     parent: tuple[int, int] | None = None  # identity of the cached block for that prefix
     chain_broken: bool = False  # a true collision: later blocks cannot be shared
+    row: int = 0  # its row in KVCacheManager._rows (engine/table_rows.py)
 
 
 class BlockTables(NamedTuple):
@@ -214,6 +216,7 @@ class KVCacheManager:
         self._free = _FreeBlockQueue(num_blocks)
         self._cached: dict[int, int] = {}  # chain hash -> block id
         self._seqs: dict[Hashable, _SeqState] = {}
+        self._rows = TableRows()  # the tables mirrored in one array, for block_tables
         self._prefix_queries = 0
         self._prefix_hits = 0
 
@@ -281,13 +284,16 @@ class KVCacheManager:
         if seq is None:
             seq = self._start_seq(seq_id, token_ids, computed)
         seq.num_tokens += num_new_tokens
-        for _ in range(-(-seq.num_tokens // self.block_size) - len(seq.table)):
+        first_new = len(seq.table)
+        for _ in range(-(-seq.num_tokens // self.block_size) - first_new):
             b = self._free.pop_head()
             block = self._blocks[b]
             if block.hash is not None:
                 self._uncache(block)  # evict the least recently freed cached block
             block.ref_cnt = 1
             seq.table.append(b)
+        if len(seq.table) > first_new:
+            self._rows.write(seq.row, first_new, seq.table[first_new:])
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, token_ids)
         return True
@@ -299,6 +305,7 @@ class KVCacheManager:
             return
         for b in reversed(seq.table):
             self._release(b)
+        self._rows.release(seq.row, len(seq.table))
 
     def truncate(self, seq_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
         """Shrink seq_id's table to its first num_tokens tokens (speculative rollback).
@@ -320,6 +327,7 @@ class KVCacheManager:
         keep = -(-num_tokens // self.block_size)
         for b in reversed(seq.table[keep:]):
             self._release(b)
+        self._rows.clear(seq.row, keep, len(seq.table))
         del seq.table[keep:]
         seq.num_tokens = num_tokens
         if self.enable_prefix_caching:
@@ -344,18 +352,14 @@ class KVCacheManager:
     def block_tables(self, seq_ids: Sequence[Hashable]) -> BlockTables:
         """The tables of `seq_ids` as one zero-padded array, rows in the order given.
 
-        The runner's per-step path: one pass in C over the tables instead of a Python list per
-        sequence (at 512 running sequences this is most of a step's host time otherwise).
+        The runner's per-step path: one gather from the mirrored tables (engine/table_rows.py)
+        instead of a pass over every entry of every list. Unknown ids get an empty row.
         """
-        tables = [self._seqs[s].table if s in self._seqs else [] for s in seq_ids]
-        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-        width = int(lens.max()) if len(tables) else 0
-        flat = np.fromiter(
-            itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum())
-        )
-        padded = np.zeros((len(tables), width), dtype=np.int64)
-        padded[np.arange(width) < lens[:, None]] = flat  # row-major: row by row, in order
-        return BlockTables(padded, lens)
+        states = [self._seqs.get(s) for s in seq_ids]
+        rows = np.fromiter((st.row if st else 0 for st in states), np.int64, len(states))
+        lens = np.fromiter((len(st.table) if st else 0 for st in states), np.int64, len(states))
+        width = int(lens.max()) if len(states) else 0
+        return BlockTables(self._rows.gather(rows, width), lens)
 
     def num_computed_tokens(self, seq_id: Hashable) -> int:
         """Tokens covered by seq_id's table so far (cached + allocated)."""
@@ -396,6 +400,12 @@ class KVCacheManager:
                 if not 0 <= b < self.num_blocks:
                     raise RuntimeError(f"seq {seq_id!r} holds invalid block id {b}")
                 refs[b] += 1
+            row = self._rows.array[seq.row]
+            if row[: len(seq.table)].tolist() != seq.table or row[len(seq.table) :].any():
+                raise RuntimeError(f"seq {seq_id!r}: its mirrored table row differs")
+        rows = [seq.row for seq in self._seqs.values()]
+        if 0 in rows or len(set(rows)) != len(rows) or set(rows) & set(self._rows.free_rows):
+            raise RuntimeError(f"table rows are shared or also free: {sorted(rows)}")
         for block in self._blocks:
             b = block.block_id
             if block.ref_cnt != refs[b]:
@@ -447,7 +457,7 @@ class KVCacheManager:
     def _start_seq(
         self, seq_id: Hashable, token_ids: Sequence[int], computed: ComputedBlocks | None
     ) -> _SeqState:
-        seq = _SeqState(table=[], num_tokens=0)
+        seq = _SeqState(table=[], num_tokens=0, row=self._rows.acquire())
         if self.enable_prefix_caching:
             # Counted when a sequence starts, not per lookup: a request that waits for blocks
             # looks up its prefix every step but is admitted (and counted) once.
@@ -461,6 +471,7 @@ class KVCacheManager:
                     self._free.remove(b)  # O(1): revive a cached block from the LRU list
                 block.ref_cnt += 1
                 seq.table.append(b)
+            self._rows.write(seq.row, 0, seq.table)
             last = self._blocks[computed.block_ids[-1]]
             seq.num_tokens = computed.num_tokens
             seq.num_hashed = len(computed.block_ids)
