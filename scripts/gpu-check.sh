@@ -20,6 +20,8 @@
 # The results folder gets at most five files: gpu-check.log (every step's output), steps.tsv,
 # rag.json, long-prefill.json, summary.txt. Each step's time limit can be changed through the
 # environment (e.g. RAG_TIMEOUT=400); the defaults add up to under 10 minutes.
+# LONG_PREFILL_ARGS adds options to the long-prefill bench (e.g.
+# LONG_PREFILL_ARGS="--long-prefill-token-threshold 512").
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
@@ -29,7 +31,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) CPU=1 ;;
     --out) OUT_DIR="$2"; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -134,8 +136,10 @@ fi
 step greedy "$GREEDY_TIMEOUT" "${GREEDY[@]}"
 step rag "$RAG_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} --peers hf-static \
   --repeat 1 --json "$OUT_DIR/rag.json"
+# LONG_PREFILL_ARGS: extra bench options, e.g. "--long-prefill-token-threshold 512"
+read -r -a LONG_PREFILL_EXTRA <<< "${LONG_PREFILL_ARGS:-}"
 step long-prefill "$LONG_PREFILL_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill ${TINY[@]+"${TINY[@]}"} \
-  --json "$OUT_DIR/long-prefill.json"
+  ${LONG_PREFILL_EXTRA[@]+"${LONG_PREFILL_EXTRA[@]}"} --json "$OUT_DIR/long-prefill.json"
 step summary "$SUMMARY_TIMEOUT" "$PY" scripts/gpu_check_summary.py "$OUT_DIR" \
   --write "$OUT_DIR/summary.txt"
 
