@@ -73,7 +73,8 @@ class DecodeGraphs:
         if max_groups:
             self.keys += [(b, True) for b in self.buckets if b >= 2]
         self.metas = {key: self._meta(*key) for key in self.keys}
-        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}  # views of _out, per graph
+        self._out: torch.Tensor | None = None  # [top bucket, vocab]: every graph's logits
         self.graphs: dict[tuple[int, bool], object] = {}
         if capture:
             self._capture_all()
@@ -124,11 +125,20 @@ class DecodeGraphs:
         )
 
     def _capture(self, keys, pool, stream) -> None:
+        """Each graph copies its logits into one shared buffer: a graph's own output would stay
+        allocated for as long as the graph lives (73 graphs x [b, vocab] float32 is ~2 GiB at
+        Llama-3's vocabulary), while its other memory goes back to the pool for the next."""
         for key in sorted(keys, reverse=True):  # largest first: the pool fits the rest after it
-            self._run(key)  # warm-up: compiles the kernels outside the capture
+            warm = self._run(key)  # warm-up: compiles the kernels outside the capture
+            if self._out is None:
+                top = self.buckets[-1]
+                self._out = torch.empty(top, warm.shape[1], dtype=warm.dtype, device=self.device)
+            del warm
+            out = self._out[: key[0]]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.logits[key] = self._run(key)
+                out.copy_(self._run(key))
+            self.logits[key] = out
             self.graphs[key] = graph
 
     def supports(self, meta: AttentionMetadata, num_tokens: int) -> bool:
