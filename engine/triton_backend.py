@@ -50,17 +50,6 @@ def pack_prefills(meta: AttentionMetadata) -> PrefillBatch | None:
     )
 
 
-def pack_groups(meta: AttentionMetadata, block_size: int) -> PrefillBatch:
-    """Cascade groups as non-causal query ranges over the decode rows."""
-    groups = meta.decode_groups
-    return _batch(
-        [g.block_ids for g in groups],
-        [(g.start, g.end - g.start, g.block_ids.numel() * block_size) for g in groups],
-        meta.slot_mapping.device,
-        tables=meta.decode_group_tables,  # None when the metadata was built by hand
-    )
-
-
 def _batch(block_ids, ranges, device, tables=None) -> PrefillBatch:
     """`ranges`: (first query row, query rows, context tokens) per sequence."""
     if tables is None:
@@ -92,7 +81,7 @@ class TritonAttentionBackend:
         self._step_meta: AttentionMetadata | None = None
         self._step: StepTensors | None = None
 
-    def step_tensors(self, meta: AttentionMetadata, block_size: int) -> StepTensors:
+    def step_tensors(self, meta: AttentionMetadata) -> StepTensors:
         """Packed once per step (keyed by the metadata object), reused by every layer."""
         if self._step_meta is not meta:
             shared = None
@@ -100,8 +89,11 @@ class TritonAttentionBackend:
                 r = meta.decode_group_ranges
                 tables, rows = meta.decode_group_tables, meta.decode_group_max_rows
                 shared = PrefillBatch(tables, r[0], r[1], r[2], rows)
-            elif meta.decode_groups:  # metadata built by hand
-                shared = pack_groups(meta, block_size)
+            elif meta.decode_groups:
+                raise ValueError(
+                    "decode_groups need decode_group_tables and decode_group_ranges for the "
+                    "triton backend (engine/runner.py packs them)"
+                )
             self._step = StepTensors(pack_prefills(meta), shared)
             self._step_meta = meta
         return self._step
@@ -115,7 +107,7 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         self._write(kv_cache, k, v, meta.slot_mapping)
-        step = self.step_tensors(meta, kv_cache.shape[2])
+        step = self.step_tensors(meta)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:

@@ -82,29 +82,17 @@ def record_compiles(arch: int) -> list[tuple[str, object]]:
 
 
 def rag_shaped_model(dtype: torch.dtype):
-    """One layer of Llama-3.2-1B's shape, uninitialised (built like engine/loader.py does)."""
-    from engine.model import LlamaForCausalLM, ModelConfig
-    from engine.rope import RopeConfig, RotaryEmbedding
+    """One layer of Llama-3.2-1B's shape (benchmarks/models.py), uninitialised, built like
+    engine/loader.py builds a model. The vocabulary is cut to 2048: it only sizes GEMMs and
+    the sampler, no kernel."""
+    import dataclasses
 
-    scaling = {
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    cfg = ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=2048,  # the vocabulary only sizes GEMMs and the sampler, no kernel
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_layers=1,
-        num_heads=32,
-        num_kv_heads=8,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        rope=RopeConfig(head_dim=64, theta=500000.0, rope_type="llama3", scaling=scaling),
-    )
+    from benchmarks.models import LLAMA_3_2_1B
+    from engine.model import LlamaForCausalLM, ModelConfig
+    from engine.rope import RotaryEmbedding
+
+    spec = dataclasses.replace(LLAMA_3_2_1B, num_hidden_layers=1, vocab_size=2048)
+    cfg = ModelConfig.from_hf(spec.config())
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device="cpu").to(dtype)
