@@ -1,0 +1,75 @@
+"""scripts/gpu-check.sh's steps import only what the H200 image has (scripts/h200_image).
+
+The device machine has no network and 15 minutes a session: a GPU path that started importing
+pydantic or boto3 would fail there after the machine's start was paid for. These run the
+check's commands here with kvbatch's dependencies that the image lacks hidden.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE = ROOT / "scripts" / "h200_image"
+
+
+def run_as_image(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(IMAGE), str(ROOT)]),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_the_image_hides_the_packages_it_lacks():
+    r = run_as_image(
+        "-c",
+        "import importlib.util, sys\n"
+        "assert importlib.util.find_spec('boto3') is None\n"
+        "import engine, kernels, transformers\n"
+        "assert 'pydantic' not in sys.modules\n"
+        "import jobs.schemas\n",  # jobs/ needs pydantic: this must fail
+        timeout=120,
+    )
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "No module named 'pydantic'" in r.stderr, r.stderr
+
+
+def test_the_gpu_tests_collect_without_them():
+    r = run_as_image(
+        "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+        "tests/kernels", "tests/engine/test_triton_backend.py",
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "error" not in r.stdout.lower(), r.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_the_benchmark_and_greedy_check_run_without_them(tmp_path: Path):
+    out = tmp_path / "rag.json"
+    bench = run_as_image(
+        "-m", "kvbatch.cli", "bench", "rag", "--tiny", "--peers", "hf-static", "--repeat", "1",
+        "--json", str(out),
+        timeout=300,
+    )  # fmt: skip
+    assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["workload"]["name"] == "rag-tiny"
+    assert {e["engine"] for e in result["engines"]} >= {"kvbatch", "hf-static"}
+
+    greedy = run_as_image(
+        "scripts/greedy_check.py", "--device", "cpu", "--backend", "torch", "--models", "tiny",
+        timeout=300,
+    )  # fmt: skip
+    assert greedy.returncode == 0, greedy.stdout[-3000:] + greedy.stderr[-3000:]
+    assert "greedy check PASS" in greedy.stdout
