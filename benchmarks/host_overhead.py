@@ -1,6 +1,7 @@
 """`host-overhead`: the engine's host (Python) time per decode step, phase by phase.
 
-    kvbatch bench host-overhead [--requests 512] [--backend torch] [--no-cascade] [--json F]
+    kvbatch bench host-overhead [--requests 512] [--backend torch] [--no-cascade]
+                                [--async-scheduling] [--json F]
 
 On a GPU a decode step of the `rag` workload takes a few milliseconds, and the host builds
 the next step only after the sampled tokens are back: every millisecond of scheduling and
@@ -34,6 +35,7 @@ def measure(
     cascade: bool = True,
     output_len: int = 64,
     threads: int = 1,
+    async_scheduling: bool = False,
 ) -> dict[str, Any]:
     import torch
 
@@ -56,6 +58,7 @@ def measure(
         str(random_model_dir(TINY_LLAMA)),
         attention_backend=backend,
         cascade_attention=cascade,
+        async_scheduling=async_scheduling,
         max_num_seqs=len(prompts),
         max_num_batched_tokens=16384,
         kv_cache_bytes=2 << 30,
@@ -77,6 +80,7 @@ def measure(
         "requests": len(prompts),
         "backend": backend,
         "cascade": cascade,
+        "async_scheduling": async_scheduling,
         "decode_steps": summary["steps"],
         "ms_per_step": phases,
         # medians of schedule + prepare + sample + rest: the host's share of a step on the
@@ -90,6 +94,7 @@ def format_result(r: dict[str, Any]) -> str:
     head = (
         f"host-overhead: {r['requests']} requests at rag's shape on the tiny model, "
         f"{r['backend']} backend, cascade {'on' if r['cascade'] else 'off'}, "
+        f"async scheduling {'on' if r.get('async_scheduling') else 'off'}, "
         f"{r['decode_steps']} decode steps"
     )
     rows = [f"| {k} | {r['ms_per_step'][k]:.2f} |" for k in PHASES]
@@ -111,13 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--backend", default="torch", help="torch, or triton (TRITON_INTERPRET=1)")
     ap.add_argument("--no-cascade", action="store_true", help="shared-prefix attention off")
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="the GPU's default: each step queued before the previous step's tokens arrive "
+        "(on the CPU nothing overlaps; this measures its bookkeeping)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     args = ap.parse_args(argv)
     if args.requests < 1 or args.output_len < 2:
         ap.error("--requests must be >= 1 and --output-len >= 2")
     result = measure(
-        args.requests, args.backend, not args.no_cascade, args.output_len, args.threads
+        args.requests,
+        args.backend,
+        not args.no_cascade,
+        args.output_len,
+        args.threads,
+        args.async_scheduling,
     )
     print(format_result(result))
     if args.json:

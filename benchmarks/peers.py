@@ -48,6 +48,7 @@ class EngineOptions:
     kv_cache_memory_fraction: float | None = None  # CUDA KV pool share; None = the engine's
     attention_backend: str = "auto"  # kvbatch: "auto" is triton on CUDA, torch on the CPU
     long_prefill_token_threshold: int | None = None  # kvbatch: None = the engine's default
+    async_scheduling: bool | None = None  # kvbatch: None = the engine's default (on for CUDA)
     hf_batch_size: int | None = None  # hf-static: requests per static batch; None = all
 
     def __post_init__(self) -> None:
@@ -198,6 +199,10 @@ class KvbatchPeer(Peer):
     name = "kvbatch"
     supports_long_prefill = True
 
+    @property
+    def async_scheduling(self) -> bool | None:
+        return self.options.async_scheduling
+
     def load(self) -> None:
         from engine import LLM, SamplingParams  # the engine is imported only when benchmarked
 
@@ -208,6 +213,8 @@ class KvbatchPeer(Peer):
             kwargs["kv_cache_memory_fraction"] = o.kv_cache_memory_fraction
         if o.long_prefill_token_threshold is not None:
             kwargs["long_prefill_token_threshold"] = o.long_prefill_token_threshold
+        if self.async_scheduling is not None:
+            kwargs["async_scheduling"] = self.async_scheduling
         self.llm = LLM(
             model=self.model_path,
             device=o.device,
@@ -332,6 +339,18 @@ class KvbatchPeer(Peer):
             "stats": after,
             "step_profile": self._profile.summary(),  # benchmarks/step_profile.py
         }
+
+
+@register_peer
+class KvbatchInTurnPeer(KvbatchPeer):
+    """kvbatch with async scheduling off: each step starts after the previous step's tokens
+    are on the host. Its ratio is what async scheduling gains."""
+
+    name = "kvbatch-sync"
+
+    @property
+    def async_scheduling(self) -> bool | None:
+        return False
 
 
 @register_peer

@@ -6,12 +6,14 @@
     forward    the model call: on a GPU only the kernel launches (or one graph replay), since
                the GPU runs ahead of the host
     sample     the sampler and the tokens' trip back to the host: on a GPU this is where the
-               host waits for the step's kernels to finish
+               host waits for the step's kernels to finish (with async scheduling, for the
+               previous step's, while this one runs)
     rest       appending tokens, stop checks, finishing requests
 
-schedule + prepare + rest is host time the GPU cannot hide (the next step starts only when
-the host has it ready). The profile wraps the engine's methods in place; it costs a few
-`perf_counter` calls per step.
+Without async scheduling, schedule + prepare + rest is host time the GPU cannot hide (the
+next step starts only when the host has it ready); with it, the GPU runs one step while the
+host does these for the next. The profile wraps the engine's methods in place; it costs a
+few `perf_counter` calls per step.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class StepProfile:
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.runner, "_prepare", "prepare")
         self._wrap(engine.runner, "_forward", "forward")
-        self._wrap(engine.runner, "execute", "execute")
+        self._wrap(engine.runner, "launch", "launch")
+        self._wrap(engine, "_collect", "collect")
         inner_step = engine.step
 
         def step(*args, **kwargs):
@@ -43,14 +46,15 @@ class StepProfile:
             finally:
                 total = time.perf_counter() - start
                 t = self._step
-                if "execute" in t:  # a step that scheduled nothing never reached the model
+                if "launch" in t:  # a step that scheduled nothing never reached the model
+                    collect = t.get("collect", 0.0)  # async: the first step collects nothing
                     self.steps.append(
                         {
                             "schedule": t["schedule"],
                             "prepare": t["prepare"],
                             "forward": t["forward"],
-                            "sample": t["execute"] - t["prepare"] - t["forward"],
-                            "rest": total - t["execute"] - t["schedule"],
+                            "sample": t["launch"] - t["prepare"] - t["forward"] + collect,
+                            "rest": total - t["launch"] - collect - t["schedule"],
                         }
                     )
 

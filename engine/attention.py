@@ -49,6 +49,10 @@ class AttentionMetadata:
     # [num_prefills, width]: the prefills' block tables in one tensor (each span's block_ids is
     # a view of its row), so a backend can pass them to one kernel without copying per span.
     prefill_block_tables: torch.Tensor | None = None
+    # [3, num_prefills] int64 on the device: each span's first query row, query rows and
+    # context tokens (the runner's one host-to-device copy; a backend building it from the
+    # spans would copy, and wait for the queued steps, once per step).
+    prefill_ranges: torch.Tensor | None = None
     # The groups packed for one kernel launch (the triton backend; CUDA graphs fill these in
     # static buffers): [num_groups, max shared blocks] tables (each group's block_ids is a view
     # of its row), [3, num_groups] (first decode row, rows, shared tokens), and the largest

@@ -177,6 +177,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     cascade_attention: bool = True  # decodes sharing prefix blocks read them once per group
     cuda_graphs: bool = True  # CUDA + triton: decode steps replay captured graphs
+    # Queue each step before the previous one's tokens reach the host (engine/llm_engine.py);
+    # None = on for CUDA (off with speculative decoding), off on the CPU, where it gains nothing.
+    async_scheduling: bool | None = None
     seed: int = 0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

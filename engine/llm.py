@@ -35,6 +35,7 @@ class LLM:
         attention_backend: str = "auto",
         cascade_attention: bool = True,
         cuda_graphs: bool = True,
+        async_scheduling: bool | None = None,
         seed: int = 0,
         speculative: str | SpecConfig | None = None,
         num_speculative_tokens: int | None = None,
@@ -48,6 +49,7 @@ class LLM:
             attention_backend=attention_backend,
             cascade_attention=cascade_attention,
             cuda_graphs=cuda_graphs,
+            async_scheduling=async_scheduling,
             seed=seed,
             cache=CacheConfig(
                 block_size=block_size,

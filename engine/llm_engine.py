@@ -2,6 +2,16 @@
 
 One step = schedule (which tokens run) -> one forward over all of them -> sample the
 sequences that reached their end -> append, check stops, release finished sequences.
+
+Async scheduling (on by default on CUDA): the host's work for a step (scheduling, building
+its tensors, then appending and stop-checking the tokens) takes about as long as the GPU's
+forward of a large decode batch, and done in turn each waits for the other. So a step is
+scheduled and queued *before* the previous step's tokens reach the host: its decodes read
+those tokens on the device (Sequence.num_pending), and the previous step is finished while
+the device runs this one. A request that stops on EOS or a stop string then costs one extra
+row in the step after (its token is dropped); max_tokens and the context limit are known in
+advance and cost nothing. Speculative decoding needs each step's tokens to propose the next
+ones, so it keeps steps in turn.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from engine.attention import get_backend
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, default_batched_tokens
 from engine.fused import model_forward
 from engine.kv_cache import KVCacheManager
+from engine.launched_step import LaunchedStep, StepResult
 from engine.loader import load_model
 from engine.memory import cuda_kv_budget, profile_peak_activation_bytes
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
@@ -53,6 +64,8 @@ class LLMEngine:
                 scheduler_config,
                 attention_break_even_context=self.model_config.attention_break_even_context,
             )
+        scheduler_config = dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
+        self.async_scheduling = self._async_scheduling()
         backend = get_backend(config.attention_backend, self.device)
         # The triton backend comes with the fused kernels and GEMMs (engine/fused.py).
         self.forward = model_forward(self.model, fused=backend.name == "triton")
@@ -95,6 +108,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._num_steps = self._computed = self._generated = self._prompt_tokens = 0
         self._num_finished = 0
+        self._in_flight: LaunchedStep | None = None  # async scheduling: not yet finished
         if config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
             self.runner.capture_decode_graphs(
                 min(scheduler_config.max_num_seqs, CUDA_GRAPH_MAX_BATCH), self.max_model_len
@@ -108,6 +122,17 @@ class LLMEngine:
             num_blocks * cache.block_size / self.max_model_len,
             self.max_model_len,
         )
+
+    def _async_scheduling(self) -> bool:
+        asked = self.config.async_scheduling
+        if self.config.speculative is not None:
+            if asked:
+                raise ValueError(
+                    "async_scheduling needs each step's tokens only after the next step is "
+                    "queued, and speculative decoding proposes from them: turn one off"
+                )
+            return False
+        return self.device.type == "cuda" if asked is None else asked
 
     def _max_model_len(self) -> int:
         cfg = self.model_config
@@ -221,39 +246,64 @@ class LLMEngine:
                 self.spec.release(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step; returns the requests that finished in it (with async scheduling, the
+        requests whose last token came from the step before: the final call runs no model)."""
         if self.spec is not None:  # drafts first: the scheduler counts them in the budget
             self.spec.propose(self.scheduler.running, self._num_steps)
         out = self.scheduler.schedule()
-        if not out.chunks:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler could not place any request: KV cache too small")
-            return []
-        result = self.runner.execute(out)
+        launched = self._launch(out) if out.chunks else None
+        if not self.async_scheduling:
+            return self._finish(self._collect(launched)) if launched else self._nothing_ran()
+        previous, self._in_flight = self._in_flight, launched
+        if launched is not None:
+            for row, seq in enumerate(launched.seqs):  # their next decode reads it on device
+                seq.num_pending += 1
+                seq.pending_row = row
+        if previous is None:
+            return [] if launched else self._nothing_ran()
+        return self._finish(self._collect(previous))
+
+    def _nothing_ran(self) -> list[RequestOutput]:
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler could not place any request: KV cache too small")
+        return []
+
+    def _launch(self, out) -> LaunchedStep:
+        launched = self.runner.launch(out)
         self.scheduler.advance(out)
         self._num_steps += 1
         self._computed += out.num_tokens
-        want_logprobs = result.sampler_output.logprobs is not None
-        if want_logprobs:
-            chosen = result.sampler_output.logprobs.tolist()
-            top_ids = result.sampler_output.top_ids.tolist()
-            top_lps = result.sampler_output.top_logprobs.tolist()
+        return launched
+
+    def _collect(self, launched: LaunchedStep) -> StepResult:
+        """The step's tokens on the host: the host waits here for the device."""
+        return launched.result()
+
+    def _finish(self, result: StepResult) -> list[RequestOutput]:
+        """Append a step's tokens, check stops, release the finished requests."""
+        if result.logprobs is not None:
+            chosen, top_ids, top_lps = result.logprobs
         finished = []
         now = time.perf_counter()
         first_row = 0  # sampler rows follow the new tokens, flattened
         for seq, tokens in zip(result.seqs, result.token_ids):
+            if seq.num_pending:
+                seq.num_pending -= 1
+            if seq.status is SequenceStatus.FINISHED:  # stopped a step earlier, or aborted
+                first_row += len(tokens)
+                continue
             # With speculation several tokens arrive at once: each is checked for stops in
             # turn, exactly as if decoded alone, and those after a stop are dropped.
             kept = 0
             for row, token in enumerate(tokens, first_row):
                 seq.token_ids.append(token)
                 seq.record_token_time(now)
-                if seq.logprobs is not None and want_logprobs:
+                if seq.logprobs is not None and result.logprobs is not None:
                     n = seq.params.logprobs
                     seq.logprobs.append(
                         TokenLogprobs(

@@ -18,22 +18,11 @@ import torch
 from engine.attention import AttentionMetadata, PrefillSpan
 from engine.cascade import DecodeGroup, find_shared_prefixes
 from engine.kv_cache import KVCacheManager
+from engine.launched_step import LaunchedStep, StepResult
 from engine.model import LlamaForCausalLM
-from engine.sampler import Sampler, SamplerOutput, SamplingTensors
+from engine.sampler import Sampler, SamplingTensors
 from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
 from engine.spec.rejection import verify
-
-
-@dataclass
-class StepResult:
-    """New tokens for the chunks that reached the end of their sequence, in step order: one
-    each, or with speculation the accepted drafts and then one token of the target's own."""
-
-    seqs: list[Sequence]
-    token_ids: list[list[int]]
-    sampler_output: SamplerOutput  # rows follow token_ids flattened
-
 
 # Decode steps whose longest context exceeds this run eagerly: a graph's block-table width is
 # fixed, and the decode kernel cuts contexts into splits by that width (kernels/).
@@ -84,30 +73,38 @@ class ModelRunner:
         ]
         self.sampler = Sampler(seed=seed)
         self.decode_graphs = None  # set by capture_decode_graphs (CUDA, triton backend)
+        # The last launched step's sampled tokens, on the device: where a sequence's pending
+        # token (async scheduling, Sequence.pending_row) is read from.
+        self._last_sampled: torch.Tensor | None = None
 
     def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run a step and wait for its tokens."""
+        return self.launch(out).result()
+
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Queue a step's forward and sampling; on CUDA this returns before they have run."""
         input_ids, meta, logits_rows, sampling_seqs = self._prepare(out)
         logits = self._forward(input_ids, meta, logits_rows)
         if not sampling_seqs:
-            return StepResult(
-                [], [], SamplerOutput(torch.empty(0, dtype=torch.long), None, None, None)
-            )
+            return LaunchedStep([], None)
         if any(s.draft_token_ids for s in sampling_seqs):  # speculative decoding: verify
             vocab = self.model.config.vocab_size
             tokens, sampled = verify(self.sampler, logits, sampling_seqs, vocab)
-            return StepResult(sampling_seqs, tokens, sampled)
+            return LaunchedStep(sampling_seqs, sampled, tokens)
         params = [s.params for s in sampling_seqs]
         if all(p.argmax_only for p in params):  # e.g. a greedy batch job: skip the tensors
             sampled = self.sampler.argmax(logits)
-            return StepResult(sampling_seqs, [[t] for t in sampled.token_ids.tolist()], sampled)
-        tensors = SamplingTensors.from_params(
-            params,
-            [s.num_output_tokens for s in sampling_seqs],
-            self.model.config.vocab_size,
-            self.device,
-        )
-        sampled = self.sampler(logits, tensors)
-        return StepResult(sampling_seqs, [[t] for t in sampled.token_ids.tolist()], sampled)
+        else:
+            tensors = SamplingTensors.from_params(
+                params,
+                # the index of the token being sampled: pending tokens come before it
+                [s.num_output_tokens + s.num_pending for s in sampling_seqs],
+                self.model.config.vocab_size,
+                self.device,
+            )
+            sampled = self.sampler(logits, tensors)
+        self._last_sampled = sampled.token_ids
+        return LaunchedStep(sampling_seqs, sampled)
 
     def _forward(self, input_ids, meta: _StepMeta, logits_rows) -> torch.Tensor:
         """Replay a captured decode graph when the step is a plain decode, else run eagerly."""
@@ -157,10 +154,17 @@ class ModelRunner:
                 tables, num_blocks, starts = tables[perm], num_blocks[perm], starts[perm]
         lens = np.fromiter((c.num_new_tokens for c in chunks), np.int64, len(chunks))
         ids: list[int] = []
+        pending_at: list[int] = []  # ids still on the device: index in ids, row in _last_sampled
+        pending_rows: list[int] = []
         for (seq, n), start in zip(chunks, starts.tolist()):
             part = seq.token_ids[start : start + n]
-            if len(part) < n:  # a speculative chunk: the last token, then the drafts
-                part = part + list(seq.draft_token_ids[: n - len(part)])
+            if len(part) < n:
+                if seq.num_pending:  # a decode of a token the host has not seen yet
+                    pending_at.append(len(ids))
+                    pending_rows.append(seq.pending_row)
+                    part = [0]
+                else:  # a speculative chunk: the last token, then the drafts
+                    part = part + list(seq.draft_token_ids[: n - len(part)])
             ids.extend(part)
 
         # Positions and slots for every token.
@@ -180,17 +184,26 @@ class ModelRunner:
         decode = _decode_tables(
             tables[:num_decodes], num_blocks[:num_decodes], context_lens[:num_decodes], groups, bs
         )
-        (ids_d, positions_d, slots_d, rows_d, prefill_tables, *decode_d) = to_device_at_once(
-            [
-                np.array(ids, dtype=np.int64),
-                positions,
-                slots,
-                rows,
-                tables[num_decodes:],  # every prefill chunk's table in one tensor
-                *decode,
-            ],
-            self.device,
+        prefill_ranges = np.stack([query_start, lens, context_lens])[:, num_decodes:]
+        (ids_d, positions_d, slots_d, rows_d, prefill_tables, prefill_ranges_d, *rest) = (
+            to_device_at_once(
+                [
+                    np.array(ids, dtype=np.int64),
+                    positions,
+                    slots,
+                    rows,
+                    tables[num_decodes:],  # every prefill chunk's table in one tensor
+                    prefill_ranges,
+                    *decode,
+                    np.array(pending_at, dtype=np.int64),
+                    np.array(pending_rows, dtype=np.int64),
+                ],
+                self.device,
+            )
         )
+        *decode_d, pending_at_d, pending_rows_d = rest
+        if pending_at:
+            ids_d[pending_at_d] = self._last_sampled[pending_rows_d]
         prefills = [
             PrefillSpan(
                 int(query_start[i]),
@@ -211,6 +224,7 @@ class ModelRunner:
                 DecodeGroup(start, end, shared[i, :n]) for i, (start, end, n) in enumerate(groups)
             ],
             prefill_block_tables=prefill_tables,
+            prefill_ranges=prefill_ranges_d if prefills else None,
             decode_group_tables=shared if groups else None,
             decode_group_ranges=ranges if groups else None,
             decode_group_max_rows=max((end - start for start, end, _ in groups), default=0),
@@ -243,9 +257,15 @@ def _decode_tables(tables, num_blocks, context_lens, groups, block_size):
 
 def to_device_at_once(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """int64 arrays -> views of one device tensor with their shapes: one host-to-device copy
-    per step instead of one per array (each copy from pageable memory waits for the host)."""
+    per step instead of one per array. On CUDA the copy goes through pinned memory without
+    blocking: a blocking copy would wait for every step already queued on the stream, which
+    is what async scheduling overlaps with this one's preparation."""
     flat = np.concatenate([a.astype(np.int64, copy=False).ravel() for a in arrays])
-    buf = torch.from_numpy(flat).to(device)
+    buf = torch.from_numpy(flat)
+    if device.type == "cuda":
+        buf = buf.pin_memory().to(device, non_blocking=True)
+    else:
+        buf = buf.to(device)
     views, at = [], 0
     for a in arrays:
         views.append(buf[at : at + a.size].view(a.shape))

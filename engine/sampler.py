@@ -62,7 +62,8 @@ class SamplingTensors:
         seeded_rows = [i for i in sampled if seeds[i] >= 0]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
 
-        # Two host-to-device copies instead of six.
+        # Three host-to-device copies instead of seven, none blocking: a blocking copy would
+        # wait for the step's forward (queued just before) and any step queued before it.
         pin = torch.device(device).type == "cuda"
         floats = torch.tensor(
             [temperature, [p.top_p for p in params], [p.min_p for p in params]],
@@ -79,7 +80,9 @@ class SamplingTensors:
             min_p=floats[2],
             seeds=ints[1],
             offsets=ints[2],
-            seeded_rows=torch.tensor(seeded_rows, dtype=torch.int64).to(device),
+            seeded_rows=torch.tensor(seeded_rows, dtype=torch.int64, pin_memory=pin).to(
+                device, non_blocking=True
+            ),
             all_greedy=not sampled,
             any_greedy=len(sampled) < len(params),
             need_top_k=any(top_k[i] < vocab_size for i in sampled),

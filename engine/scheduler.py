@@ -11,6 +11,12 @@ When blocks run out, the newest running sequence is preempted: its blocks are fr
 prefix usually stays in the prefix cache) and it goes back to the front of the queue to be
 recomputed. Older sequences always finish first, so nobody starves.
 
+Async scheduling (engine/llm_engine.py): a step may be scheduled while the previous one is
+still running, so a sequence's newest token may be *pending* (sampled on the device, not yet
+on the host). It still counts in `num_tokens`, so the sequence decodes it next; a sequence
+whose pending token is its last (max_tokens or the context limit) is not scheduled again, and
+a preempted sequence waits in the queue until its pending token has arrived.
+
 Speculative decoding: a decode with k proposed tokens (`seq.draft_token_ids`, set before
 `schedule`) is one chunk of 1 + k tokens, drafts counted against the budget (trimmed to fit,
 dropped before anyone is preempted for them). After the forward, `accept_drafts` keeps the
@@ -61,6 +67,10 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        limit = seq.num_prompt_tokens + seq.params.max_tokens
+        if self.config.max_model_len:
+            limit = min(limit, self.config.max_model_len)
+        seq.token_limit = limit
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -70,8 +80,22 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chosen: dict[Sequence, int] = {}  # insertion order is step order
         preempted = 0
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        ending = 0  # running, but done once their pending token arrives: not scheduled
+        for s in self.running:  # one pass, properties inlined: 512 sequences, every step
+            pending = s.num_pending
+            total = len(s.token_ids) + pending
+            left = total - s.num_computed_tokens
+            if left > 1:
+                prefills.append(s)
+            elif pending and total >= s.token_limit:
+                # Its KV is complete (the last token's is never computed) and the step still
+                # using it runs before any step scheduled now: its blocks can serve others.
+                self.kv.free(id(s))
+                ending += 1
+            elif left == 1:
+                decodes.append(s)
         prefill_set = set(prefills)
         for seq in decodes + prefills:
             if budget == 0:
@@ -88,7 +112,7 @@ class Scheduler:
                     n -= len(seq.draft_token_ids)
                     seq.clear_drafts()
                     continue
-                victim = self.running[-1]
+                victim = self._newest_holding_blocks()
                 budget += chosen.pop(victim, 0)
                 self._preempt(victim)
                 preempted += 1
@@ -101,15 +125,31 @@ class Scheduler:
             if seq.draft_token_ids and seq not in chosen:
                 seq.clear_drafts()  # not scheduled this step: proposed again next time
         if not preempted:
-            budget = self._admit(chosen, budget)
+            budget = self._admit(chosen, budget, ending)
         chunks = [ScheduledChunk(s, n) for s, n in chosen.items()]
         chunks.sort(key=lambda c: c.num_new_tokens > 1)  # stable: decodes first
         return SchedulerOutput(chunks, preempted)
 
-    def _admit(self, chosen: dict[Sequence, int], budget: int) -> int:
-        """Admit waiting sequences in order while blocks, budget and the cap allow."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+    def _newest_holding_blocks(self) -> Sequence:
+        """The preemption victim: the newest running sequence, passing over those that end
+        with their pending token (their blocks are already free)."""
+        for seq in reversed(self.running):
+            if not self._ends_with_pending(seq):
+                return seq
+        raise RuntimeError("no running sequence holds KV blocks to preempt")
+
+    @staticmethod
+    def _ends_with_pending(seq: Sequence) -> bool:
+        """The sequence's pending token is its last: it finishes once that token arrives."""
+        return seq.num_pending > 0 and seq.num_tokens >= seq.token_limit
+
+    def _admit(self, chosen: dict[Sequence, int], budget: int, ending: int = 0) -> int:
+        """Admit waiting sequences in order while blocks, budget and the cap allow (`ending`
+        running sequences will not run again: their places count as free)."""
+        while self.waiting and budget > 0 and len(self.running) - ending < self.max_running:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted while its token was in flight: wait for the token
+                break
             computed = self.kv.get_computed_blocks(seq.token_ids)
             n = min(seq.num_tokens - computed.num_tokens, budget)
             n = self._cap_long_prefill(n, computed.num_tokens, chosen)
@@ -144,7 +184,10 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the newest sequence's blocks; it will be recomputed from its tokens."""
-        self.running.pop()
+        if self.running[-1] is seq:
+            self.running.pop()
+        else:
+            self.running.remove(seq)
         self.kv.free(id(seq))
         seq.clear_drafts()
         seq.num_computed_tokens = 0
@@ -180,10 +223,15 @@ class Scheduler:
         """Release finished sequences (their full blocks stay in the prefix cache)."""
         if not finished:
             return
+        # with async scheduling a sequence preempted while its last token was in flight
+        # finishes in the queue
+        was_waiting = any(s.status is SequenceStatus.WAITING for s in finished)
         for seq in finished:
             seq.status = SequenceStatus.FINISHED
             self.kv.free(id(seq))
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        if was_waiting:
+            self.waiting = deque(s for s in self.waiting if s.status is SequenceStatus.WAITING)
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request wherever it is."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -28,7 +29,13 @@ class TokenLogprobs:
 @dataclass(eq=False)
 class Sequence:
     """One request. `token_ids` is prompt + outputs; the KV of the first `num_computed_tokens`
-    is in the cache (or is being written by the step that scheduled them)."""
+    is in the cache (or is being written by the step that scheduled them).
+
+    With async scheduling (engine/llm_engine.py) a sampled token reaches the host one step
+    after the step that sampled it: until then it is *pending*, counted in `num_tokens` (so
+    the scheduler runs it as this sequence's next decode) but not yet in `token_ids`, and the
+    next step reads it on the device from row `pending_row` of the last launched step's
+    sampled tokens."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -55,6 +62,10 @@ class Sequence:
     spec_stats: SpecDecodeStats | None = None  # set once the sequence has speculated
     spec_acceptance: float = 1.0  # EWMA of accepted / proposed, for switching speculation off
     spec_resume_step: int = 0  # engine step from which the sequence may speculate again
+    num_pending: int = 0  # sampled on the device, not yet appended (async scheduling)
+    # prompt + max_tokens, capped by the context (set by the scheduler): no token runs past it
+    token_limit: int = sys.maxsize
+    pending_row: int = -1  # the newest pending token's row in its step's sampled tokens
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -74,7 +85,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens so far, pending ones included: what the scheduler plans with."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:

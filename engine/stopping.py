@@ -26,7 +26,8 @@ class StopChecker:
             return True
         if p.stop and self._hit_stop_string(seq):
             return True
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        # known tokens only: with async scheduling the next token may already be pending
+        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
             return True
         return False

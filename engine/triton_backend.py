@@ -42,6 +42,10 @@ def pack_prefills(meta: AttentionMetadata) -> PrefillBatch | None:
     spans = meta.prefills
     if not spans:
         return None
+    r = meta.prefill_ranges
+    if r is not None and meta.prefill_block_tables is not None:  # packed by the runner
+        max_query_len = max(s.query_len for s in spans)
+        return PrefillBatch(meta.prefill_block_tables, r[0], r[1], r[2], max_query_len)
     return _batch(
         [s.block_ids for s in spans],
         [(s.query_start, s.query_len, s.context_len) for s in spans],

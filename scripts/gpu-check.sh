@@ -14,7 +14,8 @@
 #   greedy        scripts/greedy_check.py: kvbatch (triton backend, float32) vs transformers on
 #                 a tiny random model and on the rag-shape model (--cpu: the tiny one, with
 #                 the Triton interpreter)
-#   rag           kvbatch bench rag --peers hf-static --repeat 1 --json rag.json
+#   rag           kvbatch bench rag --peers hf-static,kvbatch-sync --repeat 1 --json rag.json
+#                 (kvbatch-sync: async scheduling off, so its ratio is what async gains)
 #   long-prefill  kvbatch bench long-prefill --json long-prefill.json
 #   summary       scripts/gpu_check_summary.py: the short table (also summary.txt)
 #
@@ -22,7 +23,7 @@
 # rag.json, long-prefill.json, summary.txt. Each step's time limit can be changed through the
 # environment (e.g. RAG_TIMEOUT=400); the defaults add up to under 10 minutes.
 # LONG_PREFILL_ARGS adds options to the long-prefill bench (e.g.
-# LONG_PREFILL_ARGS="--long-prefill-token-threshold 512").
+# LONG_PREFILL_ARGS="--long-prefill-token-threshold 512"); RAG_PEERS replaces rag's peers.
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
@@ -32,7 +33,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) CPU=1 ;;
     --out) OUT_DIR="$2"; shift ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -62,13 +63,13 @@ else
   TINY=()
   GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny,rag)
 fi
-# GPU limits add up to 585 s (first Triton compiles included); a run takes about 5 minutes.
+# GPU limits add up to 595 s (first Triton compiles included); a run takes about 5 minutes.
 VERSIONS_TIMEOUT=${VERSIONS_TIMEOUT:-20}
 KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-120}
 TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-90}
-GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-120}
-RAG_TIMEOUT=${RAG_TIMEOUT:-140}
-LONG_PREFILL_TIMEOUT=${LONG_PREFILL_TIMEOUT:-80}
+GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-100}
+RAG_TIMEOUT=${RAG_TIMEOUT:-180}
+LONG_PREFILL_TIMEOUT=${LONG_PREFILL_TIMEOUT:-70}
 SUMMARY_TIMEOUT=${SUMMARY_TIMEOUT:-15}
 
 mkdir -p "$OUT_DIR"
@@ -138,8 +139,8 @@ else
   skip triton-test "tests/engine/test_triton_backend.py does not exist yet"
 fi
 step greedy "$GREEDY_TIMEOUT" "${GREEDY[@]}"
-step rag "$RAG_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} --peers hf-static \
-  --repeat 1 --json "$OUT_DIR/rag.json"
+step rag "$RAG_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} \
+  --peers "${RAG_PEERS:-hf-static,kvbatch-sync}" --repeat 1 --json "$OUT_DIR/rag.json"
 # LONG_PREFILL_ARGS: extra bench options, e.g. "--long-prefill-token-threshold 512"
 read -r -a LONG_PREFILL_EXTRA <<< "${LONG_PREFILL_ARGS:-}"
 step long-prefill "$LONG_PREFILL_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill ${TINY[@]+"${TINY[@]}"} \

@@ -434,3 +434,18 @@ def test_long_prefill_token_threshold_reaches_the_engine(random_cache, capsys):
     peer = make_peer("kvbatch", config.model_path, config.options)
     peer.load()
     assert peer.llm.engine.scheduler.config.long_prefill_token_threshold == 256
+
+
+def test_kvbatch_sync_is_kvbatch_with_async_scheduling_off(tiny_model):
+    """The GPU check's `kvbatch-sync` row: the same engine, steps in turn, the same tokens."""
+    options = EngineOptions(async_scheduling=True)
+    fast, sync = (
+        make_peer("kvbatch", tiny_model, options),
+        make_peer("kvbatch-sync", tiny_model, options),
+    )
+    fast.load()
+    sync.load()
+    assert fast.llm.engine.async_scheduling is True
+    assert sync.llm.engine.async_scheduling is False
+    prompts = [[5 + i] * (9 + 7 * i) for i in range(4)]
+    assert fast.generate(prompts, 6) == sync.generate(prompts, 6)

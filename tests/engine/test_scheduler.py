@@ -177,3 +177,98 @@ def test_a_long_prompt_is_cut_into_short_chunks_while_others_decode():
     sched.add(make_seq("long", 100, max_tokens=1, base=2000))
     steps = [run_step(sched) for _ in range(3)]
     assert [[c.num_new_tokens for c in s.chunks] for s in steps] == [[1, 16]] * 3
+
+
+# -- async scheduling: tokens still on the device (Sequence.num_pending) ---------------------
+
+
+def launch_step(sched: Scheduler):
+    """Schedule and queue a step without a model: its sampled tokens become pending."""
+    out = sched.schedule()
+    sampled = [c.seq for c in out.chunks if c.samples]
+    sched.advance(out)
+    for seq in sampled:
+        seq.num_pending += 1
+    return out
+
+
+def land_token(sched: Scheduler, seq: Sequence, token: int = 7) -> bool:
+    """A pending token reaches the host; True (and finished) when it was the last."""
+    seq.num_pending -= 1
+    seq.token_ids.append(token)
+    if seq.num_output_tokens >= seq.params.max_tokens:
+        sched.finish([seq])
+        return True
+    return False
+
+
+def test_a_pending_token_is_decoded_next():
+    sched = scheduler()
+    seq = make_seq("a", 6, max_tokens=3)
+    sched.add(seq)
+    launch_step(sched)  # prefill; first token pending
+    out = launch_step(sched)  # its decode is queued before the token lands
+    assert [(c.seq, c.num_new_tokens, c.samples) for c in out.chunks] == [(seq, 1, True)]
+    assert seq.num_pending == 2 and seq.num_computed_tokens == 7
+
+
+def test_a_request_ending_with_its_pending_token_frees_its_place_and_blocks():
+    sched = scheduler(seqs=1, blocks=4, block_size=4)  # one place, 16 token slots
+    a, b = make_seq("a", 6, max_tokens=1), make_seq("b", 8, max_tokens=1, base=50)
+    sched.add(a)
+    sched.add(b)
+    launch_step(sched)  # a prefilled: its only token is pending
+    assert sched.kv.num_free_blocks == 2
+    out = launch_step(sched)  # a is not decoded again; b takes its place and its blocks
+    assert [c.seq for c in out.chunks] == [b]
+    assert a.status is SequenceStatus.RUNNING and a.num_pending == 1
+    assert sched.kv.num_free_blocks == 2  # a's two blocks went back, b took two
+    assert land_token(sched, a)
+    assert sched.running == [b]
+    sched.kv.check_integrity()
+
+
+def test_a_request_preempted_with_a_pending_token_waits_for_it():
+    sched = scheduler(blocks=4, block_size=4, seqs=4, budget=64)
+    a, b = make_seq("a", 8, max_tokens=8), make_seq("b", 7, max_tokens=8, base=50)
+    sched.add(a)
+    sched.add(b)
+    launch_step(sched)  # both prefilled (2 blocks each): the pool is full
+    out = launch_step(sched)  # a's next token needs a block, none is free: b (newest) goes
+    assert out.num_preempted == 1 and b.status is SequenceStatus.WAITING
+    assert b.num_pending == 1 and list(sched.waiting) == [b]
+    assert land_token(sched, a) is False
+    sched.finish([a])  # room again, but b's token is still in flight: nothing is admitted
+    assert launch_step(sched).chunks == []
+    assert land_token(sched, b) is False
+    out = launch_step(sched)  # now b is recomputed, its landed token included
+    assert [c.seq for c in out.chunks] == [b] and b.num_pending == 1  # it sampled again
+    assert b.num_computed_tokens == 8
+
+
+def test_a_request_that_finishes_in_the_queue_leaves_it():
+    sched = scheduler()
+    a = make_seq("a", 5, max_tokens=1)
+    sched.add(a)
+    launch_step(sched)
+    sched._preempt(a)  # as a preemption would, while its last token is in flight
+    assert list(sched.waiting) == [a]
+    assert land_token(sched, a)
+    assert a.status is SequenceStatus.FINISHED and not sched.waiting
+    assert not sched.has_unfinished()
+
+
+def test_preemption_passes_over_a_request_ending_with_its_pending_token():
+    sched = scheduler(blocks=4, block_size=4, seqs=4, budget=64)
+    a = make_seq("a", 8, max_tokens=8)
+    c = make_seq("c", 4, max_tokens=8, base=50)
+    b = make_seq("b", 4, max_tokens=1, base=90)  # the newest; its one token is its last
+    for seq in (a, c, b):
+        sched.add(seq)
+    launch_step(sched)  # 2 + 1 + 1 blocks: the pool is full
+    out = launch_step(sched)  # b's block goes back and a takes it; c finds none
+    assert [ch.seq for ch in out.chunks] == [a]
+    assert out.num_preempted == 1 and c.status is SequenceStatus.WAITING
+    assert b.status is SequenceStatus.RUNNING  # not "preempted": it holds nothing
+    assert land_token(sched, b)
+    sched.kv.check_integrity()

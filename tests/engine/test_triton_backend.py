@@ -35,8 +35,9 @@ def torch_tokens(tiny_models):
     [
         dict(),  # shared prefixes: prefix-cache hits in prefill, cascade groups in decode
         dict(cascade_attention=False, max_num_batched_tokens=32),  # chunked prefill
+        dict(async_scheduling=True, max_num_batched_tokens=32),  # decodes read pending tokens
     ],
-    ids=["cascade", "chunked"],
+    ids=["cascade", "chunked", "async"],
 )
 def test_triton_backend_gives_the_torch_backends_tokens(tiny_models, torch_tokens, engine_args):
     got, llm = generate(
@@ -74,10 +75,12 @@ def test_padded_decode_graph_path_gives_the_same_tokens(tiny_models):
     llm.engine.kv.check_integrity()
 
 
-def test_padded_decode_graph_path_with_shared_prefix_groups(tiny_models):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["in-turn", "async"])
+def test_padded_decode_graph_path_with_shared_prefix_groups(tiny_models, async_scheduling):
     """Cascade steps in the static buffers: groups come and go as their members finish at
     different lengths (a stale group left in the buffers would attend the wrong rows), and
-    with 7 sequences the bucket of 8 has a padding row."""
+    with 7 sequences the bucket of 8 has a padding row. With async scheduling the graphed
+    decodes' input ids are the previous step's tokens, still on the device."""
     path = tiny_models("llama-gqa")
     prompts = shared_prefix_prompts()[:7]
     params = [
@@ -86,7 +89,13 @@ def test_padded_decode_graph_path_with_shared_prefix_groups(tiny_models):
     ]
     ref = LLM(path, device=DEVICE, dtype="float32", attention_backend="torch")
     want = tokens(ref.generate(prompts, params))
-    llm = LLM(path, device=DEVICE, dtype="float32", attention_backend="triton")
+    llm = LLM(
+        path,
+        device=DEVICE,
+        dtype="float32",
+        attention_backend="triton",
+        async_scheduling=async_scheduling,
+    )
     llm.engine.runner.capture_decode_graphs(max_batch=8, max_model_len=128, capture=False)
     graphs = llm.engine.runner.decode_graphs
     seen = []  # (rows, groups) of every graphed step

@@ -1,0 +1,78 @@
+"""A step whose forward and sampling are queued on the device, and its tokens once on the host.
+
+On CUDA, `launch` returns as soon as the kernels are queued; the sampled tokens (and any
+logprobs) start their copy into pinned host memory at once, and an event marks the copy's end.
+`result()` waits for that event only, so the host can queue the *next* step first (async
+scheduling, engine/llm_engine.py) without `.tolist()` waiting for that next step as well: a
+plain `.tolist()` on a CUDA tensor waits for everything queued on the stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampler import SamplerOutput
+from engine.sequence import Sequence
+
+
+@dataclass
+class StepResult:
+    """New tokens for the chunks that reached the end of their sequence, in step order: one
+    each, or with speculation the accepted drafts and then one token of the target's own."""
+
+    seqs: list[Sequence]
+    token_ids: list[list[int]]
+    # Per sampler row (rows follow token_ids flattened), when some row asked for logprobs:
+    # the chosen token's logprob, the top ids and the top logprobs.
+    logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
+
+
+class LaunchedStep:
+    """Sampled tokens on their way to the host."""
+
+    def __init__(
+        self,
+        seqs: list[Sequence],
+        sampled: SamplerOutput | None,
+        tokens: list[list[int]] | None = None,
+    ) -> None:
+        """`tokens`: already on the host (speculative verification), else one per row of
+        `sampled.token_ids`."""
+        self.seqs = seqs
+        self._tokens = tokens
+        self._tensors: list[torch.Tensor | None] = []
+        self._event = None
+        if sampled is None:
+            return
+        tensors = [sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs]
+        if tokens is not None:
+            tensors[0] = None
+        device = sampled.token_ids.device
+        if device.type == "cuda":
+            tensors = [None if t is None else _to_pinned(t) for t in tensors]
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(device))
+        self._tensors = tensors
+
+    def result(self) -> StepResult:
+        """Waits for this step's tokens (not for steps queued after it)."""
+        if self._event is not None:
+            self._event.synchronize()
+        if not self._tensors:
+            return StepResult(self.seqs, self._tokens or [])
+        token_ids, chosen, top_ids, top_logprobs = self._tensors
+        tokens = self._tokens
+        if tokens is None:
+            tokens = [[t] for t in token_ids.tolist()]
+        logprobs = None
+        if chosen is not None:
+            logprobs = (chosen.tolist(), top_ids.tolist(), top_logprobs.tolist())
+        return StepResult(self.seqs, tokens, logprobs)
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
