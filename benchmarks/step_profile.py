@@ -101,11 +101,12 @@ class StepProfile:
         }
 
 
-def format_step_profile(p: dict[str, Any]) -> str:
+def format_step_profile(p: dict[str, Any], engine: str = "kvbatch") -> str:
     ms = p["ms_per_step"]
     return (
-        f"kvbatch steps (last run): {p['steps']}, {p['graph_steps']} replayed a CUDA graph; "
+        f"{engine} steps (last run): {p['steps']}, {p['graph_steps']} replayed a CUDA graph; "
         f"median ms per step: schedule {ms['schedule']:.2f}, prepare {ms['prepare']:.2f}, "
         f"forward {ms['forward']:.2f}, sample {ms['sample']:.2f}, rest {ms['rest']:.2f}; "
-        f"host-only time {p['host_seconds']:.2f} s in all (schedule + prepare + rest)"
+        f"host time {p['host_seconds']:.2f} s in all (schedule + prepare + rest; the GPU "
+        "runs meanwhile only with async scheduling)"
     )

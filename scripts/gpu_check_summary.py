@@ -85,10 +85,11 @@ def rag_lines(data: dict[str, Any] | None) -> list[str]:
         lines.append(
             f"greedy tokens {g['engine']} vs {g['reference']}: {g['matching']}/{g['compared']}"
         )
+    for e in data["engines"]:  # kvbatch, and kvbatch-sync (async scheduling off) if it ran
+        profile = (e.get("extra") or {}).get("step_profile") or {}
+        if profile.get("steps"):
+            lines.append(format_step_profile(profile, e["engine"]))
     kv = next((e for e in data["engines"] if e["engine"] == "kvbatch"), None)
-    profile = (kv or {}).get("extra", {}).get("step_profile") or {}
-    if profile.get("steps"):
-        lines.append(format_step_profile(profile))
     if kv is None:
         lines.append(f"target (<= {RAG_TARGET_S} s on an H200): kvbatch did not run")
     elif w["name"] != "rag" or not floor.get("applies"):

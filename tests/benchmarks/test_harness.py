@@ -285,11 +285,11 @@ def random_cache(tmp_path_factory):
 
 
 def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
-    """`kvbatch bench rag --tiny --peers hf-static`: the whole path the GPU check takes."""
+    """`kvbatch bench rag --tiny --peers hf-static,kvbatch-sync`: the GPU check's path."""
     from kvbatch.cli import main as kvbatch_main
 
     out = tmp_path / "rag.json"
-    argv = ["bench", "rag", "--tiny", "--peers", "hf-static", "--json", str(out)]
+    argv = ["bench", "rag", "--tiny", "--peers", "hf-static,kvbatch-sync", "--json", str(out)]
     assert kvbatch_main(argv + ["--threads", "1"]) == 0
     printed = capsys.readouterr().out
     for head in ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ratio", "greedy match"):
@@ -300,9 +300,9 @@ def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
     assert str(random_cache) in data["model_path"]
     assert data["options"]["hf_batch_size"] == 8  # the workload's static batch size
     assert data["floor"] == {"seconds": None, "device": "H200", "applies": False}
-    kv, hf = data["engines"]
-    assert (kv["engine"], hf["engine"]) == ("kvbatch", "hf-static")
-    for e in (kv, hf):
+    kv, hf, sync = data["engines"]
+    assert (kv["engine"], hf["engine"], sync["engine"]) == ("kvbatch", "hf-static", "kvbatch-sync")
+    for e in (kv, hf, sync):
         assert LATENCY_KEYS <= set(e)
         assert e["output_tokens"] == 16 * 8
         assert 0 < e["ttft_p50"] <= e["ttft_p99"] <= e["seconds"]
@@ -310,7 +310,8 @@ def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
         assert e["floor_fraction"] is None and e["long_prefill"] is None
     assert kv["ratio"] == pytest.approx(1.0)
     assert hf["ratio"] == pytest.approx(hf["seconds"] / kv["seconds"])
-    assert data["greedy_match"][0]["matching"] == 4  # float32 on the CPU: the same tokens
+    # float32 on the CPU: the same tokens
+    assert [g["matching"] for g in data["greedy_match"]] == [4, 4]
     assert kv["extra"]["cached_prompt_tokens"] > 0  # documents are shared
     profile = kv["extra"]["step_profile"]  # where the steps' time went (last run)
     assert profile["steps"] >= 8 and profile["host_seconds"] < kv["seconds"]  # 8 output tokens
@@ -322,7 +323,7 @@ def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
     text = _summary_script().summary(tmp_path)
     assert "rag-tiny on cpu" in text and "hf-static" in text and "ok" in text
     assert "n/a here (not the full rag on an H200)" in text
-    assert "kvbatch steps (last run)" in text
+    assert "kvbatch steps (last run)" in text and "kvbatch-sync steps (last run)" in text
     assert "long-prefill: no results" in text
 
 
