@@ -147,3 +147,45 @@ def test_auto_backend_is_torch_on_the_cpu_and_triton_needs_a_gpu(monkeypatch):
         get_backend("triton", cpu)
     with pytest.raises(ValueError, match="choose one of"):
         get_backend("flash", cpu)
+
+
+@pytest.mark.gpu
+def test_async_steps_wait_for_the_device_only_to_collect_tokens(tiny_models):
+    """On CUDA a step queues its work and returns: nothing on the step path may synchronise
+    with the device (a blocking copy, .item(), .tolist() of a CUDA tensor), or the host would
+    wait for the step just queued and nothing would overlap. torch's sync debug mode raises
+    at the first implicit synchronisation; the one wait allowed, the event in
+    LaunchedStep.result, runs with it off. The tokens equal those of steps in turn."""
+    path = tiny_models("llama-gqa")
+    prompts = shared_prefix_prompts()
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = tokens(
+        LLM(path, device="cuda", dtype="bfloat16", async_scheduling=False).generate(prompts, params)
+    )
+    llm = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=16)
+    engine = llm.engine
+    assert engine.async_scheduling and engine.runner.decode_graphs is not None
+    ids = [engine.add_request(p, params) for p in prompts]
+    outs = {}
+    for _ in range(3):  # prefill and the first decodes: kernels compile here
+        outs.update((o.request_id, o) for o in engine.step())
+    collect = engine._collect
+
+    def collect_allowed(launched):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return collect(launched)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    engine._collect = collect_allowed
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(12):  # decode steps: graph replays with shared-prefix groups
+            outs.update((o.request_id, o) for o in engine.step())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        engine._collect = collect
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert [outs[i].outputs[0].token_ids for i in ids] == want
