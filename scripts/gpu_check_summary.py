@@ -2,7 +2,8 @@
 
     python scripts/gpu_check_summary.py RESULTS_DIR [--write summary.txt]
 
-Reads steps.tsv (each step's status), rag.json and long-prefill.json (`kvbatch bench --json`)
+Reads steps.tsv (each step's status), rag.json, long-prefill.json and long-prefill-alt.json
+(`kvbatch bench --json`)
 and prints the steps, the rag table (seconds, tokens/s, latency, ratio, fraction of the floor)
 and issue 5's two targets: `rag` in at most 1.5 s on an H200, and in `long-prefill` no decoding
 request waiting more than 3 decode steps. Runs with the standard library alone.
@@ -111,8 +112,11 @@ def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
     kv = next((e for e in data["engines"] if e["engine"] == "kvbatch"), None)
     f = (kv or {}).get("long_prefill") or {}
     ratio = f.get("gap_ratio")
+    threshold = (data.get("options") or {}).get("long_prefill_token_threshold")
     lines = [
-        f"{data['workload']['name']}: longest token gap {_ms(f.get('max_token_gap_s'))} ms, "
+        f"{data['workload']['name']} (long_prefill_token_threshold "
+        f"{'default' if threshold is None else threshold}): "
+        f"longest token gap {_ms(f.get('max_token_gap_s'))} ms, "
         f"median decode step {_ms(f.get('median_decode_step_s'))} ms, "
         f"ratio {'-' if ratio is None else f'{ratio:.1f}'} decode steps; the long prompt's "
         f"first token after {_ms(f.get('long_prompt_ttft_s'))} ms"
@@ -133,6 +137,9 @@ def summary(folder: Path) -> str:
     lines += rag_lines(_load(folder / "rag.json"))
     lines.append("")
     lines += long_prefill_lines(_load(folder / "long-prefill.json"))
+    alt = folder / "long-prefill-alt.json"  # the same with another chunk cap, if it ran
+    if alt.is_file():
+        lines += long_prefill_lines(_load(alt))
     return "\n".join(lines)
 
 

@@ -355,6 +355,18 @@ def test_long_prefill_tiny_reports_the_gap(random_cache, tmp_path, capsys):
     # one step per decoder token at least (the long prompt's chunks ride along with decodes)
     assert f["steps"] >= w.output_len
 
+    # the GPU check's summary: the default run and the one with another chunk cap, labelled
+    alt = tmp_path / "alt.json"
+    assert cli.main(argv[:2] + ["--json", str(alt), "--long-prefill-token-threshold", "128"]) == 0
+    folder = tmp_path / "check"
+    folder.mkdir()
+    out.rename(folder / "long-prefill.json")
+    alt.rename(folder / "long-prefill-alt.json")
+    text = _summary_script().summary(folder)
+    assert "long-prefill-tiny (long_prefill_token_threshold default): longest" in text
+    assert "long-prefill-tiny (long_prefill_token_threshold 128): longest" in text
+    assert text.count("target (<= 3 decode steps)") == 2
+
 
 def test_long_prefill_refuses_peers_that_cannot_add_a_prompt_mid_run(random_cache, capsys):
     assert cli.main(["long-prefill", "--tiny", "--peers", "hf-static"]) == 2
