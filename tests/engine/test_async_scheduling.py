@@ -7,6 +7,8 @@ preemption and aborts while a token is in flight. Every test compares with steps
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -172,3 +174,45 @@ def test_speculative_decoding_keeps_steps_in_turn(tiny_models):
 
 def test_off_by_default_on_the_cpu(tiny_models):
     assert LLM(model=str(tiny_models("llama-gqa")), device="cpu").engine.async_scheduling is False
+
+
+@pytest.mark.parametrize("seed", [1, 4, 5])  # seeds whose runs preempt
+def test_random_jobs_match_steps_in_turn(tiny_models, seed):
+    """Random prompts sharing prefixes, random lengths and stop tokens, a small pool (so
+    requests are preempted, some with a token in flight) and a small step budget."""
+    rng = random.Random(seed)
+    path = tiny_models("llama-gqa")
+    docs = random_prompts(512, (16, 40, 7), seed=seed)
+    tails = random_prompts(512, [rng.randint(1, 30) for _ in range(14)], seed=seed + 10)
+    prompts = [rng.choice(docs + [[]]) + t for t in tails]
+    engine_args = dict(
+        num_kv_blocks=rng.randint(7, 12),
+        max_model_len=96,
+        max_num_seqs=rng.randint(2, 8),
+        max_num_batched_tokens=rng.randint(16, 64),
+    )
+    lengths = [rng.randint(1, 15) for _ in prompts]
+    free, _ = run(
+        path,
+        prompts,
+        [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths],
+        async_scheduling=False,
+        **engine_args,
+    )
+    params = [
+        SamplingParams(
+            max_tokens=n,
+            temperature=0.0,
+            ignore_eos=True,
+            # half stop on a token they would produce
+            stop_token_ids=[rng.choice(t)] if t and rng.random() < 0.5 else None,
+        )
+        for n, t in zip(lengths, tokens(free))
+    ]
+    want, sync = run(path, prompts, params, async_scheduling=False, **engine_args)
+    got, engine = run(path, prompts, params, async_scheduling=True, **engine_args)
+    assert tokens(got) == tokens(want)
+    assert finish_reasons(got) == finish_reasons(want)
+    assert engine.stats().generation_tokens == sync.stats().generation_tokens
+    assert engine.stats().num_preemptions > 0 and sync.stats().num_preemptions > 0
+    assert any(reason == "stop" for reason, _ in finish_reasons(got))
