@@ -298,11 +298,18 @@ class KVCacheManager:
             self._register_full_blocks(seq, token_ids)
         return True
 
-    def free(self, seq_id: Hashable) -> None:
-        """Release seq_id's blocks, tail first (unknown ids are ignored)."""
+    def free(self, seq_id: Hashable, token_ids: Sequence[int] | None = None) -> None:
+        """Release seq_id's blocks, tail first (unknown ids are ignored).
+
+        ``token_ids``: the sequence's tokens now, when more are known than at its last
+        allocation (with async scheduling a token arrives a step after its slot was given):
+        blocks they fill are registered in the prefix cache before the release.
+        """
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
+        if token_ids is not None and self.enable_prefix_caching:
+            self._register_full_blocks(seq, token_ids)
         for b in reversed(seq.table):
             self._release(b)
         self._rows.release(seq.row, len(seq.table))

@@ -92,7 +92,7 @@ class Scheduler:
             elif pending and total >= s.token_limit:
                 # Its KV is complete (the last token's is never computed) and the step still
                 # using it runs before any step scheduled now: its blocks can serve others.
-                self.kv.free(id(s))
+                self.kv.free(id(s), s.token_ids)
                 ending += 1
             elif left == 1:
                 decodes.append(s)
@@ -228,7 +228,7 @@ class Scheduler:
         was_waiting = any(s.status is SequenceStatus.WAITING for s in finished)
         for seq in finished:
             seq.status = SequenceStatus.FINISHED
-            self.kv.free(id(seq))
+            self.kv.free(id(seq), seq.token_ids)
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         if was_waiting:
             self.waiting = deque(s for s in self.waiting if s.status is SequenceStatus.WAITING)

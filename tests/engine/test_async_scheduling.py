@@ -216,3 +216,23 @@ def test_random_jobs_match_steps_in_turn(tiny_models, seed):
     assert engine.stats().generation_tokens == sync.stats().generation_tokens
     assert engine.stats().num_preemptions > 0 and sync.stats().num_preemptions > 0
     assert any(reason == "stop" for reason, _ in finish_reasons(got))
+
+
+def test_output_blocks_reach_the_prefix_cache_as_in_turn(tiny_models):
+    """A request's last computed block holds a token that was still pending when its slot was
+    given: it is registered when the request ends (as steps in turn register it), so a later
+    prompt that repeats the conversation finds every computed block."""
+    path = tiny_models("llama-gqa")
+    prompt = random_prompts(512, (20,), seed=7)[0]
+    params = SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)  # 32 computed
+    cached = []
+    for async_scheduling in (False, True):
+        llm = LLM(
+            model=str(path), device="cpu", num_kv_blocks=64, async_scheduling=async_scheduling
+        )
+        (first,) = llm.generate([prompt], params, use_tqdm=False)
+        follow_up = prompt + first.outputs[0].token_ids + [5, 6, 7]
+        (second,) = llm.generate([follow_up], GREEDY, use_tqdm=False)
+        cached.append(second.num_cached_tokens)
+        llm.engine.kv.check_integrity()
+    assert cached == [32, 32]

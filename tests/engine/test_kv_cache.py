@@ -457,3 +457,15 @@ def test_block_tables_pads_each_row_and_keeps_the_order_given():
         kv.block_table("a"),
         [0, 0, 0],
     ]
+
+
+def test_free_registers_blocks_filled_by_tokens_known_since_the_last_allocation():
+    """Async scheduling gives a slot to a token still on the device: its block is hashed
+    only once the token is known, at the latest when the sequence is freed."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    assert kv.allocate_slots("a", tokens[:7], 8)  # slot 8's token is pending
+    assert kv.get_computed_blocks(tokens).num_tokens == 4
+    kv.free("a", tokens[:8])  # it arrived
+    assert kv.get_computed_blocks(tokens).num_tokens == 8
+    kv.check_integrity()
