@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"({', '.join(n for n in PEERS if n != 'kvbatch')})",
     )
     p.add_argument("--skip-kvbatch", action="store_true", help="run the peers only")
+    p.add_argument(
+        "--kernel-profile",
+        action="store_true",
+        help="after the timed runs, run kvbatch once more under torch.profiler and report "
+        "where its device time went (kernels by kind, steps, the GPU's busy share)",
+    )
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--model", metavar="PATH", help="model folder or GGUF (default: the workload's)")
     p.add_argument("--repeat", type=int, default=1, help="timed runs per engine (median; 1)")
@@ -156,6 +162,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         repeat=args.repeat,
         threads=args.threads,
         compare_requests=args.compare,
+        kernel_profile=args.kernel_profile,
         command=command,
     )
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.kernel_profile import format_kernel_profile, profile_engine_run
 from benchmarks.peers import EngineOptions, Peer, PeerUnavailable, RunResult, make_peer
 from benchmarks.step_profile import format_step_profile
 from benchmarks.workloads import (
@@ -60,6 +61,7 @@ class BenchConfig:
     repeat: int = 1
     threads: int | None = None  # torch threads for every engine; None = torch's default
     compare_requests: int = 4  # greedy tokens compared on this many leading requests
+    kernel_profile: bool = False  # one more kvbatch run under torch.profiler (kernel_profile.py)
     command: str = ""
 
     def __post_init__(self) -> None:
@@ -211,6 +213,8 @@ class BenchReport:
             )
             if x.get("step_profile", {}).get("steps"):
                 lines.append(format_step_profile(x["step_profile"]))
+            if x.get("kernel_profile"):
+                lines.append(format_kernel_profile(x["kernel_profile"]))
         lines.append(
             f"ratio = median over rounds of engine seconds / {self.reference} seconds "
             f"(how many times faster {self.reference} is)"
@@ -433,6 +437,7 @@ def run_benchmark(
     # machines drift by 10-30% over minutes, and a ratio of adjacent runs cancels the drift.
     peers = {}
     results: dict[str, list[RunResult]] = {name: [] for name in config.engines}
+    kernel_profile: dict[str, Any] | None = None
     try:
         for name in config.engines:
             peer = make_peer(name, config.model_path, config.options)
@@ -458,6 +463,11 @@ def run_benchmark(
                 say(f"{name}: run {r + 1}/{config.repeat} ({w.num_requests} requests)")
                 results[name].append(run_once(peer, w, draw))
                 say(f"{name}: {results[name][-1].seconds:.2f} s")
+        if config.kernel_profile and KVBATCH in peers:
+            say(f"{KVBATCH}: one more run under torch.profiler")
+            kernel_profile = profile_kvbatch(
+                peers[KVBATCH], w, draws[0], results[KVBATCH], warnings
+            )
     finally:
         for peer in peers.values():
             peer.close()
@@ -469,6 +479,9 @@ def run_benchmark(
     for name, runs in results.items():
         seconds = statistics.median(r.seconds for r in runs)
         tokens = runs[-1].output_tokens
+        extra = dict(runs[-1].extra)
+        if name == KVBATCH and kernel_profile is not None:
+            extra["kernel_profile"] = kernel_profile
         for r in runs:
             if r.output_tokens != w.output_tokens:
                 warnings.append(
@@ -482,7 +495,7 @@ def run_benchmark(
                 output_tokens=tokens,
                 tokens_per_s=tokens / seconds if seconds > 0 else float("inf"),
                 ratio=_paired_ratio(runs, results[reference]),
-                extra=runs[-1].extra,
+                extra=extra,
                 floor_fraction=floor / seconds if floor is not None and seconds > 0 else None,
                 long_prefill=long_prefill_summary(runs),
                 **latency_summary(runs),
@@ -509,6 +522,22 @@ def run_benchmark(
         date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         warnings=warnings,
     )
+
+
+def profile_kvbatch(
+    peer: Peer, workload: Workload, draw: Draw, runs: list[RunResult], warnings: list[str]
+) -> dict[str, Any] | None:
+    """kvbatch's kernel profile over one more run of `draw` (KernelProfile.to_dict), compared
+    with the median of its timed runs; a profiler failure becomes a warning, not a lost run."""
+    reference = statistics.median(r.seconds for r in runs) if runs else None
+    try:
+        profile = profile_engine_run(
+            peer.llm.engine, lambda: run_once(peer, workload, draw), reference
+        )
+    except Exception as e:  # the timed results stand without it
+        warnings.append(f"kernel profile failed: {type(e).__name__}: {e}")
+        return None
+    return profile.to_dict()
 
 
 def _paired_ratio(runs: list[RunResult], reference: list[RunResult]) -> float | None:

@@ -14,8 +14,10 @@
 #   greedy        scripts/greedy_check.py: kvbatch (triton backend, float32) vs transformers on
 #                 a tiny random model and on the rag-shape model (--cpu: the tiny one, with
 #                 the Triton interpreter)
-#   rag           kvbatch bench rag --peers hf-static,kvbatch-sync --repeat 1 --json rag.json
-#                 (kvbatch-sync: async scheduling off, so its ratio is what async gains)
+#   rag           kvbatch bench rag --peers hf-static,kvbatch-sync --repeat 1 --kernel-profile
+#                 --json rag.json (kvbatch-sync: async scheduling off, so its ratio is what
+#                 async gains; --kernel-profile: one more kvbatch run under torch.profiler,
+#                 kernels ranked, and how busy the GPU was)
 #   long-prefill  kvbatch bench long-prefill --json long-prefill.json
 #   long-prefill-alt  the same with $LONG_PREFILL_ALT (default --long-prefill-token-threshold
 #                 512; empty skips it) into long-prefill-alt.json: the gap target vs the cap;
@@ -24,7 +26,7 @@
 #
 # The results folder gets at most six files: gpu-check.log (every step's output), steps.tsv,
 # rag.json, long-prefill.json, long-prefill-alt.json, summary.txt. Each step's time limit can
-# be changed through the environment (e.g. RAG_TIMEOUT=400); the limits add up to 655 s, a run
+# be changed through the environment (e.g. RAG_TIMEOUT=400); the limits add up to 675 s, a run
 # takes about 5 minutes, and if the run is cut short every finished step's files are there.
 # LONG_PREFILL_ARGS adds options to the long-prefill bench (e.g.
 # LONG_PREFILL_ARGS="--long-prefill-token-threshold 512"); RAG_PEERS replaces rag's peers.
@@ -67,12 +69,12 @@ else
   TINY=()
   GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny,rag)
 fi
-# GPU limits add up to 655 s (first Triton compiles included); a run takes about 5 minutes.
+# GPU limits add up to 675 s (first Triton compiles included); a run takes about 5 minutes.
 VERSIONS_TIMEOUT=${VERSIONS_TIMEOUT:-20}
 KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-120}
 TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-90}
 GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-100}
-RAG_TIMEOUT=${RAG_TIMEOUT:-180}
+RAG_TIMEOUT=${RAG_TIMEOUT:-200}
 LONG_PREFILL_TIMEOUT=${LONG_PREFILL_TIMEOUT:-70}
 LONG_PREFILL_ALT_TIMEOUT=${LONG_PREFILL_ALT_TIMEOUT:-60}  # past 10 minutes only if all run long
 SUMMARY_TIMEOUT=${SUMMARY_TIMEOUT:-15}
@@ -146,7 +148,8 @@ else
 fi
 step greedy "$GREEDY_TIMEOUT" "${GREEDY[@]}"
 step rag "$RAG_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} \
-  --peers "${RAG_PEERS:-hf-static,kvbatch-sync}" --repeat 1 --json "$OUT_DIR/rag.json"
+  --peers "${RAG_PEERS:-hf-static,kvbatch-sync}" --repeat 1 --kernel-profile \
+  --json "$OUT_DIR/rag.json"
 # LONG_PREFILL_ARGS: extra bench options, e.g. "--long-prefill-token-threshold 512"
 read -r -a LONG_PREFILL_EXTRA <<< "${LONG_PREFILL_ARGS:-}"
 step long-prefill "$LONG_PREFILL_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill ${TINY[@]+"${TINY[@]}"} \

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.kernel_profile import format_kernel_profile
 from benchmarks.step_profile import format_step_profile
 
 RAG_TARGET_S = 1.5  # issue 5: at most 1.5 s on an H200 (8x transformers' static generate)
@@ -90,6 +91,9 @@ def rag_lines(data: dict[str, Any] | None) -> list[str]:
         profile = (e.get("extra") or {}).get("step_profile") or {}
         if profile.get("steps"):
             lines.append(format_step_profile(profile, e["engine"]))
+        kernels = (e.get("extra") or {}).get("kernel_profile")
+        if kernels:  # --kernel-profile: where the device time went
+            lines.append(format_kernel_profile(kernels, e["engine"]))
     kv = next((e for e in data["engines"] if e["engine"] == "kvbatch"), None)
     if kv is None:
         lines.append(f"target (<= {RAG_TARGET_S} s on an H200): kvbatch did not run")

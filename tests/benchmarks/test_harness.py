@@ -290,7 +290,7 @@ def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
 
     out = tmp_path / "rag.json"
     argv = ["bench", "rag", "--tiny", "--peers", "hf-static,kvbatch-sync", "--json", str(out)]
-    assert kvbatch_main(argv + ["--threads", "1"]) == 0
+    assert kvbatch_main(argv + ["--threads", "1", "--kernel-profile"]) == 0
     printed = capsys.readouterr().out
     for head in ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ratio", "greedy match"):
         assert head in printed
@@ -315,6 +315,11 @@ def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
     assert kv["extra"]["cached_prompt_tokens"] > 0  # documents are shared
     profile = kv["extra"]["step_profile"]  # where the steps' time went (last run)
     assert profile["steps"] >= 8 and profile["host_seconds"] < kv["seconds"]  # 8 output tokens
+    kernels = kv["extra"]["kernel_profile"]  # --kernel-profile: one more run, profiled
+    assert kernels["device"] == "cpu" and kernels["reference_seconds"] == kv["seconds"]
+    assert kernels["steps"]["decode"]["steps"] >= 7 and kernels["top"]
+    assert "kernel_profile" not in sync["extra"]  # kvbatch alone is profiled
+    assert "kvbatch kernel profile (one more run under torch.profiler, cpu" in printed
 
     # scripts/gpu_check_summary.py reads this JSON into the GPU check's closing table
     (tmp_path / "steps.tsv").write_text(
@@ -324,6 +329,7 @@ def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
     assert "rag-tiny on cpu" in text and "hf-static" in text and "ok" in text
     assert "n/a here (not the full rag on an H200)" in text
     assert "kvbatch steps (last run)" in text and "kvbatch-sync steps (last run)" in text
+    assert "kvbatch kernel profile" in text
     assert "long-prefill: no results" in text
 
 

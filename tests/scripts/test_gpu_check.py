@@ -59,13 +59,14 @@ def test_the_benchmark_and_greedy_check_run_without_them(tmp_path: Path):
     out = tmp_path / "rag.json"
     bench = run_as_image(
         "-m", "kvbatch.cli", "bench", "rag", "--tiny", "--peers", "hf-static", "--repeat", "1",
-        "--json", str(out),
+        "--kernel-profile", "--json", str(out),
         timeout=300,
     )  # fmt: skip
     assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["workload"]["name"] == "rag-tiny"
     assert {e["engine"] for e in result["engines"]} >= {"kvbatch", "hf-static"}
+    assert result["engines"][0]["extra"]["kernel_profile"]["top"]  # the profiler ran there too
 
     greedy = run_as_image(
         "scripts/greedy_check.py", "--device", "cpu", "--backend", "torch", "--models", "tiny",
