@@ -12,8 +12,14 @@ two-block prefix (the second request reads the first one's cached blocks), and p
 than one step's token budget (chunked prefill). Exit status 0 when every prompt matches, 1
 otherwise; the output names the first differing position.
 
-Random models can have near-tied logits where a correct implementation flips a token on
-float rounding; TF32 is turned off here so that float32 means float32 on both sides.
+Logits are compared too: for every prompt run alone, kvbatch's log-probability of each
+token it chose (SamplingParams.logprobs) against transformers' (log-softmax of
+`generate(output_logits=True)`), over the positions where the tokens agree; the check fails
+when they differ by more than LOGPROB_TOL. Random models can have near-tied logits where a
+correct implementation flips a token on float rounding: a first difference where
+transformers scores kvbatch's token within TIE_TOL of its own is reported as a near tie (and
+passes; the two continuations diverge from there, so nothing after it is compared), any
+other difference fails. TF32 is turned off here so that float32 means float32 on both sides.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import gc
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +41,8 @@ from benchmarks.models import LLAMA_3_2_1B, TINY_LLAMA, ModelSpec, random_model_
 MODELS: dict[str, ModelSpec] = {"tiny": TINY_LLAMA, "rag": LLAMA_3_2_1B}
 BLOCK_SIZE = 16
 STEP_TOKENS = 64  # tokens per engine step: the 100+ token prompts are prefilled in chunks
+LOGPROB_TOL = 2e-3  # float32 both sides: |logprob difference| of a chosen token
+TIE_TOL = 1e-3  # transformers' logprob of its token minus of kvbatch's, to call a flip a tie
 
 
 def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -67,13 +76,16 @@ def kvbatch_tokens(path: Path, prompts, max_tokens: int, device: str, backend: s
         kv_cache_bytes=1 << 30,
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    # One at a time in order, so the third prompt finds the second's blocks in the cache,
-    # then all together (decodes batched with chunked prefills).
-    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    scored = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    # One at a time in order, so the third prompt finds the second's blocks in the cache
+    # (with logprobs: the sampler's path), then all together (decodes batched with chunked
+    # prefills; greedy without logprobs: the argmax path).
+    alone = [llm.generate([p], scored, use_tqdm=False)[0].outputs[0] for p in prompts]
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     hit = llm.stats().prefix_hit_rate
     del llm
-    return [list(t) for t in alone], [list(t) for t in batched], hit
+    logprobs = [[lp.logprob for lp in o.logprobs] for o in alone]
+    return [list(o.token_ids) for o in alone], logprobs, [list(t) for t in batched], hit
 
 
 def transformers_tokens(path: Path, prompts, max_tokens: int, device: str):
@@ -83,7 +95,7 @@ def transformers_tokens(path: Path, prompts, max_tokens: int, device: str):
         str(path), dtype=torch.float32, attn_implementation="sdpa"
     )
     model = model.to(device).eval()
-    out = []
+    out, logprobs = [], []
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p], device=device)
@@ -97,10 +109,15 @@ def transformers_tokens(path: Path, prompts, max_tokens: int, device: str):
                 top_k=None,
                 eos_token_id=None,
                 pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-            out.append(gen[0, len(p) :].tolist())
+            out.append(gen.sequences[0, len(p) :].tolist())
+            # [steps, vocab]: log-probabilities of every token at every generated position
+            rows = torch.stack([step[0].float() for step in gen.logits])
+            logprobs.append(torch.log_softmax(rows, dim=-1).cpu().numpy())
     del model
-    return out
+    return out, logprobs
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -110,33 +127,76 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def check_model(name: str, args: argparse.Namespace) -> bool:
+class Comparison(NamedTuple):
+    verdict: str  # "match", "near tie", "mismatch" or "logprobs differ"
+    first_difference: int | None
+    max_logprob_error: float  # over the positions compared (before the first difference)
+    tie_margin: float | None  # at the first difference: transformers' own token minus kvbatch's
+
+
+def compare(
+    ref: list[int], ref_logprobs: np.ndarray, got: list[int], got_logprobs: list[float] | None
+) -> Comparison:
+    """kvbatch's tokens (and chosen-token logprobs, if given) against transformers' tokens and
+    full log-softmax rows ([positions, vocab])."""
+    diff = first_difference(ref, got)
+    upto = len(ref) if diff is None else diff
+    error = 0.0
+    if got_logprobs is not None and upto:
+        expected = ref_logprobs[np.arange(upto), ref[:upto]]
+        error = float(np.max(np.abs(expected - np.asarray(got_logprobs[:upto]))))
+    margin = None
+    if diff is not None and diff < min(len(ref), len(got)):
+        row = ref_logprobs[diff]
+        margin = float(row[ref[diff]] - row[got[diff]])
+    if diff is None:
+        verdict = "match"
+    elif margin is not None and margin <= TIE_TOL:
+        verdict = "near tie"
+    else:
+        verdict = "mismatch"
+    if verdict != "mismatch" and error > LOGPROB_TOL:
+        verdict = "logprobs differ"
+    return Comparison(verdict, diff, error, margin)
+
+
+def check_model(name: str, args: argparse.Namespace) -> tuple[bool, float]:
+    """(every prompt matched or flipped only at a near tie, the worst logprob difference)"""
     spec = MODELS[name]
     t0 = time.perf_counter()
     path = random_model_dir(spec)
     print(f"[{name}] model {spec.name} ({spec.num_parameters() / 1e6:.1f} M parameters): {path}")
     prompts = make_prompts(spec.vocab_size, seed=args.seed)
-    ref = transformers_tokens(path, prompts, args.max_tokens, args.device)
+    ref, ref_logprobs = transformers_tokens(path, prompts, args.max_tokens, args.device)
     _free()
-    alone, batched, hit = kvbatch_tokens(path, prompts, args.max_tokens, args.device, args.backend)
+    alone, alone_logprobs, batched, hit = kvbatch_tokens(
+        path, prompts, args.max_tokens, args.device, args.backend
+    )
     _free()
-    ok = True
+    ok, ties, worst = True, 0, 0.0
     for i, p in enumerate(prompts):
-        for label, got in (("alone", alone[i]), ("batched", batched[i])):
-            diff = first_difference(ref[i], got)
-            if diff is not None:
-                ok = False
-                print(
-                    f"[{name}] prompt {i} ({len(p)} tokens, {label}): MISMATCH at token {diff}: "
-                    f"transformers {ref[i]} kvbatch {got}"
-                )
-    matched = "all match" if ok else "MISMATCH"
+        runs = (("alone", alone[i], alone_logprobs[i]), ("batched", batched[i], None))
+        for label, got, got_logprobs in runs:
+            c = compare(ref[i], ref_logprobs[i], got, got_logprobs)
+            worst = max(worst, c.max_logprob_error)
+            if c.verdict == "match":
+                continue
+            ok = ok and c.verdict == "near tie"
+            ties += c.verdict == "near tie"
+            margin = "" if c.tie_margin is None else f", transformers' margin {c.tie_margin:.2e}"
+            print(
+                f"[{name}] prompt {i} ({len(p)} tokens, {label}): {c.verdict.upper()} at token "
+                f"{c.first_difference} (max |logprob diff| {c.max_logprob_error:.2e}{margin}): "
+                f"transformers {ref[i]} kvbatch {got}"
+            )
+    matched = "all match" if ok and not ties else ("match but for near ties" if ok else "FAIL")
     print(
         f"[{name}] {len(prompts)} prompts x {args.max_tokens} tokens, alone and batched: "
-        f"{matched} (backend {args.backend}, {args.device}, prefix hit rate {hit:.2f}, "
+        f"{matched}; chosen-token logprobs within {worst:.1e} of transformers' (tolerance "
+        f"{LOGPROB_TOL:g}) (backend {args.backend}, {args.device}, prefix hit rate {hit:.2f}, "
         f"{time.perf_counter() - t0:.1f} s)"
     )
-    return ok
+    return ok, worst
 
 
 def _free() -> None:
@@ -169,10 +229,13 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = check_model(name, args)
         except Exception as e:  # report and go on to the next model
             print(f"[{name}] ERROR: {type(e).__name__}: {e}")
-            results[name] = False
+            results[name] = (False, float("nan"))
         _free()
-    verdict = "PASS" if all(results.values()) else "FAIL"
-    summary = ", ".join(f"{n} {'ok' if v else 'FAIL'}" for n, v in results.items())
+    verdict = "PASS" if all(ok for ok, _ in results.values()) else "FAIL"
+    summary = ", ".join(
+        f"{n} {'ok' if ok else 'FAIL'} (logprobs within {worst:.1e})"
+        for n, (ok, worst) in results.items()
+    )
     print(f"greedy check {verdict}: {summary}")
     return 0 if verdict == "PASS" else 1
 
