@@ -420,9 +420,15 @@ def machine_info(device: str) -> dict[str, Any]:
 
 
 def run_benchmark(
-    config: BenchConfig, progress: Callable[[str], None] | None = None
+    config: BenchConfig,
+    progress: Callable[[str], None] | None = None,
+    checkpoint: Callable[[BenchReport], None] | None = None,
 ) -> BenchReport:
-    """Run every engine of `config` on the workload, one after the other, and compare them."""
+    """Run every engine of `config` on the workload, one after the other, and compare them.
+
+    With `config.kernel_profile`, `checkpoint` gets the report of the timed runs before the
+    profiled run starts (the CLI writes its JSON then), so a profiler that crashes or hangs
+    the process on some driver cannot take the timings with it."""
     say = progress or (lambda _msg: None)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -437,7 +443,6 @@ def run_benchmark(
     # machines drift by 10-30% over minutes, and a ratio of adjacent runs cancels the drift.
     peers = {}
     results: dict[str, list[RunResult]] = {name: [] for name in config.engines}
-    kernel_profile: dict[str, Any] | None = None
     try:
         for name in config.engines:
             peer = make_peer(name, config.model_path, config.options)
@@ -463,15 +468,25 @@ def run_benchmark(
                 say(f"{name}: run {r + 1}/{config.repeat} ({w.num_requests} requests)")
                 results[name].append(run_once(peer, w, draw))
                 say(f"{name}: {results[name][-1].seconds:.2f} s")
+        report = build_report(config, results, warnings)
         if config.kernel_profile and KVBATCH in peers:
+            if checkpoint is not None:
+                checkpoint(report)
             say(f"{KVBATCH}: one more run under torch.profiler")
-            kernel_profile = profile_kvbatch(
-                peers[KVBATCH], w, draws[0], results[KVBATCH], warnings
-            )
+            profile = profile_kvbatch(peers[KVBATCH], w, draws[0], results[KVBATCH], warnings)
+            if profile is not None:
+                report.summary(KVBATCH).extra["kernel_profile"] = profile
     finally:
         for peer in peers.values():
             peer.close()
+    return report
 
+
+def build_report(
+    config: BenchConfig, results: dict[str, list[RunResult]], warnings: list[str]
+) -> BenchReport:
+    """The engines' timed runs summarised and compared with the first (the reference)."""
+    w = config.workload
     reference = next(iter(results))
     machine = machine_info(config.options.device)
     floor = w.floor_seconds if floor_applies(w, machine) else None
@@ -479,9 +494,6 @@ def run_benchmark(
     for name, runs in results.items():
         seconds = statistics.median(r.seconds for r in runs)
         tokens = runs[-1].output_tokens
-        extra = dict(runs[-1].extra)
-        if name == KVBATCH and kernel_profile is not None:
-            extra["kernel_profile"] = kernel_profile
         for r in runs:
             if r.output_tokens != w.output_tokens:
                 warnings.append(
@@ -495,7 +507,7 @@ def run_benchmark(
                 output_tokens=tokens,
                 tokens_per_s=tokens / seconds if seconds > 0 else float("inf"),
                 ratio=_paired_ratio(runs, results[reference]),
-                extra=extra,
+                extra=dict(runs[-1].extra),
                 floor_fraction=floor / seconds if floor is not None and seconds > 0 else None,
                 long_prefill=long_prefill_summary(runs),
                 **latency_summary(runs),

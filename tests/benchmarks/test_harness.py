@@ -468,3 +468,28 @@ def test_kvbatch_sync_is_kvbatch_with_async_scheduling_off(tiny_model):
     assert sync.llm.engine.async_scheduling is False
     prompts = [[5 + i] * (9 + 7 * i) for i in range(4)]
     assert fast.generate(prompts, 6) == sync.generate(prompts, 6)
+
+
+def test_kernel_profile_comes_after_a_checkpoint_of_the_timed_runs(tiny_model, monkeypatch):
+    """The timed runs' report reaches `checkpoint` (the CLI writes its JSON there) before the
+    profiled run; a profiler failure leaves a warning and the timings."""
+    from benchmarks import harness
+
+    config = BenchConfig(
+        workload=TINY, model_path=str(tiny_model), engines=("kvbatch",), kernel_profile=True
+    )
+    seen = []
+    report = run_benchmark(config, checkpoint=lambda r: seen.append(dict(r.engines[0].extra)))
+    assert len(seen) == 1 and "kernel_profile" not in seen[0] and "step_profile" in seen[0]
+    profile = report.summary("kvbatch").extra["kernel_profile"]
+    assert profile["reference_seconds"] == report.summary("kvbatch").seconds
+    assert profile["steps"]["prefill"]["steps"] >= 1 and not report.warnings
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    monkeypatch.setattr(harness, "profile_engine_run", broken)
+    report = run_benchmark(config)
+    assert "kernel_profile" not in report.summary("kvbatch").extra
+    assert report.summary("kvbatch").seconds > 0
+    assert report.warnings == ["kernel profile failed: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"]
