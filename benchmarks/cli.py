@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--skip-kvbatch", action="store_true", help="run the peers only")
     p.add_argument(
+        "--full-warmup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="before the timed runs, run kvbatch once untimed on the whole workload (another "
+        "draw), so no Triton kernel is compiled inside a timed run (default: on CUDA only)",
+    )
+    p.add_argument(
         "--kernel-profile",
         action="store_true",
         help="after the timed runs, run kvbatch once more under torch.profiler and report "
@@ -163,6 +170,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         threads=args.threads,
         compare_requests=args.compare,
         kernel_profile=args.kernel_profile,
+        full_warmup=args.full_warmup,
         command=command,
     )
 

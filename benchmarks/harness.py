@@ -62,6 +62,7 @@ class BenchConfig:
     threads: int | None = None  # torch threads for every engine; None = torch's default
     compare_requests: int = 4  # greedy tokens compared on this many leading requests
     kernel_profile: bool = False  # one more kvbatch run under torch.profiler (kernel_profile.py)
+    full_warmup: bool | None = None  # an untimed run of the whole workload; None: see warm_up
     command: str = ""
 
     def __post_init__(self) -> None:
@@ -310,6 +311,28 @@ def draw_prompts(workload: Workload, vocab_size: int, repeat: int) -> list[Draw]
     return draws
 
 
+def warm_up(peer: Peer, config: BenchConfig, vocab_size: int) -> None:
+    """The peer's own tiny job; then, for an engine whose kernels are compiled on first use
+    (`Peer.compiles_kernels`: kvbatch's Triton kernels on CUDA), one untimed run of the whole
+    workload on a draw of its own. Triton specialises a kernel on its arguments (an integer
+    equal to 1 or divisible by 16, flags such as shared-prefix groups), and a tiny job does not
+    reach every variant `rag` does: each one left would be compiled, at up to a second or
+    two, inside the first timed run. The run also grows the allocator's pools to the
+    workload's peak. `config.full_warmup` forces it on or off (None: on CUDA only)."""
+    peer.warmup()
+    full = config.full_warmup
+    if full is None:
+        full = config.options.device.startswith("cuda")
+    if full and peer.compiles_kernels:
+        w = config.workload.with_seed(config.workload.seed + WARMUP_SEED_OFFSET)
+        run_once(peer, w, draw_prompts(w, vocab_size, 1)[0])
+
+
+WARMUP_SEED_OFFSET = 1_000_000
+"""The full warm-up's draw: far from the timed draws' seeds (seed + r), so it shares no prompt,
+and therefore no prefix-cache block, with them."""
+
+
 @dataclass
 class Draw:
     """One repeat's prompts (and long-prefill's long prompt)."""
@@ -450,7 +473,7 @@ def run_benchmark(
             try:
                 peer.load()
                 say(f"{name}: warm-up")
-                peer.warmup()
+                warm_up(peer, config, vocab_size)
             except ImportError as e:
                 peer.close()
                 raise BenchError(f"cannot import engine {name!r}: {e}") from e

@@ -128,6 +128,10 @@ class Peer(ABC):
         """Called just before the timed `generate` (not timed): e.g. to snapshot counters."""
         return None
 
+    compiles_kernels = False
+    """Whether the engine compiles kernels on first use for the shapes it meets (kvbatch's
+    Triton kernels): the harness then warms it up on the whole workload (harness.warm_up)."""
+
     def warmup(self) -> None:
         """A tiny untimed job so that one-off costs (threads, allocator, lazy init) are paid."""
         self.generate([[5 + i] * WARMUP_PROMPT_LEN for i in range(2)], max_tokens=2)
@@ -198,6 +202,7 @@ class KvbatchPeer(Peer):
 
     name = "kvbatch"
     supports_long_prefill = True
+    compiles_kernels = True  # Triton, on CUDA
 
     @property
     def async_scheduling(self) -> bool | None:

@@ -41,6 +41,7 @@ from benchmarks.harness import (
     machine_info,
     model_vocab_size,
     run_once,
+    warm_up,
 )
 from benchmarks.peers import make_peer
 
@@ -206,7 +207,8 @@ def run_sweep(
             "kv_cache_memory_fraction sizes the KV pool on CUDA only: on the CPU one value "
             f"({effective.kv_cache_memory_fraction[0]:g}) was kept"
         )
-    draws = draw_prompts(w, model_vocab_size(config.model_path), config.repeat)
+    vocab_size = model_vocab_size(config.model_path)
+    draws = draw_prompts(w, vocab_size, config.repeat)
     cells = []
     for i, (seqs, tokens, fraction) in enumerate(effective.cells(), 1):
         cell = SweepCell(seqs, tokens, fraction)
@@ -220,7 +222,7 @@ def run_sweep(
         peer = make_peer(KVBATCH, config.model_path, options)
         try:
             peer.load()
-            peer.warmup()
+            warm_up(peer, config, vocab_size)  # on CUDA: the whole workload, once per cell
             runs = [run_once(peer, w, draw) for draw in draws]
             seconds = statistics.median(r.seconds for r in runs)
             cell.seconds = seconds

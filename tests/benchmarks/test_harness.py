@@ -493,3 +493,37 @@ def test_kernel_profile_comes_after_a_checkpoint_of_the_timed_runs(tiny_model, m
     assert "kernel_profile" not in report.summary("kvbatch").extra
     assert report.summary("kvbatch").seconds > 0
     assert report.warnings == ["kernel profile failed: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"]
+
+
+def test_full_warmup_runs_kvbatch_once_on_a_draw_of_its_own(tiny_model, monkeypatch):
+    """On CUDA (forced here) kvbatch runs the whole workload untimed before its timed runs, on
+    prompts the timed draws do not share: the timed figures and cache hits stay the same."""
+    from benchmarks import harness
+
+    calls = []
+    inner = harness.run_once
+
+    def spy(peer, workload, draw):
+        calls.append((peer.name, workload.seed, draw.prompts[0][:8]))
+        return inner(peer, workload, draw)
+
+    monkeypatch.setattr(harness, "run_once", spy)
+    w = dataclasses.replace(TINY, chunks_per_document=3)
+    config = BenchConfig(
+        workload=w,
+        model_path=str(tiny_model),
+        engines=("kvbatch", "hf-static"),
+        options=EngineOptions(max_num_seqs=1),
+        full_warmup=True,
+    )
+    report = run_benchmark(config)
+    (warm_name, warm_seed, warm_prompt), *timed = calls
+    assert warm_name == "kvbatch" and warm_seed == w.seed + harness.WARMUP_SEED_OFFSET
+    assert [(name, seed) for name, seed, _ in timed] == [("kvbatch", w.seed), ("hf-static", w.seed)]
+    assert warm_prompt != timed[0][2]
+    # the warm-up's blocks are no help to the timed run: the same hits as without it
+    assert report.summary("kvbatch").extra["cached_prompt_tokens"] == 2 * 2 * 32
+
+    calls.clear()
+    run_benchmark(dataclasses.replace(config, full_warmup=None))  # None: CUDA only
+    assert [name for name, _, _ in calls] == ["kvbatch", "hf-static"]
