@@ -2,9 +2,8 @@
 
     python scripts/gpu_check_summary.py RESULTS_DIR [--write summary.txt]
 
-Reads steps.tsv (each step's status), rag.json, long-prefill.json and long-prefill-alt.json
-(`kvbatch bench --json`)
-and prints the steps, the rag table (seconds, tokens/s, latency, ratio, fraction of the floor)
+Reads steps.tsv (each step's status), rag.json, long-prefill.json and long-prefill-CAP.json
+(other chunk caps; all `kvbatch bench --json`) and prints the steps, the rag table (seconds, tokens/s, latency, ratio, fraction of the floor)
 and issue 5's two targets: `rag` in at most 1.5 s on an H200, and in `long-prefill` no decoding
 request waiting more than 3 decode steps. Runs with the standard library alone.
 """
@@ -141,10 +140,15 @@ def summary(folder: Path) -> str:
     lines += rag_lines(_load(folder / "rag.json"))
     lines.append("")
     lines += long_prefill_lines(_load(folder / "long-prefill.json"))
-    alt = folder / "long-prefill-alt.json"  # the same with another chunk cap, if it ran
-    if alt.is_file():
-        lines += long_prefill_lines(_load(alt))
+    for path in sorted(folder.glob("long-prefill-*.json"), key=_cap):  # other chunk caps
+        lines += long_prefill_lines(_load(path))
     return "\n".join(lines)
+
+
+def _cap(path: Path) -> tuple[int, str]:
+    """long-prefill-512.json before long-prefill-256.json: caps from high to low."""
+    cap = path.stem.rsplit("-", 1)[-1]
+    return (-int(cap) if cap.isdigit() else 0, path.name)
 
 
 def main(argv: list[str] | None = None) -> int:

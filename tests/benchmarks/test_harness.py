@@ -367,11 +367,16 @@ def test_long_prefill_tiny_reports_the_gap(random_cache, tmp_path, capsys):
     folder = tmp_path / "check"
     folder.mkdir()
     out.rename(folder / "long-prefill.json")
-    alt.rename(folder / "long-prefill-alt.json")
+    alt.rename(folder / "long-prefill-128.json")
+    other = json.loads((folder / "long-prefill-128.json").read_text())
+    other["options"]["long_prefill_token_threshold"] = 1024  # stands for a second cap's run
+    (folder / "long-prefill-1024.json").write_text(json.dumps(other))
     text = _summary_script().summary(folder)
-    assert "long-prefill-tiny (long_prefill_token_threshold default): longest" in text
-    assert "long-prefill-tiny (long_prefill_token_threshold 128): longest" in text
-    assert text.count("target (<= 3 decode steps)") == 2
+    default = text.index("long-prefill-tiny (long_prefill_token_threshold default): longest")
+    high = text.index("long-prefill-tiny (long_prefill_token_threshold 1024): longest")
+    low = text.index("long-prefill-tiny (long_prefill_token_threshold 128): longest")
+    assert default < high < low  # the default, then the caps from high to low
+    assert text.count("target (<= 3 decode steps)") == 3
 
 
 def test_long_prefill_refuses_peers_that_cannot_add_a_prompt_mid_run(random_cache, capsys):
