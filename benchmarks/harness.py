@@ -33,6 +33,7 @@ import torch
 from benchmarks.kernel_profile import format_kernel_profile, profile_engine_run
 from benchmarks.peers import EngineOptions, Peer, PeerUnavailable, RunResult, make_peer
 from benchmarks.step_profile import format_step_profile
+from benchmarks.text_table import format_rows
 from benchmarks.workloads import (
     LLAMA_1B_RANDOM,
     SMOLLM2,
@@ -230,16 +231,6 @@ LATENCY_HEADERS = ["TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"]
 def latency_cells(s: Any) -> list[str]:
     """The four latency figures of a summary (anything with ttft_p50 ... tpot_p99), in ms."""
     return [_ms(getattr(s, k)) for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")]
-
-
-def format_rows(rows: list[tuple[str, ...]]) -> list[str]:
-    """Rows of cells as aligned text: the first column left-aligned, the others right."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for r in rows:
-        cells = [r[0].ljust(widths[0])] + [v.rjust(w) for v, w in zip(r[1:], widths[1:])]
-        out.append("  ".join(cells).rstrip())
-    return out
 
 
 LONG_PREFILL_TARGET = 3.0

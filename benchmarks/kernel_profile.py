@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+from benchmarks.text_table import format_rows
+
 ANNOTATION = "kvbatch."  # record_function names this module adds: kvbatch.<step kind>
 
 # (kind, substrings of a lowercased kernel or operator name); the first match wins
@@ -205,8 +207,6 @@ def _records(prof: Any, on_gpu: bool) -> list[Record]:
 
 def format_kernel_profile(p: dict[str, Any], engine: str = "kvbatch") -> str:
     """The profile (KernelProfile.to_dict) as text: busy share, steps, kinds, top kernels."""
-    from benchmarks.harness import format_rows  # (harness imports this module)
-
     what = "kernels" if p["device"] == "cuda" else "operators (self CPU time)"
     ref = p.get("reference_seconds")
     busy = p.get("busy_fraction")

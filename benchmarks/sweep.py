@@ -34,7 +34,6 @@ from benchmarks.harness import (
     BenchError,
     draw_prompts,
     format_long_prefill,
-    format_rows,
     latency_cells,
     latency_summary,
     long_prefill_summary,
@@ -44,6 +43,7 @@ from benchmarks.harness import (
     warm_up,
 )
 from benchmarks.peers import make_peer
+from benchmarks.text_table import format_rows
 
 DEFAULT_MAX_NUM_SEQS = (128, 256, 512)
 DEFAULT_BATCHED_TOKENS = (4096, 8192, 16384)

@@ -2,8 +2,8 @@
 
     python scripts/gpu_check_summary.py RESULTS_DIR [--write summary.txt]
 
-Reads steps.tsv (each step's status), rag.json, long-prefill.json and long-prefill-CAP.json
-(other chunk caps; all `kvbatch bench --json`) and prints the steps, the rag table (seconds, tokens/s, latency, ratio, fraction of the floor)
+Reads steps.tsv (each step's status), rag.json, long-prefill.json, long-prefill-CAP.json
+(other chunk caps) and rag-sweep.json (all `kvbatch bench --json`) and prints the steps, the rag table (seconds, tokens/s, latency, ratio, fraction of the floor)
 and issue 5's two targets: `rag` in at most 1.5 s on an H200, and in `long-prefill` no decoding
 request waiting more than 3 decode steps. Runs with the standard library alone.
 """
@@ -19,6 +19,7 @@ from typing import Any
 
 from benchmarks.kernel_profile import format_kernel_profile
 from benchmarks.step_profile import format_step_profile
+from benchmarks.text_table import format_rows
 
 RAG_TARGET_S = 1.5  # issue 5: at most 1.5 s on an H200 (8x transformers' static generate)
 RAG_GOAL_S = 1.0
@@ -27,14 +28,6 @@ GAP_TARGET = 3.0  # decode steps
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.1f}"
-
-
-def _table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [
-        "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])])
-        for r in rows
-    ]
 
 
 def steps_lines(path: Path) -> list[str]:
@@ -47,7 +40,7 @@ def steps_lines(path: Path) -> list[str]:
         table.append(
             [r["step"], r["status"], r["seconds"], r["limit"], (r["last line"] or "")[:90]]
         )
-    return _table(table)
+    return format_rows(table)
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -80,7 +73,7 @@ def rag_lines(data: dict[str, Any] | None) -> list[str]:
             frac = e.get("floor_fraction")
             row.append("-" if frac is None else f"{frac:.0%}")
         table.append(row)
-    lines += _table(table)
+    lines += format_rows(table)
     lines.append("(TTFT/TPOT in ms; ratio = engine seconds / kvbatch seconds)")
     for g in data.get("greedy_match", []):
         lines.append(
@@ -133,6 +126,39 @@ def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def sweep_lines(data: dict[str, Any] | None) -> list[str]:
+    """The rag sweep's cells (if the optional step ran): which defaults would serve rag best."""
+    if data is None:
+        return []
+    table = [["seqs", "tokens/step", "seconds", "tok/s", "TPOT p99", "kv blocks", "note"]]
+    for c in data["cells"]:
+        if c.get("error"):
+            table.append([str(c["max_num_seqs"]), str(c["max_num_batched_tokens"])] + ["-"] * 4)
+            table[-1].append(c["error"][:50])
+            continue
+        table.append(
+            [
+                str(c["max_num_seqs"]),
+                str(c["max_num_batched_tokens"]),
+                f"{c['seconds']:.2f}",
+                f"{c['tokens_per_s']:.0f}",
+                _ms(c.get("tpot_p99")),
+                str(c.get("num_kv_blocks") or "-"),
+                f"{c['num_preemptions']} preemptions" if c.get("num_preemptions") else "",
+            ]
+        )
+    ok = [c for c in data["cells"] if not c.get("error") and c.get("seconds")]
+    lines = [f"{data['workload']['name']} sweep (kvbatch alone, one engine per cell):"]
+    lines += format_rows(table)
+    if ok:
+        best = min(ok, key=lambda c: c["seconds"])
+        lines.append(
+            f"fastest: max_num_seqs {best['max_num_seqs']}, max_num_batched_tokens "
+            f"{best['max_num_batched_tokens']}: {best['seconds']:.2f} s"
+        )
+    return lines
+
+
 def summary(folder: Path) -> str:
     lines = [f"GPU check summary: {folder}", ""]
     lines += steps_lines(folder / "steps.tsv")
@@ -142,6 +168,9 @@ def summary(folder: Path) -> str:
     lines += long_prefill_lines(_load(folder / "long-prefill.json"))
     for path in sorted(folder.glob("long-prefill-*.json"), key=_cap):  # other chunk caps
         lines += long_prefill_lines(_load(path))
+    sweep = sweep_lines(_load(folder / "rag-sweep.json"))
+    if sweep:
+        lines += [""] + sweep
     return "\n".join(lines)
 
 

@@ -96,3 +96,16 @@ def test_sweep_runs_each_cell_and_writes_json(tmp_path, monkeypatch, capsys):
         assert c["num_kv_blocks"] > 0
     # two sequences at a time: the last requests wait for the first ones
     assert cells[0]["ttft_p99"] > cells[1]["ttft_p99"]
+
+    # the GPU check's summary lists the cells and the fastest one
+    from tests.benchmarks.test_harness import _summary_script
+
+    folder = tmp_path / "check"
+    folder.mkdir()
+    data["cells"].append({**cells[0], "max_num_seqs": 512, "error": "OutOfMemoryError: CUDA"})
+    (folder / "rag-sweep.json").write_text(json.dumps(data))
+    text = _summary_script().summary(folder)
+    assert "rag-tiny sweep (kvbatch alone, one engine per cell):" in text
+    fastest = min(cells, key=lambda c: c["seconds"])
+    assert f"fastest: max_num_seqs {fastest['max_num_seqs']}, " in text
+    assert "OutOfMemoryError: CUDA" in text
