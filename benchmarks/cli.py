@@ -201,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.host_overhead import main as host_overhead_main
 
         return host_overhead_main(argv[1:])
+    if argv[:1] == ["step-plan"]:  # the scheduler's steps of a workload, model stubbed
+        from benchmarks.step_plan import main as step_plan_main
+
+        return step_plan_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list:
