@@ -32,6 +32,9 @@ def plan(workload: Workload, max_num_seqs: int, max_num_batched_tokens: int) -> 
     from benchmarks.workloads import TINY_RANDOM, make_prompts
     from engine import LLM, SamplingParams
 
+    # Chunks of long prompts are capped in tokens' worth of compute, which depends on the
+    # model's shape (ModelConfig.attention_break_even_context): plan with the real model's.
+    break_even = _break_even_context(workload.model)
     w = dataclasses.replace(workload, model=TINY_RANDOM)
     if w.has_long_prompt:
         raise ValueError(f"{w.name} adds a prompt mid-run: plan a workload without one")
@@ -48,6 +51,10 @@ def plan(workload: Workload, max_num_seqs: int, max_num_batched_tokens: int) -> 
         max_model_len=w.prompt_len + w.output_len,
     )
     engine = llm.engine
+    if break_even is not None:
+        engine.scheduler.config = dataclasses.replace(
+            engine.scheduler.config, attention_break_even_context=break_even
+        )
     vocab = TINY_LLAMA.vocab_size
     # the forward's logits rows, all zeros: scheduling, KV and the runner's host side run as is
     engine.runner._forward = lambda ids, meta, rows: torch.zeros(len(rows), vocab)
@@ -73,6 +80,16 @@ def plan(workload: Workload, max_num_seqs: int, max_num_batched_tokens: int) -> 
         "prompt_tokens_computed": sum(p for _, p in steps),
         "prompt_tokens": sum(len(p) for p in prompts),
     }
+
+
+def _break_even_context(model: str) -> int | None:
+    """The attention break-even context of a workload's random model (None for a model that
+    is not built from a config here, e.g. SmolLM2's GGUF: the tiny model's is kept)."""
+    from benchmarks.models import MODEL_SPECS
+    from engine.model import ModelConfig
+
+    spec = MODEL_SPECS.get(model)
+    return None if spec is None else ModelConfig.from_hf(spec.config()).attention_break_even_context
 
 
 def format_plans(plans: list[dict[str, Any]]) -> str:
