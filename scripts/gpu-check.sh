@@ -6,6 +6,9 @@
 #   scripts/gpu-check.sh --cpu      # the same steps on the CPU: --tiny workloads, tiny models,
 #                                   # and only the packages the H200 image has (scripts/h200_image)
 #   scripts/gpu-check.sh --out DIR  # results folder (default: $OUT if set, else ./gpu-check-out)
+#   scripts/gpu-check.sh --only 'rag,long-prefill*'   # just these steps (shell patterns,
+#                                   # comma-separated): a cheap rerun after a fix; versions and
+#                                   # summary always run
 #
 # Steps, in order (a failing step is recorded and the next one still runs):
 #   versions      python, torch, triton, transformers, the device; nvidia-smi
@@ -41,11 +44,13 @@ set -u -o pipefail
 
 cd "$(dirname "$0")/.."
 CPU=0
+ONLY=""
 OUT_DIR="${OUT:-./gpu-check-out}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) CPU=1 ;;
     --out) OUT_DIR="$2"; shift ;;
+    --only) ONLY="$2"; shift ;;
     -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -98,9 +103,22 @@ trap 'rm -f "$STEP_LOG"' EXIT
 printf 'step\tstatus\trc\tseconds\tlimit\tlast line\n' > "$STEPS"
 echo "gpu-check ($MODE) $(date -u +%Y-%m-%dT%H:%M:%SZ) in $PWD with $PY" | tee "$LOG"
 
+# wanted NAME: whether --only (if given) names the step; versions and summary always run
+wanted() {
+  [ -z "$ONLY" ] || [ "$1" = versions ] || [ "$1" = summary ] && return 0
+  local pattern patterns
+  IFS=',' read -r -a patterns <<< "$ONLY"  # (no pathname expansion of the patterns)
+  for pattern in "${patterns[@]}"; do
+    # shellcheck disable=SC2053  # a pattern on purpose
+    [[ "$1" == $pattern ]] && return 0
+  done
+  return 1
+}
+
 # step NAME LIMIT CMD...: run CMD under `timeout`, log its output, record its status.
 step() {
   local name="$1" limit="$2"; shift 2
+  if ! wanted "$name"; then skip "$name" "not in --only"; return; fi
   echo "== $name (limit ${limit}s): $*" | tee -a "$LOG"
   local start=$SECONDS
   timeout --kill-after=10 "$limit" "$@" > "$STEP_LOG" 2>&1
