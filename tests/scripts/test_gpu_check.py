@@ -74,3 +74,39 @@ def test_the_benchmark_and_greedy_check_run_without_them(tmp_path: Path):
     )  # fmt: skip
     assert greedy.returncode == 0, greedy.stdout[-3000:] + greedy.stderr[-3000:]
     assert "greedy check PASS: tiny ok (logprobs within" in greedy.stdout
+
+
+@pytest.mark.slow
+def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
+    """scripts/gpu-check.sh itself, on the CPU with --only: steps, limits, results, summary."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    r = subprocess.run(
+        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", "rag", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with (out / "steps.tsv").open() as f:
+        status = {row[0]: row[1] for row in (line.rstrip("\n").split("\t") for line in f)}
+    assert status.pop("step") == "status"  # the header
+    assert status == {
+        "versions": "ok",
+        "kernels": "skipped",
+        "triton-test": "skipped",
+        "greedy": "skipped",
+        "rag": "ok",
+        "long-prefill": "skipped",
+        "long-prefill-512": "skipped",
+        "long-prefill-256": "skipped",
+        "rag-sweep": "skipped",
+        "summary": "ok",
+    }
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu-check.log", "rag.json", "steps.tsv", "summary.txt",
+    ]  # fmt: skip
+    summary = (out / "summary.txt").read_text()
+    assert "rag-tiny on cpu" in summary and "kvbatch kernel profile" in summary
+    bad = subprocess.run(
+        ["bash", "scripts/gpu-check.sh", "--bogus"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "unknown option --bogus" in bad.stderr
