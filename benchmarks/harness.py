@@ -563,6 +563,8 @@ def profile_kvbatch(
     except Exception as e:  # the timed results stand without it
         warnings.append(f"kernel profile failed: {type(e).__name__}: {e}")
         return None
+    if profile.device == "cuda" and not profile.top:  # e.g. CUPTI collecting nothing
+        warnings.append("kernel profile traced no kernel: its busy share says nothing")
     return profile.to_dict()
 
 

@@ -499,6 +499,17 @@ def test_kernel_profile_comes_after_a_checkpoint_of_the_timed_runs(tiny_model, m
     assert report.summary("kvbatch").seconds > 0
     assert report.warnings == ["kernel profile failed: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"]
 
+    from benchmarks.kernel_profile import summarize
+
+    def traced_nothing(engine, run, reference_seconds=None):
+        run()
+        return summarize([], "cuda", profiled_seconds=1.0, reference_seconds=reference_seconds)
+
+    monkeypatch.setattr(harness, "profile_engine_run", traced_nothing)
+    report = run_benchmark(config)
+    assert report.summary("kvbatch").extra["kernel_profile"]["busy_seconds"] == 0
+    assert report.warnings == ["kernel profile traced no kernel: its busy share says nothing"]
+
 
 def test_full_warmup_runs_kvbatch_once_on_a_draw_of_its_own(tiny_model, monkeypatch):
     """On CUDA (forced here) kvbatch runs the whole workload untimed before its timed runs, on
