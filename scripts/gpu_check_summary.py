@@ -99,6 +99,7 @@ def rag_lines(data: dict[str, Any] | None) -> list[str]:
         lines.append(
             f"target (<= {RAG_TARGET_S} s on an H200): {verdict} ({kv['seconds']:.2f} s{goal})"
         )
+    lines += [f"warning: {w}" for w in data.get("warnings", [])]
     return lines
 
 

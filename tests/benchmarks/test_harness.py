@@ -325,7 +325,10 @@ def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
     (tmp_path / "steps.tsv").write_text(
         "step\tstatus\trc\tseconds\tlimit\tlast line\nrag\tok\t0\t9\t180\twrote rag.json\n"
     )
+    data["warnings"] = ["hf-cb is unavailable and was skipped: no generate_batch"]
+    out.write_text(json.dumps(data))
     text = _summary_script().summary(tmp_path)
+    assert "warning: hf-cb is unavailable and was skipped: no generate_batch" in text
     assert "rag-tiny on cpu" in text and "hf-static" in text and "ok" in text
     assert "n/a here (not the full rag on an H200)" in text
     assert "kvbatch steps (last run)" in text and "kvbatch-sync steps (last run)" in text
