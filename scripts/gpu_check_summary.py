@@ -75,9 +75,17 @@ def rag_lines(data: dict[str, Any] | None) -> list[str]:
         table.append(row)
     lines += format_rows(table)
     lines.append("(TTFT/TPOT in ms; ratio = engine seconds / kvbatch seconds)")
+    dtype = (data.get("options") or {}).get("dtype", "float32")
     for g in data.get("greedy_match", []):
+        note = ""
+        if g["matching"] < g["compared"] and dtype != "float32" and g["engine"].startswith("hf-"):
+            note = (
+                f" ({dtype} on both: a near tie can flip a token and all after it; the float32 "
+                "greedy step is the exact check)"
+            )
         lines.append(
-            f"greedy tokens {g['engine']} vs {g['reference']}: {g['matching']}/{g['compared']}"
+            f"greedy tokens {g['engine']} vs {g['reference']}: "
+            f"{g['matching']}/{g['compared']}{note}"
         )
     for e in data["engines"]:  # kvbatch, and kvbatch-sync (async scheduling off) if it ran
         profile = (e.get("extra") or {}).get("step_profile") or {}

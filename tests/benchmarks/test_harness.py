@@ -328,6 +328,14 @@ def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
     data["warnings"] = ["hf-cb is unavailable and was skipped: no generate_batch"]
     out.write_text(json.dumps(data))
     text = _summary_script().summary(tmp_path)
+    assert "greedy tokens hf-static vs kvbatch: 4/4\n" in text  # float32: no caveat
+    data["options"]["dtype"] = "bfloat16"  # as on the GPU, where a near tie may flip a token
+    data["greedy_match"][0]["matching"] = 3
+    (tmp_path / "rag.json").write_text(json.dumps(data))
+    assert "hf-static vs kvbatch: 3/4 (bfloat16 on both" in _summary_script().summary(tmp_path)
+    data["greedy_match"][0]["matching"] = 4
+    out.write_text(json.dumps(data))
+    text = _summary_script().summary(tmp_path)
     assert "warning: hf-cb is unavailable and was skipped: no generate_batch" in text
     assert "rag-tiny on cpu" in text and "hf-static" in text and "ok" in text
     assert "n/a here (not the full rag on an H200)" in text
