@@ -30,11 +30,17 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.1f}"
 
 
-def steps_lines(path: Path) -> list[str]:
+def step_rows(path: Path) -> list[dict[str, str]]:
+    """steps.tsv's rows (step, status, rc, seconds, limit, last line); none if it is missing."""
     if not path.is_file():
-        return ["(no steps.tsv)"]
+        return []
     with path.open() as f:
-        rows = list(csv.DictReader(f, delimiter="\t"))
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
+def steps_lines(rows: list[dict[str, str]]) -> list[str]:
+    if not rows:
+        return ["(no steps.tsv)"]
     table = [["step", "status", "seconds", "limit", "last line"]]
     for r in rows:
         table.append(
@@ -170,11 +176,15 @@ def sweep_lines(data: dict[str, Any] | None) -> list[str]:
 
 def summary(folder: Path) -> str:
     lines = [f"GPU check summary: {folder}", ""]
-    lines += steps_lines(folder / "steps.tsv")
-    lines.append("")
-    lines += rag_lines(_load(folder / "rag.json"))
-    lines.append("")
-    lines += long_prefill_lines(_load(folder / "long-prefill.json"))
+    rows = step_rows(folder / "steps.tsv")
+    lines += steps_lines(rows)
+    skipped = {r["step"] for r in rows if r["status"] == "skipped"}
+    for name, results, describe in (
+        ("rag", folder / "rag.json", rag_lines),
+        ("long-prefill", folder / "long-prefill.json", long_prefill_lines),
+    ):
+        lines.append("")
+        lines += [f"{name}: skipped"] if name in skipped else describe(_load(results))
     for path in sorted(folder.glob("long-prefill-*.json"), key=_cap):  # other chunk caps
         lines += long_prefill_lines(_load(path))
     sweep = sweep_lines(_load(folder / "rag-sweep.json"))

@@ -106,6 +106,7 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
     ]  # fmt: skip
     summary = (out / "summary.txt").read_text()
     assert "rag-tiny on cpu" in summary and "kvbatch kernel profile" in summary
+    assert "long-prefill: skipped" in summary  # not "failed": --only left it out
     bad = subprocess.run(
         ["bash", "scripts/gpu-check.sh", "--bogus"], cwd=ROOT, capture_output=True, text=True
     )
