@@ -27,16 +27,17 @@
 #                 long-prefill-CAP.json: what each lower chunk cap does to the gap target (and
 #                 to the long prompt's first token); each is skipped when it could not end
 #                 inside BUDGET_S (560) seconds of the run
-#   rag-sweep     kvbatch bench rag --sweep over max_num_seqs 256,512 x max_num_batched_tokens
-#                 8192,16384 (kv fraction 0.9) into rag-sweep.json: whether other defaults
-#                 would serve rag better ($RAG_SWEEP_ARGS replaces the grid; empty skips it);
-#                 skipped, like the caps, when it could not end inside BUDGET_S
+#   rag-sweep     kvbatch bench rag --sweep over max_num_seqs 512 x max_num_batched_tokens
+#                 8192,16384 (kv fraction 0.9) into rag-sweep.json: whether all 512 requests
+#                 at once serve rag better than the defaults (256 x 8192: the rag step's
+#                 kvbatch row) ($RAG_SWEEP_ARGS replaces the grid; empty skips it); skipped,
+#                 like the caps, when it could not end inside BUDGET_S
 #   summary       scripts/gpu_check_summary.py: the short table (also summary.txt)
 #
 # The results folder gets gpu-check.log (every step's output), steps.tsv, rag.json,
 # long-prefill.json, long-prefill-512.json, long-prefill-256.json, rag-sweep.json and
 # summary.txt (eight: all the device tool brings back). Each step's time limit can be changed
-# through the environment (e.g. RAG_TIMEOUT=400); the limits add up to 855 s, a run
+# through the environment (e.g. RAG_TIMEOUT=400); the limits add up to 825 s, a run
 # takes about 5 to 6 minutes, and if the run is cut short every finished step's files are there.
 # LONG_PREFILL_ARGS adds options to the long-prefill bench (e.g.
 # LONG_PREFILL_ARGS="--long-prefill-token-threshold 512"); RAG_PEERS replaces rag's peers.
@@ -81,7 +82,7 @@ else
   TINY=()
   GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny,rag)
 fi
-# GPU limits add up to 855 s (first Triton compiles included); a run takes about 5 to 6
+# GPU limits add up to 825 s (first Triton compiles included); a run takes about 5 to 6
 # minutes, and the optional steps (caps, sweep) keep it inside BUDGET_S.
 VERSIONS_TIMEOUT=${VERSIONS_TIMEOUT:-20}
 KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-120}
@@ -90,7 +91,7 @@ GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-100}
 RAG_TIMEOUT=${RAG_TIMEOUT:-200}
 LONG_PREFILL_TIMEOUT=${LONG_PREFILL_TIMEOUT:-70}
 LONG_PREFILL_CAP_TIMEOUT=${LONG_PREFILL_CAP_TIMEOUT:-60}  # each; skipped past BUDGET_S
-RAG_SWEEP_TIMEOUT=${RAG_SWEEP_TIMEOUT:-120}  # skipped past BUDGET_S
+RAG_SWEEP_TIMEOUT=${RAG_SWEEP_TIMEOUT:-90}  # skipped past BUDGET_S
 SUMMARY_TIMEOUT=${SUMMARY_TIMEOUT:-15}
 
 mkdir -p "$OUT_DIR"
@@ -192,7 +193,7 @@ for cap in ${LONG_PREFILL_CAP_LIST[@]+"${LONG_PREFILL_CAP_LIST[@]}"}; do
   fi
 done
 # RAG_SWEEP_ARGS: the sweep's grid (empty: no sweep), if BUDGET_S allows
-read -r -a RAG_SWEEP_GRID <<< "${RAG_SWEEP_ARGS---sweep-max-num-seqs 256,512 \
+read -r -a RAG_SWEEP_GRID <<< "${RAG_SWEEP_ARGS---sweep-max-num-seqs 512 \
 --sweep-max-num-batched-tokens 8192,16384 --sweep-kv-cache-memory-fraction 0.9}"
 if [ ${#RAG_SWEEP_GRID[@]} -eq 0 ]; then
   skip rag-sweep "RAG_SWEEP_ARGS is empty"
