@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import os
-import platform
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +29,7 @@ from typing import Any
 import torch
 
 from benchmarks.kernel_profile import format_kernel_profile, profile_engine_run
+from benchmarks.machine import machine_info
 from benchmarks.peers import EngineOptions, Peer, PeerUnavailable, RunResult, make_peer
 from benchmarks.step_profile import format_step_profile
 from benchmarks.text_table import format_rows
@@ -408,31 +407,6 @@ def model_vocab_size(model_path: str | Path) -> int:
     return int(config.vocab_size)
 
 
-def machine_info(device: str) -> dict[str, Any]:
-    """What the figures were measured on."""
-    import transformers
-
-    if device.startswith("cuda") and torch.cuda.is_available():
-        device_name = torch.cuda.get_device_name(torch.device(device))
-    else:
-        device_name = _cpu_model() or platform.processor() or "unknown cpu"
-    try:
-        affinity: int | None = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        affinity = None
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": affinity,
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": device,
-        "device_name": device_name,
-    }
-
-
 def run_benchmark(
     config: BenchConfig,
     progress: Callable[[str], None] | None = None,
@@ -593,14 +567,3 @@ def _ms(seconds: float | None) -> str:
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None

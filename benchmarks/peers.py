@@ -106,6 +106,7 @@ class Peer(ABC):
 
     name: ClassVar[str]
     supports_long_prefill: ClassVar[bool] = False
+    compiles_kernels: ClassVar[bool] = False  # on first use per shape: see harness.warm_up
 
     def __init__(self, model_path: str | Path, options: EngineOptions) -> None:
         self.model_path = str(model_path)
@@ -127,10 +128,6 @@ class Peer(ABC):
     def before_run(self) -> None:
         """Called just before the timed `generate` (not timed): e.g. to snapshot counters."""
         return None
-
-    compiles_kernels = False
-    """Whether the engine compiles kernels on first use for the shapes it meets (kvbatch's
-    Triton kernels): the harness then warms it up on the whole workload (harness.warm_up)."""
 
     def warmup(self) -> None:
         """A tiny untimed job so that one-off costs (threads, allocator, lazy init) are paid."""

@@ -37,11 +37,11 @@ from benchmarks.harness import (
     latency_cells,
     latency_summary,
     long_prefill_summary,
-    machine_info,
     model_vocab_size,
     run_once,
     warm_up,
 )
+from benchmarks.machine import machine_info
 from benchmarks.peers import make_peer
 from benchmarks.text_table import format_rows
 

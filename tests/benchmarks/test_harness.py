@@ -345,13 +345,9 @@ def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
 
 
 def _summary_script():
-    import importlib.util
+    from tests.scripts import load_script
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check_summary.py"
-    spec = importlib.util.spec_from_file_location("gpu_check_summary", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check_summary")
 
 
 def test_long_prefill_tiny_reports_the_gap(random_cache, tmp_path, capsys):

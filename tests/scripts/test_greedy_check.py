@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
+
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def greedy_check():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "greedy_check.py"
-    spec = importlib.util.spec_from_file_location("greedy_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("greedy_check")
 
 
 def _rows(winners: list[int], vocab: int = 8, margin: float = 1.0) -> np.ndarray:
