@@ -31,8 +31,7 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 WARMUP_PROMPT_LEN = 8
-"""Warm-up prompts are shorter than one KV block, so they put nothing in kvbatch's prefix cache
-(and nothing in its hit-rate counters) that the timed run could find."""
+"""Shorter than one KV block: the tiny warm-up leaves nothing in kvbatch's prefix cache."""
 
 
 @dataclass(frozen=True)
