@@ -142,6 +142,13 @@ skip() {
   printf '%s\tskipped\t-\t0\t-\t%s\n' "$1" "$2" >> "$STEPS"
 }
 
+# fits NAME LIMIT: an optional step runs only if it (and the summary) can end inside BUDGET_S
+fits() {
+  [ $((SECONDS + $2 + SUMMARY_TIMEOUT)) -le "${BUDGET_S:-560}" ] && return 0
+  skip "$1" "not enough of BUDGET_S=${BUDGET_S:-560} s left"
+  return 1
+}
+
 versions() {
   "$PY" - <<'EOF'
 import platform
@@ -184,22 +191,17 @@ step long-prefill "$LONG_PREFILL_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefil
 # LONG_PREFILL_CAPS: lower chunk caps to try, one step each, while BUDGET_S allows
 read -r -a LONG_PREFILL_CAP_LIST <<< "${LONG_PREFILL_CAPS-512 256}"
 for cap in ${LONG_PREFILL_CAP_LIST[@]+"${LONG_PREFILL_CAP_LIST[@]}"}; do
-  if [ $((SECONDS + LONG_PREFILL_CAP_TIMEOUT + SUMMARY_TIMEOUT)) -gt "${BUDGET_S:-560}" ]; then
-    skip "long-prefill-$cap" "not enough of BUDGET_S=${BUDGET_S:-560} s left"
-  else
-    step "long-prefill-$cap" "$LONG_PREFILL_CAP_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill \
-      ${TINY[@]+"${TINY[@]}"} --long-prefill-token-threshold "$cap" \
-      --json "$OUT_DIR/long-prefill-$cap.json"
-  fi
+  fits "long-prefill-$cap" "$LONG_PREFILL_CAP_TIMEOUT" || continue
+  step "long-prefill-$cap" "$LONG_PREFILL_CAP_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill \
+    ${TINY[@]+"${TINY[@]}"} --long-prefill-token-threshold "$cap" \
+    --json "$OUT_DIR/long-prefill-$cap.json"
 done
 # RAG_SWEEP_ARGS: the sweep's grid (empty: no sweep), if BUDGET_S allows
 read -r -a RAG_SWEEP_GRID <<< "${RAG_SWEEP_ARGS---sweep-max-num-seqs 512 \
 --sweep-max-num-batched-tokens 8192,16384 --sweep-kv-cache-memory-fraction 0.9}"
 if [ ${#RAG_SWEEP_GRID[@]} -eq 0 ]; then
   skip rag-sweep "RAG_SWEEP_ARGS is empty"
-elif [ $((SECONDS + RAG_SWEEP_TIMEOUT + SUMMARY_TIMEOUT)) -gt "${BUDGET_S:-560}" ]; then
-  skip rag-sweep "not enough of BUDGET_S=${BUDGET_S:-560} s left"
-else
+elif fits rag-sweep "$RAG_SWEEP_TIMEOUT"; then
   step rag-sweep "$RAG_SWEEP_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} \
     --sweep "${RAG_SWEEP_GRID[@]}" --json "$OUT_DIR/rag-sweep.json"
 fi
