@@ -249,9 +249,20 @@ class KvbatchPeer(Peer):
         `workload.long_prompt_after` tokens the long prompt is added.
 
         The longest gap is the engine's own figure (RequestMetrics.max_token_gap, the largest
-        wait between two tokens of any decoder); the decode step it is compared with is the
-        median gap between consecutive tokens of the decoders, timed here after every step
-        (most steps are plain decode steps, so the median is one).
+        wait between two tokens of any decoder). The decode step it is compared with is the
+        median wall time of the *plain decode steps*: every step is timed (from one
+        `engine.step()` return to the next, the first from the start) and is plain when,
+        before it, every decoder had its first token and the long prompt was either not yet
+        added or had its first token (no prefill work). The steps taken while the long prompt
+        had no token yet are the prefill steps, reported apart: with a small chunk cap most
+        steps of the run are such mixed steps, and their median is no decode step.
+
+        The label comes from the requests' state before each `step()` call: exact without
+        async scheduling. With it (on CUDA) a call launches one step and returns the tokens of
+        the one before, so its wall time is mostly the previous step's device time: the first
+        call labelled prefill in fact times a plain decode step (an approximation, one step in
+        tens). When no step is plain the reference falls back to the median gap between
+        consecutive decoder tokens; `decode_step_reference` says which was used.
         """
         engine = self.llm.engine
         tag = f"long-prefill-{time.monotonic_ns()}"
@@ -267,10 +278,21 @@ class KvbatchPeer(Peer):
         token_times: dict[str, list[float]] = {rid: [] for rid in ids}
         finished: dict[str, Any] = {}
         long_id: str | None = None
+        long_seq: Any = None  # engine.requests drops a request when it finishes: keep it
+        decode_steps: list[float] = []  # wall seconds of the plain decode steps
+        prefill_steps: list[float] = []  # ... of the steps while the long prompt is prefilled
         arrival = step_count = 0
+        last = start
         while engine.has_unfinished():
+            prefilling = long_seq is not None and long_seq.num_output_tokens == 0
+            decoding = min(seen.values()) > 0 and not prefilling
             done = engine.step()
             now = time.perf_counter()
+            step_s, last = now - last, now
+            if prefilling:
+                prefill_steps.append(step_s)
+            elif decoding:
+                decode_steps.append(step_s)
             step_count += 1
             for rid, seq in seqs.items():
                 n = seq.num_output_tokens
@@ -282,6 +304,7 @@ class KvbatchPeer(Peer):
             if long_id is None and min(seen.values()) >= workload.long_prompt_after:
                 long_params = self._params(workload.long_output_len)
                 long_id = engine.add_request(long_prompt, long_params, request_id=f"{tag}-long")
+                long_seq = engine.requests[long_id]
                 arrival = now
         self._synchronize()
         seconds = time.perf_counter() - start
@@ -293,7 +316,11 @@ class KvbatchPeer(Peer):
         gaps = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
         engine_gaps = [o.metrics.max_token_gap for o in outs if o.metrics is not None]
         max_gap = max(engine_gaps) if engine_gaps else max(gaps, default=0.0)
-        median_step = statistics.median(gaps) if gaps else None
+        if decode_steps:
+            median_step, reference = statistics.median(decode_steps), "plain decode steps"
+        else:
+            median_step = statistics.median(gaps) if gaps else None
+            reference = "all token gaps"
         long_out = finished[long_id]
         long_ttft = None
         if long_out.metrics is not None and long_out.metrics.time_to_first_token is not None:
@@ -302,6 +329,9 @@ class KvbatchPeer(Peer):
             "max_token_gap_s": max_gap,
             "max_token_gap_observed_s": max(gaps, default=0.0),
             "median_decode_step_s": median_step,
+            "decode_step_reference": reference,
+            "median_prefill_step_s": statistics.median(prefill_steps) if prefill_steps else None,
+            "prefill_steps": len(prefill_steps),
             "gap_ratio": max_gap / median_step if median_step else None,
             "long_prompt_tokens": len(long_prompt),
             "long_prompt_arrival_s": arrival - start,

@@ -118,19 +118,34 @@ def rag_lines(data: dict[str, Any] | None) -> list[str]:
 
 
 def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
+    """A long-prefill run's gap against a plain decode step, and the 3-step target's verdict.
+
+    Results written before the plain decode step was timed lack `decode_step_reference` and
+    the prefill-step fields: their median is then named as it was measured.
+    """
     if data is None:
         return ["long-prefill: no results (the step failed or timed out; see gpu-check.log)"]
     kv = next((e for e in data["engines"] if e["engine"] == "kvbatch"), None)
     f = (kv or {}).get("long_prefill") or {}
     ratio = f.get("gap_ratio")
     threshold = (data.get("options") or {}).get("long_prefill_token_threshold")
+    reference = {
+        "plain decode steps": "plain decode step",
+        "all token gaps": "median token gap (no plain decode step)",
+    }.get(f.get("decode_step_reference"), "median decode step")
+    prefill = ""
+    if f.get("prefill_steps"):
+        prefill = (
+            f"; steps while prefilling: {f['prefill_steps']}, "
+            f"median {_ms(f.get('median_prefill_step_s'))} ms"
+        )
     lines = [
         f"{data['workload']['name']} (long_prefill_token_threshold "
         f"{'default' if threshold is None else threshold}): "
         f"longest token gap {_ms(f.get('max_token_gap_s'))} ms, "
-        f"median decode step {_ms(f.get('median_decode_step_s'))} ms, "
-        f"ratio {'-' if ratio is None else f'{ratio:.1f}'} decode steps; the long prompt's "
-        f"first token after {_ms(f.get('long_prompt_ttft_s'))} ms"
+        f"{reference} {_ms(f.get('median_decode_step_s'))} ms, "
+        f"ratio {'-' if ratio is None else f'{ratio:.1f}'} decode steps{prefill}; the long "
+        f"prompt's first token after {_ms(f.get('long_prompt_ttft_s'))} ms"
     ]
     if ratio is None:
         lines.append(f"target (<= {GAP_TARGET:g} decode steps): not measured")

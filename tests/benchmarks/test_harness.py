@@ -355,7 +355,8 @@ def test_long_prefill_tiny_reports_the_gap(random_cache, tmp_path, capsys):
     argv = ["long-prefill", "--tiny", "--json", str(out), "--threads", "1"]
     argv += ["--max-num-batched-tokens", "256"]  # the 2048-token prompt takes 8 steps
     assert cli.main(argv) == 0
-    assert "longest token gap" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "longest token gap" in printed and ", plain decode step " in printed
     (kv,) = json.loads(out.read_text())["engines"]
     w = WORKLOADS_TINY["long-prefill"]
     assert kv["output_tokens"] == w.num_requests * w.output_len  # the decoders' tokens only
@@ -367,10 +368,20 @@ def test_long_prefill_tiny_reports_the_gap(random_cache, tmp_path, capsys):
     assert f["long_prompt_ttft_s"] > 0
     # one step per decoder token at least (the long prompt's chunks ride along with decodes)
     assert f["steps"] >= w.output_len
+    # the reference is a plain decode step: the prefill's steps (256 tokens at most each, so
+    # 8 or more) are timed apart, and a step with a chunk in it takes far longer on the CPU
+    assert f["decode_step_reference"] == "plain decode steps"
+    assert w.long_prompt_len // 256 <= f["prefill_steps"] < f["steps"] - w.long_prompt_after
+    assert f["median_prefill_step_s"] > f["median_decode_step_s"]
+    assert f"; steps while prefilling: {f['prefill_steps']}, median " in printed
 
     # the GPU check's summary: the default run and the one with another chunk cap, labelled
     alt = tmp_path / "alt.json"
     assert cli.main(argv[:2] + ["--json", str(alt), "--long-prefill-token-threshold", "128"]) == 0
+    # a small cap: most steps of the run carry a chunk, yet the reference stays a plain step
+    small = json.loads(alt.read_text())["engines"][0]["long_prefill"]
+    assert small["prefill_steps"] > max(f["prefill_steps"], small["steps"] // 2)
+    assert small["decode_step_reference"] == "plain decode steps"
     folder = tmp_path / "check"
     folder.mkdir()
     out.rename(folder / "long-prefill.json")
@@ -384,6 +395,8 @@ def test_long_prefill_tiny_reports_the_gap(random_cache, tmp_path, capsys):
     low = text.index("long-prefill-tiny (long_prefill_token_threshold 128): longest")
     assert default < high < low  # the default, then the caps from high to low
     assert text.count("target (<= 3 decode steps)") == 3
+    assert text.count("ms, plain decode step ") == 3
+    assert f"steps while prefilling: {f['prefill_steps']}, median " in text
 
 
 def test_long_prefill_refuses_peers_that_cannot_add_a_prompt_mid_run(random_cache, capsys):

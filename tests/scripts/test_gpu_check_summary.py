@@ -1,0 +1,63 @@
+"""scripts/gpu_check_summary.py's long-prefill line, from results of today's and older runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.scripts import load_script
+
+summary = load_script("gpu_check_summary")
+
+
+def _results(figures: dict[str, Any], threshold: int | None = 512) -> dict[str, Any]:
+    """A `kvbatch bench long-prefill --json` result with these long-prefill figures."""
+    return {
+        "workload": {"name": "long-prefill"},
+        "options": {"long_prefill_token_threshold": threshold},
+        "engines": [{"engine": "kvbatch", "long_prefill": figures}],
+    }
+
+
+NEW = {  # the H200 run with a 512-token cap, as timed since plain decode steps are told apart
+    "max_token_gap_s": 0.0156,
+    "max_token_gap_observed_s": 0.0155,
+    "median_decode_step_s": 0.0015,
+    "decode_step_reference": "plain decode steps",
+    "median_prefill_step_s": 0.0083,
+    "prefill_steps": 64,
+    "gap_ratio": 10.4,
+    "long_prompt_tokens": 32768,
+    "long_prompt_ttft_s": 0.61,
+    "steps": 300,
+}
+
+
+def test_the_line_compares_the_gap_with_a_plain_decode_step():
+    head, target = summary.long_prefill_lines(_results(NEW))
+    assert head == (
+        "long-prefill (long_prefill_token_threshold 512): longest token gap 15.6 ms, "
+        "plain decode step 1.5 ms, ratio 10.4 decode steps; steps while prefilling: 64, "
+        "median 8.3 ms; the long prompt's first token after 610.0 ms"
+    )
+    assert target == "target (<= 3 decode steps): MISSED"
+
+
+def test_without_plain_decode_steps_the_line_says_what_the_reference_is():
+    figures = NEW | {"decode_step_reference": "all token gaps", "gap_ratio": 1.9}
+    head, target = summary.long_prefill_lines(_results(figures, threshold=None))
+    assert "(long_prefill_token_threshold default)" in head
+    assert "median token gap (no plain decode step) 1.5 ms, ratio 1.9" in head
+    assert target == "target (<= 3 decode steps): MET"
+
+
+def test_older_results_without_the_new_fields_still_print():
+    old = {k: NEW[k] for k in NEW if k not in ("decode_step_reference", "prefill_steps")}
+    del old["median_prefill_step_s"]
+    old |= {"median_decode_step_s": 0.0083, "gap_ratio": 1.9}  # the median of mixed steps
+    head, target = summary.long_prefill_lines(_results(old))
+    assert "longest token gap 15.6 ms, median decode step 8.3 ms, ratio 1.9 decode steps;" in head
+    assert "plain" not in head and "prefilling" not in head
+    assert target == "target (<= 3 decode steps): MET"
+    head, target = summary.long_prefill_lines(_results({}))  # a run that measured nothing
+    assert "median decode step - ms, ratio - decode steps; the long prompt" in head
+    assert target == "target (<= 3 decode steps): not measured"
