@@ -13,6 +13,7 @@ and fragmentation.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -87,9 +88,15 @@ def run_step(forward, backend, step: ProfileStep) -> torch.Tensor:
 def profile_peak_activation_bytes(model, forward, backend, **step_args) -> int:
     """Bytes the largest step needs above the weights (CUDA: measured by the allocator)."""
     device = step_args["device"]
-    step = largest_step(model, **step_args)
+    # An engine the caller has dropped can still hold its KV pool (about all free memory):
+    # engines sit in reference cycles (runner <-> backend, CUDA graph closures) that only the
+    # cycle collector frees. Collect now, so the second LLM in a process (tests, notebooks)
+    # shares out memory that is really free instead of failing to allocate the profile step.
+    gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
+    step = largest_step(model, **step_args)
+    torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)  # weights + the throw-away cache
     probs = run_step(forward, backend, step)

@@ -30,6 +30,9 @@ class PrefillBatch:
     query_lens: torch.Tensor  # [S]
     context_lens: torch.Tensor  # [S]
     max_query_len: int
+    # The longest context on the host, so the kernel may split a long context's keys across
+    # programs (a short chunk of a long prompt); None inside CUDA graphs (cascade groups).
+    max_context_len: int | None = None
 
 
 @dataclass
@@ -45,7 +48,10 @@ def pack_prefills(meta: AttentionMetadata) -> PrefillBatch | None:
     r = meta.prefill_ranges
     if r is not None and meta.prefill_block_tables is not None:  # packed by the runner
         max_query_len = max(s.query_len for s in spans)
-        return PrefillBatch(meta.prefill_block_tables, r[0], r[1], r[2], max_query_len)
+        max_context_len = max(s.context_len for s in spans)
+        return PrefillBatch(
+            meta.prefill_block_tables, r[0], r[1], r[2], max_query_len, max_context_len
+        )
     return _batch(
         [s.block_ids for s in spans],
         [(s.query_start, s.query_len, s.context_len) for s in spans],
@@ -63,7 +69,9 @@ def _batch(block_ids, ranges, device, tables=None) -> PrefillBatch:
             tables[i, : ids.numel()] = ids
     # [3, S]: each row contiguous (the kernels index these vectors with unit stride)
     lens = torch.tensor(list(zip(*ranges)), dtype=torch.int32).to(device)
-    return PrefillBatch(tables, lens[0], lens[1], lens[2], max(r[1] for r in ranges))
+    return PrefillBatch(
+        tables, lens[0], lens[1], lens[2], max(r[1] for r in ranges), max(r[2] for r in ranges)
+    )
 
 
 class TritonAttentionBackend:
@@ -128,6 +136,7 @@ class TritonAttentionBackend:
                 p.max_query_len,
                 causal=True,
                 out=out,
+                max_context_len=p.max_context_len,
             )
         return out
 

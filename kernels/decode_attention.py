@@ -154,16 +154,37 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < num_heads
     mask = h_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
-    o_ptrs = mid_o_ptr + b * stride_mb + offs_h[:, None] * stride_mh + offs_d[None, :]
-    lse_ptrs = mid_lse_ptr + b * stride_lmb + offs_h * stride_lmh
+    o, lse = merge_split_partials(
+        mid_o_ptr + b * stride_mb + offs_h[:, None] * stride_mh + offs_d[None, :],
+        mid_lse_ptr + b * stride_lmb + offs_h * stride_lmh,
+        stride_ms,
+        1,
+        num_splits,
+        h_mask,
+        mask,
+    )
+    tl.store(
+        out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        o.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh, lse, mask=h_mask)
 
-    # Online merge over the splits; an empty split has lse -inf and weight 0.
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+
+@triton.jit
+def merge_split_partials(
+    o_ptrs, lse_ptrs, stride_o_split, stride_lse_split, num_splits, row_mask, mask
+):
+    """Online merge of `num_splits` partial attentions of the same rows over disjoint key
+    ranges: o_ptrs [R, D] and lse_ptrs [R] (float32, log2 units) point at split 0. Returns the
+    merged output [R, D] (float32) and natural-log lse [R]. An empty split (lse -inf) weighs
+    nothing; rows whose splits are all empty get zeros and lse -inf."""
+    m = tl.full(lse_ptrs.shape, float("-inf"), tl.float32)
+    total = tl.zeros(lse_ptrs.shape, tl.float32)
+    acc = tl.zeros(o_ptrs.shape, tl.float32)
     for s in range(num_splits):
-        lse_s = tl.load(lse_ptrs + s, mask=h_mask, other=float("-inf"))
-        o_s = tl.load(o_ptrs + s * stride_ms, mask=mask, other=0.0)
+        lse_s = tl.load(lse_ptrs + s * stride_lse_split, mask=row_mask, other=float("-inf"))
+        o_s = tl.load(o_ptrs + s * stride_o_split, mask=mask, other=0.0)
         m_new = tl.maximum(m, lse_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
@@ -171,16 +192,10 @@ def _merge_splits_kernel(
         total = total * alpha + w
         acc = acc * alpha[:, None] + o_s * w[:, None]
         m = m_new
-
     empty = total == 0.0
     o = acc / tl.where(empty, 1.0, total)[:, None]
     lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, total)))
-    tl.store(
-        out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        o.to(out_ptr.dtype.element_ty),
-        mask=mask,
-    )
-    tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh, lse * 0.6931471805599453, mask=h_mask)
+    return o, lse * 0.6931471805599453
 
 
 class DecodeTiles(NamedTuple):
@@ -198,7 +213,7 @@ def decode_tiles(dtype: torch.dtype, block_d: int) -> DecodeTiles:
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132  # the interpreter: behave like an H100/H200 so the same splits are chosen
@@ -208,7 +223,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, device: to
     """Splits per sequence so that about two waves of programs fill the GPU, keeping at least
     MIN_TOKENS_PER_SPLIT tokens per split (from shapes only: capturable in a CUDA graph)."""
     programs = max(1, batch * num_kv_heads)
-    wanted = triton.cdiv(2 * _num_sms(device), programs)
+    wanted = triton.cdiv(2 * num_sms(device), programs)
     useful = max(1, max_tokens // MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, 64))
 

@@ -18,6 +18,15 @@ once for the G heads and a tile holds BLOCK_M // G positions.
 Each program runs two loops over key tiles: first the keys every row of the tile may see
 (no mask at all), then the rest up to the tile's last visible key (masked: diagonal of the
 causal mask, end of the context).
+
+Split keys (flash-decoding for chunks): a short chunk after a long context gives few programs
+(a 256-token chunk of a 32k prompt, G 4, 8 kv heads: 8 row tiles x 8 = 64 programs on 132
+SMs), each walking all 32k keys alone. With the longest context known on the host, the keys
+are cut into `num_splits` ranges, one program per (row tile, split) writes a float32 partial
+and its log-sum-exp, and a merge kernel over the same row tiles combines them exactly (the
+cascade merge's arithmetic, kernels/decode_attention.merge_split_partials):
+
+    keys of seq s:  [ split 0 | split 1 | split 2 ]  ->  (o, lse) each  ->  merge  ->  out
 """
 
 from __future__ import annotations
@@ -28,7 +37,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import LOG2E, check_attention_inputs, dot_precision
+from kernels.decode_attention import (
+    LOG2E,
+    check_attention_inputs,
+    dot_precision,
+    merge_split_partials,
+    num_sms,
+)
+
+MIN_KEYS_PER_SPLIT = 512  # a split must amortise its q tile load and its partial's write
 
 
 class PrefillTiles(NamedTuple):
@@ -105,9 +122,11 @@ def _prefill_kernel(
     query_start_ptr,  # [S]
     query_lens_ptr,  # [S]
     context_lens_ptr,  # [S]
-    out_ptr,  # [T, H, D]
-    lse_ptr,  # [T, H] float32
+    out_ptr,  # [T, H, D], or the float32 partials [num_splits, T, H, D] when not FINAL
+    lse_ptr,  # [T, H] float32 natural log, or the partials' [num_splits, T, H] log2
     scale_log2,
+    num_splits,
+    keys_per_split,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -122,6 +141,8 @@ def _prefill_kernel(
     stride_od,
     stride_lt,
     stride_lh,
+    stride_os,  # partials: split strides (0 when FINAL)
+    stride_ls,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -130,8 +151,10 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
+    FINAL: tl.constexpr,  # one split: the output and natural-log lse directly
 ):
-    tile = tl.program_id(0)
+    tile = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
     query_len = tl.load(query_lens_ptr + seq).to(tl.int32)
@@ -166,6 +189,8 @@ def _prefill_kernel(
         shared_end = context_len
         kv_end = context_len
     unmasked_end = (shared_end // BLOCK_N) * BLOCK_N
+    keys_start = split * keys_per_split  # a whole number of key tiles
+    keys_end = keys_start + keys_per_split
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -174,14 +199,16 @@ def _prefill_kernel(
     table = table_ptr + seq.to(tl.int64) * stride_tb
     arange_n = tl.arange(0, BLOCK_N)
     unused = arange_n >= 0  # stands in for the masks where MASKED is off (compiled away)
-    for start_n in range(0, unmasked_end, BLOCK_N):
+    for start_n in range(keys_start, tl.minimum(unmasked_end, keys_end), BLOCK_N):
         offs_n = start_n + arange_n
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_base, stride_kv, table, offs_n, offs_d, d_mask,
             unused[None, :], unused, scale_log2, stride_kblk, stride_kpos, stride_kd,
             BLOCK_SIZE, PRECISION, False,
         )  # fmt: skip
-    for start_n in range(unmasked_end, kv_end, BLOCK_N):
+    for start_n in range(
+        tl.maximum(unmasked_end, keys_start), tl.minimum(kv_end, keys_end), BLOCK_N
+    ):
         offs_n = start_n + arange_n
         n_valid = offs_n < context_len
         visible = n_valid[None, :]
@@ -193,18 +220,88 @@ def _prefill_kernel(
             BLOCK_SIZE, PRECISION, True,
         )  # fmt: skip
 
-    empty = l_i == 0.0  # non-causal with context_len 0
+    empty = l_i == 0.0  # no key in range: non-causal with context_len 0, or an empty split
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    if FINAL:
+        lse = lse * 0.6931471805599453
+    o_ptrs = out_ptr + split * stride_os + rows[:, None] * stride_ot + heads[:, None] * stride_oh
+    tl.store(
+        o_ptrs + offs_d[None, :] * stride_od,
+        o.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+    tl.store(lse_ptr + split * stride_ls + rows * stride_lt + heads * stride_lh, lse, mask=m_mask)
+
+
+@triton.jit
+def _merge_prefill_splits_kernel(
+    part_o_ptr,  # [num_splits, T, H, D] float32
+    part_lse_ptr,  # [num_splits, T, H] float32, log2 units
+    query_start_ptr,
+    query_lens_ptr,
+    out_ptr,  # [T, H, D]
+    lse_ptr,  # [T, H] float32, natural log
+    num_splits,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_pls,
+    stride_plt,
+    stride_plh,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lt,
+    stride_lh,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The split kernel's row tiles again: each merges its rows' partials into `out`."""
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    query_len = tl.load(query_lens_ptr + seq).to(tl.int32)
+    if tile * BLOCK_M >= query_len * G:
+        return
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = offs_m // G
+    heads = kvh * G + offs_m % G
+    m_mask = pos < query_len
+    mask = m_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    rows = tl.load(query_start_ptr + seq).to(tl.int64) + pos
+    o, lse = merge_split_partials(
+        part_o_ptr + rows[:, None] * stride_pt + heads[:, None] * stride_ph + offs_d[None, :],
+        part_lse_ptr + rows * stride_plt + heads * stride_plh,
+        stride_ps,
+        stride_pls,
+        num_splits,
+        m_mask,
+        mask,
+    )
     tl.store(
         out_ptr
         + rows[:, None] * stride_ot
         + heads[:, None] * stride_oh
         + offs_d[None, :] * stride_od,
         o.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & d_mask[None, :],
+        mask=mask,
     )
-    tl.store(lse_ptr + rows * stride_lt + heads * stride_lh, lse * 0.6931471805599453, mask=m_mask)
+    tl.store(lse_ptr + rows * stride_lt + heads * stride_lh, lse, mask=m_mask)
+
+
+def choose_prefill_splits(programs: int, max_context_len: int | None, device: torch.device) -> int:
+    """Key splits so that about two waves of programs fill the GPU, keeping at least
+    MIN_KEYS_PER_SPLIT keys per split; 1 when the longest context is not known on the host
+    (cascade groups inside a CUDA graph) or the row tiles already fill the GPU."""
+    if not max_context_len:
+        return 1
+    wanted = triton.cdiv(2 * num_sms(device), max(1, programs))
+    useful = max(1, max_context_len // MIN_KEYS_PER_SPLIT)
+    return max(1, min(wanted, useful, 64))
 
 
 def paged_prefill_attention(
@@ -220,12 +317,16 @@ def paged_prefill_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Varlen paged attention of several sequences' query chunks (causal or not).
 
     Returns out [T, num_heads, head_dim] in q's dtype; only rows covered by a sequence are
     written (rows of `out` outside every sequence keep their contents). With `return_lse` also
     the float32 natural-log log-sum-exp [T, num_heads] (-inf in uncovered rows).
+    `max_context_len` (a host int, at least every context_len) lets the keys be split when the
+    row tiles alone would leave the GPU idle; `num_splits` forces the count (tests).
     """
     check_attention_inputs(q, kv_cache, q.shape[0], "T")
     # The kernel indexes these with unit stride (a column slice of a [S, 3] tensor would be
@@ -252,14 +353,47 @@ def paged_prefill_attention(
 
     block_d = max(16, triton.next_power_of_2(head_dim))
     tiles = prefill_tiles(q.dtype, block_d)
-    grid = (triton.cdiv(max_query_len * g, tiles.block_m), num_seqs, num_kv_heads)
-    _prefill_kernel[grid](
-        q, kv_cache, block_tables, query_start, query_lens, context_lens, out, lse,
-        scale * LOG2E,
-        *q.stride(), *kv_cache.stride(), block_tables.stride(0), *out.stride(), *lse.stride(),
-        G=g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_D=block_d, CAUSAL=causal, PRECISION=dot_precision(q.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    row_tiles = triton.cdiv(max_query_len * g, tiles.block_m)
+    grid = (row_tiles, num_seqs, num_kv_heads)
+    if num_splits is None:
+        num_splits = choose_prefill_splits(
+            row_tiles * num_seqs * num_kv_heads, max_context_len, q.device
+        )
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_splits > 1 and not max_context_len:
+        raise ValueError("num_splits > 1 needs max_context_len (the longest context_len)")
+    keys_per_split = 2**30  # one split: every key
+    if num_splits > 1:  # whole key tiles per split; recount so that none is empty by construction
+        tiles_per_split = triton.cdiv(triton.cdiv(max_context_len, num_splits), tiles.block_n)
+        keys_per_split = tiles_per_split * tiles.block_n
+        num_splits = triton.cdiv(max_context_len, keys_per_split)
+
+    def split_kernel(o, lse_, final: bool) -> None:
+        """o [T, H, D] and lse_ [T, H], or the partials with a leading split dimension."""
+        o_strides, lse_strides = o.stride()[-3:], lse_.stride()[-2:]
+        split_strides = (0, 0) if final else (o.stride(0), lse_.stride(0))
+        _prefill_kernel[(row_tiles * num_splits, num_seqs, num_kv_heads)](
+            q, kv_cache, block_tables, query_start, query_lens, context_lens, o, lse_,
+            scale * LOG2E, num_splits, keys_per_split,
+            *q.stride(), *kv_cache.stride(), block_tables.stride(0), *o_strides, *lse_strides,
+            *split_strides, G=g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n, BLOCK_D=block_d, CAUSAL=causal,
+            PRECISION=dot_precision(q.dtype), FINAL=final,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )  # fmt: skip
+
+    if num_splits == 1:
+        split_kernel(out, lse, True)
+        return (out, lse) if return_lse else out
+
+    part_o = torch.empty(num_splits, *q.shape, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    split_kernel(part_o, part_lse, False)
+    _merge_prefill_splits_kernel[grid](
+        part_o, part_lse, query_start, query_lens, out, lse, num_splits,
+        *part_o.stride()[:3], *part_lse.stride(), *out.stride(), *lse.stride(),
+        G=g, HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -277,6 +411,8 @@ def paged_prefill_attention_ref(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
+    max_context_len: int | None = None,  # accepted for the same signature; the reference
+    num_splits: int | None = None,  # never splits
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch varlen paged prefill attention (float32 math, one sequence at a time)."""
     check_attention_inputs(q, kv_cache, q.shape[0], "T")

@@ -110,6 +110,27 @@ def test_padded_decode_graph_path_with_shared_prefix_groups(tiny_models, async_s
     llm.engine.kv.check_integrity()
 
 
+def test_short_chunks_of_a_long_prompt_split_their_keys(tiny_models, monkeypatch):
+    """Chunked prefill of a long prompt in short chunks: the prefill kernel splits the cached
+    context's keys across programs (the threshold lowered so the tiny model's contexts
+    qualify) and merges them; the tokens are the torch backend's."""
+    import kernels.prefill_attention as prefill
+
+    path = tiny_models("llama-gqa")
+    prompts = random_prompts(512, (400, 150, 9), seed=7)
+    args = dict(cascade_attention=False, max_num_batched_tokens=48)
+    want, _ = generate(path, prompts, attention_backend="torch", **args)
+    monkeypatch.setattr(prefill, "MIN_KEYS_PER_SPLIT", 64)
+    chosen = []
+    choose = prefill.choose_prefill_splits
+    monkeypatch.setattr(
+        prefill, "choose_prefill_splits", lambda *a: chosen.append(choose(*a)) or chosen[-1]
+    )
+    got, _ = generate(path, prompts, attention_backend="triton", **args)
+    assert got == want
+    assert max(chosen) > 1 and min(chosen) == 1  # the long contexts split, the first chunks not
+
+
 def test_batch_buckets():
     assert batch_buckets(1) == [1]
     assert batch_buckets(8) == [1, 2, 4, 8]

@@ -8,7 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.prefill_attention import (
+    MIN_KEYS_PER_SPLIT,
+    choose_prefill_splits,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+)
 from tests.kernels.conftest import (
     assert_close,
     assert_lse_close,
@@ -48,11 +53,29 @@ CASES = {
     "gqa4-d64-noncausal": Case(
         [(6, 48), (1, 17), (3, 0), (20, 100)], group=4, head_dim=64, causal=False
     ),
+    # short chunks after long contexts (the long-prefill shape): few row tiles, so the keys
+    # are split across programs by default; a short sequence beside them has empty splits
+    "gqa4-d64-long-context": Case(
+        [(9, 1100), (40, 1500), (2, 30)], group=4, head_dim=64, num_kv_heads=1
+    ),
 }
 
 
+def auto_splits(case: Case, dtype: torch.dtype, device: torch.device) -> int:
+    """The split count the kernel picks by itself for this case."""
+    from kernels.prefill_attention import prefill_tiles
+
+    tiles = prefill_tiles(dtype, max(16, case.head_dim))
+    rows = (max(q for q, _ in case.chunks) + 5) * case.group
+    programs = -(-rows // tiles.block_m) * len(case.chunks) * case.num_kv_heads
+    return choose_prefill_splits(programs, max(c for _, c in case.chunks), device)
+
+
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["auto-splits", "3-splits"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_prefill_matches_reference(case: Case, dtype: torch.dtype, device: torch.device):
+def test_prefill_matches_reference(
+    case: Case, num_splits: int | None, dtype: torch.dtype, device: torch.device
+):
     gen = generator(0)
     query_lens = [q for q, _ in case.chunks]
     context_lens = [c for _, c in case.chunks]
@@ -86,6 +109,8 @@ def test_prefill_matches_reference(case: Case, dtype: torch.dtype, device: torch
         causal=case.causal,
         out=poisoned(q),
         return_lse=True,
+        max_context_len=max(context_lens),
+        num_splits=num_splits,
     )
     ref_out, ref_lse = paged_prefill_attention_ref(
         q,
@@ -150,3 +175,32 @@ def test_reference_matches_sdpa(causal: bool, device: torch.device):
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
     ).transpose(0, 1)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_long_context_case_splits_by_default(dtype: torch.dtype, device: torch.device):
+    """The long-context case above really takes the split path when left to choose."""
+    assert auto_splits(CASES["gqa4-d64-long-context"], dtype, device) > 1
+    assert auto_splits(CASES["mha-d64-prompts"], dtype, device) == 1  # contexts too short
+
+
+def test_choose_prefill_splits(device: torch.device):
+    assert choose_prefill_splits(64, None, device) == 1  # longest context unknown: no split
+    assert choose_prefill_splits(64, 100, device) == 1  # below MIN_KEYS_PER_SPLIT per split
+    few = choose_prefill_splits(64, 32768, device)  # a 256-token chunk of a 32k prompt
+    assert 2 <= few <= 32768 // MIN_KEYS_PER_SPLIT
+    assert choose_prefill_splits(64, 3 * MIN_KEYS_PER_SPLIT, device) == min(3, few)
+    assert choose_prefill_splits(100_000, 32768, device) == 1  # tiles already fill the GPU
+
+
+def test_splits_need_the_longest_context(device: torch.device):
+    gen = generator(3)
+    kv_cache, tables = make_paged_kv(
+        [20], block_size=16, num_kv_heads=1, head_dim=32, dtype=torch.float32, device=device,
+        gen=gen,
+    )  # fmt: skip
+    q = randn(20, 2, 32, gen=gen, dtype=torch.float32, device=device)
+    meta = [torch.tensor([x], device=device) for x in (0, 20, 20)]
+    with pytest.raises(ValueError, match="max_context_len"):
+        paged_prefill_attention(q, kv_cache, tables, *meta, 20, num_splits=2)
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        paged_prefill_attention(q, kv_cache, tables, *meta, 20, num_splits=0, max_context_len=20)
