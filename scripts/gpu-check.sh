@@ -13,6 +13,9 @@
 # Steps, in order (a failing step is recorded and the next one still runs):
 #   versions      python, torch, triton, transformers, the device; nvidia-smi
 #   kernels       pytest -q tests/kernels (CUDA when present; the Triton interpreter otherwise)
+#   prefill-splits  scripts/prefill_split_bench.py: the prefill kernel on one short chunk after a
+#                 32k context at 1..32 key splits and the automatic choice (ms each), every
+#                 split checked against the unsplit output (--cpu: a tiny shape)
 #   triton-test   pytest -q tests/engine/test_triton_backend.py (skipped if it does not exist)
 #   greedy        scripts/greedy_check.py: kvbatch (triton backend, float32) vs transformers on
 #                 a tiny random model and on the rag-shape model (--cpu: the tiny one, with
@@ -37,7 +40,7 @@
 # The results folder gets gpu-check.log (every step's output), steps.tsv, rag.json,
 # long-prefill.json, long-prefill-512.json, long-prefill-256.json, rag-sweep.json and
 # summary.txt (eight: all the device tool brings back). Each step's time limit can be changed
-# through the environment (e.g. RAG_TIMEOUT=400); the limits add up to 825 s, a run
+# through the environment (e.g. RAG_TIMEOUT=400); the limits add up to 945 s, a run
 # takes about 5 to 6 minutes, and if the run is cut short every finished step's files are there.
 # LONG_PREFILL_ARGS adds options to the long-prefill bench (e.g.
 # LONG_PREFILL_ARGS="--long-prefill-token-threshold 512"); RAG_PEERS replaces rag's peers.
@@ -77,16 +80,19 @@ if [ "$CPU" = 1 ]; then
   KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-150}
   TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-240}
   GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-180}
+  SPLITS=(--device cpu --context 1100 --chunks 4 --splits 1,3 --kv-heads 1 --group 2 --head-dim 16)
 else
   MODE=gpu
   TINY=()
   GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny,rag)
+  SPLITS=()
 fi
-# GPU limits add up to 825 s (first Triton compiles included); a run takes about 5 to 6
+# GPU limits add up to 945 s (first Triton compiles included); a run takes about 5 to 6
 # minutes, and the optional steps (caps, sweep) keep it inside BUDGET_S.
 VERSIONS_TIMEOUT=${VERSIONS_TIMEOUT:-20}
 KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-120}
-TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-90}
+PREFILL_SPLITS_TIMEOUT=${PREFILL_SPLITS_TIMEOUT:-60}
+TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-150}  # 81 s on the H200 (2026-11-30)
 GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-100}
 RAG_TIMEOUT=${RAG_TIMEOUT:-200}
 LONG_PREFILL_TIMEOUT=${LONG_PREFILL_TIMEOUT:-70}
@@ -174,6 +180,8 @@ EOF
 export -f versions
 step versions "$VERSIONS_TIMEOUT" bash -c versions
 step kernels "$KERNELS_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider tests/kernels
+step prefill-splits "$PREFILL_SPLITS_TIMEOUT" "$PY" scripts/prefill_split_bench.py \
+  ${SPLITS[@]+"${SPLITS[@]}"}
 if [ -f tests/engine/test_triton_backend.py ]; then
   step triton-test "$TRITON_TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider \
     tests/engine/test_triton_backend.py

@@ -82,7 +82,7 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     r = subprocess.run(
-        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", "rag", "--out", str(out)],
+        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", "rag,prefill-*", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -92,6 +92,7 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
     assert status == {
         "versions": "ok",
         "kernels": "skipped",
+        "prefill-splits": "ok",
         "triton-test": "skipped",
         "greedy": "skipped",
         "rag": "ok",
