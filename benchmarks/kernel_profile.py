@@ -3,9 +3,10 @@
     kvbatch bench rag --kernel-profile
 
 The timed runs say how long the job took; this says what the GPU spent that time on, so one
-run on a lent GPU shows which kernel to work on next. After the timed runs kvbatch runs the
-first draw once more with the profiler on (its figures are not used for the table's seconds),
-and the report gets:
+run on a lent GPU shows which kernel to work on next. After the timed runs kvbatch runs a draw
+of its own (harness.PROFILE_SEED_OFFSET: no prompt, so no prefix-cache block, in common with
+the timed runs) with the profiler on (its figures are not used for the table's seconds), and
+the report gets:
 
 - busy: the kernels' summed device time against the *unprofiled* run's seconds. Near 100% the
   job is bound by its kernels; well below, the GPU waits for the host (Python per step).

@@ -27,7 +27,12 @@ from engine.fused import model_forward
 from engine.kv_cache import KVCacheManager
 from engine.launched_step import LaunchedStep, StepResult
 from engine.loader import load_model
-from engine.memory import cuda_kv_budget, profile_peak_activation_bytes
+from engine.memory import (
+    KV_POOL_REQUESTS_PER_SEQ,
+    cuda_kv_budget,
+    kv_blocks_worth_having,
+    profile_peak_activation_bytes,
+)
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from engine.runner import ModelRunner, kv_bytes_per_block
 from engine.sampling_params import SamplingParams
@@ -181,7 +186,23 @@ class LLMEngine:
             )
         else:
             budget = DEFAULT_CPU_KV_BYTES
-        return max(0, budget // per_block)
+        blocks = max(0, budget // per_block)
+        if cache.kv_cache_bytes is None:  # a default budget: no more than can be put to use
+            most = kv_blocks_worth_having(
+                scheduler_config.max_num_seqs, self.max_model_len, cache.block_size
+            )
+            if blocks > most:
+                log.info(
+                    "KV pool capped at %d blocks (%d x max_num_seqs=%d requests of "
+                    "max_model_len=%d) instead of the %d the budget allows",
+                    most,
+                    KV_POOL_REQUESTS_PER_SEQ,
+                    scheduler_config.max_num_seqs,
+                    self.max_model_len,
+                    blocks,
+                )
+                blocks = most
+        return blocks
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -112,3 +112,17 @@ def cuda_kv_budget(peak_activation: int, fraction: float, device: torch.device) 
     set aside."""
     free, _total = torch.cuda.mem_get_info(device)
     return max(0, int((free - peak_activation) * fraction))
+
+
+# Blocks past this many full-length requests' worth can only keep prefix-cache entries of
+# requests no longer running; the block manager's bookkeeping is per block (Python objects),
+# so a tiny model on a big GPU (0.9 of an H200 is 15 million blocks of a test model) would
+# spend seconds and gigabytes of host memory on blocks it never uses.
+KV_POOL_REQUESTS_PER_SEQ = 4
+
+
+def kv_blocks_worth_having(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """The most blocks a default budget gets: KV_POOL_REQUESTS_PER_SEQ x max_num_seqs requests
+    of max_model_len tokens (a 1B model with 128k context on an H200 is far below it; an
+    explicit kv_cache_bytes or num_kv_blocks is never capped)."""
+    return KV_POOL_REQUESTS_PER_SEQ * max_num_seqs * -(-max_model_len // block_size)

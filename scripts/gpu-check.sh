@@ -26,7 +26,7 @@
 #                 kernels ranked, and how busy the GPU was)
 #   long-prefill  kvbatch bench long-prefill --json long-prefill.json
 #   long-prefill-CAP  the same with --long-prefill-token-threshold CAP, for each CAP in
-#                 $LONG_PREFILL_CAPS (default "512 256"; empty: none) into
+#                 $LONG_PREFILL_CAPS (default "256 128"; empty: none) into
 #                 long-prefill-CAP.json: what each lower chunk cap does to the gap target (and
 #                 to the long prompt's first token); each is skipped when it could not end
 #                 inside BUDGET_S (560) seconds of the run
@@ -38,7 +38,7 @@
 #   summary       scripts/gpu_check_summary.py: the short table (also summary.txt)
 #
 # The results folder gets gpu-check.log (every step's output), steps.tsv, rag.json,
-# long-prefill.json, long-prefill-512.json, long-prefill-256.json, rag-sweep.json and
+# long-prefill.json, long-prefill-256.json, long-prefill-128.json, rag-sweep.json and
 # summary.txt (eight: all the device tool brings back). Each step's time limit can be changed
 # through the environment (e.g. RAG_TIMEOUT=400); the limits add up to 945 s, a run
 # takes about 5 to 6 minutes, and if the run is cut short every finished step's files are there.
@@ -197,7 +197,7 @@ read -r -a LONG_PREFILL_EXTRA <<< "${LONG_PREFILL_ARGS:-}"
 step long-prefill "$LONG_PREFILL_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill ${TINY[@]+"${TINY[@]}"} \
   ${LONG_PREFILL_EXTRA[@]+"${LONG_PREFILL_EXTRA[@]}"} --json "$OUT_DIR/long-prefill.json"
 # LONG_PREFILL_CAPS: lower chunk caps to try, one step each, while BUDGET_S allows
-read -r -a LONG_PREFILL_CAP_LIST <<< "${LONG_PREFILL_CAPS-512 256}"
+read -r -a LONG_PREFILL_CAP_LIST <<< "${LONG_PREFILL_CAPS-256 128}"
 for cap in ${LONG_PREFILL_CAP_LIST[@]+"${LONG_PREFILL_CAP_LIST[@]}"}; do
   fits "long-prefill-$cap" "$LONG_PREFILL_CAP_TIMEOUT" || continue
   step "long-prefill-$cap" "$LONG_PREFILL_CAP_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill \

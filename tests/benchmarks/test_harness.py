@@ -503,12 +503,21 @@ def test_kernel_profile_comes_after_a_checkpoint_of_the_timed_runs(tiny_model, m
     config = BenchConfig(
         workload=TINY, model_path=str(tiny_model), engines=("kvbatch",), kernel_profile=True
     )
-    seen = []
+    seen, drawn = [], []
+    real_run_once = harness.run_once
+    monkeypatch.setattr(
+        harness, "run_once", lambda p, w, d: drawn.append(d.prompts) or real_run_once(p, w, d)
+    )
     report = run_benchmark(config, checkpoint=lambda r: seen.append(dict(r.engines[0].extra)))
     assert len(seen) == 1 and "kernel_profile" not in seen[0] and "step_profile" in seen[0]
     profile = report.summary("kvbatch").extra["kernel_profile"]
     assert profile["reference_seconds"] == report.summary("kvbatch").seconds
     assert profile["steps"]["prefill"]["steps"] >= 1 and not report.warnings
+    # the profiled run's prompts are new: none still in the prefix cache from a timed run
+    *timed, profiled = drawn
+    assert len(timed) == config.repeat
+    assert not {tuple(p) for p in profiled} & {tuple(p) for d in timed for p in d}
+    monkeypatch.setattr(harness, "run_once", real_run_once)
 
     def broken(*args, **kwargs):
         raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")

@@ -190,6 +190,11 @@ def test_choose_prefill_splits(device: torch.device):
     assert 2 <= few <= 32768 // MIN_KEYS_PER_SPLIT
     assert choose_prefill_splits(64, 3 * MIN_KEYS_PER_SPLIT, device) == min(3, few)
     assert choose_prefill_splits(100_000, 32768, device) == 1  # tiles already fill the GPU
+    if device.type == "cpu":  # the interpreter counts 132 SMs, as the H200: the splits that
+        # measured fastest there (scripts/prefill_split_bench.py), never a second wave
+        chunks = {128: 32, 256: 64, 512: 128, 2048: 512}  # chunk tokens: row-tile programs
+        got = {c: choose_prefill_splits(p, 32768, device) for c, p in chunks.items()}
+        assert got == {128: 8, 256: 4, 512: 2, 2048: 1}
 
 
 def test_splits_need_the_longest_context(device: torch.device):
