@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-import statistics
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -245,108 +244,31 @@ class KvbatchPeer(Peer):
     def run_long_prefill(
         self, prompts: list[list[int]], long_prompt: list[int], workload: Any
     ) -> RunResult:
-        """Drive the engine step by step: the decoders start, and once each has produced
-        `workload.long_prompt_after` tokens the long prompt is added.
+        """The decoders start; the long prompt joins once each has `long_prompt_after` tokens
+        (benchmarks/long_prefill.py drives the steps and measures the gaps)."""
+        from benchmarks.long_prefill import drive_long_prefill
 
-        The longest gap is the engine's own figure (RequestMetrics.max_token_gap, the largest
-        wait between two tokens of any decoder). The decode step it is compared with is the
-        median wall time of the *plain decode steps*: every step is timed (from one
-        `engine.step()` return to the next, the first from the start) and is plain when,
-        before it, every decoder had its first token and the long prompt was either not yet
-        added or had its first token (no prefill work). The steps taken while the long prompt
-        had no token yet are the prefill steps, reported apart: with a small chunk cap most
-        steps of the run are such mixed steps, and their median is no decode step.
-
-        The label comes from the requests' state before each `step()` call: exact without
-        async scheduling. With it (on CUDA) a call launches one step and returns the tokens of
-        the one before, so its wall time is mostly the previous step's device time: the first
-        call labelled prefill in fact times a plain decode step (an approximation, one step in
-        tens). When no step is plain the reference falls back to the median gap between
-        consecutive decoder tokens; `decode_step_reference` says which was used.
-        """
-        engine = self.llm.engine
-        tag = f"long-prefill-{time.monotonic_ns()}"
         self.before_run()
         self._synchronize()
-        start = time.perf_counter()
-        ids = [
-            engine.add_request(p, self._params(workload.output_len), request_id=f"{tag}-{i}")
-            for i, p in enumerate(prompts)
-        ]
-        seqs = {rid: engine.requests[rid] for rid in ids}
-        seen = dict.fromkeys(ids, 0)
-        token_times: dict[str, list[float]] = {rid: [] for rid in ids}
-        finished: dict[str, Any] = {}
-        long_id: str | None = None
-        long_seq: Any = None  # engine.requests drops a request when it finishes: keep it
-        decode_steps: list[float] = []  # wall seconds of the plain decode steps
-        prefill_steps: list[float] = []  # ... of the steps while the long prompt is prefilled
-        arrival = step_count = 0
-        last = start
-        while engine.has_unfinished():
-            prefilling = long_seq is not None and long_seq.num_output_tokens == 0
-            decoding = min(seen.values()) > 0 and not prefilling
-            done = engine.step()
-            now = time.perf_counter()
-            step_s, last = now - last, now
-            if prefilling:
-                prefill_steps.append(step_s)
-            elif decoding:
-                decode_steps.append(step_s)
-            step_count += 1
-            for rid, seq in seqs.items():
-                n = seq.num_output_tokens
-                if n > seen[rid]:
-                    token_times[rid] += [now] * (n - seen[rid])
-                    seen[rid] = n
-            for out in done:
-                finished[out.request_id] = out
-            if long_id is None and min(seen.values()) >= workload.long_prompt_after:
-                long_params = self._params(workload.long_output_len)
-                long_id = engine.add_request(long_prompt, long_params, request_id=f"{tag}-long")
-                long_seq = engine.requests[long_id]
-                arrival = now
-        self._synchronize()
-        seconds = time.perf_counter() - start
-        if long_id is None:
-            raise RuntimeError("the decoders finished before the long prompt was added")
-        outs = [finished[rid] for rid in ids]
-        self._cached_tokens = [int(o.num_cached_tokens or 0) for o in outs]
-        outputs = [list(o.outputs[0].token_ids) for o in outs]
-        gaps = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
-        engine_gaps = [o.metrics.max_token_gap for o in outs if o.metrics is not None]
-        max_gap = max(engine_gaps) if engine_gaps else max(gaps, default=0.0)
-        if decode_steps:
-            median_step, reference = statistics.median(decode_steps), "plain decode steps"
-        else:
-            median_step = statistics.median(gaps) if gaps else None
-            reference = "all token gaps"
-        long_out = finished[long_id]
-        long_ttft = None
-        if long_out.metrics is not None and long_out.metrics.time_to_first_token is not None:
-            long_ttft = long_out.metrics.time_to_first_token
-        figures = {
-            "max_token_gap_s": max_gap,
-            "max_token_gap_observed_s": max(gaps, default=0.0),
-            "median_decode_step_s": median_step,
-            "decode_step_reference": reference,
-            "median_prefill_step_s": statistics.median(prefill_steps) if prefill_steps else None,
-            "prefill_steps": len(prefill_steps),
-            "gap_ratio": max_gap / median_step if median_step else None,
-            "long_prompt_tokens": len(long_prompt),
-            "long_prompt_arrival_s": arrival - start,
-            "long_prompt_ttft_s": long_ttft,
-            "steps": step_count,
-        }
+        run = drive_long_prefill(
+            self.llm.engine,
+            prompts,
+            long_prompt,
+            workload,
+            self._params,
+            synchronize=self._synchronize,
+        )
+        self._cached_tokens = [int(o.num_cached_tokens or 0) for o in run.outputs]
+        outputs = [list(o.outputs[0].token_ids) for o in run.outputs]
         return RunResult(
             engine=self.name,
-            seconds=seconds,
+            seconds=run.seconds,
             output_tokens=sum(len(o) for o in outputs),
             num_requests=len(prompts),
             token_ids=outputs,
             extra=self.run_extra(prompts, outputs),
-            timings=_timings_from_metrics(outs),
-            long_prefill=figures,
+            timings=_timings_from_metrics(run.outputs),
+            long_prefill=run.figures,
         )
 
     def before_run(self) -> None:
