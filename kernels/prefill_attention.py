@@ -21,10 +21,12 @@ causal mask, end of the context).
 
 Split keys (flash-decoding for chunks): a short chunk after a long context gives few programs
 (a 256-token chunk of a 32k prompt, G 4, 8 kv heads: 8 row tiles x 8 = 64 programs on 132
-SMs), each walking all 32k keys alone. With the longest context known on the host, the keys
-are cut into `num_splits` ranges, one program per (row tile, split) writes a float32 partial
-and its log-sum-exp, and a merge kernel over the same row tiles combines them exactly (the
-cascade merge's arithmetic, kernels/decode_attention.merge_split_partials):
+SMs), each walking all 32k keys alone. Then each sequence's keys are cut into `num_splits`
+ranges of whole key tiles (sized from its own context length, in the kernel, so a launch
+needs no lengths on the host and can sit in a CUDA graph), one program per (row tile, split)
+writes a float32 partial and its log-sum-exp, and a merge kernel over the same row tiles
+combines them exactly (the cascade merge's arithmetic,
+kernels/decode_attention.merge_split_partials):
 
     keys of seq s:  [ split 0 | split 1 | split 2 ]  ->  (o, lse) each  ->  merge  ->  out
 """
@@ -126,7 +128,6 @@ def _prefill_kernel(
     lse_ptr,  # [T, H] float32 natural log, or the partials' [num_splits, T, H] log2
     scale_log2,
     num_splits,
-    keys_per_split,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -189,8 +190,14 @@ def _prefill_kernel(
         shared_end = context_len
         kv_end = context_len
     unmasked_end = (shared_end // BLOCK_N) * BLOCK_N
-    keys_start = split * keys_per_split  # a whole number of key tiles
-    keys_end = keys_start + keys_per_split
+    if FINAL:
+        keys_start = 0
+        keys_end = kv_end
+    else:  # this sequence's keys in num_splits ranges of whole key tiles (the last may be
+        # short, and a short context leaves some empty: lse -inf, no weight in the merge)
+        keys_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+        keys_start = split * keys_per_split
+        keys_end = keys_start + keys_per_split
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -333,7 +340,8 @@ def paged_prefill_attention(
     written (rows of `out` outside every sequence keep their contents). With `return_lse` also
     the float32 natural-log log-sum-exp [T, num_heads] (-inf in uncovered rows).
     `max_context_len` (a host int, at least every context_len) lets the keys be split when the
-    row tiles alone would leave the GPU idle; `num_splits` forces the count (tests).
+    row tiles alone would leave the GPU idle; `num_splits` sets the count instead (each
+    sequence's keys are cut in that many ranges, whatever its length).
     """
     check_attention_inputs(q, kv_cache, q.shape[0], "T")
     # The kernel indexes these with unit stride (a column slice of a [S, 3] tensor would be
@@ -368,13 +376,6 @@ def paged_prefill_attention(
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if num_splits > 1 and not max_context_len:
-        raise ValueError("num_splits > 1 needs max_context_len (the longest context_len)")
-    keys_per_split = 2**30  # one split: every key
-    if num_splits > 1:  # whole key tiles per split; recount so that none is empty by construction
-        tiles_per_split = triton.cdiv(triton.cdiv(max_context_len, num_splits), tiles.block_n)
-        keys_per_split = tiles_per_split * tiles.block_n
-        num_splits = triton.cdiv(max_context_len, keys_per_split)
 
     def split_kernel(o, lse_, final: bool) -> None:
         """o [T, H, D] and lse_ [T, H], or the partials with a leading split dimension."""
@@ -382,7 +383,7 @@ def paged_prefill_attention(
         split_strides = (0, 0) if final else (o.stride(0), lse_.stride(0))
         _prefill_kernel[(row_tiles * num_splits, num_seqs, num_kv_heads)](
             q, kv_cache, block_tables, query_start, query_lens, context_lens, o, lse_,
-            scale * LOG2E, num_splits, keys_per_split,
+            scale * LOG2E, num_splits,
             *q.stride(), *kv_cache.stride(), block_tables.stride(0), *o_strides, *lse_strides,
             *split_strides, G=g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n, BLOCK_D=block_d, CAUSAL=causal,

@@ -80,7 +80,8 @@ if [ "$CPU" = 1 ]; then
   KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-150}
   TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-240}
   GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-180}
-  SPLITS=(--device cpu --context 1100 --chunks 4 --splits 1,3 --kv-heads 1 --group 2 --head-dim 16)
+  SPLITS=(--device cpu --context 1100 --chunks 4 --splits 1,3 --kv-heads 1 --group 2 --head-dim 16
+          --cascade-groups 2 --cascade-rows 3 --cascade-keys 600)
 else
   MODE=gpu
   TINY=()

@@ -5,6 +5,8 @@ tokens attends to the whole cached prefix, and with few row tiles the kernel spl
 (kernels/prefill_attention.choose_prefill_splits). This prints, per chunk length, the time at
 each forced split count and at the automatic choice, and each result's largest difference from
 the unsplit output, so one GPU run says whether the automatic choice is near the best one.
+Then the cascade shape of `rag` (16 groups of 16 decoding rows against a 1024-token shared
+document, not causal), which the engine runs unsplit today: whether splitting it would pay.
 
     python scripts/prefill_split_bench.py                      # CUDA, bfloat16, 32k context
     python scripts/prefill_split_bench.py --device cpu --context 300 --chunks 16 --splits 1,2
@@ -34,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=4, help="query heads per kv head")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cascade-groups", type=int, default=16, help="0: no cascade table")
+    p.add_argument("--cascade-rows", type=int, default=16, help="decode rows per group")
+    p.add_argument("--cascade-keys", type=int, default=1024, help="shared keys per group")
     return p.parse_args(argv)
 
 
@@ -57,6 +62,20 @@ def time_call(fn, device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def time_splits(label: str, run, counts: list[int], auto: int, device) -> float:
+    """One table row per split count (and the automatic choice, `run(None)`): ms per call and
+    the largest difference from the unsplit output. Returns the largest difference."""
+    base = run(1).float()
+    worst = 0.0
+    for splits in [*counts, None]:
+        diff = (run(splits).float() - base).abs().max().item()
+        worst = max(worst, diff)
+        name = f"auto {auto}" if splits is None else str(splits)
+        ms = time_call(lambda s=splits: run(s), device)
+        print(f"{label:>7}  {name:>6}  {ms:>8.3f}  {diff:.2e}")
+    return worst
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":
@@ -72,19 +91,24 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     g = torch.Generator().manual_seed(0)
-    num_blocks = -(-args.context // args.block_size)
-    shape = (2, num_blocks, args.block_size, args.kv_heads, args.head_dim)
+    groups, rows, shared = args.cascade_groups, args.cascade_rows, args.cascade_keys
+    bs = args.block_size
+    num_blocks = -(-args.context // bs) + groups * -(-shared // bs)
+    shape = (2, num_blocks, bs, args.kv_heads, args.head_dim)
     kv_cache = torch.randn(shape, generator=g).to(device, dtype)
-    table = torch.randperm(num_blocks, generator=g).to(device, torch.int32)[None, :]
+    blocks = torch.randperm(num_blocks, generator=g).to(device, torch.int32)
     heads = args.kv_heads * args.group
     tolerance = TOLERANCE[str(dtype).removeprefix("torch.")]
     block_m = prefill_tiles(dtype, max(16, 1 << (args.head_dim - 1).bit_length())).block_m
+    counts = ints(args.splits)
     worst = 0.0
     print(
-        f"prefill kernel, one chunk after a {args.context}-token context: {heads} heads, "
-        f"{args.kv_heads} kv heads, head_dim {args.head_dim}, {dtype}, {device}"
+        f"prefill kernel: {heads} heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, "
+        f"{dtype}, {device}; ms per call (one layer)"
     )
-    print("chunk  splits        ms  max |diff| vs 1 split")
+    print(f"one chunk after a {args.context}-token context (causal):")
+    print("  chunk  splits        ms  max |diff| vs 1 split")
+    table = blocks[: -(-args.context // bs)][None, :]
     for chunk in ints(args.chunks):
         q = torch.randn(chunk, heads, args.head_dim, generator=g).to(device, dtype)
         meta = [torch.tensor([x], device=device) for x in (0, chunk, args.context)]
@@ -94,18 +118,36 @@ def main(argv: list[str] | None = None) -> int:
                 q, kv_cache, table, *meta, chunk, max_context_len=args.context, num_splits=splits
             )
 
-        base = run(1)
         programs = -(-chunk * args.group // block_m) * args.kv_heads
         auto = choose_prefill_splits(programs, args.context, device)
-        for splits in [*ints(args.splits), None]:
-            diff = (run(splits).float() - base.float()).abs().max().item()
-            worst = max(worst, diff)
-            label = f"auto {auto}" if splits is None else str(splits)
-            ms = time_call(lambda s=splits: run(s), device)
-            print(f"{chunk:>5}  {label:>6}  {ms:>8.3f}  {diff:.2e}")
+        worst = max(worst, time_splits(str(chunk), run, counts, auto, device))
+
+    if groups:  # the cascade shape: each group's decode rows against its shared prefix
+        print(
+            f"cascade: {groups} groups x {rows} decode rows against {shared} shared keys each "
+            "(not causal; in CUDA graphs today unsplit):"
+        )
+        print("  group  splits        ms  max |diff| vs 1 split")
+        width = -(-shared // bs)
+        tables = blocks[-groups * width :].reshape(groups, width)
+        q = torch.randn(groups * rows, heads, args.head_dim, generator=g).to(device, dtype)
+        starts = torch.arange(groups, device=device) * rows
+        lens = [torch.full((groups,), n, device=device) for n in (rows, shared)]
+
+        def run_groups(splits: int | None):
+            return paged_prefill_attention(
+                q, kv_cache, tables, starts, *lens, rows, causal=False,
+                max_context_len=shared, num_splits=splits,
+            )  # fmt: skip
+
+        programs = -(-rows * args.group // block_m) * groups * args.kv_heads
+        auto = choose_prefill_splits(programs, shared, device)
+        worst = max(worst, time_splits(f"{rows}x{shared}", run_groups, counts, auto, device))
+
     verdict = "ok" if worst <= tolerance else "FAIL"
     print(
-        f"prefill splits {verdict}: split outputs within {worst:.2e} of unsplit (tolerance {tolerance:.0e})"
+        f"prefill splits {verdict}: split outputs within {worst:.2e} of unsplit "
+        f"(tolerance {tolerance:.0e})"
     )
     return 0 if verdict == "ok" else 1
 
