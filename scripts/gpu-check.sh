@@ -20,7 +20,7 @@
 #   greedy        scripts/greedy_check.py: kvbatch (triton backend, float32) vs transformers on
 #                 a tiny random model and on the rag-shape model (--cpu: the tiny one, with
 #                 the Triton interpreter)
-#   rag           kvbatch bench rag --peers hf-static,kvbatch-sync --repeat 1 --kernel-profile
+#   rag           kvbatch bench rag --peers hf-static,kvbatch-sync --repeat 2 --kernel-profile
 #                 --json rag.json (kvbatch-sync: async scheduling off, so its ratio is what
 #                 async gains; --kernel-profile: one more kvbatch run under torch.profiler,
 #                 kernels ranked, and how busy the GPU was)
@@ -191,7 +191,7 @@ else
 fi
 step greedy "$GREEDY_TIMEOUT" "${GREEDY[@]}"
 step rag "$RAG_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} \
-  --peers "${RAG_PEERS:-hf-static,kvbatch-sync}" --repeat 1 --kernel-profile \
+  --peers "${RAG_PEERS:-hf-static,kvbatch-sync}" --repeat "${RAG_REPEAT:-2}" --kernel-profile \
   --json "$OUT_DIR/rag.json"
 # LONG_PREFILL_ARGS: extra bench options, e.g. "--long-prefill-token-threshold 512"
 read -r -a LONG_PREFILL_EXTRA <<< "${LONG_PREFILL_ARGS:-}"
