@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from benchmarks.kernel_profile import format_kernel_profile, profile_engine_run
+from benchmarks.long_prefill import reference_and_prefill_text
 from benchmarks.machine import machine_info
 from benchmarks.peers import EngineOptions, Peer, PeerUnavailable, RunResult, make_peer
 from benchmarks.step_profile import format_step_profile
@@ -243,27 +244,14 @@ def format_long_prefill(engine: str, f: dict[str, Any]) -> str:
     if ratio is not None:
         verdict = " (meets" if ratio <= LONG_PREFILL_TARGET else " (misses"
         verdict += f" the target of <= {LONG_PREFILL_TARGET:g})"
-    prefill = ""
-    if f.get("prefill_steps"):
-        prefill = (
-            f"; steps while prefilling: {f['prefill_steps']}, "
-            f"median {_ms(f.get('median_prefill_step_s'))} ms"
-        )
+    reference, prefill = reference_and_prefill_text(f)
     return (
         f"{engine} long-prefill: longest token gap {_ms(f.get('max_token_gap_s'))} ms, "
-        f"{_decode_step_name(f)} {_ms(f.get('median_decode_step_s'))} ms, ratio "
+        f"{reference} {_ms(f.get('median_decode_step_s'))} ms, ratio "
         f"{'-' if ratio is None else f'{ratio:.1f}'}{verdict}{prefill}; the "
         f"{f.get('long_prompt_tokens')}-token prompt's first token after "
         f"{_ms(f.get('long_prompt_ttft_s'))} ms"
     )
-
-
-def _decode_step_name(f: dict[str, Any]) -> str:
-    """What `median_decode_step_s` is the median of (older results do not say)."""
-    return {
-        "plain decode steps": "plain decode step",
-        "all token gaps": "median token gap (no plain decode step)",
-    }.get(f.get("decode_step_reference"), "median decode step")
 
 
 def floor_applies(workload: Workload, machine: dict[str, Any]) -> bool:

@@ -118,3 +118,20 @@ def drive_long_prefill(
         "steps": step_count,
     }
     return LongPrefillRun(outs, seconds, figures)
+
+
+def reference_and_prefill_text(f: dict[str, Any]) -> tuple[str, str]:
+    """For the one-line reports (the bench table's and the GPU check's summary, which runs on
+    the standard library alone): what `median_decode_step_s` is the median of, and the
+    prefill steps' part ("" when the figures have none). Results written before the plain
+    decode step was timed lack `decode_step_reference`: their median is named as measured."""
+    name = {
+        "plain decode steps": "plain decode step",
+        "all token gaps": "median token gap (no plain decode step)",
+    }.get(f.get("decode_step_reference"), "median decode step")
+    prefill = ""
+    if f.get("prefill_steps"):
+        median = f.get("median_prefill_step_s")
+        ms = "-" if median is None else f"{median * 1000:.1f}"
+        prefill = f"; steps while prefilling: {f['prefill_steps']}, median {ms} ms"
+    return name, prefill

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.kernel_profile import format_kernel_profile
+from benchmarks.long_prefill import reference_and_prefill_text
 from benchmarks.step_profile import format_step_profile
 from benchmarks.text_table import format_rows
 
@@ -118,27 +119,15 @@ def rag_lines(data: dict[str, Any] | None) -> list[str]:
 
 
 def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
-    """A long-prefill run's gap against a plain decode step, and the 3-step target's verdict.
-
-    Results written before the plain decode step was timed lack `decode_step_reference` and
-    the prefill-step fields: their median is then named as it was measured.
-    """
+    """A long-prefill run's gap against a plain decode step, and the 3-step target's verdict
+    (older results, without the plain decode step: see reference_and_prefill_text)."""
     if data is None:
         return ["long-prefill: no results (the step failed or timed out; see gpu-check.log)"]
     kv = next((e for e in data["engines"] if e["engine"] == "kvbatch"), None)
     f = (kv or {}).get("long_prefill") or {}
     ratio = f.get("gap_ratio")
     threshold = (data.get("options") or {}).get("long_prefill_token_threshold")
-    reference = {
-        "plain decode steps": "plain decode step",
-        "all token gaps": "median token gap (no plain decode step)",
-    }.get(f.get("decode_step_reference"), "median decode step")
-    prefill = ""
-    if f.get("prefill_steps"):
-        prefill = (
-            f"; steps while prefilling: {f['prefill_steps']}, "
-            f"median {_ms(f.get('median_prefill_step_s'))} ms"
-        )
+    reference, prefill = reference_and_prefill_text(f)
     lines = [
         f"{data['workload']['name']} (long_prefill_token_threshold "
         f"{'default' if threshold is None else threshold}): "
