@@ -318,6 +318,23 @@ def choose_prefill_splits(programs: int, max_context_len: int | None, device: to
     return max(1, min(wanted, useful, 64))
 
 
+def auto_prefill_splits(
+    dtype: torch.dtype,
+    head_dim: int,
+    group: int,
+    max_query_len: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context_len: int | None,
+    device: torch.device,
+) -> int:
+    """The split count paged_prefill_attention picks by itself for these shapes (benches and
+    tests print or check it)."""
+    tiles = prefill_tiles(dtype, max(16, triton.next_power_of_2(head_dim)))
+    programs = triton.cdiv(max_query_len * group, tiles.block_m) * num_seqs * num_kv_heads
+    return choose_prefill_splits(programs, max_context_len, device)
+
+
 def paged_prefill_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -371,8 +388,8 @@ def paged_prefill_attention(
     row_tiles = triton.cdiv(max_query_len * g, tiles.block_m)
     grid = (row_tiles, num_seqs, num_kv_heads)
     if num_splits is None:
-        num_splits = choose_prefill_splits(
-            row_tiles * num_seqs * num_kv_heads, max_context_len, q.device
+        num_splits = auto_prefill_splits(
+            q.dtype, head_dim, g, max_query_len, num_seqs, num_kv_heads, max_context_len, q.device
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")

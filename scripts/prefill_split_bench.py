@@ -82,11 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    from kernels.prefill_attention import (
-        choose_prefill_splits,
-        paged_prefill_attention,
-        prefill_tiles,
-    )
+    from kernels.prefill_attention import auto_prefill_splits, paged_prefill_attention
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -99,7 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     blocks = torch.randperm(num_blocks, generator=g).to(device, torch.int32)
     heads = args.kv_heads * args.group
     tolerance = TOLERANCE[str(dtype).removeprefix("torch.")]
-    block_m = prefill_tiles(dtype, max(16, 1 << (args.head_dim - 1).bit_length())).block_m
     counts = ints(args.splits)
     worst = 0.0
     print(
@@ -118,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                 q, kv_cache, table, *meta, chunk, max_context_len=args.context, num_splits=splits
             )
 
-        programs = -(-chunk * args.group // block_m) * args.kv_heads
-        auto = choose_prefill_splits(programs, args.context, device)
+        dims = (dtype, args.head_dim, args.group, chunk, 1, args.kv_heads)
+        auto = auto_prefill_splits(*dims, args.context, device)
         worst = max(worst, time_splits(str(chunk), run, counts, auto, device))
 
     if groups:  # the cascade shape: each group's decode rows against its shared prefix
@@ -140,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 max_context_len=shared, num_splits=splits,
             )  # fmt: skip
 
-        programs = -(-rows * args.group // block_m) * groups * args.kv_heads
-        auto = choose_prefill_splits(programs, shared, device)
+        dims = (dtype, args.head_dim, args.group, rows, groups, args.kv_heads)
+        auto = auto_prefill_splits(*dims, shared, device)
         worst = max(worst, time_splits(f"{rows}x{shared}", run_groups, counts, auto, device))
 
     verdict = "ok" if worst <= tolerance else "FAIL"

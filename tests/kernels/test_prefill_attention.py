@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kernels.prefill_attention import (
     MIN_KEYS_PER_SPLIT,
+    auto_prefill_splits,
     choose_prefill_splits,
     paged_prefill_attention,
     paged_prefill_attention_ref,
@@ -62,13 +63,10 @@ CASES = {
 
 
 def auto_splits(case: Case, dtype: torch.dtype, device: torch.device) -> int:
-    """The split count the kernel picks by itself for this case."""
-    from kernels.prefill_attention import prefill_tiles
-
-    tiles = prefill_tiles(dtype, max(16, case.head_dim))
-    rows = (max(q for q, _ in case.chunks) + 5) * case.group
-    programs = -(-rows // tiles.block_m) * len(case.chunks) * case.num_kv_heads
-    return choose_prefill_splits(programs, max(c for _, c in case.chunks), device)
+    """The split count the kernel picks by itself for this case (as the test launches it)."""
+    max_query_len = max(q for q, _ in case.chunks) + 5
+    dims = (case.head_dim, case.group, max_query_len, len(case.chunks), case.num_kv_heads)
+    return auto_prefill_splits(dtype, *dims, max(c for _, c in case.chunks), device)
 
 
 @pytest.mark.parametrize("num_splits", [None, 3, 7], ids=["auto-splits", "3-splits", "7-splits"])
