@@ -106,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="while others decode, a prompt's chunk costs at most N tokens' worth of compute "
         "(the engine's default: 2048; 0 = no cap)",
     )
+    e.add_argument(
+        "--long-prefill-step-ratio",
+        type=float,
+        metavar="R",
+        help="while others decode, a step with a longer prompt's chunk takes at most R plain "
+        "decode steps' time, the engine timing its steps (default: 2.5 on CUDA, off on the "
+        "CPU; 0 = off)",
+    )
 
     s = p.add_argument_group("sweep (kvbatch alone, one engine per cell)")
     s.add_argument(
@@ -159,6 +167,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         attention_backend=args.attention_backend,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        long_prefill_step_ratio=args.long_prefill_step_ratio,
         hf_batch_size=args.hf_batch_size or workload.hf_batch_size,
     )
     return BenchConfig(

@@ -63,6 +63,7 @@ def drive_long_prefill(
     decode_steps: list[float] = []  # wall seconds of the plain decode steps
     prefill_steps: list[float] = []  # ... of the steps while the long prompt is prefilled
     arrival = step_count = 0
+    first_long_token: float | None = None
     last = start
     while engine.has_unfinished():
         prefilling = long_seq is not None and long_seq.num_output_tokens == 0
@@ -80,6 +81,8 @@ def drive_long_prefill(
             if n > seen[rid]:
                 token_times[rid] += [now] * (n - seen[rid])
                 seen[rid] = n
+        if first_long_token is None and long_seq is not None and long_seq.num_output_tokens:
+            first_long_token = now
         for out in done:
             finished[out.request_id] = out
         if long_id is None and min(seen.values()) >= workload.long_prompt_after:
@@ -93,6 +96,14 @@ def drive_long_prefill(
         raise RuntimeError("the decoders finished before the long prompt was added")
     outs = [finished[rid] for rid in ids]
     gaps = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
+    # the waits that overlap the long prompt's prefill (from its arrival to its first token)
+    first_long_token = first_long_token or seconds + start
+    prefilling_gaps = [
+        b - a
+        for times in token_times.values()
+        for a, b in zip(times, times[1:])
+        if b > arrival and a < first_long_token
+    ]
     engine_gaps = [o.metrics.max_token_gap for o in outs if o.metrics is not None]
     max_gap = max(engine_gaps) if engine_gaps else max(gaps, default=0.0)
     if decode_steps:
@@ -112,10 +123,16 @@ def drive_long_prefill(
         "median_prefill_step_s": statistics.median(prefill_steps) if prefill_steps else None,
         "prefill_steps": len(prefill_steps),
         "gap_ratio": max_gap / median_step if median_step else None,
+        "max_token_gap_prefilling_s": max(prefilling_gaps, default=None),
+        "prefilling_gap_ratio": (
+            max(prefilling_gaps) / median_step if median_step and prefilling_gaps else None
+        ),
         "long_prompt_tokens": len(long_prompt),
         "long_prompt_arrival_s": arrival - start,
         "long_prompt_ttft_s": long_ttft,
         "steps": step_count,
+        # what the engine's step cost model learned (engine/step_cost.py), when it timed steps
+        "step_cost": cost.describe() if (cost := getattr(engine, "step_cost", None)) else None,
     }
     return LongPrefillRun(outs, seconds, figures)
 
@@ -134,4 +151,17 @@ def reference_and_prefill_text(f: dict[str, Any]) -> tuple[str, str]:
         median = f.get("median_prefill_step_s")
         ms = "-" if median is None else f"{median * 1000:.1f}"
         prefill = f"; steps while prefilling: {f['prefill_steps']}, median {ms} ms"
+    gap, ratio = f.get("max_token_gap_prefilling_s"), f.get("prefilling_gap_ratio")
+    if gap is not None and ratio is not None:
+        prefill += f"; longest gap while prefilling {gap * 1000:.1f} ms (ratio {ratio:.1f})"
+    cost = f.get("step_cost") or {}
+    if cost.get("mixed_steps") and cost.get("plain_step_s") is not None:
+        # mixed step - plain step = fixed + per token x tokens + per attention token x pairs / c
+        prefill += (
+            f"; timed chunks (ratio {cost['ratio']:g}) fit over {cost['mixed_steps']} mixed "
+            f"steps: plain step {cost['plain_step_s'] * 1e3:.2f} ms, a mixed one "
+            f"+{cost['fixed_s'] * 1e3:.2f} ms fixed, +{cost['per_token_s'] * 1e6:.2f} us a "
+            f"token, +{cost['per_attention_token_s'] * 1e6:.2f} us per "
+            f"{cost['break_even_context']} keys attended"
+        )
     return name, prefill

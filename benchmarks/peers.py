@@ -46,6 +46,7 @@ class EngineOptions:
     kv_cache_memory_fraction: float | None = None  # CUDA KV pool share; None = the engine's
     attention_backend: str = "auto"  # kvbatch: "auto" is triton on CUDA, torch on the CPU
     long_prefill_token_threshold: int | None = None  # kvbatch: None = the engine's default
+    long_prefill_step_ratio: float | None = None  # kvbatch: None = the engine's default
     async_scheduling: bool | None = None  # kvbatch: None = the engine's default (on for CUDA)
     hf_batch_size: int | None = None  # hf-static: requests per static batch; None = all
 
@@ -213,6 +214,8 @@ class KvbatchPeer(Peer):
             kwargs["kv_cache_memory_fraction"] = o.kv_cache_memory_fraction
         if o.long_prefill_token_threshold is not None:
             kwargs["long_prefill_token_threshold"] = o.long_prefill_token_threshold
+        if o.long_prefill_step_ratio is not None:
+            kwargs["long_prefill_step_ratio"] = o.long_prefill_step_ratio
         if self.async_scheduling is not None:
             kwargs["async_scheduling"] = self.async_scheduling
         self.llm = LLM(

@@ -46,8 +46,21 @@ class SchedulerConfig:
     # at context x costs (1 + x / this) plain tokens, so chunks late in a 32k prompt are
     # shorter and every step that carries one takes about as long.
     attention_break_even_context: int | None = None
+    # While other sequences decode, a step that carries a chunk of a prompt longer than the
+    # threshold above takes at most this many plain decode steps' time: the engine times its
+    # steps and sizes such chunks to fit (engine/step_cost.py). None = auto: 2.5 on CUDA, off
+    # on the CPU; 0 = off (chunks by the token cap alone, the same on every run: with timing,
+    # chunk boundaries follow the measured times, so in half precision a rerun may break a
+    # near tie differently).
+    long_prefill_step_ratio: float | None = None
 
     def __post_init__(self) -> None:
+        ratio = self.long_prefill_step_ratio
+        if ratio is not None and ratio != 0 and not ratio > 1:
+            raise ValueError(
+                "long_prefill_step_ratio must be > 1 (plain decode steps' time a step with a "
+                f"long prompt's chunk may take) or 0 (off), got {ratio}"
+            )
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 "long_prefill_token_threshold must be >= 0 (0 = no cap), got "
@@ -167,6 +180,15 @@ def default_batched_tokens(device: torch.device) -> int:
     """Tokens per step when the user sets none. On the CPU, 4096-token steps ran ~8% faster
     than 8192 on SmolLM2 (activations stay in cache); GPUs want big steps."""
     return 8192 if device.type == "cuda" else 4096
+
+
+CUDA_LONG_PREFILL_STEP_RATIO = 2.5  # under issue 5's 3, for the gaps' jitter
+
+
+def default_long_prefill_step_ratio(device: torch.device) -> float:
+    """On CUDA decoders' latency is worth a timed chunk size; on the CPU chunks keep the token
+    cap (the same split on every run), unless a ratio is asked for."""
+    return CUDA_LONG_PREFILL_STEP_RATIO if device.type == "cuda" else 0.0
 
 
 @dataclass(frozen=True)

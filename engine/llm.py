@@ -27,6 +27,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         long_prefill_token_threshold: int = 2048,
+        long_prefill_step_ratio: float | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         kv_cache_memory_fraction: float = 0.90,
@@ -63,6 +64,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len or 0,
                 long_prefill_token_threshold=long_prefill_token_threshold,
+                long_prefill_step_ratio=long_prefill_step_ratio,
             ),
             speculative=SpecConfig.parse(speculative, num_speculative_tokens),
         )

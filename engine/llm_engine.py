@@ -22,10 +22,15 @@ import logging
 import time
 
 from engine.attention import get_backend
-from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, default_batched_tokens
+from engine.config import (
+    DEFAULT_CPU_KV_BYTES,
+    EngineConfig,
+    default_batched_tokens,
+    default_long_prefill_step_ratio,
+)
 from engine.fused import model_forward
 from engine.kv_cache import KVCacheManager
-from engine.launched_step import LaunchedStep, StepResult
+from engine.launched_step import LaunchedStep, StepResult, start_clock
 from engine.loader import load_model
 from engine.memory import (
     KV_POOL_REQUESTS_PER_SEQ,
@@ -38,6 +43,7 @@ from engine.runner import ModelRunner, kv_bytes_per_block
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.step_cost import StepCostModel
 from engine.stopping import StopChecker
 
 log = logging.getLogger(__name__)
@@ -72,6 +78,11 @@ class LLMEngine:
                 scheduler_config,
                 attention_break_even_context=self.model_config.attention_break_even_context,
             )
+        if scheduler_config.long_prefill_step_ratio is None:
+            scheduler_config = dataclasses.replace(
+                scheduler_config,
+                long_prefill_step_ratio=default_long_prefill_step_ratio(self.device),
+            )
         scheduler_config = dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
         self.async_scheduling = self._async_scheduling()
         backend = get_backend(config.attention_backend, self.device)
@@ -93,7 +104,16 @@ class LLMEngine:
                 "kv_cache_memory_fraction on CUDA) or lower max_model_len"
             )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.kv)
+        self.step_cost = None  # times steps to size long prompts' chunks (engine/step_cost.py)
+        if (
+            scheduler_config.long_prefill_step_ratio
+            and scheduler_config.long_prefill_token_threshold
+        ):
+            self.step_cost = StepCostModel(
+                scheduler_config.long_prefill_step_ratio,
+                scheduler_config.attention_break_even_context,
+            )
+        self.scheduler = Scheduler(scheduler_config, self.kv, self.step_cost)
         self.runner = ModelRunner(
             self.model,
             self.kv,
@@ -277,10 +297,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the requests that finished in it (with async scheduling, the
         requests whose last token came from the step before: the final call runs no model)."""
+        # timed from here: what the host does before the forward is part of the step's time
+        started = start_clock(self.device) if self.step_cost is not None else None
         if self.spec is not None:  # drafts first: the scheduler counts them in the budget
             self.spec.propose(self.scheduler.running, self._num_steps)
         out = self.scheduler.schedule()
-        launched = self._launch(out) if out.chunks else None
+        launched = self._launch(out, started) if out.chunks else None
         if not self.async_scheduling:
             return self._finish(self._collect(launched)) if launched else self._nothing_ran()
         previous, self._in_flight = self._in_flight, launched
@@ -297,8 +319,9 @@ class LLMEngine:
             raise RuntimeError("the scheduler could not place any request: KV cache too small")
         return []
 
-    def _launch(self, out) -> LaunchedStep:
-        launched = self.runner.launch(out)
+    def _launch(self, out, started=None) -> LaunchedStep:
+        launched = self.runner.launch(out, started)
+        launched.shape = out.shape
         self.scheduler.advance(out)
         self._num_steps += 1
         self._computed += out.num_tokens
@@ -306,7 +329,12 @@ class LLMEngine:
 
     def _collect(self, launched: LaunchedStep) -> StepResult:
         """The step's tokens on the host: the host waits here for the device."""
-        return launched.result()
+        result = launched.result()
+        if self.step_cost is not None and launched.shape is not None:
+            seconds = launched.seconds
+            if seconds is not None:
+                self.step_cost.observe(launched.shape, seconds)
+        return result
 
     def _finish(self, result: StepResult) -> list[RequestOutput]:
         """Append a step's tokens, check stops, release the finished requests."""

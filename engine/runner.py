@@ -81,8 +81,9 @@ class ModelRunner:
         """Run a step and wait for its tokens."""
         return self.launch(out).result()
 
-    def launch(self, out: SchedulerOutput) -> LaunchedStep:
-        """Queue a step's forward and sampling; on CUDA this returns before they have run."""
+    def launch(self, out: SchedulerOutput, started=None) -> LaunchedStep:
+        """Queue a step's forward and sampling; on CUDA this returns before they have run.
+        `started`: the step's start_clock (engine/launched_step.py), to time it."""
         input_ids, meta, logits_rows, sampling_seqs = self._prepare(out)
         logits = self._forward(input_ids, meta, logits_rows)
         if not sampling_seqs:
@@ -90,7 +91,7 @@ class ModelRunner:
         if any(s.draft_token_ids for s in sampling_seqs):  # speculative decoding: verify
             vocab = self.model.config.vocab_size
             tokens, sampled = verify(self.sampler, logits, sampling_seqs, vocab)
-            return LaunchedStep(sampling_seqs, sampled, tokens)
+            return LaunchedStep(sampling_seqs, sampled, tokens, started)
         params = [s.params for s in sampling_seqs]
         if all(p.argmax_only for p in params):  # e.g. a greedy batch job: skip the tensors
             sampled = self.sampler.argmax(logits)
@@ -104,7 +105,7 @@ class ModelRunner:
             )
             sampled = self.sampler(logits, tensors)
         self._last_sampled = sampled.token_ids
-        return LaunchedStep(sampling_seqs, sampled)
+        return LaunchedStep(sampling_seqs, sampled, started=started)
 
     def _forward(self, input_ids, meta: _StepMeta, logits_rows) -> torch.Tensor:
         """Replay a captured decode graph when the step is a plain decode, else run eagerly."""

@@ -32,6 +32,7 @@ from typing import NamedTuple
 from engine.config import SchedulerConfig
 from engine.kv_cache import KVCacheManager
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_cost import StepCostModel, StepShape, chunk_pairs
 
 
 class ScheduledChunk(NamedTuple):
@@ -50,6 +51,7 @@ class ScheduledChunk(NamedTuple):
 class SchedulerOutput(NamedTuple):
     chunks: list[ScheduledChunk]  # decodes (1 token) first, then prefill chunks
     num_preempted: int
+    shape: StepShape | None = None  # for the step cost model, when the scheduler has one
 
     @property
     def num_tokens(self) -> int:
@@ -57,9 +59,12 @@ class SchedulerOutput(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, cost: StepCostModel | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.cost = cost  # times steps: sizes long prompts' chunks (engine/step_cost.py)
         # Every running sequence must get at least one token a step, or it could starve.
         self.max_running = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.waiting: deque[Sequence] = deque()
@@ -106,7 +111,7 @@ class Scheduler:
                 self._trim_drafts(seq, budget - 1)
             n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids), budget)
             if seq in prefill_set:
-                n = self._cap_long_prefill(n, seq.num_computed_tokens, chosen)
+                n = self._cap_long_prefill(seq, n, seq.num_computed_tokens, chosen)
             while not self.kv.allocate_slots(id(seq), seq.token_ids, n):
                 if seq.draft_token_ids:  # drop our own drafts before preempting anyone
                     n -= len(seq.draft_token_ids)
@@ -128,7 +133,20 @@ class Scheduler:
             budget = self._admit(chosen, budget, ending)
         chunks = [ScheduledChunk(s, n) for s, n in chosen.items()]
         chunks.sort(key=lambda c: c.num_new_tokens > 1)  # stable: decodes first
-        return SchedulerOutput(chunks, preempted)
+        shape = self._shape(chosen, set(decodes)) if self.cost is not None else None
+        return SchedulerOutput(chunks, preempted, shape)
+
+    @staticmethod
+    def _shape(chosen: dict[Sequence, int], decodes: set[Sequence]) -> StepShape:
+        num_decodes = tokens = pairs = longest = 0
+        for seq, n in chosen.items():
+            if seq in decodes:
+                num_decodes += 1
+            else:
+                tokens += n
+                pairs += chunk_pairs(n, seq.num_computed_tokens)
+                longest = max(longest, n)
+        return StepShape(num_decodes, tokens, pairs, longest)
 
     def _newest_holding_blocks(self) -> Sequence:
         """The preemption victim: the newest running sequence, passing over those that end
@@ -152,7 +170,7 @@ class Scheduler:
                 break
             computed = self.kv.get_computed_blocks(seq.token_ids)
             n = min(seq.num_tokens - computed.num_tokens, budget)
-            n = self._cap_long_prefill(n, computed.num_tokens, chosen)
+            n = self._cap_long_prefill(seq, n, computed.num_tokens, chosen)
             if not self.kv.allocate_slots(id(seq), seq.token_ids, n, computed):
                 break  # wait for running sequences to finish; never preempt for newcomers
             self.waiting.popleft()
@@ -165,12 +183,19 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _cap_long_prefill(self, n: int, context: int, chosen: dict[Sequence, int]) -> int:
+    def _cap_long_prefill(
+        self, seq: Sequence, n: int, context: int, chosen: dict[Sequence, int]
+    ) -> int:
         """A prompt's chunk of n tokens after `context` computed ones, capped while this step
-        carries decodes (long_prefill_token_threshold, in tokens' worth of compute)."""
-        cap = self.config.long_prefill_token_threshold
-        if not cap or n <= 1:
+        carries decodes: at long_prefill_token_threshold tokens' worth of compute and, for a
+        prompt longer than that threshold, at what the step cost model says keeps the step
+        within its ratio of a plain decode step's time."""
+        threshold = self.config.long_prefill_token_threshold
+        if not threshold or n <= 1:
             return n
+        if not any(s.num_tokens - s.num_computed_tokens == 1 for s in chosen):
+            return n  # no decode waits on this step
+        cap = threshold
         c = self.config.attention_break_even_context
         if c:
             # A token at context x costs (1 + x / c) plain tokens, so n tokens after `context`
@@ -178,9 +203,11 @@ class Scheduler:
             # n^2 / 2c + n (1 + context / c) = cap.
             a = 1 + context / c
             cap = max(1, int(c * (math.sqrt(a * a + 2 * cap / c) - a)))
-        if n > cap and any(s.num_tokens - s.num_computed_tokens == 1 for s in chosen):
-            return cap
-        return n
+        if self.cost is not None and seq.num_tokens > threshold:
+            timed = self.cost.chunk_cap(context)
+            if timed is not None:
+                cap = min(cap, timed)
+        return min(n, cap)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the newest sequence's blocks; it will be recomputed from its tokens."""

@@ -24,12 +24,14 @@
 #                 --json rag.json (kvbatch-sync: async scheduling off, so its ratio is what
 #                 async gains; --kernel-profile: one more kvbatch run under torch.profiler,
 #                 kernels ranked, and how busy the GPU was)
-#   long-prefill  kvbatch bench long-prefill --json long-prefill.json
-#   long-prefill-CAP  the same with --long-prefill-token-threshold CAP, for each CAP in
+#   long-prefill  kvbatch bench long-prefill --json long-prefill.json (the defaults: chunks
+#                 of the 32k prompt sized from timed steps, long_prefill_step_ratio 2.5)
+#   long-prefill-CAP  the same with --long-prefill-token-threshold CAP
+#                 --long-prefill-step-ratio 0 (token caps alone), for each CAP in
 #                 $LONG_PREFILL_CAPS (default "256 128"; empty: none) into
-#                 long-prefill-CAP.json: what each lower chunk cap does to the gap target (and
-#                 to the long prompt's first token); each is skipped when it could not end
-#                 inside BUDGET_S (560) seconds of the run
+#                 long-prefill-CAP.json: what a fixed cap does to the gap target (and to the
+#                 long prompt's first token) next to timed chunks; each is skipped when it
+#                 could not end inside BUDGET_S (560) seconds of the run
 #   rag-sweep     kvbatch bench rag --sweep over max_num_seqs 512 x max_num_batched_tokens
 #                 8192,16384 (kv fraction 0.9) into rag-sweep.json: whether all 512 requests
 #                 at once serve rag better than the defaults (256 x 8192: the rag step's
@@ -197,12 +199,13 @@ step rag "$RAG_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} \
 read -r -a LONG_PREFILL_EXTRA <<< "${LONG_PREFILL_ARGS:-}"
 step long-prefill "$LONG_PREFILL_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill ${TINY[@]+"${TINY[@]}"} \
   ${LONG_PREFILL_EXTRA[@]+"${LONG_PREFILL_EXTRA[@]}"} --json "$OUT_DIR/long-prefill.json"
-# LONG_PREFILL_CAPS: lower chunk caps to try, one step each, while BUDGET_S allows
+# LONG_PREFILL_CAPS: token caps alone (no timed chunks) to compare, one step each, while
+# BUDGET_S allows
 read -r -a LONG_PREFILL_CAP_LIST <<< "${LONG_PREFILL_CAPS-256 128}"
 for cap in ${LONG_PREFILL_CAP_LIST[@]+"${LONG_PREFILL_CAP_LIST[@]}"}; do
   fits "long-prefill-$cap" "$LONG_PREFILL_CAP_TIMEOUT" || continue
   step "long-prefill-$cap" "$LONG_PREFILL_CAP_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill \
-    ${TINY[@]+"${TINY[@]}"} --long-prefill-token-threshold "$cap" \
+    ${TINY[@]+"${TINY[@]}"} --long-prefill-token-threshold "$cap" --long-prefill-step-ratio 0 \
     --json "$OUT_DIR/long-prefill-$cap.json"
 done
 # RAG_SWEEP_ARGS: the sweep's grid (empty: no sweep), if BUDGET_S allows

@@ -126,11 +126,17 @@ def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
     kv = next((e for e in data["engines"] if e["engine"] == "kvbatch"), None)
     f = (kv or {}).get("long_prefill") or {}
     ratio = f.get("gap_ratio")
-    threshold = (data.get("options") or {}).get("long_prefill_token_threshold")
+    options = data.get("options") or {}
+    threshold = options.get("long_prefill_token_threshold")
+    settings = f"long_prefill_token_threshold {'default' if threshold is None else threshold}"
+    if "long_prefill_step_ratio" in options:  # results from before it existed lack it
+        step_ratio = options["long_prefill_step_ratio"]
+        settings += (
+            f", long_prefill_step_ratio {'default' if step_ratio is None else f'{step_ratio:g}'}"
+        )
     reference, prefill = reference_and_prefill_text(f)
     lines = [
-        f"{data['workload']['name']} (long_prefill_token_threshold "
-        f"{'default' if threshold is None else threshold}): "
+        f"{data['workload']['name']} ({settings}): "
         f"longest token gap {_ms(f.get('max_token_gap_s'))} ms, "
         f"{reference} {_ms(f.get('median_decode_step_s'))} ms, "
         f"ratio {'-' if ratio is None else f'{ratio:.1f}'} decode steps{prefill}; the long "

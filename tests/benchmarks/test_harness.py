@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -390,9 +391,10 @@ def test_long_prefill_tiny_reports_the_gap(random_cache, tmp_path, capsys):
     other["options"]["long_prefill_token_threshold"] = 1024  # stands for a second cap's run
     (folder / "long-prefill-1024.json").write_text(json.dumps(other))
     text = _summary_script().summary(folder)
-    default = text.index("long-prefill-tiny (long_prefill_token_threshold default): longest")
-    high = text.index("long-prefill-tiny (long_prefill_token_threshold 1024): longest")
-    low = text.index("long-prefill-tiny (long_prefill_token_threshold 128): longest")
+    ratio = ", long_prefill_step_ratio default): longest"
+    default = text.index(f"long-prefill-tiny (long_prefill_token_threshold default{ratio}")
+    high = text.index(f"long-prefill-tiny (long_prefill_token_threshold 1024{ratio}")
+    low = text.index(f"long-prefill-tiny (long_prefill_token_threshold 128{ratio}")
     assert default < high < low  # the default, then the caps from high to low
     assert text.count("target (<= 3 decode steps)") == 3
     assert text.count("ms, plain decode step ") == 3
@@ -471,13 +473,43 @@ def test_kvbatch_leaves_room_for_peers_on_cuda_only():
 
 
 def test_long_prefill_token_threshold_reaches_the_engine(random_cache, capsys):
-    """`--long-prefill-token-threshold` sets kvbatch's chunk cap (the gap/TTFT trade-off)."""
+    """`--long-prefill-token-threshold` sets kvbatch's chunk cap (the gap/TTFT trade-off),
+    `--long-prefill-step-ratio` its timed chunks."""
     argv = ["long-prefill", "--tiny", "--long-prefill-token-threshold", "256"]
+    argv += ["--long-prefill-step-ratio", "3"]
     config = cli.config_from_args(cli.build_parser().parse_args(argv), "kvbatch bench")
     assert config.options.long_prefill_token_threshold == 256
+    assert config.options.long_prefill_step_ratio == 3
     peer = make_peer("kvbatch", config.model_path, config.options)
     peer.load()
     assert peer.llm.engine.scheduler.config.long_prefill_token_threshold == 256
+    assert peer.llm.engine.step_cost.ratio == 3
+
+
+def test_long_prefill_with_timed_chunks_reports_what_the_engine_learned(
+    random_cache, tmp_path, capsys
+):
+    """The CPU run with timed chunks (off by default on the CPU): the 2,048-token prompt is
+    longer than a 1,024 threshold, so its chunks start at the probe and follow the fit; the
+    figures carry the fit and the longest wait while the prompt was prefilled."""
+    argv = ["long-prefill", "--tiny", "--threads", "1", "--long-prefill-token-threshold", "1024"]
+    runs, figures = {}, {}
+    for ratio in ("0", "2.5"):
+        out = tmp_path / f"lp-{ratio}.json"
+        assert cli.main(argv + ["--long-prefill-step-ratio", ratio, "--json", str(out)]) == 0
+        runs[ratio] = capsys.readouterr().out
+        figures[ratio] = json.loads(out.read_text())["engines"][0]["long_prefill"]
+    assert "timed chunks (ratio 2.5) fit over " in runs["2.5"]
+    assert "timed chunks" not in runs["0"] and figures["0"]["step_cost"] is None
+    timed, untimed = figures["2.5"], figures["0"]
+    cost = timed["step_cost"]
+    assert cost["mixed_steps"] >= 1 and cost["plain_step_s"] > 0 and cost["ratio"] == 2.5
+    assert timed["prefill_steps"] >= untimed["prefill_steps"]  # never above the token cap
+    for f in (timed, untimed):
+        assert 0 < f["max_token_gap_prefilling_s"] <= f["max_token_gap_observed_s"]
+        assert f["prefilling_gap_ratio"] == pytest.approx(
+            f["max_token_gap_prefilling_s"] / f["median_decode_step_s"]
+        )
 
 
 def test_kvbatch_sync_is_kvbatch_with_async_scheduling_off(tiny_model):

@@ -9,6 +9,7 @@ from engine.kv_cache import KVCacheManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_cost import PROBE_TOKENS, StepCostModel, StepShape, chunk_pairs
 
 
 def make_seq(name: str, n: int, max_tokens: int = 4, base: int = 0) -> Sequence:
@@ -177,6 +178,41 @@ def test_a_long_prompt_is_cut_into_short_chunks_while_others_decode():
     sched.add(make_seq("long", 100, max_tokens=1, base=2000))
     steps = [run_step(sched) for _ in range(3)]
     assert [[c.num_new_tokens for c in s.chunks] for s in steps] == [[1, 16]] * 3
+
+
+def test_a_long_prompts_chunk_follows_the_step_cost_model():
+    """With a step cost model, a prompt longer than the threshold is cut to what keeps the step
+    within its ratio of a plain step (first a probe, then the fit); a prompt within the
+    threshold is not cut for time; alone, the long prompt takes the whole budget."""
+    kv = KVCacheManager(512, 4, True)
+    config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        long_prefill_token_threshold=128,
+        attention_break_even_context=0,  # tokens only: the model's cap is budget / a
+    )
+    cost = StepCostModel(2.5, 0)
+    sched = Scheduler(config, kv, cost)
+    decoder = make_seq("decoder", 5, max_tokens=200)
+    sched.add(decoder)
+    assert run_step(sched).shape == StepShape(0, 5, chunk_pairs(5, 0), 5)  # its prompt
+    plain = run_step(sched)
+    assert plain.shape == StepShape(1, 0, 0, 0) and plain.shape.is_plain
+    cost.observe(plain.shape, 1e-3)
+
+    sched.add(make_seq("long", 400, max_tokens=1, base=1000))
+    sched.add(make_seq("short", 100, max_tokens=1, base=5000))
+    probe = run_step(sched)
+    assert [c.num_new_tokens for c in probe.chunks] == [1, PROBE_TOKENS, 100]
+    assert probe.shape == StepShape(
+        1, PROBE_TOKENS + 100, chunk_pairs(PROBE_TOKENS, 0) + chunk_pairs(100, 0), 100
+    )
+    # two timed chunks: 20 us a token, no fixed cost -> 1.5 ms of budget is 75 tokens
+    for n in (50, 100):
+        cost.observe(StepShape(1, n, chunk_pairs(n, 0), n), 1e-3 + n * 2e-5)
+    assert [c.num_new_tokens for c in run_step(sched).chunks] == [1, 75]
+    sched.abort(decoder)
+    assert [c.num_new_tokens for c in run_step(sched).chunks] == [256]  # the step budget
 
 
 # -- async scheduling: tokens still on the device (Sequence.num_pending) ---------------------

@@ -61,3 +61,13 @@ def test_older_results_without_the_new_fields_still_print():
     head, target = summary.long_prefill_lines(_results({}))  # a run that measured nothing
     assert "median decode step - ms, ratio - decode steps; the long prompt" in head
     assert target == "target (<= 3 decode steps): not measured"
+
+
+def test_the_line_names_the_step_ratio_and_the_longest_gap_while_prefilling():
+    data = _results(NEW | {"max_token_gap_prefilling_s": 0.0041, "prefilling_gap_ratio": 2.7})
+    data["options"]["long_prefill_step_ratio"] = None
+    head, _ = summary.long_prefill_lines(data)
+    assert "(long_prefill_token_threshold 512, long_prefill_step_ratio default)" in head
+    assert "; longest gap while prefilling 4.1 ms (ratio 2.7);" in head
+    data["options"]["long_prefill_step_ratio"] = 0.0
+    assert ", long_prefill_step_ratio 0)" in summary.long_prefill_lines(data)[0]
