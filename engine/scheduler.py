@@ -129,24 +129,30 @@ class Scheduler:
         for seq in self.running:
             if seq.draft_token_ids and seq not in chosen:
                 seq.clear_drafts()  # not scheduled this step: proposed again next time
+        num_running = len(self.running)
         if not preempted:
             budget = self._admit(chosen, budget, ending)
         chunks = [ScheduledChunk(s, n) for s, n in chosen.items()]
         chunks.sort(key=lambda c: c.num_new_tokens > 1)  # stable: decodes first
-        shape = self._shape(chosen, set(decodes)) if self.cost is not None else None
+        shape = None
+        if self.cost is not None:  # the admitted are appended to self.running
+            shape = self._shape(chosen, prefills + self.running[num_running:])
         return SchedulerOutput(chunks, preempted, shape)
 
     @staticmethod
-    def _shape(chosen: dict[Sequence, int], decodes: set[Sequence]) -> StepShape:
-        num_decodes = tokens = pairs = longest = 0
-        for seq, n in chosen.items():
-            if seq in decodes:
-                num_decodes += 1
-            else:
-                tokens += n
-                pairs += chunk_pairs(n, seq.num_computed_tokens)
-                longest = max(longest, n)
-        return StepShape(num_decodes, tokens, pairs, longest)
+    def _shape(chosen: dict[Sequence, int], prefilling: list[Sequence]) -> StepShape:
+        """The step as the cost model counts it; a pass over the prompt chunks only (a step
+        may hold 512 decodes)."""
+        tokens = pairs = longest = num_prefills = 0
+        for seq in prefilling:
+            n = chosen.get(seq)
+            if n is None:  # not scheduled (budget) or preempted
+                continue
+            num_prefills += 1
+            tokens += n
+            pairs += chunk_pairs(n, seq.num_computed_tokens)
+            longest = max(longest, n)
+        return StepShape(len(chosen) - num_prefills, tokens, pairs, longest)
 
     def _newest_holding_blocks(self) -> Sequence:
         """The preemption victim: the newest running sequence, passing over those that end
