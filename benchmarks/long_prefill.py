@@ -156,12 +156,12 @@ def reference_and_prefill_text(f: dict[str, Any]) -> tuple[str, str]:
         prefill += f"; longest gap while prefilling {gap * 1000:.1f} ms (ratio {ratio:.1f})"
     cost = f.get("step_cost") or {}
     if cost.get("mixed_steps") and cost.get("plain_step_s") is not None:
-        # mixed step - plain step = fixed + per token x tokens + per attention token x pairs / c
+        per_work = cost.get("cost_per_work_s")
+        reach = "; out of reach: token cap" if cost.get("out_of_reach") else ""
         prefill += (
-            f"; timed chunks (ratio {cost['ratio']:g}) fit over {cost['mixed_steps']} mixed "
-            f"steps: plain step {cost['plain_step_s'] * 1e3:.2f} ms, a mixed one "
-            f"+{cost['fixed_s'] * 1e3:.2f} ms fixed, +{cost['per_token_s'] * 1e6:.2f} us a "
-            f"token, +{cost['per_attention_token_s'] * 1e6:.2f} us per "
-            f"{cost['break_even_context']} keys attended"
+            f"; timed chunks (ratio {cost['ratio']:g}) over {cost['mixed_steps']} mixed steps: "
+            f"plain step {cost['plain_step_s'] * 1e3:.2f} ms, "
+            f"+{'-' if per_work is None else f'{per_work * 1e6:.2f}'} us per token's worth "
+            f"of work, largest chunk {cost.get('largest_chunk')}{reach}"
         )
     return name, prefill

@@ -5,33 +5,38 @@ decoding request should wait more than a few plain decode steps for its next tok
 prompt tokens fit in that time depends on the GPU, the model and how deep into the prompt the
 chunk is (its attention reads every earlier token), and a fixed token cap is right for one
 of them at most: on the H200 the 2,048-token cap gave gaps of ~13 plain steps. So the engine
-times its steps and fits, over the last mixed steps (decodes plus a prompt's chunk),
+times its steps and sizes each chunk so that a step with decodes and the chunk takes
+`ratio` plain decode steps:
 
-    mixed step - plain decode step  =  e + a * tokens + b * pairs / c
+    budget = (ratio - 1) x plain step       (the median of the recent plain decode steps)
+    work(n, context) = n + pairs / c        (pairs = n x context + n (n + 1) / 2: the chunk's
+                                             query-key pairs; c = the model's break-even
+                                             context, attention FLOPs against matmul FLOPs)
+    cost = moving average over mixed steps of (mixed step - plain step) / work
+    next chunk: the largest n with cost x work(n, context) <= budget
 
-where `pairs` counts the chunk's query-key pairs (n tokens after `context` cached ones:
-n * context + n (n + 1) / 2) and c is the model's attention break-even context (attention
-FLOPs per context token against a token's matmul FLOPs), so that a == b when attention runs
-at the matmuls' FLOP rate (on the H200 it ran at about half, b ~ 2a: the fit finds that),
-and e is what a mixed step costs before any token (on CUDA it runs eagerly while plain
-steps replay a graph). The fit is least squares over decayed sums, every coefficient >= 0.
-A chunk is then the largest n whose predicted extra time fits `(ratio - 1)` plain steps.
+Why a feedback loop and not a fitted cost model: the steps it learns from are the ones it
+sized, all built to cost the same, so a fit of separate costs (a mixed step's fixed cost, per
+token, per attention pair) cannot tell them apart (tried first: on the CPU the fits put the
+fixed cost anywhere from 0 to 5 ms between runs, and a chunk sized from a bad one took 10
+plain steps). The loop needs none of them: if a mixed step costs e + s x work, the average
+settles where e + s x work = budget, for any e under the budget, and it follows the context
+as the prompt goes on (work's FLOP shape carries the chunk from one context to the next; an
+attention slower than its FLOPs only moves the average, slowly).
 
-Growing chunks safely: before the first mixed step there is nothing to fit, so the first
-chunk is a small probe (PROBE_TOKENS), and no chunk is more than GROWTH times the largest one
-measured, so a fit from small chunks is never trusted far beyond what it has seen.
+Guards: the first chunk is a probe (PROBE_TOKENS); no chunk is more than GROWTH times the
+largest measured; none is under MIN_CHUNK. If steps with floor-sized chunks keep costing more
+than the budget, no chunk size meets the ratio (the fixed cost of a mixed step is over it):
+a warning says so and long prompts go back to the token cap, rather than crawl.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-
-import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +45,8 @@ GROWTH = 2  # no chunk is more than this many times the largest one measured
 MIN_CHUNK = 16  # never cut a prompt finer than this: each step also pays for the decodes
 PLAIN_WINDOW = 16  # a plain step is the median of the last this many (one slow one, e.g. a
 # first step at a new shape, must not move the budget)
-MIXED_DECAY = 0.9  # each older mixed step counts this much less in the fit
-# Pulls the fit toward a == b (attention at the matmuls' FLOP rate), in proportion to the
-# data's scale: decides the split only when the chunks seen cannot (all at one context).
-PRIOR_WEIGHT = 1e-4
+COST_SMOOTHING = 0.5  # weight of the newest mixed step in the cost average
+OUT_OF_REACH_STEPS = 3  # floor-sized chunks over the budget in a row: the ratio is out of reach
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,8 @@ def chunk_pairs(num_tokens: int, context: int) -> int:
 
 
 class StepCostModel:
-    """Plain decode steps' time (a running median) and what a prompt chunk adds (a fit)."""
+    """Plain decode steps' time (a running median) and a mixed step's extra time per unit of
+    work (a moving average): the chunk that fits the budget."""
 
     def __init__(self, ratio: float, break_even_context: int) -> None:
         if ratio <= 1:
@@ -79,111 +83,79 @@ class StepCostModel:
         self.break_even = break_even_context  # 0: attention not counted
         self.plain_seconds: float | None = None  # the median of `_plain`
         self._plain: deque[float] = deque(maxlen=PLAIN_WINDOW)
+        self.cost_per_work: float | None = None  # seconds per unit of work, mixed steps
         self.largest_measured = 0  # the longest chunk in a timed mixed step
         self.num_mixed = 0
-        self._xx = np.zeros((3, 3))  # decayed sums of x x^T, x = (1, tokens, attention)
-        self._xy = np.zeros(3)  # ... of x y, y = the step's time over a plain step's
-        self._fit: tuple[float, float, float] | None = None  # coefficients(), until observe
-        self._said_unreachable = False
+        self.out_of_reach = False
+        self._floor_over_budget = 0
+
+    def work(self, num_tokens: int, pairs: int) -> float:
+        """A chunk's tokens plus its attention in tokens' worth of FLOPs."""
+        return num_tokens + (pairs / self.break_even if self.break_even else 0.0)
+
+    @property
+    def budget(self) -> float | None:
+        """Seconds a step may add to a plain one."""
+        return None if self.plain_seconds is None else (self.ratio - 1) * self.plain_seconds
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A finished step's shape and its measured time."""
         if shape.is_plain:
             self._plain.append(seconds)
             self.plain_seconds = statistics.median(self._plain)
-        elif shape.is_mixed and self.plain_seconds is not None:
-            x = np.array([1.0, shape.prefill_tokens, self._attention_tokens(shape.prefill_pairs)])
-            self._xx = MIXED_DECAY * self._xx + np.outer(x, x)
-            self._xy = MIXED_DECAY * self._xy + x * (seconds - self.plain_seconds)
-            self.num_mixed += 1
-            self._fit = None
-            self.largest_measured = max(self.largest_measured, shape.longest_chunk)
+            return
+        if not shape.is_mixed or self.plain_seconds is None:
+            return
+        extra = seconds - self.plain_seconds
+        per_work = max(extra, 0.0) / self.work(shape.prefill_tokens, shape.prefill_pairs)
+        old = self.cost_per_work
+        self.cost_per_work = per_work if old is None else old + COST_SMOOTHING * (per_work - old)
+        self.num_mixed += 1
+        self.largest_measured = max(self.largest_measured, shape.longest_chunk)
+        if shape.longest_chunk <= MIN_CHUNK:
+            over = extra > self.budget
+            self._floor_over_budget = self._floor_over_budget + 1 if over else 0
+            if self._floor_over_budget >= OUT_OF_REACH_STEPS and not self.out_of_reach:
+                self.out_of_reach = True
+                log.warning(
+                    "a step with a %d-token prompt chunk costs %.2f ms more than a plain decode "
+                    "step (%.2f ms): no chunk size keeps it within long_prefill_step_ratio=%g, "
+                    "so long prompts keep the token cap",
+                    shape.longest_chunk,
+                    extra * 1e3,
+                    self.plain_seconds * 1e3,
+                    self.ratio,
+                )
 
-    def _attention_tokens(self, pairs: int) -> float:
-        """Query-key pairs in plain tokens' worth of FLOPs."""
-        return pairs / self.break_even if self.break_even else 0.0
-
-    def coefficients(self) -> tuple[float, float, float] | None:
-        """(e, a, b): seconds per mixed step, per prompt token and per token's worth of
-        attention; None before any mixed step is timed."""
-        if not self.num_mixed:
-            return None
-        if self._fit is None:
-            m, r = self._xx.copy(), self._xy
-            lam = PRIOR_WEIGHT * (m[1, 1] + m[2, 2])  # penalty lam * (a - b)^2
-            m[1:, 1:] += lam * np.array([[1.0, -1.0], [-1.0, 1.0]])
-            e, a, b = (float(v) for v in nonnegative_least_squares(m, r))
-            self._fit = e, a, b
-        return self._fit
-
-    def describe(self) -> dict[str, float | int | None]:
-        """What the model has learned, for reports: seconds of a plain step and the fit."""
-        e, a, b = self.coefficients() or (None, None, None)
+    def describe(self) -> dict[str, float | int | bool | None]:
+        """What the model has learned, for reports."""
         return {
             "plain_step_s": self.plain_seconds,
             "mixed_steps": self.num_mixed,
-            "fixed_s": e,
-            "per_token_s": a,
-            "per_attention_token_s": b,
+            "cost_per_work_s": self.cost_per_work,
             "break_even_context": self.break_even,
             "ratio": self.ratio,
+            "largest_chunk": self.largest_measured,
+            "out_of_reach": self.out_of_reach,
         }
 
     def chunk_cap(self, context: int) -> int | None:
         """The most prompt tokens after `context` cached ones that keep a step with decodes
-        within `ratio` plain steps; None when the model cannot say (no plain step timed
-        yet, or a mixed step's fixed cost alone is over the budget, so that no chunk size
-        meets it): the caller keeps its token cap."""
-        if self.plain_seconds is None:
+        within `ratio` plain steps; None when the model cannot say (no plain step timed yet)
+        or the ratio is out of reach: the caller keeps its token cap."""
+        if self.plain_seconds is None or self.out_of_reach:
             return None
-        if not self.num_mixed:
+        if self.cost_per_work is None:
             return PROBE_TOKENS
-        e, a, b = self.coefficients()
-        budget = (self.ratio - 1) * self.plain_seconds - e
-        if budget <= 0:
-            if not self._said_unreachable:
-                self._said_unreachable = True
-                log.warning(
-                    "a step with a prompt chunk costs %.2f ms more than a plain decode step "
-                    "(%.2f ms) before any token: no chunk size keeps it within "
-                    "long_prefill_step_ratio=%g, so long prompts keep the token cap",
-                    e * 1e3,
-                    self.plain_seconds * 1e3,
-                    self.ratio,
-                )
-            return None
-        # a n + b (n context + n (n + 1) / 2) / c <= budget: the positive root
-        per_pair = b / self.break_even if self.break_even else 0.0
-        linear, quadratic = a + per_pair * (context + 0.5), per_pair / 2
-        if quadratic > 0:
-            n = (math.sqrt(linear * linear + 4 * quadratic * budget) - linear) / (2 * quadratic)
-        else:
-            n = budget / linear if linear > 0 else math.inf
         most = GROWTH * max(self.largest_measured, PROBE_TOKENS)
+        if self.cost_per_work <= 0:
+            return most
+        target = self.budget / self.cost_per_work  # units of work the budget buys
+        # n + (n context + n (n + 1) / 2) / c = target: the positive root
+        if self.break_even:
+            linear = 1 + (context + 0.5) / self.break_even
+            quadratic = 0.5 / self.break_even
+            n = (math.sqrt(linear * linear + 4 * quadratic * target) - linear) / (2 * quadratic)
+        else:
+            n = target
         return max(MIN_CHUNK, int(min(n, most)))
-
-
-def nonnegative_least_squares(gram: np.ndarray, xy: np.ndarray) -> np.ndarray:
-    """argmin over theta >= 0 of theta' G theta - 2 theta' r, from the normal equations'
-    sums (G = X'X, r = X'y): every subset of free coefficients is solved and the best
-    feasible one kept, fewer coefficients on a tie. Three coefficients make seven subsets;
-    one the data cannot tell apart (e.g. every chunk the same size: a fixed cost or a cost
-    per token?) is skipped."""
-    k = len(xy)
-    best, best_loss = np.zeros(k), 0.0  # all zero is always feasible
-    for size in range(1, k + 1):
-        for free in itertools.combinations(range(k), size):
-            idx = list(free)
-            sub_gram = gram[np.ix_(idx, idx)]
-            scale = np.sqrt(np.diag(sub_gram))
-            if np.any(scale == 0) or np.linalg.cond(sub_gram / np.outer(scale, scale)) > 1e8:
-                continue
-            sub = np.linalg.solve(sub_gram, xy[idx])
-            if np.any(sub < 0):
-                continue
-            theta = np.zeros(k)
-            theta[idx] = sub
-            loss = float(theta @ gram @ theta - 2 * theta @ xy)
-            if loss < best_loss - 1e-9 * abs(best_loss):
-                best, best_loss = theta, loss
-    return best

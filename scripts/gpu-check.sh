@@ -84,11 +84,15 @@ if [ "$CPU" = 1 ]; then
   GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-180}
   SPLITS=(--device cpu --context 1100 --chunks 4 --splits 1,3 --kv-heads 1 --group 2 --head-dim 16
           --cascade-groups 2 --cascade-rows 3 --cascade-keys 600)
+  # CUDA's timed chunks (off by default on the CPU); the tiny long prompt (2,048 tokens) is
+  # made longer than the threshold, as the 32k one is on the GPU
+  LONG_PREFILL_DEFAULTS=(--long-prefill-step-ratio 2.5 --long-prefill-token-threshold 1024)
 else
   MODE=gpu
   TINY=()
   GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny,rag)
   SPLITS=()
+  LONG_PREFILL_DEFAULTS=()
 fi
 # GPU limits add up to 945 s (first Triton compiles included); a run takes about 5 to 6
 # minutes, and the optional steps (caps, sweep) keep it inside BUDGET_S.
@@ -198,6 +202,7 @@ step rag "$RAG_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} \
 # LONG_PREFILL_ARGS: extra bench options, e.g. "--long-prefill-token-threshold 512"
 read -r -a LONG_PREFILL_EXTRA <<< "${LONG_PREFILL_ARGS:-}"
 step long-prefill "$LONG_PREFILL_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill ${TINY[@]+"${TINY[@]}"} \
+  ${LONG_PREFILL_DEFAULTS[@]+"${LONG_PREFILL_DEFAULTS[@]}"} \
   ${LONG_PREFILL_EXTRA[@]+"${LONG_PREFILL_EXTRA[@]}"} --json "$OUT_DIR/long-prefill.json"
 # LONG_PREFILL_CAPS: token caps alone (no timed chunks) to compare, one step each, while
 # BUDGET_S allows
