@@ -133,7 +133,7 @@ def test_gpu_rows_match_shared_benchmarks_md():
     assert (no_share.num_requests, no_share.prompt_len, no_share.output_len) == (512, 1184, 64)
     long = get_workload("long-prefill")
     assert long.has_long_prompt and not rag.has_long_prompt
-    assert (long.num_requests, long.output_len, long.long_prompt_len) == (64, 256, 32768)
+    assert (long.num_requests, long.output_len, long.long_prompt_len) == (64, 512, 32768)
     assert 0 < long.long_prompt_after < long.output_len
     assert not long.shared
 
