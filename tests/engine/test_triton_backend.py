@@ -11,6 +11,7 @@ from engine import LLM, SamplingParams
 from engine.attention import TorchAttentionBackend, get_backend
 from engine.cuda_graphs import batch_buckets
 from engine.memory import largest_step, run_step
+from engine.step_cost import PROBE_TOKENS
 from tests.engine.test_llm import random_prompts, shared_prefix_prompts, tokens
 from tests.reference import hf_greedy
 
@@ -210,3 +211,59 @@ def test_async_steps_wait_for_the_device_only_to_collect_tokens(tiny_models):
     while engine.has_unfinished():
         outs.update((o.request_id, o) for o in engine.step())
     assert [outs[i].outputs[0].token_ids for i in ids] == want
+
+
+@pytest.mark.gpu
+def test_timed_chunks_on_cuda_time_steps_with_events(tiny_models):
+    """A long prompt's chunks sized from timed steps on CUDA (the default there): steps are
+    timed with events (plausible times, plain and mixed steps told apart), the chunks start
+    at the probe, and the tokens are those of untimed chunks (float32). That the timing never
+    makes the step path wait on the device is checked by the test above (it times too)."""
+    run = timed_chunks_run(tiny_models("llama-gqa"), device="cuda")
+    timed_tokens, engine, chunks = run(2.5)
+    cost = engine.step_cost
+    assert cost is not None and 0 < cost.plain_seconds < 1.0 and cost.num_mixed >= 1
+    assert chunks[0] == PROBE_TOKENS and len(chunks) >= 2
+    untimed_tokens, untimed, untimed_chunks = run(0)
+    assert untimed.step_cost is None and untimed_chunks[0] > PROBE_TOKENS
+    assert timed_tokens == untimed_tokens
+
+
+def timed_chunks_run(path, device, **engine_args):
+    """run(ratio) -> (tokens, engine, the long prompt's chunks): four decoders, then a
+    440-token prompt (longer than the 128-token threshold) while they decode."""
+    decoders = random_prompts(512, (20, 33, 9, 14), seed=3)
+    long_prompt = random_prompts(512, (440,), seed=4)[0]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    long_params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def run(ratio):
+        llm = LLM(
+            path,
+            device=device,
+            dtype="float32",
+            max_num_seqs=16,
+            long_prefill_token_threshold=128,
+            long_prefill_step_ratio=ratio,
+            **engine_args,
+        )
+        engine, outs, chunks = llm.engine, {}, []
+        ids = [engine.add_request(p, params) for p in decoders]
+        for _ in range(6):  # prefill and the first decodes (kernels compile here)
+            outs.update((o.request_id, o) for o in engine.step())
+        long_id = engine.add_request(long_prompt, long_params)
+        schedule = engine.scheduler.schedule
+
+        def recording():
+            out = schedule()
+            chunks.extend(c.num_new_tokens for c in out.chunks if c.seq.request_id == long_id)
+            return out
+
+        engine.scheduler.schedule = recording
+        while engine.has_unfinished():
+            outs.update((o.request_id, o) for o in engine.step())
+        assert sum(n for n in chunks if n > 1) + 4 >= len(long_prompt)
+        got = [outs[i].outputs[0].token_ids for i in ids + [long_id]]
+        return got, engine, [n for n in chunks if n > 1]
+
+    return run
