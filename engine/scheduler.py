@@ -199,8 +199,6 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         if not threshold or n <= 1:
             return n
-        if not any(s.num_tokens - s.num_computed_tokens == 1 for s in chosen):
-            return n  # no decode waits on this step
         cap = threshold
         c = self.config.attention_break_even_context
         if c:
@@ -213,7 +211,10 @@ class Scheduler:
             timed = self.cost.chunk_cap(context)
             if timed is not None:
                 cap = min(cap, timed)
-        return min(n, cap)
+        # last, since it scans the step so far: does a decode wait on this step?
+        if n > cap and any(s.num_tokens - s.num_computed_tokens == 1 for s in chosen):
+            return cap
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the newest sequence's blocks; it will be recomputed from its tokens."""
