@@ -274,15 +274,6 @@ def test_kvbatch_prefix_cache_accounting(tiny_model):
 LATENCY_KEYS = {"ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "floor_fraction", "long_prefill"}
 
 
-@pytest.fixture(scope="module")
-def random_cache(tmp_path_factory):
-    """The random-weight models of the --tiny workloads, built into a cache of this module."""
-    root = tmp_path_factory.mktemp("kvbatch-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KVBATCH_CACHE", str(root))
-        yield root
-
-
 def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
     """`kvbatch bench rag --tiny --peers hf-static,kvbatch-sync`: the GPU check's path."""
     from kvbatch.cli import main as kvbatch_main

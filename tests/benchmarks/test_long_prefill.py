@@ -13,15 +13,6 @@ from benchmarks.workloads import TINY_WORKLOADS as WORKLOADS_TINY
 from tests.scripts import load_script
 
 
-@pytest.fixture(scope="module")
-def random_cache(tmp_path_factory):
-    """The random-weight models of the --tiny workloads, built into a cache of this module."""
-    root = tmp_path_factory.mktemp("kvbatch-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KVBATCH_CACHE", str(root))
-        yield root
-
-
 def test_long_prefill_tiny_reports_the_gap(random_cache, tmp_path, capsys):
     out = tmp_path / "lp.json"
     argv = ["long-prefill", "--tiny", "--json", str(out), "--threads", "1"]
