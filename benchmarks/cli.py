@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         "decode steps' time, the engine timing its steps (default: 2.5 on CUDA, off on the "
         "CPU; 0 = off)",
     )
+    e.add_argument(
+        "--cuda-graph-max-chunk",
+        type=int,
+        metavar="N",
+        help="decode steps with one prompt chunk of up to N tokens replay CUDA graphs "
+        "(default: 512; 0 = decode steps only)",
+    )
 
     s = p.add_argument_group("sweep (kvbatch alone, one engine per cell)")
     s.add_argument(
@@ -168,6 +175,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         attention_backend=args.attention_backend,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         long_prefill_step_ratio=args.long_prefill_step_ratio,
+        cuda_graph_max_chunk=args.cuda_graph_max_chunk,
         hf_batch_size=args.hf_batch_size or workload.hf_batch_size,
     )
     return BenchConfig(

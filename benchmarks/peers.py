@@ -47,6 +47,7 @@ class EngineOptions:
     attention_backend: str = "auto"  # kvbatch: "auto" is triton on CUDA, torch on the CPU
     long_prefill_token_threshold: int | None = None  # kvbatch: None = the engine's default
     long_prefill_step_ratio: float | None = None  # kvbatch: None = the engine's default
+    cuda_graph_max_chunk: int | None = None  # kvbatch: None = the engine's default
     async_scheduling: bool | None = None  # kvbatch: None = the engine's default (on for CUDA)
     hf_batch_size: int | None = None  # hf-static: requests per static batch; None = all
 
@@ -216,6 +217,8 @@ class KvbatchPeer(Peer):
             kwargs["long_prefill_token_threshold"] = o.long_prefill_token_threshold
         if o.long_prefill_step_ratio is not None:
             kwargs["long_prefill_step_ratio"] = o.long_prefill_step_ratio
+        if o.cuda_graph_max_chunk is not None:
+            kwargs["cuda_graph_max_chunk"] = o.cuda_graph_max_chunk
         if self.async_scheduling is not None:
             kwargs["async_scheduling"] = self.async_scheduling
         self.llm = LLM(

@@ -30,6 +30,7 @@ class StepProfile:
     def __init__(self, engine: Any) -> None:
         self.steps: list[dict[str, float]] = []  # seconds per phase, steps that ran the model
         self.graph_steps = 0
+        self.mixed_graph_steps = 0  # of those, decodes with a prompt chunk
         self._step: dict[str, float] = {}
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.runner, "_prepare", "prepare")
@@ -59,13 +60,14 @@ class StepProfile:
                     )
 
         engine.step = step
-        graphs = engine.runner.decode_graphs
+        graphs = engine.runner.step_graphs
         if graphs is not None:
             replay = graphs.run
 
-            def counted(*args, **kwargs):
+            def counted(key, *args, **kwargs):
                 self.graph_steps += 1
-                return replay(*args, **kwargs)
+                self.mixed_graph_steps += bool(key.chunk)
+                return replay(key, *args, **kwargs)
 
             graphs.run = counted
 
@@ -84,17 +86,25 @@ class StepProfile:
 
     def clear(self) -> None:
         self.steps.clear()
-        self.graph_steps = 0
+        self.graph_steps = self.mixed_graph_steps = 0
 
     def summary(self) -> dict[str, Any]:
         """Median milliseconds per phase (robust to a step the machine interrupted), the mean
-        host milliseconds per step, steps run and steps that replayed a CUDA graph."""
+        host milliseconds per step, steps run and steps that replayed a CUDA graph (decodes
+        alone or with a prompt chunk)."""
         if not self.steps:
-            return {"steps": 0, "graph_steps": 0, "ms_per_step": {}, "host_ms_per_step": None}
+            return {
+                "steps": 0,
+                "graph_steps": 0,
+                "mixed_graph_steps": 0,
+                "ms_per_step": {},
+                "host_ms_per_step": None,
+            }
         host = [sum(s[k] for k in HOST_PHASES) for s in self.steps]
         return {
             "steps": len(self.steps),
             "graph_steps": self.graph_steps,
+            "mixed_graph_steps": self.mixed_graph_steps,
             "ms_per_step": {k: statistics.median(s[k] for s in self.steps) * 1e3 for k in PHASES},
             "host_ms_per_step": statistics.mean(host) * 1e3,
             "host_seconds": sum(host),
@@ -104,7 +114,8 @@ class StepProfile:
 def format_step_profile(p: dict[str, Any], engine: str = "kvbatch") -> str:
     ms = p["ms_per_step"]
     return (
-        f"{engine} steps (last run): {p['steps']}, {p['graph_steps']} replayed a CUDA graph; "
+        f"{engine} steps (last run): {p['steps']}, {p['graph_steps']} replayed a CUDA graph "
+        f"({p.get('mixed_graph_steps', 0)} with a prompt chunk); "
         f"median ms per step: schedule {ms['schedule']:.2f}, prepare {ms['prepare']:.2f}, "
         f"forward {ms['forward']:.2f}, sample {ms['sample']:.2f}, rest {ms['rest']:.2f}; "
         f"host time {p['host_seconds']:.2f} s in all (schedule + prepare + rest; the GPU "

@@ -199,6 +199,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     cascade_attention: bool = True  # decodes sharing prefix blocks read them once per group
     cuda_graphs: bool = True  # CUDA + triton: decode steps replay captured graphs
+    # ... and so do decode steps with one prompt chunk of up to this many tokens (a long
+    # prompt's short chunks beside running decodes); 0: decode steps only
+    cuda_graph_max_chunk: int = 512
     # Queue each step before the previous one's tokens reach the host (engine/llm_engine.py);
     # None = on for CUDA (off with speculative decoding), off on the CPU, where it gains nothing.
     async_scheduling: bool | None = None
@@ -206,6 +209,13 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpecConfig | None = None  # None: no speculative decoding
+
+    def __post_init__(self) -> None:
+        if self.cuda_graph_max_chunk < 0:
+            raise ValueError(
+                f"cuda_graph_max_chunk must be >= 0 (0: no graphs for steps with a prompt "
+                f"chunk), got {self.cuda_graph_max_chunk}"
+            )
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

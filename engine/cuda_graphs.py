@@ -1,25 +1,40 @@
-"""CUDA graphs for decode steps: capture the whole forward once per batch-size bucket, replay.
+"""CUDA graphs for decode steps and for decode steps with one short prompt chunk.
 
 A decode step of B sequences launches a few kernels per layer; at small batches the GPU
 waits on those launches. A captured graph replays them all with one call. Graphs have fixed
 shapes and fixed addresses, so every input lives in a static buffer sized for the largest
-bucket, and a step of n sequences runs the graph of the smallest bucket b >= n:
+bucket, and a step runs the graph of the smallest bucket that holds it:
 
-    rows 0 .. n-1   the real decodes: token, position, slot, block table, context length
-    rows n .. b-1   padding: slot -1 (the KV write skips it), context length 0 (attention
-                    writes zeros); their logits are computed and dropped
+    rows 0 .. n-1       the real decodes: token, position, slot, block table, context length
+    rows n .. b-1       padding: slot -1 (the KV write skips it), context length 0 (attention
+                        writes zeros); their logits are computed and dropped
+    rows b .. b+m-1     a mixed step's prompt chunk of m tokens (its first query row is b)
+    rows b+m .. b+c-1   padding of the chunk bucket c: slot -1, and the prefill kernel reads
+                        the chunk's real length from the device, so its programs skip them
 
-Decode steps with shared-prefix (cascade) groups replay a second graph per bucket, whose
-groups live in static buffers too: up to `max_groups` groups, each a range of decode rows
-and its shared blocks; unused groups have 0 rows (their programs exit at once), and the
-shared-prefix launch is sized for the bucket's rows (the largest a group can be):
+Mixed steps are why this is more than decode graphs: while a long prompt is prefilled in
+short chunks beside the decodes (engine/step_cost.py sizes them to a few plain steps), an
+eager step pays the host's launches for every layer (~200 on a 16-layer model), which can be
+more than the whole budget a chunk has. A graph of (decode bucket, chunk bucket) replays it
+with the chunk's length, context and block table in static buffers; its key split count is
+fixed for the longest context (`max_prefill_tokens`), and a shorter one leaves some splits
+empty. The logits come out only for the rows that sample: a static index buffer of b + 1
+rows (the decodes and the chunk's last token) feeds the LM head, not all b + c rows.
+
+Decode graphs (plain, and with shared-prefix groups) are captured at start, largest first,
+in one memory pool (NOTES.md). Mixed graphs are captured on first use (up to 2 x decode
+buckets x chunk buckets of them; a run sees a handful): that step runs eagerly through the
+static buffers and its graph is captured after it, for the next. Decode steps with
+shared-prefix (cascade) groups use a second set of graphs whose groups live in static
+buffers too: up to `max_groups` groups, each a range of decode rows and its shared blocks;
+unused groups have 0 rows (their programs exit at once):
 
     group_tables  [max_groups, max_blocks]   each group's shared blocks
     group_ranges  [3, max_groups]            first row, rows (0 = unused), shared tokens
 
-Steps with prefill chunks, more groups, or longer contexts run eagerly. Buckets are captured
-largest first and share one memory pool (NOTES.md). Needs the triton backend, whose kernels
-skip negative slots and never read device values on the host.
+Steps with more prompt chunks, longer chunks, more groups or longer decode contexts run
+eagerly. Needs the triton backend, whose kernels skip negative slots and never read device
+values on the host.
 
 Without CUDA, `capture=False` runs the same static-buffer path eagerly: the padding and
 bucketing logic is then testable on the CPU.
@@ -31,12 +46,22 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, PrefillSpan
 
 log = logging.getLogger(__name__)
+
+CHUNK_BUCKETS = (16, 32, 64, 128, 256, 512)  # at small token counts a GEMM reads its weights
+# whatever the rows, so padding a chunk up to the next bucket costs little
+
+
+class GraphKey(NamedTuple):
+    rows: int  # decode bucket
+    cascade: bool  # with shared-prefix groups
+    chunk: int = 0  # prompt-chunk bucket (0: a decode step)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -46,42 +71,66 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted({*sizes, max_batch})
 
 
-class DecodeGraphs:
+def chunk_buckets(max_chunk: int) -> list[int]:
+    """CHUNK_BUCKETS up to max_chunk, and max_chunk itself; none for 0 (no mixed graphs)."""
+    if max_chunk <= 0:
+        return []
+    return sorted({*(c for c in CHUNK_BUCKETS if c < max_chunk), max_chunk})
+
+
+class StepGraphs:
     def __init__(
         self,
-        forward: Callable[..., torch.Tensor],  # model forward: (ids, positions, meta) -> logits
+        forward: Callable[..., torch.Tensor],  # (ids, positions, meta, logits_indices) -> logits
         *,
         max_batch: int,
-        max_blocks: int,  # block-table width: ceil(max_model_len / block_size)
+        max_blocks: int,  # decode block-table width: ceil(decode context bound / block_size)
         device: torch.device,
         capture: bool = True,
         max_groups: int = 32,  # shared-prefix groups a graphed step may have (0: none)
+        max_chunk: int = 0,  # the longest prompt chunk a mixed graph takes (0: none)
+        max_prefill_tokens: int = 0,  # a graphed chunk's longest context (cached + chunk)
+        block_size: int = 16,
     ) -> None:
         self.forward, self.max_blocks, self.device = forward, max_blocks, device
         self.buckets = batch_buckets(max_batch)
+        self.chunks = chunk_buckets(max_chunk if max_prefill_tokens > 0 else 0)
         self.max_groups = max_groups
+        self.max_prefill_tokens = max_prefill_tokens
+        self.capture = capture
         top = self.buckets[-1]
-        self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
-        self.positions = torch.zeros(top, dtype=torch.long, device=device)
-        self.slots = torch.full((top,), -1, dtype=torch.long, device=device)
+        tokens = top + (self.chunks[-1] if self.chunks else 0)
+        self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.slots = torch.full((tokens,), -1, dtype=torch.long, device=device)
         self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(top, dtype=torch.int32, device=device)
         self.group_tables = torch.zeros(max_groups, max_blocks, dtype=torch.int32, device=device)
         self.group_ranges = torch.zeros(3, max_groups, dtype=torch.int32, device=device)
-        # (bucket, cascade) -> metadata, graph, logits; cascade graphs for buckets of 2 or more
-        self.keys = [(b, False) for b in self.buckets]
+        prefill_blocks = -(-max_prefill_tokens // block_size) if self.chunks else 0
+        self.prefill_table = torch.zeros(1, prefill_blocks, dtype=torch.int32, device=device)
+        self.prefill_ranges = torch.zeros(3, 1, dtype=torch.int32, device=device)
+        self.logit_rows = torch.zeros(top + 1, dtype=torch.long, device=device)
+        # decode keys, captured at start; mixed keys join self.metas on first use
+        self.keys = [GraphKey(b, False) for b in self.buckets]
         if max_groups:
-            self.keys += [(b, True) for b in self.buckets if b >= 2]
-        self.metas = {key: self._meta(*key) for key in self.keys}
-        self.logits: dict[tuple[int, bool], torch.Tensor] = {}  # views of _out, per graph
-        self._out: torch.Tensor | None = None  # [top bucket, vocab]: every graph's logits
-        self.graphs: dict[tuple[int, bool], object] = {}
+            self.keys += [GraphKey(b, True) for b in self.buckets if b >= 2]
+        self.metas: dict[GraphKey, AttentionMetadata] = {}
+        self.logits: dict[GraphKey, torch.Tensor] = {}  # views of _out, per graph
+        self._out: torch.Tensor | None = None  # [top bucket + 1, vocab]: every graph's logits
+        self.graphs: dict[GraphKey, object] = {}
+        self.mixed_captured = 0
+        self._pool = self._stream = None
         if capture:
             self._capture_all()
 
-    def _meta(self, b: int, cascade: bool) -> AttentionMetadata:
+    def _meta(self, key: GraphKey) -> AttentionMetadata:
+        meta = self.metas.get(key)
+        if meta is not None:
+            return meta
+        b, cascade, chunk = key
         meta = AttentionMetadata(
-            slot_mapping=self.slots[:b],
+            slot_mapping=self.slots[: b + chunk],
             num_decode_tokens=b,
             decode_block_tables=self.tables[:b],
             decode_seq_lens=self.seq_lens[:b],
@@ -91,98 +140,174 @@ class DecodeGraphs:
             meta.decode_group_tables = self.group_tables
             meta.decode_group_ranges = self.group_ranges
             meta.decode_group_max_rows = b
+        if chunk:  # host ints of the span size the launch: the bucket, the longest context
+            span = PrefillSpan(b, chunk, self.max_prefill_tokens, self.prefill_table[0])
+            meta.prefills = [span]
+            meta.prefill_block_tables = self.prefill_table
+            meta.prefill_ranges = self.prefill_ranges
+        self.metas[key] = meta
         return meta
 
-    def _run(self, key: tuple[int, bool]) -> torch.Tensor:
-        b = key[0]
-        return self.forward(self.input_ids[:b], self.positions[:b], self.metas[key])
+    def _run(self, key: GraphKey) -> torch.Tensor:
+        b, _, chunk = key
+        rows = self.logit_rows[: b + 1] if chunk else None
+        ids, positions = self.input_ids[: b + chunk], self.positions[: b + chunk]
+        return self.forward(ids, positions, self._meta(key), rows)
 
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._pool = torch.cuda.graph_pool_handle()
+        self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         start = time.perf_counter()
-        plain = [k for k in self.keys if not k[1]]
-        cascade = [k for k in self.keys if k[1]]
-        with torch.cuda.stream(stream):
-            self._capture(plain, pool, stream)
+        plain = [k for k in self.keys if not k.cascade]
+        cascade = [k for k in self.keys if k.cascade]
+        with torch.cuda.stream(self._stream):
+            self._capture(plain)
             try:
-                self._capture(cascade, pool, stream)
+                self._capture(cascade)
             except RuntimeError as e:  # plain graphs still serve; cascade steps run eagerly
                 log.warning("shared-prefix decode graphs not captured (%s); they run eagerly", e)
                 for key in cascade:
                     self.graphs.pop(key, None)
                 self.max_groups = 0
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
         torch.cuda.synchronize(self.device)
         log.info(
             "captured %d decode CUDA graphs in %.1f s: batch sizes %s, plain and with up to %d "
-            "shared-prefix groups",
+            "shared-prefix groups; steps with one prompt chunk of up to %s tokens capture "
+            "theirs on first use",
             len(self.graphs),
             time.perf_counter() - start,
             self.buckets,
             self.max_groups,
+            self.chunks[-1] if self.chunks else 0,
         )
 
-    def _capture(self, keys, pool, stream) -> None:
+    def _capture(self, keys) -> None:
         """Each graph copies its logits into one shared buffer: a graph's own output would stay
         allocated for as long as the graph lives (73 graphs x [b, vocab] float32 is ~2 GiB at
         Llama-3's vocabulary), while its other memory goes back to the pool for the next."""
         for key in sorted(keys, reverse=True):  # largest first: the pool fits the rest after it
             warm = self._run(key)  # warm-up: compiles the kernels outside the capture
             if self._out is None:
-                top = self.buckets[-1]
+                top = self.buckets[-1] + 1
                 self._out = torch.empty(top, warm.shape[1], dtype=warm.dtype, device=self.device)
             del warm
-            out = self._out[: key[0]]
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out.copy_(self._run(key))
-            self.logits[key] = out
-            self.graphs[key] = graph
+            self._capture_one(key)
 
-    def supports(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A decode step that fits the buckets, the table width and the group buffers."""
-        if (
-            meta.prefills
-            or meta.num_decode_tokens != num_tokens
-            or not 0 < num_tokens <= self.buckets[-1]
-            or meta.decode_block_tables.shape[1] > self.max_blocks
+    def _capture_one(self, key: GraphKey, error_mode: str = "global") -> None:
+        out = self._out[: key.rows + (1 if key.chunk else 0)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(
+            graph, pool=self._pool, stream=self._stream, capture_error_mode=error_mode
         ):
-            return False
-        if not meta.decode_groups:
-            return True
-        return (
-            self.max_groups > 0
-            and meta.decode_group_ranges is not None
-            and len(meta.decode_groups) <= self.max_groups
-            and num_tokens >= 2
-            and meta.decode_group_tables.shape[1] <= self.max_blocks
+            out.copy_(self._run(key))
+        self.logits[key] = out
+        self.graphs[key] = graph
+
+    def _capture_mixed(self, key: GraphKey) -> None:
+        """A mixed step's graph, after the step ran eagerly (its warm-up). The graph context
+        waits for the device; the other threads of a worker may use CUDA meanwhile
+        ("thread_local"). A failed capture turns mixed graphs off, not the engine."""
+        start = time.perf_counter()
+        try:
+            self._capture_one(key, error_mode="thread_local")
+        except RuntimeError as e:
+            log.warning("a mixed-step CUDA graph failed to capture (%s); they run eagerly", e)
+            self.chunks = []
+            return
+        self.mixed_captured += 1
+        log.debug(
+            "captured the CUDA graph of %d decodes + a %d-token chunk%s in %.0f ms",
+            key.rows,
+            key.chunk,
+            " with shared-prefix groups" if key.cascade else "",
+            (time.perf_counter() - start) * 1e3,
         )
 
+    def key_for(self, meta: AttentionMetadata, num_tokens: int, num_rows: int) -> GraphKey | None:
+        """The graph of a step of `num_tokens` tokens sampling `num_rows` rows, or None: a
+        decode step that fits the buckets, the table width and the group buffers, possibly
+        with one prompt chunk after the decodes that fits a chunk bucket."""
+        nd = meta.num_decode_tokens
+        if not 0 < nd <= self.buckets[-1] or meta.decode_block_tables.shape[1] > self.max_blocks:
+            return None
+        groups = meta.decode_groups
+        if groups and not (
+            self.max_groups > 0
+            and meta.decode_group_ranges is not None
+            and len(groups) <= self.max_groups
+            and nd >= 2
+            and meta.decode_group_tables.shape[1] <= self.max_blocks
+        ):
+            return None
+        b = self.buckets[bisect.bisect_left(self.buckets, nd)]
+        if not meta.prefills:
+            return GraphKey(b, bool(groups)) if num_tokens == nd else None
+        if len(meta.prefills) != 1 or not self.chunks or num_rows > b + 1:
+            return None
+        span = meta.prefills[0]
+        if (
+            span.query_start != nd
+            or nd + span.query_len != num_tokens
+            or span.query_len > self.chunks[-1]
+            or span.context_len > self.max_prefill_tokens
+            or meta.prefill_ranges is None
+            or meta.prefill_block_tables.shape[1] > self.prefill_table.shape[1]
+        ):
+            return None
+        chunk = self.chunks[bisect.bisect_left(self.chunks, span.query_len)]
+        return GraphKey(b, bool(groups), chunk)
+
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:  # [n, vocab] float32
-        """The step's logits, one row per decode, from the smallest bucket that holds it."""
-        n = input_ids.shape[0]
-        b = self.buckets[bisect.bisect_left(self.buckets, n)]
+        self,
+        key: GraphKey,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor,  # rows of the step (as laid out by the runner) to sample
+    ) -> torch.Tensor:  # [len(logits_rows), vocab] float32
+        """Fill the static buffers of `key` (from key_for) and replay its graph."""
+        b, cascade, chunk = key
+        nd = meta.num_decode_tokens
+        m = input_ids.shape[0] - nd  # the chunk's tokens (0 in a decode step)
+        for buf, src in ((self.input_ids, input_ids), (self.positions, positions)):
+            _place(buf, src, nd, b, m)
+        _place(self.slots, meta.slot_mapping, nd, b, m)
+        self.slots[nd:b].fill_(-1)
+        self.slots[b + m : b + chunk].fill_(-1)
         width = meta.decode_block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(meta.slot_mapping)
-        self.slots[n:b].fill_(-1)
-        self.tables[:n, :width].copy_(meta.decode_block_tables)
-        self.seq_lens[:n].copy_(meta.decode_seq_lens)
-        self.seq_lens[n:b].zero_()
-        cascade = bool(meta.decode_groups)
+        self.tables[:nd, :width].copy_(meta.decode_block_tables)
+        self.seq_lens[:nd].copy_(meta.decode_seq_lens)
+        self.seq_lens[nd:b].zero_()
         if cascade:
             g, width = meta.decode_group_tables.shape
             self.group_tables[:g, :width].copy_(meta.decode_group_tables)
             self.group_ranges[:, :g].copy_(meta.decode_group_ranges)
             self.group_ranges[1, g:].zero_()  # unused groups: no rows
-        key = (b, cascade)
+        k = logits_rows.shape[0]
+        if chunk:
+            width = meta.prefill_block_tables.shape[1]
+            self.prefill_table[:, :width].copy_(meta.prefill_block_tables)
+            self.prefill_ranges.copy_(meta.prefill_ranges)
+            self.prefill_ranges[0].fill_(b)  # the chunk's first row in the buffers
+            # the step's rows -> the buffers' rows (the chunk moved from nd to b)
+            shifted = torch.where(logits_rows >= nd, logits_rows + (b - nd), logits_rows)
+            self.logit_rows[:k].copy_(shifted)
+            self.logit_rows[k : b + 1].zero_()  # a valid row for the unused entries
         graph = self.graphs.get(key)
-        if graph is None:  # not captured (CPU): the same buffers, run eagerly
-            return self._run(key)[:n]
-        graph.replay()
-        return self.logits[key][:n]
+        if graph is not None:
+            graph.replay()
+            logits = self.logits[key]
+        else:  # not captured (CPU, or a mixed step's first time): the same buffers, eagerly
+            logits = self._run(key)
+            if chunk and self.capture and self.chunks:
+                self._capture_mixed(key)
+        return logits[:k] if chunk else logits[:nd][logits_rows]
+
+
+def _place(buf: torch.Tensor, src: torch.Tensor, nd: int, b: int, m: int) -> None:
+    """The step's nd decode rows at the top of buf, its m chunk rows from row b."""
+    buf[:nd].copy_(src[:nd])
+    if m:
+        buf[b : b + m].copy_(src[nd:])

@@ -36,6 +36,7 @@ class LLM:
         attention_backend: str = "auto",
         cascade_attention: bool = True,
         cuda_graphs: bool = True,
+        cuda_graph_max_chunk: int = 512,
         async_scheduling: bool | None = None,
         seed: int = 0,
         speculative: str | SpecConfig | None = None,
@@ -50,6 +51,7 @@ class LLM:
             attention_backend=attention_backend,
             cascade_attention=cascade_attention,
             cuda_graphs=cuda_graphs,
+            cuda_graph_max_chunk=cuda_graph_max_chunk,
             async_scheduling=async_scheduling,
             seed=seed,
             cache=CacheConfig(

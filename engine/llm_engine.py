@@ -138,8 +138,10 @@ class LLMEngine:
         self._num_finished = 0
         self._in_flight: LaunchedStep | None = None  # async scheduling: not yet finished
         if config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
-            self.runner.capture_decode_graphs(
-                min(scheduler_config.max_num_seqs, CUDA_GRAPH_MAX_BATCH), self.max_model_len
+            self.runner.capture_step_graphs(
+                min(scheduler_config.max_num_seqs, CUDA_GRAPH_MAX_BATCH),
+                self.max_model_len,
+                max_chunk=config.cuda_graph_max_chunk,
             )
         log.info(
             "KV cache: %d blocks of %d tokens = %d tokens at most in flight (%.1f requests "

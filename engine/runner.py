@@ -72,7 +72,7 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.sampler = Sampler(seed=seed)
-        self.decode_graphs = None  # set by capture_decode_graphs (CUDA, triton backend)
+        self.step_graphs = None  # set by capture_step_graphs (CUDA, triton backend)
         # The last launched step's sampled tokens, on the device: where a sequence's pending
         # token (async scheduling, Sequence.pending_row) is read from.
         self._last_sampled: torch.Tensor | None = None
@@ -85,7 +85,10 @@ class ModelRunner:
         """Queue a step's forward and sampling; on CUDA this returns before they have run.
         `started`: the step's start_clock (engine/launched_step.py), to time it."""
         input_ids, meta, logits_rows, sampling_seqs = self._prepare(out)
+        captured = self._graphs_captured()
         logits = self._forward(input_ids, meta, logits_rows)
+        if self._graphs_captured() != captured:  # the step waited for a graph's capture: its
+            started = None  # time is no measure of a step's (engine/step_cost.py)
         if not sampling_seqs:
             return LaunchedStep([], None)
         if any(s.draft_token_ids for s in sampling_seqs):  # speculative decoding: verify
@@ -107,11 +110,17 @@ class ModelRunner:
         self._last_sampled = sampled.token_ids
         return LaunchedStep(sampling_seqs, sampled, started=started)
 
+    def _graphs_captured(self) -> int:
+        return 0 if self.step_graphs is None else self.step_graphs.mixed_captured
+
     def _forward(self, input_ids, meta: _StepMeta, logits_rows) -> torch.Tensor:
-        """Replay a captured decode graph when the step is a plain decode, else run eagerly."""
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.supports(meta.attention, input_ids.shape[0]):
-            return graphs.run(input_ids, meta.positions, meta.attention)[logits_rows]
+        """Replay a captured graph when the step has one (a decode step, maybe with one short
+        prompt chunk), else run eagerly."""
+        graphs = self.step_graphs
+        if graphs is not None:
+            key = graphs.key_for(meta.attention, input_ids.shape[0], logits_rows.shape[0])
+            if key is not None:
+                return graphs.run(key, input_ids, meta.positions, meta.attention, logits_rows)
         return self.forward(
             input_ids,
             meta.positions,
@@ -121,21 +130,29 @@ class ModelRunner:
             logits_indices=logits_rows,
         )
 
-    def capture_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True):
-        """Decode steps of up to max_batch sequences replay CUDA graphs from now on
-        (engine/cuda_graphs.py); capture=False runs the same padded path eagerly (CPU tests)."""
-        from engine.cuda_graphs import DecodeGraphs
+    def capture_step_graphs(
+        self, max_batch: int, max_model_len: int, max_chunk: int = 0, capture: bool = True
+    ):
+        """Decode steps of up to max_batch sequences, and those with one prompt chunk of up
+        to max_chunk tokens, replay CUDA graphs from now on (engine/cuda_graphs.py);
+        capture=False runs the same padded path eagerly (CPU tests)."""
+        from engine.cuda_graphs import StepGraphs
 
-        def forward(ids, positions, meta):
-            return self.forward(ids, positions, self.kv_caches, meta, self.backend)
+        def forward(ids, positions, meta, logits_indices=None):
+            return self.forward(
+                ids, positions, self.kv_caches, meta, self.backend, logits_indices=logits_indices
+            )
 
-        self.decode_graphs = DecodeGraphs(
+        self.step_graphs = StepGraphs(
             forward,
             max_batch=max_batch,
             max_blocks=-(-min(max_model_len, GRAPH_MAX_CONTEXT) // self.block_size),
             device=self.device,
             capture=capture,
             max_groups=GRAPH_MAX_GROUPS if self.cascade else 0,
+            max_chunk=max_chunk,
+            max_prefill_tokens=max_model_len,
+            block_size=self.block_size,
         )
 
     def _prepare(self, out: SchedulerOutput):

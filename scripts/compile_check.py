@@ -142,10 +142,14 @@ def drive_engine(dtype: torch.dtype) -> None:
                 done.append(seq)
         scheduler.finish(done)
 
-    # The decode-graph path: static buffers sized for a bucket, with and without groups.
-    runner.capture_decode_graphs(max_batch=8, max_model_len=4096, capture=False)
-    for key in runner.decode_graphs.keys:
-        runner.decode_graphs._run(key)
+    # The graph path: static buffers sized for a bucket, with and without groups, and with
+    # a prompt chunk after the decodes (its keys split for the longest context).
+    from engine.cuda_graphs import GraphKey
+
+    runner.capture_step_graphs(max_batch=8, max_model_len=4096, max_chunk=32, capture=False)
+    graphs = runner.step_graphs
+    for key in graphs.keys + [GraphKey(2, False, 16), GraphKey(8, True, 32)]:
+        graphs._run(key)
 
 
 def ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:

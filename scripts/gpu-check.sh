@@ -26,9 +26,12 @@
 #                 kernels ranked, and how busy the GPU was)
 #   long-prefill  kvbatch bench long-prefill --json long-prefill.json (the defaults: chunks
 #                 of the 32k prompt sized from timed steps, long_prefill_step_ratio 2.5)
+#   long-prefill-eager  the same with --cuda-graph-max-chunk 0 into long-prefill-eager.json:
+#                 every step with a chunk eager, as before mixed-step CUDA graphs (what they
+#                 gain; LONG_PREFILL_EAGER=0 skips it; skipped past BUDGET_S like the caps)
 #   long-prefill-CAP  the same with --long-prefill-token-threshold CAP
 #                 --long-prefill-step-ratio 0 (token caps alone), for each CAP in
-#                 $LONG_PREFILL_CAPS (default "256 128"; empty: none) into
+#                 $LONG_PREFILL_CAPS (default "256"; empty: none) into
 #                 long-prefill-CAP.json: what a fixed cap does to the gap target (and to the
 #                 long prompt's first token) next to timed chunks; each is skipped when it
 #                 could not end inside BUDGET_S (560) seconds of the run
@@ -40,7 +43,7 @@
 #   summary       scripts/gpu_check_summary.py: the short table (also summary.txt)
 #
 # The results folder gets gpu-check.log (every step's output), steps.tsv, rag.json,
-# long-prefill.json, long-prefill-256.json, long-prefill-128.json, rag-sweep.json and
+# long-prefill.json, long-prefill-eager.json, long-prefill-256.json, rag-sweep.json and
 # summary.txt (eight: all the device tool brings back). Each step's time limit can be changed
 # through the environment (e.g. RAG_TIMEOUT=400); the limits add up to 945 s, a run
 # takes about 5 to 6 minutes, and if the run is cut short every finished step's files are there.
@@ -204,9 +207,17 @@ read -r -a LONG_PREFILL_EXTRA <<< "${LONG_PREFILL_ARGS:-}"
 step long-prefill "$LONG_PREFILL_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill ${TINY[@]+"${TINY[@]}"} \
   ${LONG_PREFILL_DEFAULTS[@]+"${LONG_PREFILL_DEFAULTS[@]}"} \
   ${LONG_PREFILL_EXTRA[@]+"${LONG_PREFILL_EXTRA[@]}"} --json "$OUT_DIR/long-prefill.json"
+# The same with every mixed step eager (no CUDA graphs for steps with a chunk): what the
+# mixed-step graphs gain; LONG_PREFILL_EAGER=0 skips it
+if [ "${LONG_PREFILL_EAGER:-1}" = 1 ] && fits long-prefill-eager "$LONG_PREFILL_CAP_TIMEOUT"; then
+  step long-prefill-eager "$LONG_PREFILL_CAP_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill \
+    ${TINY[@]+"${TINY[@]}"} ${LONG_PREFILL_DEFAULTS[@]+"${LONG_PREFILL_DEFAULTS[@]}"} \
+    ${LONG_PREFILL_EXTRA[@]+"${LONG_PREFILL_EXTRA[@]}"} --cuda-graph-max-chunk 0 \
+    --json "$OUT_DIR/long-prefill-eager.json"
+fi
 # LONG_PREFILL_CAPS: token caps alone (no timed chunks) to compare, one step each, while
 # BUDGET_S allows
-read -r -a LONG_PREFILL_CAP_LIST <<< "${LONG_PREFILL_CAPS-256 128}"
+read -r -a LONG_PREFILL_CAP_LIST <<< "${LONG_PREFILL_CAPS-256}"
 for cap in ${LONG_PREFILL_CAP_LIST[@]+"${LONG_PREFILL_CAP_LIST[@]}"}; do
   fits "long-prefill-$cap" "$LONG_PREFILL_CAP_TIMEOUT" || continue
   step "long-prefill-$cap" "$LONG_PREFILL_CAP_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill \

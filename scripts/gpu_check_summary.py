@@ -134,6 +134,8 @@ def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
         settings += (
             f", long_prefill_step_ratio {'default' if step_ratio is None else f'{step_ratio:g}'}"
         )
+    if options.get("cuda_graph_max_chunk") == 0:
+        settings += ", mixed steps eager (cuda_graph_max_chunk 0)"
     reference, prefill = reference_and_prefill_text(f)
     lines = [
         f"{data['workload']['name']} ({settings}): "

@@ -66,11 +66,11 @@ def test_padded_decode_graph_path_gives_the_same_tokens(tiny_models):
     llm = LLM(
         path, device=DEVICE, dtype="float32", attention_backend="triton", cascade_attention=False
     )
-    llm.engine.runner.capture_decode_graphs(max_batch=8, max_model_len=64, capture=False)
+    llm.engine.runner.capture_step_graphs(max_batch=8, max_model_len=64, capture=False)
     replays = []
-    graphs = llm.engine.runner.decode_graphs
+    graphs = llm.engine.runner.step_graphs
     real_run = graphs.run
-    graphs.run = lambda ids, *a: replays.append(ids.shape[0]) or real_run(ids, *a)
+    graphs.run = lambda key, ids, *a: replays.append(ids.shape[0]) or real_run(key, ids, *a)
     assert tokens(llm.generate(prompts, GREEDY)) == want
     assert replays and max(replays) == 5
     llm.engine.kv.check_integrity()
@@ -97,18 +97,111 @@ def test_padded_decode_graph_path_with_shared_prefix_groups(tiny_models, async_s
         attention_backend="triton",
         async_scheduling=async_scheduling,
     )
-    llm.engine.runner.capture_decode_graphs(max_batch=8, max_model_len=128, capture=False)
-    graphs = llm.engine.runner.decode_graphs
+    llm.engine.runner.capture_step_graphs(max_batch=8, max_model_len=128, capture=False)
+    graphs = llm.engine.runner.step_graphs
     seen = []  # (rows, groups) of every graphed step
     real_run = graphs.run
-    graphs.run = lambda ids, pos, meta: (
-        seen.append((ids.shape[0], len(meta.decode_groups))) or real_run(ids, pos, meta)
+    graphs.run = lambda key, ids, pos, meta, rows: (
+        seen.append((ids.shape[0], len(meta.decode_groups))) or real_run(key, ids, pos, meta, rows)
     )
     assert tokens(llm.generate(prompts, params)) == want
     assert (7, 2) in seen  # both groups, one padding row
     assert any(g == 1 for _, g in seen)  # group b dissolved (its member with 2 tokens is done)
     assert any(g == 0 for _, g in seen)  # plain decode steps still replay the plain graphs
     llm.engine.kv.check_integrity()
+
+
+def long_prompt_beside_decodes(shared: bool):
+    """Four short prompts that decode while a 150-token prompt is prefilled in short chunks
+    (24 tokens a step, less the decodes), and their sampling params (uneven lengths: the
+    decode rows change while the chunks go on)."""
+    short = shared_prefix_prompts()[:4] if shared else random_prompts(512, (5, 19, 12, 9), seed=3)
+    prompts = short + random_prompts(512, (150,), seed=4)
+    lengths = (16, 12, 14, 3, 4)
+    return prompts, [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths
+    ]
+
+
+@pytest.mark.parametrize(
+    "async_scheduling, shared, split",
+    [(False, False, True), (True, True, False)],
+    ids=["in-turn-split-keys", "async-shared-prefixes"],
+)
+def test_padded_mixed_step_graph_path_gives_the_same_tokens(
+    tiny_models, monkeypatch, async_scheduling, shared, split
+):
+    """Decode steps with one prompt chunk in the static buffers, run eagerly: the chunks land
+    in buckets 16 and 32 with padding rows after the decode bucket's padding, and the long
+    prompt's last chunk samples through its remapped logits row. Async: the decodes read
+    pending tokens. Shared prefixes: cascade groups beside the chunk. Split keys (threshold
+    lowered): each chunk's keys split for the longest context, most splits empty."""
+    import kernels.prefill_attention as prefill
+
+    path = tiny_models("llama-gqa")
+    prompts, params = long_prompt_beside_decodes(shared)
+    args = dict(device=DEVICE, dtype="float32", max_num_batched_tokens=24, max_model_len=256)
+    want = tokens(LLM(path, attention_backend="torch", **args).generate(prompts, params))
+    if split:
+        monkeypatch.setattr(prefill, "MIN_KEYS_PER_SPLIT", 32)
+    llm = LLM(path, attention_backend="triton", async_scheduling=async_scheduling, **args)
+    llm.engine.runner.capture_step_graphs(
+        max_batch=8, max_model_len=256, max_chunk=32, capture=False
+    )
+    graphs = llm.engine.runner.step_graphs
+    seen = []  # (key, decodes, chunk tokens, sampled rows) of every graphed mixed step
+    real_run = graphs.run
+
+    def run(key, ids, positions, meta, rows):
+        nd = meta.num_decode_tokens
+        if key.chunk:
+            seen.append((key, nd, ids.shape[0] - nd, rows.shape[0], len(meta.decode_groups)))
+        return real_run(key, ids, positions, meta, rows)
+
+    graphs.run = run
+    assert tokens(llm.generate(prompts, params)) == want
+    assert {key.chunk for key, *_ in seen} == ({32} if shared else {16, 32})
+    assert any(m < key.chunk for key, _, m, _, _ in seen)  # a padded chunk
+    assert any(nd < key.rows for key, nd, *_ in seen)  # padded decode rows before the chunk
+    assert any(rows == nd + 1 for _, nd, _, rows, _ in seen)  # the last chunk sampled
+    assert any(groups for *_, groups in seen) == shared
+    llm.engine.kv.check_integrity()
+
+
+def test_a_step_that_captures_a_graph_is_not_timed(tiny_models):
+    """On CUDA a mixed step's graph is captured right after the step first runs eagerly, and
+    the capture's wait lands in that step's time: the step cost model must not learn from it
+    (one such step would shrink the next chunks for nothing). The capture is simulated on the
+    CPU's eager graph path, once per new key; the other mixed steps are timed."""
+    first_seen, mixed_steps, timed = set(), [], []
+
+    def simulate_captures(engine):
+        engine.runner.capture_step_graphs(
+            max_batch=8, max_model_len=512, max_chunk=512, capture=False
+        )
+        graphs = engine.runner.step_graphs
+        graphs.capture = True
+
+        def capture(key):  # what a capture leaves behind, without CUDA
+            if key not in first_seen:
+                first_seen.add(key)
+                graphs.mixed_captured += 1
+
+        graphs._capture_mixed = capture
+        launch, observe = engine.runner.launch, engine.step_cost.observe
+        engine.runner.launch = lambda out, *a: (
+            mixed_steps.append(out.shape.is_mixed) or launch(out, *a)
+        )
+        engine.step_cost.observe = lambda shape, s: (
+            timed.append(shape.is_mixed) or observe(shape, s)
+        )
+
+    run = timed_chunks_run(
+        tiny_models("llama-gqa"), DEVICE, attention_backend="triton", prepare=simulate_captures
+    )
+    run(2.5)
+    assert first_seen and sum(mixed_steps) > len(first_seen)
+    assert sum(timed) == sum(mixed_steps) - len(first_seen)
 
 
 def test_short_chunks_of_a_long_prompt_split_their_keys(tiny_models, monkeypatch):
@@ -186,7 +279,7 @@ def test_async_steps_wait_for_the_device_only_to_collect_tokens(tiny_models):
     )
     llm = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=16)
     engine = llm.engine
-    assert engine.async_scheduling and engine.runner.decode_graphs is not None
+    assert engine.async_scheduling and engine.runner.step_graphs is not None
     ids = [engine.add_request(p, params) for p in prompts]
     outs = {}
     for _ in range(3):  # prefill and the first decodes: kernels compile here
@@ -214,6 +307,29 @@ def test_async_steps_wait_for_the_device_only_to_collect_tokens(tiny_models):
 
 
 @pytest.mark.gpu
+def test_mixed_step_graphs_on_cuda_are_captured_on_first_use(tiny_models):
+    """On CUDA a decode step with a short prompt chunk captures its graph the first time its
+    buckets are seen and replays it after: the tokens equal those of eager mixed steps
+    (float32), and each captured key stays captured."""
+    path = tiny_models("llama-gqa")
+    prompts, params = long_prompt_beside_decodes(shared=False)
+    args = dict(device="cuda", dtype="float32", max_num_batched_tokens=24, max_model_len=256)
+    eager = LLM(path, cuda_graph_max_chunk=0, **args)
+    want = tokens(eager.generate(prompts, params))
+    assert eager.engine.runner.step_graphs.mixed_captured == 0
+    llm = LLM(path, cuda_graph_max_chunk=32, **args)
+    graphs = llm.engine.runner.step_graphs
+    replays = []
+    real_run = graphs.run
+    graphs.run = lambda key, *a: replays.append(key) or real_run(key, *a)
+    assert tokens(llm.generate(prompts, params)) == want
+    mixed = {key for key in graphs.graphs if key.chunk}
+    assert graphs.mixed_captured == len(mixed) >= 1
+    assert len([key for key in replays if key.chunk]) > len(mixed)  # replayed after capture
+    llm.engine.kv.check_integrity()
+
+
+@pytest.mark.gpu
 def test_timed_chunks_on_cuda_time_steps_with_events(tiny_models):
     """A long prompt's chunks sized from timed steps on CUDA (the default there): steps are
     timed with events (plausible times, plain and mixed steps told apart), the chunks start
@@ -229,9 +345,10 @@ def test_timed_chunks_on_cuda_time_steps_with_events(tiny_models):
     assert timed_tokens == untimed_tokens
 
 
-def timed_chunks_run(path, device, **engine_args):
+def timed_chunks_run(path, device, prepare=None, **engine_args):
     """run(ratio) -> (tokens, engine, the long prompt's chunks): four decoders, then a
-    440-token prompt (longer than the 128-token threshold) while they decode."""
+    440-token prompt (longer than the 128-token threshold) while they decode. `prepare`
+    gets the engine before it runs."""
     decoders = random_prompts(512, (20, 33, 9, 14), seed=3)
     long_prompt = random_prompts(512, (440,), seed=4)[0]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -248,6 +365,8 @@ def timed_chunks_run(path, device, **engine_args):
             **engine_args,
         )
         engine, outs, chunks = llm.engine, {}, []
+        if prepare is not None:
+            prepare(engine)
         ids = [engine.add_request(p, params) for p in decoders]
         for _ in range(6):  # prefill and the first decodes (kernels compile here)
             outs.update((o.request_id, o) for o in engine.step())

@@ -21,6 +21,7 @@ KERNELS = {
     "_decode_split_kernel",
     "_merge_splits_kernel",
     "_prefill_kernel",
+    "_merge_prefill_splits_kernel",  # a mixed step's graph splits keys for the longest context
     "_merge_kernel",
 }
 

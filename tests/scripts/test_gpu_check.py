@@ -97,8 +97,8 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
         "greedy": "skipped",
         "rag": "ok",
         "long-prefill": "skipped",
+        "long-prefill-eager": "skipped",
         "long-prefill-256": "skipped",
-        "long-prefill-128": "skipped",
         "rag-sweep": "skipped",
         "summary": "ok",
     }

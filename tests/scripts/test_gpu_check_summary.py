@@ -71,3 +71,10 @@ def test_the_line_names_the_step_ratio_and_the_longest_gap_while_prefilling():
     assert "; longest gap while prefilling 4.1 ms (ratio 2.7);" in head
     data["options"]["long_prefill_step_ratio"] = 0.0
     assert ", long_prefill_step_ratio 0)" in summary.long_prefill_lines(data)[0]
+
+
+def test_the_line_says_when_mixed_steps_ran_eagerly():
+    data = _results(NEW)
+    assert "eager" not in summary.long_prefill_lines(data)[0]
+    data["options"]["cuda_graph_max_chunk"] = 0
+    assert ", mixed steps eager (cuda_graph_max_chunk 0))" in summary.long_prefill_lines(data)[0]
