@@ -144,6 +144,12 @@ def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
         f"ratio {'-' if ratio is None else f'{ratio:.1f}'} decode steps{prefill}; the long "
         f"prompt's first token after {_ms(f.get('long_prompt_ttft_s'))} ms"
     ]
+    profile = ((kv or {}).get("extra") or {}).get("step_profile") or {}
+    if profile.get("steps"):  # whether the steps with a chunk replayed graphs
+        lines.append(
+            f"CUDA graphs: {profile['graph_steps']} of {profile['steps']} steps replayed one, "
+            f"{profile.get('mixed_graph_steps', 0)} of them with a prompt chunk (last run)"
+        )
     if ratio is None:
         lines.append(f"target (<= {GAP_TARGET:g} decode steps): not measured")
     else:

@@ -78,3 +78,14 @@ def test_the_line_says_when_mixed_steps_ran_eagerly():
     assert "eager" not in summary.long_prefill_lines(data)[0]
     data["options"]["cuda_graph_max_chunk"] = 0
     assert ", mixed steps eager (cuda_graph_max_chunk 0))" in summary.long_prefill_lines(data)[0]
+
+
+def test_the_lines_count_the_steps_that_replayed_graphs():
+    data = _results(NEW)
+    profile = {"steps": 300, "graph_steps": 280, "mixed_graph_steps": 60}
+    data["engines"][0]["extra"] = {"step_profile": profile}
+    head, graphs, target = summary.long_prefill_lines(data)
+    assert graphs == (
+        "CUDA graphs: 280 of 300 steps replayed one, 60 of them with a prompt chunk (last run)"
+    )
+    assert len(summary.long_prefill_lines(_results(NEW))) == 2  # no profile, no line
