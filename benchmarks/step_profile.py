@@ -31,6 +31,7 @@ class StepProfile:
         self.steps: list[dict[str, float]] = []  # seconds per phase, steps that ran the model
         self.graph_steps = 0
         self.mixed_graph_steps = 0  # of those, decodes with a prompt chunk
+        self.graph_captures = 0  # of those, steps that captured their graph (first use)
         self._step: dict[str, float] = {}
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.runner, "_prepare", "prepare")
@@ -67,7 +68,11 @@ class StepProfile:
             def counted(key, *args, **kwargs):
                 self.graph_steps += 1
                 self.mixed_graph_steps += bool(key.chunk)
-                return replay(key, *args, **kwargs)
+                before = graphs.mixed_captured
+                try:
+                    return replay(key, *args, **kwargs)
+                finally:
+                    self.graph_captures += graphs.mixed_captured - before
 
             graphs.run = counted
 
@@ -86,17 +91,19 @@ class StepProfile:
 
     def clear(self) -> None:
         self.steps.clear()
-        self.graph_steps = self.mixed_graph_steps = 0
+        self.graph_steps = self.mixed_graph_steps = self.graph_captures = 0
 
     def summary(self) -> dict[str, Any]:
         """Median milliseconds per phase (robust to a step the machine interrupted), the mean
         host milliseconds per step, steps run and steps that replayed a CUDA graph (decodes
-        alone or with a prompt chunk)."""
+        alone or with a prompt chunk, and those that captured it: the first step of a pair of
+        buckets waits for a capture, which a timed run should not hold)."""
         if not self.steps:
             return {
                 "steps": 0,
                 "graph_steps": 0,
                 "mixed_graph_steps": 0,
+                "graph_captures": 0,
                 "ms_per_step": {},
                 "host_ms_per_step": None,
             }
@@ -105,6 +112,7 @@ class StepProfile:
             "steps": len(self.steps),
             "graph_steps": self.graph_steps,
             "mixed_graph_steps": self.mixed_graph_steps,
+            "graph_captures": self.graph_captures,
             "ms_per_step": {k: statistics.median(s[k] for s in self.steps) * 1e3 for k in PHASES},
             "host_ms_per_step": statistics.mean(host) * 1e3,
             "host_seconds": sum(host),
@@ -115,7 +123,8 @@ def format_step_profile(p: dict[str, Any], engine: str = "kvbatch") -> str:
     ms = p["ms_per_step"]
     return (
         f"{engine} steps (last run): {p['steps']}, {p['graph_steps']} replayed a CUDA graph "
-        f"({p.get('mixed_graph_steps', 0)} with a prompt chunk); "
+        f"({p.get('mixed_graph_steps', 0)} with a prompt chunk, "
+        f"{p.get('graph_captures', 0)} captured in the run); "
         f"median ms per step: schedule {ms['schedule']:.2f}, prepare {ms['prepare']:.2f}, "
         f"forward {ms['forward']:.2f}, sample {ms['sample']:.2f}, rest {ms['rest']:.2f}; "
         f"host time {p['host_seconds']:.2f} s in all (schedule + prepare + rest; the GPU "

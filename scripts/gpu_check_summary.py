@@ -148,7 +148,8 @@ def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
     if profile.get("steps"):  # whether the steps with a chunk replayed graphs
         lines.append(
             f"CUDA graphs: {profile['graph_steps']} of {profile['steps']} steps replayed one, "
-            f"{profile.get('mixed_graph_steps', 0)} of them with a prompt chunk (last run)"
+            f"{profile.get('mixed_graph_steps', 0)} of them with a prompt chunk, "
+            f"{profile.get('graph_captures', 0)} captured in the run (last run)"
         )
     if ratio is None:
         lines.append(f"target (<= {GAP_TARGET:g} decode steps): not measured")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 from benchmarks.models import TINY_LLAMA, random_model_dir
-from benchmarks.step_profile import PHASES, StepProfile
+from benchmarks.step_profile import PHASES, StepProfile, format_step_profile
 from engine import LLM, SamplingParams
+from tests.engine.test_triton_backend import simulate_graph_captures
 
 
 def test_phases_of_every_step_that_ran_the_model(tmp_path):
@@ -26,3 +27,24 @@ def test_phases_of_every_step_that_ran_the_model(tmp_path):
     assert summary["host_seconds"] < elapsed
     profile.clear()
     assert profile.summary()["steps"] == 0
+
+
+def test_graph_steps_with_a_chunk_and_their_captures_are_counted(tmp_path):
+    """The static-buffer graph path (eager on the CPU, the Triton interpreter): decode steps
+    beside a chunked prompt count as graph steps with a chunk, and a capture on the first use
+    of a pair of buckets (simulated: CUDA captures) is counted once per pair."""
+    path = str(random_model_dir(TINY_LLAMA, tmp_path))
+    llm = LLM(path, attention_backend="triton", max_num_batched_tokens=32, max_model_len=128)
+    engine = llm.engine
+    engine.runner.capture_step_graphs(max_batch=4, max_model_len=128, max_chunk=32, capture=False)
+    first_seen = set()
+    simulate_graph_captures(engine.runner.step_graphs, first_seen)
+    profile = StepProfile(engine)
+    prompts = [[5] * 10, list(range(3, 103))]  # the second one in chunks beside the first's decodes
+    llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    summary = profile.summary()
+    assert (
+        summary["mixed_graph_steps"] >= 3 and summary["graph_steps"] > summary["mixed_graph_steps"]
+    )
+    assert summary["graph_captures"] == len(first_seen) >= 1
+    assert "captured in the run" in format_step_profile(summary)

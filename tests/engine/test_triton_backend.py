@@ -168,6 +168,19 @@ def test_padded_mixed_step_graph_path_gives_the_same_tokens(
     llm.engine.kv.check_integrity()
 
 
+def simulate_graph_captures(graphs, first_seen: set) -> None:
+    """What a capture on first use leaves behind (CUDA), on the CPU's eager graph path: the
+    capture count grows once per new pair of buckets (recorded in `first_seen`)."""
+    graphs.capture = True
+
+    def capture(key):
+        if key not in first_seen:
+            first_seen.add(key)
+            graphs.mixed_captured += 1
+
+    graphs._capture_mixed = capture
+
+
 def test_a_step_that_captures_a_graph_is_not_timed(tiny_models):
     """On CUDA a mixed step's graph is captured right after the step first runs eagerly, and
     the capture's wait lands in that step's time: the step cost model must not learn from it
@@ -179,15 +192,7 @@ def test_a_step_that_captures_a_graph_is_not_timed(tiny_models):
         engine.runner.capture_step_graphs(
             max_batch=8, max_model_len=512, max_chunk=512, capture=False
         )
-        graphs = engine.runner.step_graphs
-        graphs.capture = True
-
-        def capture(key):  # what a capture leaves behind, without CUDA
-            if key not in first_seen:
-                first_seen.add(key)
-                graphs.mixed_captured += 1
-
-        graphs._capture_mixed = capture
+        simulate_graph_captures(engine.runner.step_graphs, first_seen)
         launch, observe = engine.runner.launch, engine.step_cost.observe
         engine.runner.launch = lambda out, *a: (
             mixed_steps.append(out.shape.is_mixed) or launch(out, *a)

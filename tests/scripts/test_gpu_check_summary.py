@@ -82,10 +82,11 @@ def test_the_line_says_when_mixed_steps_ran_eagerly():
 
 def test_the_lines_count_the_steps_that_replayed_graphs():
     data = _results(NEW)
-    profile = {"steps": 300, "graph_steps": 280, "mixed_graph_steps": 60}
+    profile = {"steps": 300, "graph_steps": 280, "mixed_graph_steps": 60, "graph_captures": 1}
     data["engines"][0]["extra"] = {"step_profile": profile}
     head, graphs, target = summary.long_prefill_lines(data)
     assert graphs == (
-        "CUDA graphs: 280 of 300 steps replayed one, 60 of them with a prompt chunk (last run)"
+        "CUDA graphs: 280 of 300 steps replayed one, 60 of them with a prompt chunk, "
+        "1 captured in the run (last run)"
     )
     assert len(summary.long_prefill_lines(_results(NEW))) == 2  # no profile, no line
