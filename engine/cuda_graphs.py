@@ -252,7 +252,8 @@ class StepGraphs:
             or nd + span.query_len != num_tokens
             or span.query_len > self.chunks[-1]
             or span.context_len > self.max_prefill_tokens
-            or meta.prefill_ranges is None
+            or meta.prefill_ranges is None  # packed by the runner (not built by hand)
+            or meta.prefill_block_tables is None
             or meta.prefill_block_tables.shape[1] > self.prefill_table.shape[1]
         ):
             return None
