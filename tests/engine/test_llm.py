@@ -213,6 +213,7 @@ def test_invalid_engine_settings_name_the_field(tiny_models):
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
         (dict(dtype="int3"), "dtype"),
         (dict(attention_backend="x"), "attention_backend"),
+        (dict(cuda_graph_max_chunk=-1), "cuda_graph_max_chunk"),
     ]:
         with pytest.raises(ValueError, match=field):
             LLM(model=str(tiny_models("llama-gqa")), device="cpu", num_kv_blocks=64, **kw)
