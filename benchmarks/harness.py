@@ -312,7 +312,8 @@ def warm_up(peer: Peer, config: BenchConfig, vocab_size: int) -> None:
     reach every variant `rag` does: each one left would be compiled, at up to a second or
     two, inside the first timed run. The run also grows the allocator's pools to the
     workload's peak and captures the CUDA graphs of the steps with a prompt chunk that the
-    workload needs (each is captured on first use, in a step that waits for it). `config.full_warmup` forces it on or off (None: on CUDA only)."""
+    workload needs (each is captured on first use, in a step that waits for it).
+    `config.full_warmup` forces it on or off (None: on CUDA only)."""
     peer.warmup()
     full = config.full_warmup
     if full is None:
