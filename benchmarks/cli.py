@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "workload",
         nargs="?",
-        help=f"one of: {', '.join(WORKLOADS)}, or spec-copy / host-overhead (each has its own -h)",
+        help=f"one of: {', '.join(WORKLOADS)}, or spec-copy / host-overhead / step-plan / "
+        "gc-freeze (each has its own -h)",
     )
     p.add_argument("--list", action="store_true", help="list the workloads and engines, then exit")
     p.add_argument(
@@ -121,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode steps with one prompt chunk of up to N tokens replay CUDA graphs "
         "(default: 512; 0 = decode steps only)",
     )
+    e.add_argument(
+        "--freeze-gc",
+        action=argparse.BooleanOptionalAction,
+        help="freeze the heap the engine starts with, out of the cycle collector's full "
+        "passes (default: on CUDA)",
+    )
 
     s = p.add_argument_group("sweep (kvbatch alone, one engine per cell)")
     s.add_argument(
@@ -176,6 +183,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         long_prefill_step_ratio=args.long_prefill_step_ratio,
         cuda_graph_max_chunk=args.cuda_graph_max_chunk,
+        freeze_gc=args.freeze_gc,
         hf_batch_size=args.hf_batch_size or workload.hf_batch_size,
     )
     return BenchConfig(
@@ -218,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.host_overhead import main as host_overhead_main
 
         return host_overhead_main(argv[1:])
+    if argv[:1] == ["gc-freeze"]:  # the collector's pauses, startup heap frozen or not
+        from benchmarks.gc_freeze import main as gc_freeze_main
+
+        return gc_freeze_main(argv[1:])
     if argv[:1] == ["step-plan"]:  # the scheduler's steps of a workload, model stubbed
         from benchmarks.step_plan import main as step_plan_main
 

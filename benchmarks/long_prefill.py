@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.gc_pauses import GCPauses
+
 
 @dataclass
 class LongPrefillRun:
@@ -48,6 +50,20 @@ def drive_long_prefill(
     step is plain the reference falls back to the median gap between consecutive decoder
     tokens; `decode_step_reference` says which was used.
     """
+    with GCPauses() as pauses:
+        return _drive(engine, prompts, long_prompt, workload, params, synchronize, pauses)
+
+
+def _drive(
+    engine: Any,
+    prompts: list[list[int]],
+    long_prompt: list[int],
+    workload: Any,
+    params: Callable[[int], Any],
+    synchronize: Callable[[], None],
+    pauses: GCPauses,
+) -> LongPrefillRun:
+    """drive_long_prefill's run, while `pauses` records the cycle collector's passes."""
     tag = f"long-prefill-{time.monotonic_ns()}"
     start = time.perf_counter()
     ids = [
@@ -133,6 +149,9 @@ def drive_long_prefill(
         "steps": step_count,
         # what the engine's step cost model learned (engine/step_cost.py), when it timed steps
         "step_cost": cost.describe() if (cost := getattr(engine, "step_cost", None)) else None,
+        # the cycle collector's passes (benchmarks/gc_pauses.py): was the longest gap one?
+        "gc": pauses.summary()
+        | {"longest_pause_prefilling_s": pauses.longest(arrival, first_long_token)},
     }
     return LongPrefillRun(outs, seconds, figures)
 
@@ -154,6 +173,12 @@ def reference_and_prefill_text(f: dict[str, Any]) -> tuple[str, str]:
     gap, ratio = f.get("max_token_gap_prefilling_s"), f.get("prefilling_gap_ratio")
     if gap is not None and ratio is not None:
         prefill += f"; longest gap while prefilling {gap * 1000:.1f} ms (ratio {ratio:.1f})"
+    if gc_figures := f.get("gc"):
+        pause = gc_figures.get("longest_pause_prefilling_s")
+        prefill += (
+            f"; {gc_figures['full_passes']} full GC passes in the run, longest GC pause while "
+            f"prefilling {'-' if pause is None else f'{pause * 1000:.2f}'} ms"
+        )
     cost = f.get("step_cost") or {}
     if cost.get("mixed_steps") and cost.get("plain_step_s") is not None:
         per_work = cost.get("cost_per_work_s")

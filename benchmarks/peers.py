@@ -49,6 +49,7 @@ class EngineOptions:
     long_prefill_step_ratio: float | None = None  # kvbatch: None = the engine's default
     cuda_graph_max_chunk: int | None = None  # kvbatch: None = the engine's default
     async_scheduling: bool | None = None  # kvbatch: None = the engine's default (on for CUDA)
+    freeze_gc: bool | None = None  # kvbatch: None = the engine's default (on for CUDA)
     hf_batch_size: int | None = None  # hf-static: requests per static batch; None = all
 
     def __post_init__(self) -> None:
@@ -221,6 +222,8 @@ class KvbatchPeer(Peer):
             kwargs["cuda_graph_max_chunk"] = o.cuda_graph_max_chunk
         if self.async_scheduling is not None:
             kwargs["async_scheduling"] = self.async_scheduling
+        if o.freeze_gc is not None:
+            kwargs["freeze_gc"] = o.freeze_gc
         self.llm = LLM(
             model=self.model_path,
             device=o.device,

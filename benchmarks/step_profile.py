@@ -13,7 +13,8 @@
 Without async scheduling, schedule + prepare + rest is host time the GPU cannot hide (the
 next step starts only when the host has it ready); with it, the GPU runs one step while the
 host does these for the next. The profile wraps the engine's methods in place; it costs a
-few `perf_counter` calls per step.
+few `perf_counter` calls per step. It also records the cycle collector's passes
+(benchmarks/gc_pauses.py): a full pass is a stall no phase accounts for.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import statistics
 import time
 from typing import Any
+
+from benchmarks.gc_pauses import GCPauses, format_gc_pauses
 
 PHASES = ("schedule", "prepare", "forward", "sample", "rest")
 HOST_PHASES = ("schedule", "prepare", "rest")
@@ -32,6 +35,7 @@ class StepProfile:
         self.graph_steps = 0
         self.mixed_graph_steps = 0  # of those, decodes with a prompt chunk
         self.graph_captures = 0  # of those, steps that captured their graph (first use)
+        self.gc = GCPauses().start()
         self._step: dict[str, float] = {}
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.runner, "_prepare", "prepare")
@@ -92,6 +96,7 @@ class StepProfile:
     def clear(self) -> None:
         self.steps.clear()
         self.graph_steps = self.mixed_graph_steps = self.graph_captures = 0
+        self.gc.clear()
 
     def summary(self) -> dict[str, Any]:
         """Median milliseconds per phase (robust to a step the machine interrupted), the mean
@@ -106,6 +111,7 @@ class StepProfile:
                 "graph_captures": 0,
                 "ms_per_step": {},
                 "host_ms_per_step": None,
+                "gc": self.gc.summary(),
             }
         host = [sum(s[k] for k in HOST_PHASES) for s in self.steps]
         return {
@@ -116,11 +122,13 @@ class StepProfile:
             "ms_per_step": {k: statistics.median(s[k] for s in self.steps) * 1e3 for k in PHASES},
             "host_ms_per_step": statistics.mean(host) * 1e3,
             "host_seconds": sum(host),
+            "gc": self.gc.summary(),
         }
 
 
 def format_step_profile(p: dict[str, Any], engine: str = "kvbatch") -> str:
     ms = p["ms_per_step"]
+    gc_text = f"; {format_gc_pauses(p['gc'])}" if p.get("gc") else ""  # older results lack it
     return (
         f"{engine} steps (last run): {p['steps']}, {p['graph_steps']} replayed a CUDA graph "
         f"({p.get('mixed_graph_steps', 0)} with a prompt chunk, "
@@ -128,5 +136,5 @@ def format_step_profile(p: dict[str, Any], engine: str = "kvbatch") -> str:
         f"median ms per step: schedule {ms['schedule']:.2f}, prepare {ms['prepare']:.2f}, "
         f"forward {ms['forward']:.2f}, sample {ms['sample']:.2f}, rest {ms['rest']:.2f}; "
         f"host time {p['host_seconds']:.2f} s in all (schedule + prepare + rest; the GPU "
-        "runs meanwhile only with async scheduling)"
+        f"runs meanwhile only with async scheduling){gc_text}"
     )

@@ -205,6 +205,9 @@ class EngineConfig:
     # Queue each step before the previous one's tokens reach the host (engine/llm_engine.py);
     # None = on for CUDA (off with speculative decoding), off on the CPU, where it gains nothing.
     async_scheduling: bool | None = None
+    # Freeze the heap the engine starts with, out of the cycle collector's full passes
+    # (engine/startup_heap.py); None = on CUDA, where one pass stalls many steps.
+    freeze_gc: bool | None = None
     seed: int = 0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

@@ -38,6 +38,7 @@ class LLM:
         cuda_graphs: bool = True,
         cuda_graph_max_chunk: int = 512,
         async_scheduling: bool | None = None,
+        freeze_gc: bool | None = None,
         seed: int = 0,
         speculative: str | SpecConfig | None = None,
         num_speculative_tokens: int | None = None,
@@ -53,6 +54,7 @@ class LLM:
             cuda_graphs=cuda_graphs,
             cuda_graph_max_chunk=cuda_graph_max_chunk,
             async_scheduling=async_scheduling,
+            freeze_gc=freeze_gc,
             seed=seed,
             cache=CacheConfig(
                 block_size=block_size,

@@ -43,6 +43,7 @@ from engine.runner import ModelRunner, kv_bytes_per_block
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.startup_heap import freeze_startup_heap, thaw_startup_heap
 from engine.step_cost import StepCostModel
 from engine.stopping import StopChecker
 
@@ -61,6 +62,7 @@ PromptType = str | list[int] | dict
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        thaw_startup_heap()  # an earlier engine's freeze: its cycles become collectable again
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
         loaded = load_model(config.model, self.dtype, self.device)
@@ -152,6 +154,14 @@ class LLMEngine:
             num_blocks * cache.block_size / self.max_model_len,
             self.max_model_len,
         )
+        self.frozen_gc_objects = 0  # objects the startup freeze took out of GC passes
+        if self._freeze_gc():
+            self.frozen_gc_objects = freeze_startup_heap()
+            log.info("froze %d objects out of the cycle collector's passes", self.frozen_gc_objects)
+
+    def _freeze_gc(self) -> bool:
+        asked = self.config.freeze_gc
+        return self.device.type == "cuda" if asked is None else asked
 
     def _async_scheduling(self) -> bool:
         asked = self.config.async_scheduling

@@ -29,9 +29,14 @@
 #   long-prefill-eager  the same with --cuda-graph-max-chunk 0 into long-prefill-eager.json:
 #                 every step with a chunk eager, as before mixed-step CUDA graphs (what they
 #                 gain; LONG_PREFILL_EAGER=0 skips it; skipped past BUDGET_S like the caps)
+#   long-prefill-gc  the same with --no-freeze-gc into long-prefill-gc.json: the heap the
+#                 engine starts with left in the cycle collector's full passes, as before
+#                 engine/startup_heap.py (whether a full pass was the longest gap: each run
+#                 names its longest GC pause while prefilling; LONG_PREFILL_GC=0 skips it;
+#                 skipped past BUDGET_S like the caps)
 #   long-prefill-CAP  the same with --long-prefill-token-threshold CAP
 #                 --long-prefill-step-ratio 0 (token caps alone), for each CAP in
-#                 $LONG_PREFILL_CAPS (default "256"; empty: none) into
+#                 $LONG_PREFILL_CAPS (default none, e.g. "256 1024") into
 #                 long-prefill-CAP.json: what a fixed cap does to the gap target (and to the
 #                 long prompt's first token) next to timed chunks; each is skipped when it
 #                 could not end inside BUDGET_S (560) seconds of the run
@@ -43,8 +48,8 @@
 #   summary       scripts/gpu_check_summary.py: the short table (also summary.txt)
 #
 # The results folder gets gpu-check.log (every step's output), steps.tsv, rag.json,
-# long-prefill.json, long-prefill-eager.json, long-prefill-256.json, rag-sweep.json and
-# summary.txt (eight: all the device tool brings back). Each step's time limit can be changed
+# long-prefill.json, long-prefill-eager.json, long-prefill-gc.json, rag-sweep.json and
+# summary.txt (eight: all the device tool brings back; a cap's file would be a ninth). Each step's time limit can be changed
 # through the environment (e.g. RAG_TIMEOUT=400); the limits add up to 945 s, a run
 # takes about 5 to 6 minutes, and if the run is cut short every finished step's files are there.
 # LONG_PREFILL_ARGS adds options to the long-prefill bench (e.g.
@@ -215,9 +220,17 @@ if [ "${LONG_PREFILL_EAGER:-1}" = 1 ] && fits long-prefill-eager "$LONG_PREFILL_
     ${LONG_PREFILL_EXTRA[@]+"${LONG_PREFILL_EXTRA[@]}"} --cuda-graph-max-chunk 0 \
     --json "$OUT_DIR/long-prefill-eager.json"
 fi
+# The same with the startup heap left in the collector's passes: what the freeze gains;
+# LONG_PREFILL_GC=0 skips it
+if [ "${LONG_PREFILL_GC:-1}" = 1 ] && fits long-prefill-gc "$LONG_PREFILL_CAP_TIMEOUT"; then
+  step long-prefill-gc "$LONG_PREFILL_CAP_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill \
+    ${TINY[@]+"${TINY[@]}"} ${LONG_PREFILL_DEFAULTS[@]+"${LONG_PREFILL_DEFAULTS[@]}"} \
+    ${LONG_PREFILL_EXTRA[@]+"${LONG_PREFILL_EXTRA[@]}"} --no-freeze-gc \
+    --json "$OUT_DIR/long-prefill-gc.json"
+fi
 # LONG_PREFILL_CAPS: token caps alone (no timed chunks) to compare, one step each, while
 # BUDGET_S allows
-read -r -a LONG_PREFILL_CAP_LIST <<< "${LONG_PREFILL_CAPS-256}"
+read -r -a LONG_PREFILL_CAP_LIST <<< "${LONG_PREFILL_CAPS-}"
 for cap in ${LONG_PREFILL_CAP_LIST[@]+"${LONG_PREFILL_CAP_LIST[@]}"}; do
   fits "long-prefill-$cap" "$LONG_PREFILL_CAP_TIMEOUT" || continue
   step "long-prefill-$cap" "$LONG_PREFILL_CAP_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill \

@@ -136,6 +136,8 @@ def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
         )
     if options.get("cuda_graph_max_chunk") == 0:
         settings += ", mixed steps eager (cuda_graph_max_chunk 0)"
+    if options.get("freeze_gc") is False:
+        settings += ", startup heap not frozen (--no-freeze-gc)"
     reference, prefill = reference_and_prefill_text(f)
     lines = [
         f"{data['workload']['name']} ({settings}): "

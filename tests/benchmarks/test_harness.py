@@ -421,6 +421,21 @@ def test_kvbatch_sync_is_kvbatch_with_async_scheduling_off(tiny_model):
     assert fast.generate(prompts, 6) == sync.generate(prompts, 6)
 
 
+def test_freeze_gc_reaches_the_engine_from_the_command_line(tiny_model):
+    """`--freeze-gc` (off by default on the CPU) freezes the engine's startup heap."""
+    from engine.startup_heap import thaw_startup_heap
+
+    parsed = cli.build_parser().parse_args(["rag", "--tiny", "--freeze-gc"])
+    options = dataclasses.replace(EngineOptions(), freeze_gc=parsed.freeze_gc)
+    peer = make_peer("kvbatch", tiny_model, options)
+    try:
+        peer.load()
+        assert peer.llm.engine.frozen_gc_objects > 0
+    finally:
+        thaw_startup_heap()
+    assert cli.build_parser().parse_args(["rag", "--tiny"]).freeze_gc is None
+
+
 def test_kernel_profile_comes_after_a_checkpoint_of_the_timed_runs(tiny_model, monkeypatch):
     """The timed runs' report reaches `checkpoint` (the CLI writes its JSON there) before the
     profiled run; a profiler failure leaves a warning and the timings."""

@@ -37,6 +37,9 @@ def test_long_prefill_tiny_reports_the_gap(random_cache, tmp_path, capsys):
     assert w.long_prompt_len // 256 <= f["prefill_steps"] < f["steps"] - w.long_prompt_after
     assert f["median_prefill_step_s"] > f["median_decode_step_s"]
     assert f"; steps while prefilling: {f['prefill_steps']}, median " in printed
+    # the collector's passes during the run, and the longest inside the prefill window
+    assert len(f["gc"]["collections"]) == 3 and "longest_pause_prefilling_s" in f["gc"]
+    assert f"; {f['gc']['full_passes']} full GC passes in the run, longest GC pause " in printed
 
     # the GPU check's summary: the default run and the one with another chunk cap, labelled
     alt = tmp_path / "alt.json"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 from benchmarks.models import TINY_LLAMA, random_model_dir
@@ -25,8 +26,13 @@ def test_phases_of_every_step_that_ran_the_model(tmp_path):
     summary = profile.summary()
     assert summary["steps"] == len(profile.steps) and summary["graph_steps"] == 0
     assert summary["host_seconds"] < elapsed
+    gc.collect()  # a full pass while the profile watches: counted, and named in its line
+    summary = profile.summary()
+    assert summary["gc"]["full_passes"] >= 1 and summary["gc"]["longest_full_pass_s"] > 0
+    assert "; GC: " in format_step_profile(summary)
     profile.clear()
     assert profile.summary()["steps"] == 0
+    assert profile.summary()["gc"]["collections"] == [0, 0, 0]
 
 
 def test_graph_steps_with_a_chunk_and_their_captures_are_counted(tmp_path):

@@ -80,6 +80,21 @@ def test_the_line_says_when_mixed_steps_ran_eagerly():
     assert ", mixed steps eager (cuda_graph_max_chunk 0))" in summary.long_prefill_lines(data)[0]
 
 
+def test_the_line_says_when_the_startup_heap_was_not_frozen():
+    data = _results(NEW)
+    data["options"]["freeze_gc"] = None  # the default: frozen on CUDA
+    assert "frozen" not in summary.long_prefill_lines(data)[0]
+    data["options"]["freeze_gc"] = False
+    data["engines"][0]["long_prefill"]["gc"] = {
+        "collections": [40, 4, 1],
+        "full_passes": 1,
+        "longest_pause_prefilling_s": 0.0183,
+    }
+    head = summary.long_prefill_lines(data)[0]
+    assert ", startup heap not frozen (--no-freeze-gc))" in head
+    assert "; 1 full GC passes in the run, longest GC pause while prefilling 18.30 ms" in head
+
+
 def test_the_lines_count_the_steps_that_replayed_graphs():
     data = _results(NEW)
     profile = {"steps": 300, "graph_steps": 280, "mixed_graph_steps": 60, "graph_captures": 1}

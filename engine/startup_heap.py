@@ -1,0 +1,50 @@
+"""Keep the cycle collector's full passes out of the run: freeze the heap an engine starts with.
+
+CPython's cycle collector now and then examines every tracked object (a generation-2 pass),
+triggered by allocation counts wherever a step happens to allocate. What an engine starts with
+is a large, long-lived heap: torch's and transformers' modules, the model's modules and
+parameters, one `_Block` per KV block (engine/kv_cache.py; the rag model on an H200 has 250k).
+On the 2-core CPU machine a full pass over the heap after one SmolLM2 engine (364k objects)
+took 150 ms, and 28 ms over 250k KV blocks alone: on a GPU whose plain decode step takes
+1.4 ms, one such pass is a stall of ten steps or more for every running request, the kind of
+outlier that sets the long-prefill benchmark's longest token gap.
+
+`gc.freeze()` moves every object alive now into a permanent generation that no pass examines
+(a full pass over what is created later stays short); reference counting still frees them.
+vLLM's engine core does the same once it has started. The cost: a *cycle* among frozen
+objects is never collected. Engines sit in reference cycles (runner <-> backend, CUDA graph
+closures), so a dropped engine would keep its KV pool, nearly all of a GPU's memory, for the
+life of the process. So a new engine thaws what an earlier engine froze before it measures
+free memory (engine/memory.py collects first), and freezes again once it has started. The
+heap is thawed at exit too: objects still frozen when the interpreter shuts down are never
+finalized, and extension modules report them (Triton's nanobind prints "leaked ..." lines).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+
+_frozen_by_an_engine = False
+
+
+def freeze_startup_heap() -> int:
+    """Collect, then freeze every object alive now; returns how many the freeze holds."""
+    global _frozen_by_an_engine
+    gc.collect()
+    gc.freeze()
+    if not _frozen_by_an_engine:
+        atexit.register(thaw_startup_heap)  # once per freeze; a thaw unregisters it
+    _frozen_by_an_engine = True
+    return gc.get_freeze_count()
+
+
+def thaw_startup_heap() -> None:
+    """Undo an earlier engine's freeze, so that the next collection can free an engine dropped
+    in a reference cycle. Without one, an application's own `gc.freeze()` is left alone (with
+    one, it thaws too: CPython has a single permanent generation)."""
+    global _frozen_by_an_engine
+    if _frozen_by_an_engine:
+        gc.unfreeze()
+        atexit.unregister(thaw_startup_heap)
+        _frozen_by_an_engine = False
