@@ -92,9 +92,10 @@ if [ "$CPU" = 1 ]; then
   GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-180}
   SPLITS=(--device cpu --context 1100 --chunks 4 --splits 1,3 --kv-heads 1 --group 2 --head-dim 16
           --cascade-groups 2 --cascade-rows 3 --cascade-keys 600)
-  # CUDA's timed chunks (off by default on the CPU); the tiny long prompt (2,048 tokens) is
-  # made longer than the threshold, as the 32k one is on the GPU
-  LONG_PREFILL_DEFAULTS=(--long-prefill-step-ratio 2.5 --long-prefill-token-threshold 1024)
+  # CUDA's timed chunks and startup freeze (off by default on the CPU); the tiny long prompt
+  # (2,048 tokens) is made longer than the threshold, as the 32k one is on the GPU
+  LONG_PREFILL_DEFAULTS=(--long-prefill-step-ratio 2.5 --long-prefill-token-threshold 1024
+                         --freeze-gc)
 else
   MODE=gpu
   TINY=()
