@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -191,6 +193,23 @@ def test_a_bad_prompt_fails_alone(tiny_models):
     assert "empty" in outs[2].error
     assert "600" in outs[3].error
     assert "no tokenizer" in outs[4].error
+
+
+def test_token_ids_are_checked_and_the_offender_named(tiny_models):
+    """Plain ints take add_request's fast check; anything else its generator, which names the
+    first bad id (the vocabulary is 512)."""
+    engine = LLM(model=str(tiny_models("llama-gqa")), device="cpu", num_kv_blocks=32).engine
+    for bad in (-1, 512, True, 2.0, np.int64(7), "7", None):
+        with pytest.raises(ValueError, match=re.escape(f"token id {bad!r} is not an int in")):
+            engine.add_request([5, 6, bad, 8])
+
+    class TokenId(int):  # int subclasses (an IntEnum, say) pass as ints
+        pass
+
+    rid = engine.add_request((5, TokenId(511), 0))
+    assert engine.requests[rid].prompt_token_ids == [5, 511, 0]
+    rid = engine.add_request({"prompt_token_ids": (3, 4)})
+    assert engine.requests[rid].prompt_token_ids == [3, 4]
 
 
 def test_generation_stops_at_the_context_limit(tiny_models):
