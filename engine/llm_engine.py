@@ -62,7 +62,8 @@ PromptType = str | list[int] | dict
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        thaw_startup_heap()  # an earlier engine's freeze: its cycles become collectable again
+        # an earlier engine's freeze: a dropped engine's cycles go before this one allocates
+        thaw_startup_heap()
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
         loaded = load_model(config.model, self.dtype, self.device)

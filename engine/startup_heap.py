@@ -14,10 +14,11 @@ outlier that sets the long-prefill benchmark's longest token gap.
 vLLM's engine core does the same once it has started. The cost: a *cycle* among frozen
 objects is never collected. Engines sit in reference cycles (runner <-> backend, CUDA graph
 closures), so a dropped engine would keep its KV pool, nearly all of a GPU's memory, for the
-life of the process. So a new engine thaws what an earlier engine froze before it measures
-free memory (engine/memory.py collects first), and freezes again once it has started. The
-heap is thawed at exit too: objects still frozen when the interpreter shuts down are never
-finalized, and extension modules report them (Triton's nanobind prints "leaked ..." lines).
+life of the process. So a new engine first thaws what an earlier engine froze and collects,
+before it loads weights or sizes its KV pool, and freezes again once it has started. The
+heap is thawed at exit too (without the collection): objects still frozen when the
+interpreter shuts down are never finalized, and extension modules report them (Triton's
+nanobind prints "leaked ..." lines).
 """
 
 from __future__ import annotations
@@ -34,17 +35,24 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     if not _frozen_by_an_engine:
-        atexit.register(thaw_startup_heap)  # once per freeze; a thaw unregisters it
+        atexit.register(_thaw_at_exit)  # once per freeze; a thaw unregisters it
     _frozen_by_an_engine = True
     return gc.get_freeze_count()
 
 
-def thaw_startup_heap() -> None:
-    """Undo an earlier engine's freeze, so that the next collection can free an engine dropped
-    in a reference cycle. Without one, an application's own `gc.freeze()` is left alone (with
-    one, it thaws too: CPython has a single permanent generation)."""
+def thaw_startup_heap(collect: bool = True) -> None:
+    """Undo an earlier engine's freeze and (by default) collect, freeing an engine dropped in
+    a reference cycle, and the GPU memory it holds, now. Without such a freeze nothing
+    happens: an application's own `gc.freeze()` is left alone (after an engine's, it thaws
+    too: CPython has a single permanent generation)."""
     global _frozen_by_an_engine
     if _frozen_by_an_engine:
         gc.unfreeze()
-        atexit.unregister(thaw_startup_heap)
+        atexit.unregister(_thaw_at_exit)
         _frozen_by_an_engine = False
+        if collect:
+            gc.collect()
+
+
+def _thaw_at_exit() -> None:
+    thaw_startup_heap(collect=False)
