@@ -287,8 +287,8 @@ class LLMEngine:
     def _check_ids(self, ids) -> list[int]:
         """The ids as a list of ints in [0, vocab). A request added mid-run is checked between
         two steps, on the decoders' time: for a 32k-token prompt a generator over the ids took
-        2-4 ms on the 2-core CPU machine, a token gap of two decode steps on an H200 at the
-        long prompt's arrival. Plain ints (the usual case) are checked in three C-level
+        2-4 ms on the 2-core CPU machine (on a host as fast, about two H200 decode steps) in
+        the decoders' gap at the long prompt's arrival. Plain ints (the usual case) are checked in three C-level
         passes instead (~1.2 ms there); anything else goes through the generator, which
         names the offending id (by position: a None id is an offender too)."""
         vocab = self.model_config.vocab_size

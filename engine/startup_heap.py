@@ -7,7 +7,8 @@ parameters, one `_Block` per KV block (engine/kv_cache.py; the rag model on an H
 On the 2-core CPU machine a full pass over the heap after one SmolLM2 engine (364k objects)
 took 150 ms, and 28 ms over 250k KV blocks alone: on a GPU whose plain decode step takes
 1.4 ms, one such pass is a stall of ten steps or more for every running request, the kind of
-outlier that sets the long-prefill benchmark's longest token gap.
+outlier that can set the long-prefill benchmark's longest token gap (benchmarks/gc_pauses.py
+records the passes, so a run can tell).
 
 `gc.freeze()` moves every object alive now into a permanent generation that no pass examines
 (a full pass over what is created later stays short); reference counting still frees them.
