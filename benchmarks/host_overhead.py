@@ -2,6 +2,7 @@
 
     kvbatch bench host-overhead [--requests 512] [--backend torch] [--no-cascade]
                                 [--async-scheduling] [--json F]
+    kvbatch bench host-overhead --long-prompt 32768 [--requests 64] [--chunk-tokens 256]
 
 On a GPU a decode step of the `rag` workload takes a few milliseconds, and the host builds
 the next step only after the sampled tokens are back: every millisecond of scheduling and
@@ -23,7 +24,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
+import time
 from typing import Any
 
 from benchmarks.step_profile import PHASES, StepProfile
@@ -90,6 +93,104 @@ def measure(
     }
 
 
+DECODE_TOKENS = 4096
+
+
+def measure_long_prompt(
+    long_prompt_len: int = 32768,
+    decoders: int = 64,
+    chunk_tokens: int = 256,
+    plain_steps: int = 10,
+    threads: int = 1,
+) -> dict[str, Any]:
+    """Host phases of the long-prefill shape: `decoders` requests decode; after `plain_steps`
+    profiled plain steps a `long_prompt_len`-token prompt arrives and is prefilled in chunks
+    of at most `chunk_tokens` tokens' worth beside them (the token cap, the same split every
+    run). Whether the host's work per step (schedule, prepare, rest) grows while a long
+    prompt is in flight: on a GPU those phases are the part of a mixed step that graphs and
+    chunk sizes do not shorten. The prompt's add_request is timed apart (it falls between two
+    steps)."""
+    import random
+
+    import torch
+
+    from benchmarks.models import TINY_LLAMA, random_model_dir
+    from engine import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    spec = dataclasses.replace(
+        TINY_LLAMA,
+        name=f"{TINY_LLAMA.name}-ctx{long_prompt_len + 64}",
+        max_position_embeddings=max(TINY_LLAMA.max_position_embeddings, long_prompt_len + 64),
+    )
+    max_model_len = long_prompt_len + 16
+    # the decoders outlast a prefill of up to DECODE_TOKENS steps (a 32k prompt took 383)
+    decode_len = min(DECODE_TOKENS, max_model_len - 128)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, spec.vocab_size) for _ in range(128)] for _ in range(decoders)]
+    llm = LLM(
+        str(random_model_dir(spec)),
+        max_num_seqs=decoders + 1,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=chunk_tokens,
+        num_kv_blocks=-(-max_model_len // 16) + decoders * -(-(128 + decode_len) // 16) + 16,
+    )
+    engine = llm.engine
+    decode = SamplingParams(max_tokens=decode_len, ignore_eos=True, temperature=0)
+    for p in prompts:
+        engine.add_request(p, decode)
+    engine.step()  # the decoders' prompts (and first tokens)
+    profile = StepProfile(engine)
+    for _ in range(plain_steps):
+        engine.step()
+    plain = list(profile.steps)
+    long_prompt = [rng.randrange(3, spec.vocab_size) for _ in range(long_prompt_len)]
+    start = time.perf_counter()
+    rid = engine.add_request(long_prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    add_ms = (time.perf_counter() - start) * 1e3
+    long_seq = engine.requests[rid]
+    profile.clear()
+    while long_seq.num_output_tokens == 0:
+        engine.step()
+    mixed = list(profile.steps)
+
+    def medians(steps: list[dict[str, float]]) -> dict[str, float]:
+        return {k: statistics.median(s[k] for s in steps) * 1e3 for k in PHASES}
+
+    return {
+        "decoders": decoders,
+        "long_prompt_len": long_prompt_len,
+        "chunk_tokens": chunk_tokens,
+        "add_request_ms": add_ms,
+        "plain_steps": len(plain),
+        "mixed_steps": len(mixed),
+        "plain_ms_per_step": medians(plain),
+        "mixed_ms_per_step": medians(mixed),
+        "mixed_max_ms": {k: max(s[k] for s in mixed) * 1e3 for k in PHASES},
+        "torch": torch.__version__,
+    }
+
+
+def format_long_prompt_result(r: dict[str, Any]) -> str:
+    rows = [
+        f"| {k} | {r['plain_ms_per_step'][k]:.2f} | {r['mixed_ms_per_step'][k]:.2f} "
+        f"| {r['mixed_max_ms'][k]:.2f} |"
+        for k in PHASES
+    ]
+    return "\n".join(
+        [
+            f"host-overhead --long-prompt {r['long_prompt_len']}: {r['decoders']} decoders on "
+            f"the tiny model, chunks of at most {r['chunk_tokens']} tokens' worth; "
+            f"{r['plain_steps']} plain steps, {r['mixed_steps']} while the prompt was prefilled; "
+            f"its add_request {r['add_request_ms']:.2f} ms",
+            "",
+            "| phase | plain step (median ms) | with a chunk (median ms) | with a chunk (max ms) |",
+            "|---|---|---|---|",
+            *rows,
+        ]
+    )
+
+
 def format_result(r: dict[str, Any]) -> str:
     head = (
         f"host-overhead: {r['requests']} requests at rag's shape on the tiny model, "
@@ -112,7 +213,9 @@ def format_result(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvbatch bench host-overhead", description=__doc__)
-    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument(
+        "--requests", type=int, help="requests (default 512; with --long-prompt, 64 decoders)"
+    )
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--backend", default="torch", help="torch, or triton (TRITON_INTERPRET=1)")
     ap.add_argument("--no-cascade", action="store_true", help="shared-prefix attention off")
@@ -122,13 +225,32 @@ def main(argv: list[str] | None = None) -> int:
         help="the GPU's default: each step queued before the previous step's tokens arrive "
         "(on the CPU nothing overlaps; this measures its bookkeeping)",
     )
+    ap.add_argument(
+        "--long-prompt",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: 64 decoders (--requests) while an N-token prompt is prefilled in chunks "
+        "of --chunk-tokens, host phases of plain steps against steps with a chunk",
+    )
+    ap.add_argument("--chunk-tokens", type=int, default=256, help="with --long-prompt")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     args = ap.parse_args(argv)
-    if args.requests < 1 or args.output_len < 2:
+    requests = args.requests or (64 if args.long_prompt else 512)
+    if requests < 1 or args.output_len < 2:
         ap.error("--requests must be >= 1 and --output-len >= 2")
+    if args.long_prompt:
+        if args.long_prompt < 2 or args.chunk_tokens < 1:
+            ap.error("--long-prompt must be >= 2 and --chunk-tokens >= 1")
+        result = measure_long_prompt(
+            args.long_prompt, requests, args.chunk_tokens, threads=args.threads
+        )
+        print(format_long_prompt_result(result))
+        _write_json(args.json, result)
+        return 0
     result = measure(
-        args.requests,
+        requests,
         args.backend,
         not args.no_cascade,
         args.output_len,
@@ -136,10 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         args.async_scheduling,
     )
     print(format_result(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    _write_json(args.json, result)
     return 0
+
+
+def _write_json(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -165,7 +165,12 @@ class ModelRunner:
         starts = np.fromiter((c.seq.num_computed_tokens for c in chunks), np.int64, len(chunks))
         groups: list[tuple[int, int, int]] = []
         if self.cascade and num_decodes >= 2:
-            order, groups = find_shared_prefixes(tables[:num_decodes], starts[:num_decodes] + 1, bs)
+            # the decodes' own width: a long prompt's chunk in the step widens `tables` to its
+            # context (2,048 blocks at 32k), and every column would be compared every step
+            width = int(num_blocks[:num_decodes].max())
+            order, groups = find_shared_prefixes(
+                tables[:num_decodes, :width], starts[:num_decodes] + 1, bs
+            )
             if groups:  # sharers adjacent; prefill chunks stay where they are
                 perm = np.concatenate([order, np.arange(num_decodes, len(chunks))])
                 chunks = [chunks[i] for i in perm]

@@ -76,6 +76,11 @@ def test_vectorised_grouping_equals_the_loops(seed):
     order, groups = find_shared_prefixes(padded(tables), np.array(ctx), block_size=4)
     want_order, want_groups = shared_prefixes_by_loops(tables, ctx, 4)
     assert order.tolist() == want_order and groups == want_groups
+    # columns of zeros past every row (a long prompt's table widens the step's) change nothing,
+    # so the runner passes the decodes' own width
+    wide = np.pad(padded(tables), ((0, 0), (0, 50)))
+    order, groups = find_shared_prefixes(wide, np.array(ctx), block_size=4)
+    assert order.tolist() == want_order and groups == want_groups
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3)])
