@@ -50,20 +50,8 @@ def drive_long_prefill(
     step is plain the reference falls back to the median gap between consecutive decoder
     tokens; `decode_step_reference` says which was used.
     """
-    with GCPauses() as pauses:
-        return _drive(engine, prompts, long_prompt, workload, params, synchronize, pauses)
-
-
-def _drive(
-    engine: Any,
-    prompts: list[list[int]],
-    long_prompt: list[int],
-    workload: Any,
-    params: Callable[[int], Any],
-    synchronize: Callable[[], None],
-    pauses: GCPauses,
-) -> LongPrefillRun:
-    """drive_long_prefill's run, while `pauses` records the cycle collector's passes."""
+    # the collector's passes over the run; a run that raises leaves an idle callback behind
+    pauses = GCPauses().start()
     tag = f"long-prefill-{time.monotonic_ns()}"
     start = time.perf_counter()
     ids = [
@@ -108,6 +96,7 @@ def _drive(
             arrival = now
     synchronize()
     seconds = time.perf_counter() - start
+    pauses.stop()
     if long_id is None:
         raise RuntimeError("the decoders finished before the long prompt was added")
     outs = [finished[rid] for rid in ids]

@@ -49,8 +49,9 @@
 #
 # The results folder gets gpu-check.log (every step's output), steps.tsv, rag.json,
 # long-prefill.json, long-prefill-eager.json, long-prefill-gc.json, rag-sweep.json and
-# summary.txt (eight: all the device tool brings back; a cap's file would be a ninth). Each step's time limit can be changed
-# through the environment (e.g. RAG_TIMEOUT=400); the limits add up to 945 s, a run
+# summary.txt (eight: all the device tool brings back; a cap's file would be a ninth). Each
+# step's time limit can be changed through the environment (e.g. RAG_TIMEOUT=400); the
+# limits add up to 945 s, a run
 # takes about 5 to 6 minutes, and if the run is cut short every finished step's files are there.
 # LONG_PREFILL_ARGS adds options to the long-prefill bench (e.g.
 # LONG_PREFILL_ARGS="--long-prefill-token-threshold 512"); RAG_PEERS replaces rag's peers.
