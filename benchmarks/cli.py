@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         "workload",
         nargs="?",
         help=f"one of: {', '.join(WORKLOADS)}, or spec-copy / host-overhead / step-plan / "
-        "gc-freeze (each has its own -h)",
+        "gc-freeze / chunk-padding (each has its own -h)",
     )
     p.add_argument("--list", action="store_true", help="list the workloads and engines, then exit")
     p.add_argument(
@@ -230,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.gc_freeze import main as gc_freeze_main
 
         return gc_freeze_main(argv[1:])
+    if argv[:1] == ["chunk-padding"]:  # timed chunks against graph buckets, simulated
+        from benchmarks.chunk_padding import main as chunk_padding_main
+
+        return chunk_padding_main(argv[1:])
     if argv[:1] == ["step-plan"]:  # the scheduler's steps of a workload, model stubbed
         from benchmarks.step_plan import main as step_plan_main
 

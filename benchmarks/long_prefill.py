@@ -145,6 +145,14 @@ def drive_long_prefill(
     return LongPrefillRun(outs, seconds, figures)
 
 
+def padding_text(cost: dict[str, Any]) -> str:
+    """How much the mixed steps' CUDA graphs padded the chunks ("" when they did not)."""
+    tokens, rows = cost.get("mixed_tokens"), cost.get("mixed_rows")
+    if not tokens or not rows or rows <= tokens:
+        return ""
+    return f", chunks padded to graph buckets: {rows / tokens - 1:.0%} more rows than tokens"
+
+
 def reference_and_prefill_text(f: dict[str, Any]) -> tuple[str, str]:
     """For the one-line reports (the bench table's and the GPU check's summary, which runs on
     the standard library alone): what `median_decode_step_s` is the median of, and the
@@ -176,6 +184,6 @@ def reference_and_prefill_text(f: dict[str, Any]) -> tuple[str, str]:
             f"; timed chunks (ratio {cost['ratio']:g}) over {cost['mixed_steps']} mixed steps: "
             f"plain step {cost['plain_step_s'] * 1e3:.2f} ms, "
             f"+{'-' if per_work is None else f'{per_work * 1e6:.2f}'} us per token's worth "
-            f"of work, largest chunk {cost.get('largest_chunk')}{reach}"
+            f"of work, largest chunk {cost.get('largest_chunk')}{padding_text(cost)}{reach}"
         )
     return name, prefill

@@ -57,7 +57,7 @@ def plan(workload: Workload, max_num_seqs: int, max_num_batched_tokens: int) -> 
         )
     vocab = TINY_LLAMA.vocab_size
     # the forward's logits rows, all zeros: scheduling, KV and the runner's host side run as is
-    engine.runner._forward = lambda ids, meta, rows: torch.zeros(len(rows), vocab)
+    engine.runner._forward = lambda key, ids, meta, rows: torch.zeros(len(rows), vocab)
     schedule = engine.scheduler.schedule
     steps: list[tuple[int, int]] = []  # (decodes, prompt tokens) per step
 

@@ -54,6 +54,7 @@ class LaunchedStep:
         self._started = started
         self._seconds: float | None = None
         self.shape = None  # the scheduler's StepShape, when the engine times steps
+        self.padded_chunk = 0  # the chunk bucket of the step's CUDA graph (0: none)
         if sampled is None:
             return
         tensors = [sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs]

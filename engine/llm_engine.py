@@ -115,6 +115,7 @@ class LLMEngine:
             self.step_cost = StepCostModel(
                 scheduler_config.long_prefill_step_ratio,
                 scheduler_config.attention_break_even_context,
+                chunk_buckets=lambda: self.runner.graph_chunk_buckets(),
             )
         self.scheduler = Scheduler(scheduler_config, self.kv, self.step_cost)
         self.runner = ModelRunner(
@@ -347,6 +348,8 @@ class LLMEngine:
     def _launch(self, out, started=None) -> LaunchedStep:
         launched = self.runner.launch(out, started)
         launched.shape = out.shape
+        if out.shape is not None and launched.padded_chunk:  # the rows its graph computed
+            launched.shape = dataclasses.replace(out.shape, prefill_rows=launched.padded_chunk)
         self.scheduler.advance(out)
         self._num_steps += 1
         self._computed += out.num_tokens

@@ -22,6 +22,7 @@ from engine.launched_step import LaunchedStep, StepResult
 from engine.model import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingTensors
 from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
 from engine.spec.rejection import verify
 
 # Decode steps whose longest context exceeds this run eagerly: a graph's block-table width is
@@ -86,9 +87,15 @@ class ModelRunner:
         `started`: the step's start_clock (engine/launched_step.py), to time it."""
         input_ids, meta, logits_rows, sampling_seqs = self._prepare(out)
         captured = self._graphs_captured()
-        logits = self._forward(input_ids, meta, logits_rows)
+        key = self._graph_key(input_ids, meta, logits_rows)
+        logits = self._forward(key, input_ids, meta, logits_rows)
         if self._graphs_captured() != captured:  # the step waited for a graph's capture: its
             started = None  # time is no measure of a step's (engine/step_cost.py)
+        launched = self._sample(logits, sampling_seqs, started)
+        launched.padded_chunk = key.chunk if key is not None else 0
+        return launched
+
+    def _sample(self, logits, sampling_seqs: list[Sequence], started) -> LaunchedStep:
         if not sampling_seqs:
             return LaunchedStep([], None)
         if any(s.draft_token_ids for s in sampling_seqs):  # speculative decoding: verify
@@ -113,14 +120,21 @@ class ModelRunner:
     def _graphs_captured(self) -> int:
         return 0 if self.step_graphs is None else self.step_graphs.mixed_captured
 
-    def _forward(self, input_ids, meta: _StepMeta, logits_rows) -> torch.Tensor:
-        """Replay a captured graph when the step has one (a decode step, maybe with one short
-        prompt chunk), else run eagerly."""
-        graphs = self.step_graphs
-        if graphs is not None:
-            key = graphs.key_for(meta.attention, input_ids.shape[0], logits_rows.shape[0])
-            if key is not None:
-                return graphs.run(key, input_ids, meta.positions, meta.attention, logits_rows)
+    def graph_chunk_buckets(self) -> list[int]:
+        """The sizes a step's one prompt chunk is padded up to by its CUDA graph (none without
+        mixed-step graphs): the step cost model sizes chunks against them."""
+        return self.step_graphs.chunks if self.step_graphs is not None else []
+
+    def _graph_key(self, input_ids, meta: _StepMeta, logits_rows):
+        """The step's graph (a decode step, maybe with one short prompt chunk), or None."""
+        if self.step_graphs is None:
+            return None
+        return self.step_graphs.key_for(meta.attention, input_ids.shape[0], logits_rows.shape[0])
+
+    def _forward(self, key, input_ids, meta: _StepMeta, logits_rows) -> torch.Tensor:
+        """Replay the graph of `key` (from _graph_key) when there is one, else run eagerly."""
+        if key is not None:
+            return self.step_graphs.run(key, input_ids, meta.positions, meta.attention, logits_rows)
         return self.forward(
             input_ids,
             meta.positions,

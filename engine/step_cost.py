@@ -24,6 +24,15 @@ settles where e + s x work = budget, for any e under the budget, and it follows 
 as the prompt goes on (work's FLOP shape carries the chunk from one context to the next; an
 attention slower than its FLOPs only moves the average, slowly).
 
+Padded chunks: with CUDA graphs, a step with one prompt chunk replays the graph of the next
+chunk bucket up (engine/cuda_graphs.py: 16, 32, ..., 512 tokens), so a 300-token chunk costs
+the matmuls of 512 (the attention skips the padding rows). Counted as 300 tokens, the loop
+would read that as a dearer token and swing between buckets, every swing up a step over the
+budget (a simulation at the H200's rates: steps up to 1.3x the budget). So the work counts
+the rows the step computed (`StepShape.prefill_rows`), and a chunk is sized against its
+bucket: the largest n whose bucket's rows plus its own attention fit, which fills buckets
+whole when they fit (`chunk_buckets`).
+
 Guards: the first chunk is a probe (PROBE_TOKENS); no chunk is more than GROWTH times the
 largest measured; none is under MIN_CHUNK. If steps with floor-sized chunks keep costing more
 than the budget, no chunk size meets the ratio (the fixed cost of a mixed step is over it):
@@ -36,6 +45,7 @@ import logging
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -57,6 +67,12 @@ class StepShape:
     prefill_tokens: int  # prompt tokens (chunks of sequences still in their prompt)
     prefill_pairs: int  # query-key pairs of those chunks' attention
     longest_chunk: int = 0  # the largest prompt chunk in the step
+    prefill_rows: int = 0  # rows the prompt part computed when a graph padded its chunk to a
+    # bucket (0: prefill_tokens, no padding)
+
+    @property
+    def computed_prefill_rows(self) -> int:
+        return max(self.prefill_rows, self.prefill_tokens)
 
     @property
     def is_plain(self) -> bool:
@@ -76,16 +92,27 @@ class StepCostModel:
     """Plain decode steps' time (a running median) and a mixed step's extra time per unit of
     work (a moving average): the chunk that fits the budget."""
 
-    def __init__(self, ratio: float, break_even_context: int) -> None:
+    def __init__(
+        self,
+        ratio: float,
+        break_even_context: int,
+        chunk_buckets: Callable[[], Sequence[int]] | None = None,
+    ) -> None:
+        """`chunk_buckets`: the sizes a step's one prompt chunk is padded up to (a CUDA graph
+        per size, ascending; a chunk past the last runs unpadded), asked afresh each time since
+        a failed capture empties them; None or empty: chunks are not padded."""
         if ratio <= 1:
             raise ValueError(f"the step ratio must be > 1 (a plain step is 1), got {ratio}")
         self.ratio = ratio
         self.break_even = break_even_context  # 0: attention not counted
+        self.chunk_buckets = chunk_buckets
         self.plain_seconds: float | None = None  # the median of `_plain`
         self._plain: deque[float] = deque(maxlen=PLAIN_WINDOW)
         self.cost_per_work: float | None = None  # seconds per unit of work, mixed steps
         self.largest_measured = 0  # the longest chunk in a timed mixed step
         self.num_mixed = 0
+        self.mixed_tokens = self.mixed_rows = 0  # prompt tokens of timed mixed steps, and the
+        # rows computed for them (more when graphs padded the chunks)
         self.out_of_reach = False
         self._floor_over_budget = 0
 
@@ -107,10 +134,13 @@ class StepCostModel:
         if not shape.is_mixed or self.plain_seconds is None:
             return
         extra = seconds - self.plain_seconds
-        per_work = max(extra, 0.0) / self.work(shape.prefill_tokens, shape.prefill_pairs)
+        work = self.work(shape.computed_prefill_rows, shape.prefill_pairs)
+        per_work = max(extra, 0.0) / work
         old = self.cost_per_work
         self.cost_per_work = per_work if old is None else old + COST_SMOOTHING * (per_work - old)
         self.num_mixed += 1
+        self.mixed_tokens += shape.prefill_tokens
+        self.mixed_rows += shape.computed_prefill_rows
         self.largest_measured = max(self.largest_measured, shape.longest_chunk)
         if shape.longest_chunk <= MIN_CHUNK:
             over = extra > self.budget
@@ -132,6 +162,8 @@ class StepCostModel:
         return {
             "plain_step_s": self.plain_seconds,
             "mixed_steps": self.num_mixed,
+            "mixed_tokens": self.mixed_tokens,
+            "mixed_rows": self.mixed_rows,
             "cost_per_work_s": self.cost_per_work,
             "break_even_context": self.break_even,
             "ratio": self.ratio,
@@ -151,11 +183,37 @@ class StepCostModel:
         if self.cost_per_work <= 0:
             return most
         target = self.budget / self.cost_per_work  # units of work the budget buys
-        # n + (n context + n (n + 1) / 2) / c = target: the positive root
-        if self.break_even:
-            linear = 1 + (context + 0.5) / self.break_even
-            quadratic = 0.5 / self.break_even
-            n = (math.sqrt(linear * linear + 4 * quadratic * target) - linear) / (2 * quadratic)
-        else:
-            n = target
+        buckets = self.chunk_buckets() if self.chunk_buckets is not None else ()
+        n = self._fill_buckets(target, context, buckets)
         return max(MIN_CHUNK, int(min(n, most)))
+
+    def _tokens_within(self, target: float, context: int) -> float:
+        """The largest n (real) with n + (n context + n (n + 1) / 2) / c <= target."""
+        if not self.break_even:
+            return target
+        linear = 1 + (context + 0.5) / self.break_even
+        quadratic = 0.5 / self.break_even
+        return (math.sqrt(linear * linear + 4 * quadratic * target) - linear) / (2 * quadratic)
+
+    def _fill_buckets(self, target: float, context: int, buckets: Sequence[int]) -> float:
+        """The largest chunk whose padded rows plus its attention fit `target`: in the bucket
+        (lower, size], n + attention(n) becomes size + attention(n), so each bucket allows
+        min(size, the n whose attention fits what the size leaves); past the last bucket a
+        chunk is not padded."""
+        n = self._tokens_within(target, context)
+        if not buckets or n > buckets[-1]:
+            return n
+        best, lower = 0.0, 0
+        for size in buckets:
+            left = target - size  # work left for the attention once the rows are paid
+            if left >= 0:
+                if self.break_even:  # n context + n (n + 1) / 2 <= left x c
+                    a = context + 0.5
+                    fits = math.sqrt(a * a + 2 * left * self.break_even) - a
+                else:
+                    fits = size
+                fits = min(size, math.floor(fits))
+                if fits > lower:
+                    best = fits
+            lower = size
+        return best

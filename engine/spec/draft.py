@@ -196,7 +196,7 @@ class DraftModelProposer:
         chunks = [chunks[n] for n in order]  # the runner wants single-token chunks first
         runner = self.runner
         input_ids, meta, rows, _ = runner._prepare(SchedulerOutput(chunks, 0))
-        logits = runner._forward(input_ids, meta, rows)
+        logits = runner._forward(runner._graph_key(input_ids, meta, rows), input_ids, meta, rows)
         inverse = [0] * len(order)
         for pos, n in enumerate(order):
             inverse[n] = pos

@@ -6,6 +6,9 @@ import random
 
 import pytest
 
+from benchmarks.chunk_padding import DOUBLING, padded, simulate_prefill
+from engine import SamplingParams
+from engine.cuda_graphs import CHUNK_BUCKETS
 from engine.step_cost import (
     GROWTH,
     MIN_CHUNK,
@@ -151,6 +154,65 @@ def test_without_a_break_even_context_work_is_tokens():
     assert model.chunk_cap(20000) == min(int(BUDGET / 1e-5), GROWTH * 100)
 
 
+BUCKETS = list(CHUNK_BUCKETS)
+
+
+@pytest.mark.parametrize("per_token", [4e-6, 8e-6])
+def test_padded_chunks_are_sized_by_their_buckets_and_stay_within_the_budget(per_token):
+    """A graph pads a chunk to its bucket. Sized by its real tokens, a 300-token chunk costs
+    512 rows, the loop swings between buckets and steps run over the budget (checked here, as
+    the reason); sized against the buckets, every step stays within it. With doubling buckets
+    the chunks that just miss one leave much of the budget unused; 1.5x steps use most of it.
+    (`kvbatch bench chunk-padding` prints the same simulation over more cases.)"""
+    blind = simulate_prefill(timed_model(), PLAIN, per_token, 5e-4, DOUBLING, charge_rows=False)
+    assert max(extra for _, _, extra in blind[8:-1]) > 1.2 * BUDGET
+    for buckets, least_mean in ((DOUBLING, 0.8), (BUCKETS, 0.95)):
+        model = timed_model()
+        model.chunk_buckets = lambda buckets=buckets: buckets
+        steps = simulate_prefill(model, PLAIN, per_token, 5e-4, buckets, charge_rows=True)
+        settled = [extra for _, _, extra in steps[8:-1]]
+        assert max(settled) <= 1.01 * BUDGET
+        assert sum(settled) / len(settled) >= least_mean * BUDGET
+    assert len(steps) <= len(blind)
+
+
+def test_a_chunk_cap_never_pays_for_more_padding_than_the_budget():
+    """Against every context and budget: the cap's bucket plus its attention fits the work the
+    budget buys, and the next token would not (the cap is the largest that fits)."""
+    model = timed_model()
+    model.chunk_buckets = lambda: BUCKETS
+    model.observe(mixed(64, 0), PLAIN + 64 * 1e-5)  # cost per work: 1e-5 s
+    model.largest_measured = 10_000  # the growth guard out of the way
+    for context in (0, 1000, 8000, 20000, 32000):
+        for budget_work in (20, 50, 100, 150, 300, 600, 900):
+            model.cost_per_work = BUDGET / budget_work
+            n = model.chunk_cap(context)
+            work = padded(n, BUCKETS) + chunk_pairs(n, context) / C
+            assert work <= budget_work + 1e-6 or n == MIN_CHUNK
+            if n > MIN_CHUNK:
+                assert padded(n + 1, BUCKETS) + chunk_pairs(n + 1, context) / C > budget_work
+    model.cost_per_work = BUDGET / 700
+    assert model.chunk_cap(0) > 512  # past the last bucket a chunk is not padded
+
+
+def test_padded_rows_are_the_work_a_step_is_charged_for():
+    model = timed_model()
+    model.observe(StepShape(8, 40, chunk_pairs(40, 0), 40, prefill_rows=64), PLAIN + 64e-5)
+    assert model.cost_per_work == pytest.approx(64e-5 / (64 + chunk_pairs(40, 0) / C))
+
+
+def test_the_buckets_are_asked_afresh():
+    buckets = [16, 32, 64, 128, 256, 512]
+    model = timed_model()
+    model.chunk_buckets = lambda: buckets
+    model.observe(mixed(64, 0), PLAIN + 64 * 1e-5)
+    model.largest_measured = 10_000
+    model.cost_per_work = BUDGET / 200  # 200 tokens' worth: the 128 bucket, or 199 unpadded
+    assert model.chunk_cap(100) == 128
+    buckets.clear()  # a failed capture: mixed steps run eagerly, unpadded
+    assert model.chunk_cap(100) > 190
+
+
 def test_the_ratio_must_leave_room_for_a_chunk():
     with pytest.raises(ValueError, match="must be > 1"):
         StepCostModel(1.0, C)
@@ -208,6 +270,42 @@ def test_the_engine_times_its_steps_and_grows_a_long_prompts_chunks(tiny_models)
     plain, plain_chunks, plain_tokens = run_long_prefill(path, ratio=0)
     assert plain.step_cost is None and plain_chunks[0] > PROBE_TOKENS
     assert tokens == plain_tokens  # chunking changes when tokens are computed, not which
+
+
+def test_steps_through_a_graph_are_charged_for_their_chunk_bucket(tiny_models):
+    """With mixed-step graphs (their static buffers, eager on the CPU: the triton backend under
+    the interpreter) the cost model sizes chunks against the runner's buckets, and a step that
+    ran a prompt's chunk beside a decode reports the rows of its chunk's bucket."""
+    from engine import LLM
+
+    llm = LLM(
+        model=str(tiny_models("llama-gqa")),
+        device="cpu",
+        attention_backend="triton",
+        num_kv_blocks=32,
+        max_model_len=128,
+        long_prefill_token_threshold=32,
+        long_prefill_step_ratio=2.5,
+    )
+    engine = llm.engine
+    cost = engine.step_cost
+    assert list(cost.chunk_buckets()) == []  # no graphs yet: chunks are not padded
+    engine.runner.capture_step_graphs(4, 128, max_chunk=64, capture=False)
+    assert list(cost.chunk_buckets()) == [16, 32, 48, 64]
+    shapes = []
+    observe = cost.observe
+    cost.observe = lambda shape, seconds: (shapes.append(shape), observe(shape, seconds))
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request([5, 9, 17, 3], greedy, request_id="d")
+    for _ in range(3):  # its prompt, then plain steps: the cost model's reference
+        engine.step()
+    engine.add_request(list(range(3, 43)), greedy, request_id="p")  # cut by the token cap
+    while engine.has_unfinished():
+        engine.step()
+    mixed_shapes = [s for s in shapes if s.is_mixed]  # the prompt's chunks beside the decode
+    assert sum(s.prefill_tokens for s in mixed_shapes) == 40 and cost.num_mixed >= 1
+    for s in mixed_shapes:
+        assert s.prefill_rows == padded(s.prefill_tokens, [16, 32, 48, 64]) > s.prefill_tokens
 
 
 def test_steps_are_timed_only_when_asked(tiny_models):

@@ -105,3 +105,13 @@ def test_the_lines_count_the_steps_that_replayed_graphs():
         "1 captured in the run (last run)"
     )
     assert len(summary.long_prefill_lines(_results(NEW))) == 2  # no profile, no line
+
+
+def test_the_line_says_how_much_graphs_padded_the_timed_chunks():
+    cost = {"ratio": 2.5, "mixed_steps": 40, "plain_step_s": 0.0014, "cost_per_work_s": 4e-6}
+    cost |= {"largest_chunk": 384, "mixed_tokens": 8000, "mixed_rows": 8400}
+    head = summary.long_prefill_lines(_results(NEW | {"step_cost": cost}))[0]
+    assert "largest chunk 384, chunks padded to graph buckets: 5% more rows than tokens" in head
+    unpadded = cost | {"mixed_rows": 8000}  # eager mixed steps (or results from before)
+    head = summary.long_prefill_lines(_results(NEW | {"step_cost": unpadded}))[0]
+    assert "largest chunk 384" in head and "padded" not in head
