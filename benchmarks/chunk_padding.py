@@ -32,6 +32,10 @@ BREAK_EVEN = 14848  # Llama-3.2-1B's (the rag model's) break-even context
 RATIO = 2.5  # long_prefill_step_ratio's CUDA default
 TOKEN_CAP = 2048  # long_prefill_token_threshold's default: the cap before a step is timed
 DECODES = 64
+# (fixed s, s per row) of a mixed step: 4 us a row is a 1B model's 2.4 GFLOP a token at ~600
+# TFLOP/s; at 2 us (a faster GPU, a smaller model) chunks reach the last bucket
+CASES = [(0.0, 2e-6), (0.0, 4e-6), (0.0, 8e-6), (5e-4, 4e-6), (5e-4, 8e-6), (1e-3, 4e-6)]
+EAGER_S = 1e-3  # an eager mixed step's launches over a graph replay's (~200 at ~5 us)
 
 
 def padded(n: int, buckets: Sequence[int]) -> int:
@@ -49,11 +53,13 @@ def simulate_prefill(
     charge_rows: bool,
     prompt_len: int = 32768,
     break_even: int = BREAK_EVEN,
+    eager_s: float = 0.0,
 ) -> list[tuple[int, int, float]]:
     """A long prompt prefilled beside decodes, each chunk sized by `model` from the simulated
     times: (chunk tokens, context before it, its step's time over a plain step) per step.
     A chunk's attention costs 2 x per_row_s per `break_even` query-key pairs (attention at
-    half the matmuls' rate); `charge_rows`: the step reports its padded rows."""
+    half the matmuls' rate); a chunk past the last bucket runs eagerly and costs `eager_s`
+    more (the host's launches); `charge_rows`: the step reports its padded rows."""
     steps, context = [], 0
     while context < prompt_len:
         cap = model.chunk_cap(context)
@@ -61,6 +67,8 @@ def simulate_prefill(
         rows = padded(n, buckets)
         pairs = chunk_pairs(n, context)
         extra = fixed_s + per_row_s * rows + 2 * per_row_s * pairs / break_even
+        if n > buckets[-1]:
+            extra += eager_s
         shape = StepShape(DECODES, n, pairs, n, rows if charge_rows else 0)
         model.observe(shape, plain_s + extra)
         steps.append((n, context, extra))
@@ -77,16 +85,20 @@ def timed_model(plain_s: float, buckets: Sequence[int] | None) -> StepCostModel:
 
 
 def run_case(
-    plain_s: float, per_row_s: float, fixed_s: float, buckets: Sequence[int], charge_rows: bool,
-    prompt_len: int,
+    plain_s: float, per_row_s: float, fixed_s: float, eager_s: float, buckets: Sequence[int],
+    charge_rows: bool, prompt_len: int,
 ) -> dict[str, Any]:  # fmt: skip
     model = timed_model(plain_s, buckets if charge_rows else None)
-    steps = simulate_prefill(model, plain_s, per_row_s, fixed_s, buckets, charge_rows, prompt_len)
+    steps = simulate_prefill(
+        model, plain_s, per_row_s, fixed_s, buckets, charge_rows, prompt_len, eager_s=eager_s
+    )
     budget = (RATIO - 1) * plain_s
     settled = [extra / budget for _, _, extra in steps[8:-1]] or [0.0]  # after the ramp
     return {
         "fixed_ms": fixed_s * 1e3,
         "per_row_us": per_row_s * 1e6,
+        "eager_ms": eager_s * 1e3,
+        "eager_steps": sum(1 for n, _, _ in steps if n > buckets[-1]),
         "buckets": "doubling" if tuple(buckets) == DOUBLING else "1.5x",
         "charged": "rows" if charge_rows else "tokens",
         "steps": len(steps),
@@ -99,15 +111,16 @@ def run_case(
 def measure(prompt_len: int = 32768, plain_ms: float = 1.4) -> list[dict[str, Any]]:
     plain_s = plain_ms / 1e3
     rows = []
-    for fixed_s in (0.0, 5e-4, 1e-3):
-        for per_row_s in (4e-6, 8e-6):
-            for buckets, charge_rows in (
-                (DOUBLING, False),
-                (DOUBLING, True),
-                (CHUNK_BUCKETS, False),
-                (CHUNK_BUCKETS, True),
-            ):
-                rows.append(run_case(plain_s, per_row_s, fixed_s, buckets, charge_rows, prompt_len))
+    for fixed_s, per_row_s in CASES:
+        for buckets, charge_rows in (
+            (DOUBLING, False),
+            (DOUBLING, True),
+            (CHUNK_BUCKETS, False),
+            (CHUNK_BUCKETS, True),
+        ):
+            rows.append(
+                run_case(plain_s, per_row_s, fixed_s, EAGER_S, buckets, charge_rows, prompt_len)
+            )
     return rows
 
 
@@ -115,10 +128,11 @@ def format_result(rows: list[dict[str, Any]], prompt_len: int, plain_ms: float) 
     head = (
         f"chunk-padding: a {prompt_len}-token prompt beside {DECODES} decoders, simulated "
         f"(plain step {plain_ms:g} ms, ratio {RATIO:g}: budget {(RATIO - 1) * plain_ms:.2f} ms "
-        f"a step); steps after the first 8"
+        f"a step; an eager step past the last bucket {EAGER_S * 1e3:g} ms more); steps after "
+        "the first 8"
     )
-    header = ["fixed ms", "us per row", "buckets", "charged for", "steps", "longest / budget"]
-    header += ["mean / budget", "longest gap (plain steps)"]
+    header = ["fixed ms", "us per row", "buckets", "charged for", "steps", "eager steps"]
+    header += ["longest / budget", "mean / budget", "longest gap (plain steps)"]
     cells = [
         [
             f"{r['fixed_ms']:.1f}",
@@ -126,6 +140,7 @@ def format_result(rows: list[dict[str, Any]], prompt_len: int, plain_ms: float) 
             r["buckets"],
             r["charged"],
             str(r["steps"]),
+            str(r["eager_steps"]),
             f"{r['longest_over_budget']:.2f}",
             f"{r['mean_over_budget']:.2f}",
             f"{r['longest_gap_plain_steps']:.2f}",

@@ -31,7 +31,7 @@ would read that as a dearer token and swing between buckets, every swing up a st
 budget (a simulation at the H200's rates: steps up to 1.3x the budget). So the work counts
 the rows the step computed (`StepShape.prefill_rows`), and a chunk is sized against its
 bucket: the largest n whose bucket's rows plus its own attention fit, which fills buckets
-whole when they fit (`chunk_buckets`).
+whole when they fit, and never past the last one (an eager step: `chunk_buckets`).
 
 Guards: the first chunk is a probe (PROBE_TOKENS); no chunk is more than GROWTH times the
 largest measured; none is under MIN_CHUNK. If steps with floor-sized chunks keep costing more
@@ -198,11 +198,19 @@ class StepCostModel:
     def _fill_buckets(self, target: float, context: int, buckets: Sequence[int]) -> float:
         """The largest chunk whose padded rows plus its attention fit `target`: in the bucket
         (lower, size], n + attention(n) becomes size + attention(n), so each bucket allows
-        min(size, the n whose attention fits what the size leaves); past the last bucket a
-        chunk is not padded."""
+        min(size, the n whose attention fits what the size leaves).
+
+        Never past the last bucket: such a chunk runs eagerly and pays the host's launches
+        (~200 a step on a 16-layer model) that a graph replay does not, a fixed cost the
+        average does not model, so chunks would swing across the boundary with every step
+        past it over the budget (at 2 us a row and 1 ms of launches, a simulated 32k prefill
+        ran gaps of 3.0 plain steps). A user who wants longer chunks raises the last bucket
+        (cuda_graph_max_chunk)."""
         n = self._tokens_within(target, context)
-        if not buckets or n > buckets[-1]:
+        if not buckets:
             return n
+        if n >= buckets[-1]:
+            return buckets[-1]
         best, lower = 0.0, 0
         for size in buckets:
             left = target - size  # work left for the attention once the rows are paid

@@ -19,6 +19,8 @@ def test_the_table_compares_bucket_sets_and_what_the_loop_is_charged_for(tmp_pat
     charged_rows = [r for r in rows if r["charged"] == "rows"]
     charged_tokens = [r for r in rows if r["charged"] == "tokens"]
     assert max(r["longest_over_budget"] for r in charged_rows) <= 1.05
+    assert all(r["eager_steps"] == 0 for r in charged_rows)  # never past the last bucket
+    assert any(r["eager_steps"] > 0 for r in charged_tokens)  # at 2 us a row they went past
     assert max(r["longest_over_budget"] for r in charged_tokens) > 1.1
     for r in rows:
         assert r["longest_gap_plain_steps"] == 1 + 1.5 * r["longest_over_budget"]

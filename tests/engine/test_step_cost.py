@@ -178,7 +178,8 @@ def test_padded_chunks_are_sized_by_their_buckets_and_stay_within_the_budget(per
 
 def test_a_chunk_cap_never_pays_for_more_padding_than_the_budget():
     """Against every context and budget: the cap's bucket plus its attention fits the work the
-    budget buys, and the next token would not (the cap is the largest that fits)."""
+    budget buys, and one token more would not (the cap is the largest that fits), up to the
+    last bucket."""
     model = timed_model()
     model.chunk_buckets = lambda: BUCKETS
     model.observe(mixed(64, 0), PLAIN + 64 * 1e-5)  # cost per work: 1e-5 s
@@ -189,10 +190,12 @@ def test_a_chunk_cap_never_pays_for_more_padding_than_the_budget():
             n = model.chunk_cap(context)
             work = padded(n, BUCKETS) + chunk_pairs(n, context) / C
             assert work <= budget_work + 1e-6 or n == MIN_CHUNK
-            if n > MIN_CHUNK:
+            if MIN_CHUNK < n < BUCKETS[-1]:  # the last bucket is as far as a chunk goes
                 assert padded(n + 1, BUCKETS) + chunk_pairs(n + 1, context) / C > budget_work
-    model.cost_per_work = BUDGET / 700
-    assert model.chunk_cap(0) > 512  # past the last bucket a chunk is not padded
+    model.cost_per_work = BUDGET / 900
+    assert model.chunk_cap(0) == 512  # past the last bucket a step would run eagerly
+    model.chunk_buckets = lambda: []  # no mixed graphs: every step eager, nothing padded
+    assert model.chunk_cap(0) > 800
 
 
 def test_padded_rows_are_the_work_a_step_is_charged_for():
