@@ -312,7 +312,10 @@ def warm_up(peer: Peer, config: BenchConfig, vocab_size: int) -> None:
     reach every variant `rag` does: each one left would be compiled, at up to a second or
     two, inside the first timed run. The run also grows the allocator's pools to the
     workload's peak and captures the CUDA graphs of the steps with a prompt chunk that the
-    workload needs (each is captured on first use, in a step that waits for it).
+    workload needs (each is captured on first use, in a step that waits for it); after it,
+    `Peer.after_warmup` for a workload with a long prompt (kvbatch: the chunk buckets the run
+    did not meet, since timed chunks may pick others in the next run; other workloads cut
+    their chunks by the token budget alone, the same in every draw).
     `config.full_warmup` forces it on or off (None: on CUDA only)."""
     peer.warmup()
     full = config.full_warmup
@@ -320,6 +323,8 @@ def warm_up(peer: Peer, config: BenchConfig, vocab_size: int) -> None:
         full = config.options.device.startswith("cuda")
     if full and peer.compiles_kernels:
         run_once(peer, *fresh_draw(config.workload, vocab_size, WARMUP_SEED_OFFSET))
+        if config.workload.has_long_prompt:  # timed chunks: the next run may pick other sizes
+            peer.after_warmup()
 
 
 WARMUP_SEED_OFFSET = 1_000_000

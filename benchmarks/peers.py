@@ -130,6 +130,10 @@ class Peer(ABC):
         """Called just before the timed `generate` (not timed): e.g. to snapshot counters."""
         return None
 
+    def after_warmup(self) -> None:
+        """After the full warm-up run (not timed): one-off work that run revealed."""
+        return None
+
     def warmup(self) -> None:
         """A tiny untimed job so that one-off costs (threads, allocator, lazy init) are paid."""
         self.generate([[5 + i] * WARMUP_PROMPT_LEN for i in range(2)], max_tokens=2)
@@ -240,6 +244,7 @@ class KvbatchPeer(Peer):
         from benchmarks.step_profile import StepProfile
 
         self._profile = StepProfile(self.llm.engine)
+        self.graphs_captured_after_warmup = 0  # see after_warmup
 
     def _params(self, max_tokens: int):
         return self._sampling_params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -280,6 +285,11 @@ class KvbatchPeer(Peer):
             long_prefill=run.figures,
         )
 
+    def after_warmup(self) -> None:
+        """The mixed-step graphs the timed runs' chunks may pick and the warm-up did not:
+        captured now, so no timed step waits for a capture (engine/cuda_graphs.py)."""
+        self.graphs_captured_after_warmup = self.llm.engine.capture_chunk_graphs()
+
     def before_run(self) -> None:
         self._stats_before = _plain(self.llm.stats())
         self._profile.clear()
@@ -300,6 +310,7 @@ class KvbatchPeer(Peer):
             "prefix_hit_rate_total": _float_or_none(getattr(stats, "prefix_hit_rate", None)),
             "stats": after,
             "step_profile": self._profile.summary(),  # benchmarks/step_profile.py
+            "graphs_captured_after_warmup": self.graphs_captured_after_warmup,
         }
 
 

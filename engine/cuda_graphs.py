@@ -229,6 +229,60 @@ class StepGraphs:
             (time.perf_counter() - start) * 1e3,
         )
 
+    def missing_chunk_graphs(self) -> list[GraphKey]:
+        """For every (decode bucket, groups) that has met a prompt chunk, the chunk buckets
+        whose graphs are not captured yet, largest first."""
+        pairs = {(k.rows, k.cascade) for k in self.graphs if k.chunk}
+        keys = [GraphKey(b, cascade, c) for b, cascade in pairs for c in self.chunks]
+        return sorted((k for k in keys if k not in self.graphs), reverse=True)
+
+    def reset_to_padding(self) -> None:
+        """The buffers as at start: every row padding (slot -1, no lengths, no group rows,
+        an empty chunk, sampling row 0), so a run of any graph writes no KV and reads no
+        block. Queued on the stream: a replay queued before it still reads the old values."""
+        for buf in (self.input_ids, self.positions, self.seq_lens, self.logit_rows):
+            buf.zero_()
+        self.group_ranges.zero_()
+        self.prefill_ranges.zero_()
+        self.slots.fill_(-1)
+
+    def capture_chunk_buckets(self) -> int:
+        """Capture the graphs `missing_chunk_graphs` names, now; returns how many.
+
+        Timed chunks pick their buckets from step times, so a run can meet a bucket an earlier
+        run did not, and its first step waits for the capture (tens of ms: one long token gap).
+        Call between runs, with no step in flight (the benchmarks do, after the warm-up). The
+        buffers go back to all padding first (`reset_to_padding`), so each graph's eager
+        warm-up writes no KV and reads no block; the next step fills what it uses. A failed
+        capture turns mixed graphs off, as on first use."""
+        keys = self.missing_chunk_graphs()
+        if not self.capture or not keys:
+            return 0
+        self.reset_to_padding()
+        start = time.perf_counter()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        captured = 0
+        with torch.cuda.stream(self._stream):
+            for key in keys:
+                self._run(key)  # warm-up, outside the capture
+                try:
+                    self._capture_one(key, error_mode="thread_local")
+                except RuntimeError as e:
+                    log.warning(
+                        "a mixed-step CUDA graph failed to capture (%s); they run eagerly", e
+                    )
+                    self.chunks = []
+                    break
+                captured += 1
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self.mixed_captured += captured
+        log.info(
+            "captured %d more CUDA graphs of steps with a prompt chunk in %.1f s",
+            captured,
+            time.perf_counter() - start,
+        )
+        return captured
+
     def key_for(self, meta: AttentionMetadata, num_tokens: int, num_rows: int) -> GraphKey | None:
         """The graph of a step of `num_tokens` tokens sampling `num_rows` rows, or None: a
         decode step that fits the buckets, the table width and the group buffers, possibly

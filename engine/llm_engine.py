@@ -315,6 +315,16 @@ class LLMEngine:
             if self.spec is not None:
                 self.spec.release(seq)
 
+    def capture_chunk_graphs(self) -> int:
+        """Capture now, rather than in a later step that would wait for it, every CUDA graph of
+        a step with a prompt chunk that the decode batch sizes met so far may still need (CUDA,
+        triton, mixed-step graphs on; else 0): engine/cuda_graphs.py
+        `StepGraphs.capture_chunk_buckets`. Returns how many; only between jobs."""
+        if self.has_unfinished():
+            raise RuntimeError("capture_chunk_graphs: requests are still running; call it idle")
+        graphs = self.runner.step_graphs
+        return graphs.capture_chunk_buckets() if graphs is not None else 0
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 

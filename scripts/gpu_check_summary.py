@@ -146,12 +146,15 @@ def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
         f"ratio {'-' if ratio is None else f'{ratio:.1f}'} decode steps{prefill}; the long "
         f"prompt's first token after {_ms(f.get('long_prompt_ttft_s'))} ms"
     ]
-    profile = ((kv or {}).get("extra") or {}).get("step_profile") or {}
+    extra = (kv or {}).get("extra") or {}
+    profile = extra.get("step_profile") or {}
     if profile.get("steps"):  # whether the steps with a chunk replayed graphs
+        before = extra.get("graphs_captured_after_warmup")
         lines.append(
             f"CUDA graphs: {profile['graph_steps']} of {profile['steps']} steps replayed one, "
             f"{profile.get('mixed_graph_steps', 0)} of them with a prompt chunk, "
             f"{profile.get('graph_captures', 0)} captured in the run (last run)"
+            + (f"; {before} more captured after the warm-up" if before else "")
         )
     if ratio is None:
         lines.append(f"target (<= {GAP_TARGET:g} decode steps): not measured")

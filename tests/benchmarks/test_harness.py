@@ -21,7 +21,14 @@ from benchmarks.harness import (
     percentiles,
     run_benchmark,
 )
-from benchmarks.peers import PEERS, EngineOptions, HFStaticPeer, PeerUnavailable, make_peer
+from benchmarks.peers import (
+    PEERS,
+    EngineOptions,
+    HFStaticPeer,
+    KvbatchPeer,
+    PeerUnavailable,
+    make_peer,
+)
 from benchmarks.workloads import WORKLOADS, Workload, make_prompts
 
 VOCAB = 512
@@ -481,6 +488,29 @@ def test_kernel_profile_comes_after_a_checkpoint_of_the_timed_runs(tiny_model, m
     assert report.warnings == ["kernel profile traced no kernel: its busy share says nothing"]
 
 
+def test_after_a_long_prompts_warm_up_kvbatch_captures_the_chunk_graphs_left(
+    random_cache, monkeypatch
+):
+    """long-prefill's chunks are sized from step times, so a timed run may meet chunk buckets
+    the warm-up did not: kvbatch captures them between the two (none on the CPU)."""
+    from benchmarks import harness
+
+    calls = []
+    inner = harness.run_once
+    monkeypatch.setattr(
+        harness, "run_once", lambda peer, w, d: calls.append(peer.name) or inner(peer, w, d)
+    )
+    after = KvbatchPeer.after_warmup
+    monkeypatch.setattr(
+        KvbatchPeer, "after_warmup", lambda peer: calls.append("after_warmup") or after(peer)
+    )
+    argv = ["long-prefill", "--tiny", "--threads", "1", "--full-warmup"]
+    config = cli.config_from_args(cli.build_parser().parse_args(argv), "kvbatch bench")
+    report = run_benchmark(config)
+    assert calls == ["kvbatch", "after_warmup", "kvbatch"]
+    assert report.summary("kvbatch").extra["graphs_captured_after_warmup"] == 0
+
+
 def test_full_warmup_runs_kvbatch_once_on_a_draw_of_its_own(tiny_model, monkeypatch):
     """On CUDA (forced here) kvbatch runs the whole workload untimed before its timed runs, on
     prompts the timed draws do not share: the timed figures and cache hits stay the same."""
@@ -494,6 +524,10 @@ def test_full_warmup_runs_kvbatch_once_on_a_draw_of_its_own(tiny_model, monkeypa
         return inner(peer, workload, draw)
 
     monkeypatch.setattr(harness, "run_once", spy)
+    after = KvbatchPeer.after_warmup
+    monkeypatch.setattr(
+        KvbatchPeer, "after_warmup", lambda peer: calls.append(("after_warmup",)) or after(peer)
+    )
     w = dataclasses.replace(TINY, chunks_per_document=3)
     config = BenchConfig(
         workload=w,
@@ -503,7 +537,7 @@ def test_full_warmup_runs_kvbatch_once_on_a_draw_of_its_own(tiny_model, monkeypa
         full_warmup=True,
     )
     report = run_benchmark(config)
-    (warm_name, warm_seed, warm_prompt), *timed = calls
+    (warm_name, warm_seed, warm_prompt), *timed = calls  # no after_warmup: no long prompt
     assert warm_name == "kvbatch" and warm_seed == w.seed + harness.WARMUP_SEED_OFFSET
     assert [(name, seed) for name, seed, _ in timed] == [("kvbatch", w.seed), ("hf-static", w.seed)]
     assert warm_prompt != timed[0][2]

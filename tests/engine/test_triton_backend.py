@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention import TorchAttentionBackend, get_backend
-from engine.cuda_graphs import batch_buckets
+from engine.cuda_graphs import GraphKey, StepGraphs, batch_buckets
 from engine.memory import largest_step, run_step
 from engine.step_cost import PROBE_TOKENS
 from tests.engine.test_llm import random_prompts, shared_prefix_prompts, tokens
@@ -168,6 +168,31 @@ def test_padded_mixed_step_graph_path_gives_the_same_tokens(
     llm.engine.kv.check_integrity()
 
 
+def test_a_graph_run_on_buffers_reset_to_padding_writes_no_kv(tiny_models):
+    """What `capture_chunk_buckets` does before each capture (CUDA), eagerly on the CPU: after
+    a job's mixed steps, the buffers reset to padding, then each chunk bucket of the decode
+    size met runs, with and without groups, and leaves the KV cache untouched."""
+    path = tiny_models("llama-gqa")
+    prompts = random_prompts(512, (5, 9, 40), seed=5)  # the 40-token one in chunks beside
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = LLM(path, attention_backend="triton", max_num_batched_tokens=20, max_model_len=64)
+    llm.engine.runner.capture_step_graphs(
+        max_batch=4, max_model_len=64, max_chunk=32, capture=False
+    )
+    graphs = llm.engine.runner.step_graphs
+    met = set()
+    real_run = graphs.run
+    graphs.run = lambda key, *a: met.add(key) or real_run(key, *a)
+    llm.generate(prompts, params)
+    (b,) = {key.rows for key in met if key.chunk}
+    kv = [c.clone() for c in llm.engine.runner.kv_caches]
+    for key in (GraphKey(b, False, 16), GraphKey(b, True, 32)):
+        graphs.reset_to_padding()
+        logits = graphs._run(key)
+        assert logits.shape[0] == b + 1 and torch.isfinite(logits).all()
+    assert all(torch.equal(a, c) for a, c in zip(kv, llm.engine.runner.kv_caches))
+
+
 def simulate_graph_captures(graphs, first_seen: set) -> None:
     """What a capture on first use leaves behind (CUDA), on the CPU's eager graph path: the
     capture count grows once per new pair of buckets (recorded in `first_seen`)."""
@@ -235,6 +260,43 @@ def test_batch_buckets():
     assert batch_buckets(8) == [1, 2, 4, 8]
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
     assert batch_buckets(256)[-3:] == [224, 240, 256]
+
+
+def test_the_chunk_buckets_left_to_capture_are_those_of_decode_sizes_met_with_a_chunk():
+    """After a run, the graphs still to capture (`capture_chunk_graphs`): for each (decode
+    bucket, groups) pair that met a chunk, its chunk buckets not yet captured, largest first;
+    pairs that never met a chunk get none. Without CUDA nothing is captured."""
+    graphs = StepGraphs(
+        lambda *a: None,
+        max_batch=16,
+        max_blocks=4,
+        device=torch.device("cpu"),
+        capture=False,
+        max_chunk=64,
+        max_prefill_tokens=128,
+    )
+    assert graphs.chunks == [16, 32, 48, 64] and graphs.missing_chunk_graphs() == []
+    graphs.graphs = {k: object() for k in (GraphKey(8, False), GraphKey(16, True))}
+    graphs.graphs |= {GraphKey(8, False, 32): object(), GraphKey(16, True, 16): object()}
+    assert graphs.missing_chunk_graphs() == [
+        GraphKey(16, True, 64),
+        GraphKey(16, True, 48),
+        GraphKey(16, True, 32),
+        GraphKey(8, False, 64),
+        GraphKey(8, False, 48),
+        GraphKey(8, False, 16),
+    ]
+    slots = graphs.slots.clone()
+    assert graphs.capture_chunk_buckets() == 0 and torch.equal(graphs.slots, slots)
+
+
+def test_capturing_chunk_graphs_waits_for_an_idle_engine(tiny_models):
+    llm = LLM(tiny_models("llama-gqa"), attention_backend="triton", max_model_len=64)
+    engine = llm.engine
+    assert engine.capture_chunk_graphs() == 0  # no step graphs on the CPU
+    engine.add_request([5, 9, 17], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="requests are still running"):
+        engine.capture_chunk_graphs()
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -331,6 +393,17 @@ def test_mixed_step_graphs_on_cuda_are_captured_on_first_use(tiny_models):
     mixed = {key for key in graphs.graphs if key.chunk}
     assert graphs.mixed_captured == len(mixed) >= 1
     assert len([key for key in replays if key.chunk]) > len(mixed)  # replayed after capture
+    llm.engine.kv.check_integrity()
+    # the rest of the chunk buckets of the decode sizes met, captured between jobs: a second
+    # job captures nothing for those sizes, and its tokens do not change
+    missing = graphs.missing_chunk_graphs()
+    assert llm.engine.capture_chunk_graphs() == len(missing)
+    assert graphs.missing_chunk_graphs() == []
+    assert graphs.mixed_captured == len(mixed) + len(missing)
+    pairs = {(key.rows, key.cascade) for key in graphs.graphs if key.chunk}
+    before = set(graphs.graphs)
+    assert tokens(llm.generate(prompts, params)) == want
+    assert all((k.rows, k.cascade) not in pairs for k in set(graphs.graphs) - before)
     llm.engine.kv.check_integrity()
 
 

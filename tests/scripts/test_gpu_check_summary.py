@@ -115,3 +115,13 @@ def test_the_line_says_how_much_graphs_padded_the_timed_chunks():
     unpadded = cost | {"mixed_rows": 8000}  # eager mixed steps (or results from before)
     head = summary.long_prefill_lines(_results(NEW | {"step_cost": unpadded}))[0]
     assert "largest chunk 384" in head and "padded" not in head
+
+
+def test_the_graphs_line_counts_those_captured_after_the_warm_up():
+    data = _results(NEW)
+    profile = {"steps": 300, "graph_steps": 280, "mixed_graph_steps": 60, "graph_captures": 0}
+    data["engines"][0]["extra"] = {"step_profile": profile, "graphs_captured_after_warmup": 7}
+    graphs = summary.long_prefill_lines(data)[1]
+    assert graphs.endswith("0 captured in the run (last run); 7 more captured after the warm-up")
+    data["engines"][0]["extra"]["graphs_captured_after_warmup"] = 0
+    assert "warm-up" not in summary.long_prefill_lines(data)[1]
