@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 # Steps of about 1.5x: a chunk pays its bucket's matmuls, and the step cost model sizes chunks
 # against the buckets (engine/step_cost.py), so with doubling buckets a chunk that just missed
-# one ran in a bucket up to half empty (in a simulation at the H200's rates, steps used 86-93%
+# one ran in a bucket up to half empty (in a simulation at the H200's rates, steps used 86-95%
 # of their time budget; 97-98% with these). Each pair of buckets is one more graph, captured
 # on first use.
 CHUNK_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)

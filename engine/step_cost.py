@@ -28,7 +28,8 @@ Padded chunks: with CUDA graphs, a step with one prompt chunk replays the graph 
 chunk bucket up (engine/cuda_graphs.py: 16, 32, ..., 512 tokens), so a 300-token chunk costs
 the matmuls of 512 (the attention skips the padding rows). Counted as 300 tokens, the loop
 would read that as a dearer token and swing between buckets, every swing up a step over the
-budget (a simulation at the H200's rates: steps up to 1.3x the budget). So the work counts
+budget (simulated at the H200's rates, `kvbatch bench chunk-padding`: steps up to 1.2-1.5x
+the budget, gaps of 2.7-3.2 plain decode steps at ratio 2.5). So the work counts
 the rows the step computed (`StepShape.prefill_rows`), and a chunk is sized against its
 bucket: the largest n whose bucket's rows plus its own attention fit, which fills buckets
 whole when they fit, and never past the last one (an eager step: `chunk_buckets`).
@@ -99,7 +100,7 @@ class StepCostModel:
         chunk_buckets: Callable[[], Sequence[int]] | None = None,
     ) -> None:
         """`chunk_buckets`: the sizes a step's one prompt chunk is padded up to (a CUDA graph
-        per size, ascending; a chunk past the last runs unpadded), asked afresh each time since
+        per size, ascending; timed chunks stay within the last), asked afresh each time since
         a failed capture empties them; None or empty: chunks are not padded."""
         if ratio <= 1:
             raise ValueError(f"the step ratio must be > 1 (a plain step is 1), got {ratio}")
@@ -204,7 +205,7 @@ class StepCostModel:
         (~200 a step on a 16-layer model) that a graph replay does not, a fixed cost the
         average does not model, so chunks would swing across the boundary with every step
         past it over the budget (at 2 us a row and 1 ms of launches, a simulated 32k prefill
-        ran gaps of 3.0 plain steps). A user who wants longer chunks raises the last bucket
+        ran gaps of 3.15 plain steps). A user who wants longer chunks raises the last bucket
         (cuda_graph_max_chunk)."""
         n = self._tokens_within(target, context)
         if not buckets:
