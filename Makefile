@@ -9,7 +9,9 @@ PIP := $(BIN)/python -m pip --quiet --disable-pip-version-check
 # Pinned exactly: on these machines it is a CPU build on local disk, while a looser pin
 # makes pip download a multi-GB CUDA build.
 TORCH := torch==2.13.0
-PYTEST_ARGS ?=
+# the slowest tests at the end of every `make test` (CI's log too): the suite should stay
+# under about 15 minutes on a 2-core machine
+PYTEST_ARGS ?= --durations=15
 
 .PHONY: venv model sysdeps test run bench lint format clean compose-check
 
