@@ -62,4 +62,6 @@ def test_an_applications_own_freeze_is_left_alone(tiny_models):
     frozen = gc.get_freeze_count()
     assert frozen > 0
     LLM(path, freeze_gc=False)
-    assert gc.get_freeze_count() >= frozen
+    # still frozen (an unfreeze empties the permanent generation); reference counting may
+    # free a few frozen objects meanwhile, so not necessarily all of them (CI once: 2 fewer)
+    assert gc.get_freeze_count() > 0.9 * frozen
