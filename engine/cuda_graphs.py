@@ -209,17 +209,17 @@ class StepGraphs:
         self.logits[key] = out
         self.graphs[key] = graph
 
-    def _capture_mixed(self, key: GraphKey) -> None:
+    def _capture_mixed(self, key: GraphKey) -> bool:
         """A mixed step's graph, after the step ran eagerly (its warm-up). The graph context
         waits for the device; the other threads of a worker may use CUDA meanwhile
-        ("thread_local"). A failed capture turns mixed graphs off, not the engine."""
+        ("thread_local"). A failed capture turns mixed graphs off, not the engine (False)."""
         start = time.perf_counter()
         try:
             self._capture_one(key, error_mode="thread_local")
         except RuntimeError as e:
             log.warning("a mixed-step CUDA graph failed to capture (%s); they run eagerly", e)
             self.chunks = []
-            return
+            return False
         self.mixed_captured += 1
         log.debug(
             "captured the CUDA graph of %d decodes + a %d-token chunk%s in %.0f ms",
@@ -228,6 +228,7 @@ class StepGraphs:
             " with shared-prefix groups" if key.cascade else "",
             (time.perf_counter() - start) * 1e3,
         )
+        return True
 
     def missing_chunk_graphs(self) -> list[GraphKey]:
         """For every (decode bucket, groups) that has met a prompt chunk, the chunk buckets
@@ -265,17 +266,10 @@ class StepGraphs:
         with torch.cuda.stream(self._stream):
             for key in keys:
                 self._run(key)  # warm-up, outside the capture
-                try:
-                    self._capture_one(key, error_mode="thread_local")
-                except RuntimeError as e:
-                    log.warning(
-                        "a mixed-step CUDA graph failed to capture (%s); they run eagerly", e
-                    )
-                    self.chunks = []
+                if not self._capture_mixed(key):
                     break
                 captured += 1
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        self.mixed_captured += captured
         log.info(
             "captured %d more CUDA graphs of steps with a prompt chunk in %.1f s",
             captured,
