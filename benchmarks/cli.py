@@ -26,6 +26,7 @@ from benchmarks.sweep import (
     run_sweep,
 )
 from benchmarks.workloads import TINY_WORKLOADS, WORKLOADS, get_workload
+from kvbatch.engine_args import add_gpu_tuning_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,38 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=int, default=defaults.block_size)
     e.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     e.add_argument(
-        "--kv-cache-memory-fraction",
-        type=float,
-        metavar="F",
-        help="share of free CUDA memory for the KV pool (the engine's default)",
-    )
-    e.add_argument(
         "--attention-backend",
         default=defaults.attention_backend,
         help="auto (triton on CUDA, torch on the CPU), torch or triton",
     )
-    e.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        metavar="N",
-        help="while others decode, a prompt's chunk costs at most N tokens' worth of compute "
-        "(the engine's default: 2048; 0 = no cap)",
-    )
-    e.add_argument(
-        "--long-prefill-step-ratio",
-        type=float,
-        metavar="R",
-        help="while others decode, a step with a longer prompt's chunk takes at most R plain "
-        "decode steps' time, the engine timing its steps (default: 2.5 on CUDA, off on the "
-        "CPU; 0 = off)",
-    )
-    e.add_argument(
-        "--cuda-graph-max-chunk",
-        type=int,
-        metavar="N",
-        help="decode steps with one prompt chunk of up to N tokens replay CUDA graphs "
-        "(default: 512; 0 = decode steps only)",
-    )
+    add_gpu_tuning_args(e)
     e.add_argument(
         "--freeze-gc",
         action=argparse.BooleanOptionalAction,

@@ -24,6 +24,7 @@ import time
 from engine.attention import get_backend
 from engine.config import (
     DEFAULT_CPU_KV_BYTES,
+    CacheConfig,
     EngineConfig,
     default_batched_tokens,
     default_long_prefill_step_ratio,
@@ -190,6 +191,7 @@ class LLMEngine:
         """Blocks of the KV pool (and of the draft model's, which has as many): the budget
         divided by what one block costs, both models' KV together."""
         cache = self.config.cache
+        self._warn_unused_fraction()
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         per_block = kv_bytes_per_block(self.model, cache.block_size, self.dtype)
@@ -237,6 +239,27 @@ class LLMEngine:
                 )
                 blocks = most
         return blocks
+
+    def _warn_unused_fraction(self) -> None:
+        """A kv_cache_memory_fraction asked for but not used says so (a user tuning it on the
+        CPU, or beside an explicit pool size, would otherwise see no change and no reason)."""
+        cache = self.config.cache
+        if cache.kv_cache_memory_fraction == CacheConfig.kv_cache_memory_fraction:
+            return
+        if cache.num_kv_blocks is not None:
+            why = "num_kv_blocks sets the pool"
+        elif cache.kv_cache_bytes is not None:
+            why = "kv_cache_bytes sets the pool"
+        elif self.device.type != "cuda":
+            why = (
+                f"it sizes the pool on CUDA only; on {self.device} kv_cache_bytes does "
+                f"(default {DEFAULT_CPU_KV_BYTES >> 20} MiB)"
+            )
+        else:
+            return
+        log.warning(
+            "kv_cache_memory_fraction=%g is not used: %s", cache.kv_cache_memory_fraction, why
+        )
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from kvbatch.engine_args import add_engine_args, engine_kwargs
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -142,52 +144,6 @@ def _run(args: argparse.Namespace) -> int:
     if paths.output != "-":
         print(f"answers: {paths.output}\nerrors:  {paths.errors}\nbatch:   {paths.batch}")
     return 0
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags shared by the commands that run a model."""
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="tokens per engine step (default: 8192 on CUDA, 4096 on the CPU)",
-    )
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument(
-        "--speculative",
-        default=None,
-        metavar="ngram|draft:PATH",
-        help="speculative decoding: n-gram prompt lookup, or a draft model with the same "
-        "vocabulary (default: off)",
-    )
-    parser.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=None,
-        metavar="K",
-        help="tokens proposed per step with --speculative (default 4)",
-    )
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        attention_backend=args.attention_backend,
-        speculative=args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens,
-    )
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -37,3 +37,27 @@ def test_an_explicit_budget_is_not_capped(tiny_models):
     assert (
         LLM(path, device="cpu", max_model_len=64, num_kv_blocks=1000).engine.kv.num_blocks == 1000
     )
+
+
+def test_a_fraction_that_sizes_nothing_says_so(tiny_models, caplog):
+    """kv_cache_memory_fraction sizes CUDA pools from free memory only: asked for on the CPU, or
+    beside an explicit pool size, it changes nothing, and a warning says why; the default is
+    quiet."""
+    path = tiny_models("llama-gqa")
+    args = dict(device="cpu", max_model_len=64, max_num_seqs=8)
+    cases = [
+        ({}, "it sizes the pool on CUDA only; on cpu kv_cache_bytes does (default 1024 MiB)"),
+        ({"kv_cache_bytes": 2_000_000}, "kv_cache_bytes sets the pool"),
+        ({"num_kv_blocks": 100}, "num_kv_blocks sets the pool"),
+    ]
+    for extra, why in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="engine.llm_engine"):
+            asked = LLM(path, kv_cache_memory_fraction=0.5, **args, **extra)
+        assert f"kv_cache_memory_fraction=0.5 is not used: {why}" in caplog.text
+        default = LLM(path, **args, **extra)
+        assert asked.engine.kv.num_blocks == default.engine.kv.num_blocks
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="engine.llm_engine"):
+        LLM(path, **args)
+    assert "kv_cache_memory_fraction" not in caplog.text

@@ -1,0 +1,188 @@
+"""The engine's settings as command-line flags: `kvbatch run`, `generate` and `worker` share them,
+and `kvbatch bench` shares the GPU tuning ones.
+
+Each flag maps to one `engine.LLM` keyword. A flag left out is left out of the keywords too, so
+the engine's own default applies (several depend on the device: CUDA graphs, async scheduling
+and timed chunks are on for CUDA only). Values are checked here, where the error can name the
+flag, before a model is loaded or a broker is reached. This module imports no torch: `kvbatch
+status` builds the same parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """'4GiB', '4G', '512M', '1.5g' or plain bytes -> bytes (binary units, as torch reports
+    memory)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give e.g. 4GiB, 512M or bytes")
+    value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"the size must be above 0 bytes, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A share of memory in (0, 1]."""
+    value = _number(text, float)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (e.g. 0.9), got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def step_ratio(text: str) -> float:
+    """Plain decode steps' time a step with a long prompt's chunk may take: > 1, or 0 (off)."""
+    value = _number(text, float)
+    if value != 0 and not value > 1:
+        raise argparse.ArgumentTypeError(f"must be above 1, or 0 to turn it off, got {text}")
+    return value
+
+
+def _number(text: str, kind: type):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+
+
+def add_gpu_tuning_args(group) -> None:
+    """The throughput/latency knobs of a GPU run (default None: the engine's default)."""
+    group.add_argument(
+        "--kv-cache-memory-fraction",
+        "--gpu-memory-utilization",  # vLLM's name for it
+        dest="kv_cache_memory_fraction",
+        type=fraction,
+        metavar="F",
+        help="CUDA: share of the memory left after the weights and the largest step's "
+        "activations that the KV pool takes (the engine's default: 0.90)",
+    )
+    group.add_argument(
+        "--long-prefill-token-threshold",
+        type=non_negative_int,
+        metavar="N",
+        help="while others decode, a prompt's chunk costs at most N tokens' worth of compute "
+        "(the engine's default: 2048; 0 = no cap)",
+    )
+    group.add_argument(
+        "--long-prefill-step-ratio",
+        type=step_ratio,
+        metavar="R",
+        help="while others decode, a step with a longer prompt's chunk takes at most R plain "
+        "decode steps' time, the engine timing its steps (default: 2.5 on CUDA, off on the "
+        "CPU; 0 = off)",
+    )
+    group.add_argument(
+        "--cuda-graph-max-chunk",
+        type=non_negative_int,
+        metavar="N",
+        help="decode steps with one prompt chunk of up to N tokens replay CUDA graphs "
+        "(default: 512; 0 = decode steps only)",
+    )
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by the commands that run a model."""
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step (default: 8192 on CUDA, 4096 on the CPU)",
+    )
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument(
+        "--speculative",
+        default=None,
+        metavar="ngram|draft:PATH",
+        help="speculative decoding: n-gram prompt lookup, or a draft model with the same "
+        "vocabulary (default: off)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="tokens proposed per step with --speculative (default 4)",
+    )
+    memory = parser.add_argument_group("KV cache and GPU tuning (defaults: the engine's)")
+    memory.add_argument(
+        "--kv-cache-bytes",
+        type=byte_size,
+        metavar="SIZE",
+        help="the KV pool's size, e.g. 4GiB: the CPU's budget (default 1GiB); on CUDA it "
+        "replaces --kv-cache-memory-fraction",
+    )
+    add_gpu_tuning_args(memory)
+    memory.add_argument(
+        "--enforce-eager",
+        dest="cuda_graphs",
+        action="store_false",
+        default=None,
+        help="CUDA: run every step eagerly, capturing no CUDA graphs (less memory and a "
+        "quicker start; slower decoding)",
+    )
+    memory.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step while the GPU runs this one (default: on CUDA, unless "
+        "--speculative)",
+    )
+    memory.add_argument(
+        "--no-cascade-attention",
+        dest="cascade_attention",
+        action="store_false",
+        default=None,
+        help="shared-prefix (cascade) attention off: each running request reads a prefix it "
+        "shares with others on its own",
+    )
+
+
+# engine.LLM keywords taken from the flag of the same name only when it was given
+_OPTIONAL = (
+    "kv_cache_bytes",
+    "kv_cache_memory_fraction",
+    "long_prefill_token_threshold",
+    "long_prefill_step_ratio",
+    "cuda_graph_max_chunk",
+    "cuda_graphs",
+    "async_scheduling",
+    "cascade_attention",
+)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The `engine.LLM` keywords of parsed engine flags (add_engine_args)."""
+    kwargs = dict(
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
+    kwargs.update((k, getattr(args, k)) for k in _OPTIONAL if getattr(args, k) is not None)
+    return kwargs
