@@ -44,6 +44,20 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def power_of_two(text: str) -> int:
+    value = positive_int(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two (e.g. 16), got {text}")
+    return value
+
+
 def step_ratio(text: str) -> float:
     """Plain decode steps' time a step with a long prompt's chunk may take: > 1, or 0 (off)."""
     value = _number(text, float)
@@ -98,15 +112,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by the commands that run a model."""
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256)
     parser.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help="tokens per engine step (default: 8192 on CUDA, 4096 on the CPU)",
     )
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=positive_int, default=None)
+    parser.add_argument("--block-size", type=power_of_two, default=16)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument(
@@ -118,7 +132,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--num-speculative-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="K",
         help="tokens proposed per step with --speculative (default 4)",

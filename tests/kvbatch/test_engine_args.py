@@ -40,6 +40,15 @@ EVERY_FLAG = [
 ]  # fmt: skip
 
 
+BENCH_FLAGS = {
+    "--kv-cache-memory-fraction",
+    "--gpu-memory-utilization",
+    "--long-prefill-token-threshold",
+    "--long-prefill-step-ratio",
+    "--cuda-graph-max-chunk",
+}
+
+
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvbatch run", exit_on_error=False)
     add_engine_args(parser)
@@ -115,6 +124,11 @@ def test_each_flag_becomes_its_engine_keyword():
         ("--long-prefill-step-ratio", "0.5", "above 1, or 0"),
         ("--long-prefill-token-threshold", "-1", ">= 0"),
         ("--cuda-graph-max-chunk", "x", "expected int"),
+        ("--max-num-seqs", "0", ">= 1"),
+        ("--max-num-batched-tokens", "-5", ">= 1"),
+        ("--max-model-len", "0", ">= 1"),
+        ("--block-size", "24", "power of two"),
+        ("--num-speculative-tokens", "0", ">= 1"),
     ],
 )
 def test_a_bad_value_stops_each_command_naming_the_flag(tmp_path: Path, flag, value, why):
@@ -125,7 +139,7 @@ def test_a_bad_value_stops_each_command_naming_the_flag(tmp_path: Path, flag, va
         ["generate", "--model", missing, "--prompt", "hi"],
         ["worker", "--model", missing, "--broker", "redis://127.0.0.1:1/0"],
     ]
-    if flag != "--kv-cache-bytes":  # the bench shares the GPU tuning flags
+    if flag in BENCH_FLAGS:  # the bench shares the GPU tuning flags
         commands.append(["bench", "rag", "--tiny"])
     for argv in commands:
         status, out, err = run_main([*argv, flag, value])
