@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from kvbatch.engine_args import add_engine_args, engine_kwargs
+from kvbatch.engine_args import add_engine_args, engine_args_conflict, engine_kwargs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_distributed(sub)
 
     args = parser.parse_args(argv)
+    conflict = engine_args_conflict(args)
+    if conflict:
+        parser.error(conflict)
     if args.command == "fetch-model":
         from engine.fetch import smollm2_dir, smollm2_gguf
 

@@ -171,6 +171,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def engine_args_conflict(args: argparse.Namespace) -> str | None:
+    """What is wrong with a combination of engine flags, or None (each value alone is checked
+    by its type)."""
+    if getattr(args, "async_scheduling", None) and getattr(args, "speculative", None):
+        return (
+            "--async-scheduling cannot go with --speculative: speculation proposes from each "
+            "step's tokens before the next step is queued (drop one)"
+        )
+    return None
+
+
 # engine.LLM keywords taken from the flag of the same name only when it was given
 _OPTIONAL = (
     "kv_cache_bytes",

@@ -147,6 +147,16 @@ def test_a_bad_value_stops_each_command_naming_the_flag(tmp_path: Path, flag, va
         assert flag in err and why in err, err
 
 
+def test_flags_that_cannot_go_together_stop_the_command(tmp_path: Path):
+    missing = str(tmp_path / "nothing-here")
+    argv = ["run", missing, "--model", missing, "--speculative", "ngram"]
+    status, _, err = run_main([*argv, "--async-scheduling"])
+    assert status == 2
+    assert "--async-scheduling cannot go with --speculative" in err
+    status, _, err = run_main([*argv, "--no-async-scheduling"])  # past parsing: no input
+    assert status == 1 and "not found" in err
+
+
 def test_every_command_that_runs_a_model_takes_the_flags():
     wanted = [f for f in EVERY_FLAG if f.startswith("--")] + ["--gpu-memory-utilization"]
     for command in ("run", "generate", "worker"):
