@@ -181,6 +181,7 @@ def test_kvbatch_commands_are_valid_invocations(compose, monkeypatch):
     assert {"worker", "submit", "beat"} <= checked
     worker = parse_kvbatch(_services(compose)["worker"]["command"], monkeypatch)
     assert worker.device == "cuda"
+    assert worker.kv_cache_memory_fraction == 0.90  # KVBATCH_KV_CACHE_MEMORY_FRACTION's default
 
 
 def test_beat_state_is_on_a_volume(compose, monkeypatch):
