@@ -77,12 +77,11 @@ def add_gpu_tuning_args(group) -> None:
     """The throughput/latency knobs of a GPU run (default None: the engine's default)."""
     group.add_argument(
         "--kv-cache-memory-fraction",
-        "--gpu-memory-utilization",  # vLLM's name for it
-        dest="kv_cache_memory_fraction",
         type=fraction,
         metavar="F",
         help="CUDA: share of the memory left after the weights and the largest step's "
-        "activations that the KV pool takes (the engine's default: 0.90)",
+        "activations that the KV pool takes (the engine's default: 0.90; unlike vLLM's "
+        "--gpu-memory-utilization, not a share of the whole GPU)",
     )
     group.add_argument(
         "--long-prefill-token-threshold",

@@ -53,6 +53,8 @@
 # step's time limit can be changed through the environment (e.g. RAG_TIMEOUT=400); the
 # limits add up to 945 s, a run
 # takes about 5 to 6 minutes, and if the run is cut short every finished step's files are there.
+# PER_TEST_TIMEOUT (75 s; 120 with --cpu) bounds each test of the kernels and triton-test steps,
+# whose logs also list their slowest tests.
 # LONG_PREFILL_ARGS adds options to the long-prefill bench (e.g.
 # LONG_PREFILL_ARGS="--long-prefill-token-threshold 512"); RAG_PEERS replaces rag's peers.
 set -u -o pipefail
@@ -90,6 +92,7 @@ if [ "$CPU" = 1 ]; then
           --models tiny)
   KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-150}
   TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-240}
+  PER_TEST_TIMEOUT=${PER_TEST_TIMEOUT:-120}  # the slowest interpreter test: ~40 s here
   GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-180}
   SPLITS=(--device cpu --context 1100 --chunks 4 --splits 1,3 --kv-heads 1 --group 2 --head-dim 16
           --cascade-groups 2 --cascade-rows 3 --cascade-keys 600)
@@ -110,6 +113,10 @@ VERSIONS_TIMEOUT=${VERSIONS_TIMEOUT:-20}
 KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-120}
 PREFILL_SPLITS_TIMEOUT=${PREFILL_SPLITS_TIMEOUT:-60}
 TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-150}  # 81 s on the H200 (2026-11-30)
+# Each test of the two pytest steps (pytest-timeout, on the H200 image): a test stuck in Python
+# fails with its stack and the rest still run and report, instead of the step's limit cutting
+# off the whole summary. (A wait inside a CUDA call is only cut by the step's limit.)
+PER_TEST_TIMEOUT=${PER_TEST_TIMEOUT:-75}
 GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-100}
 RAG_TIMEOUT=${RAG_TIMEOUT:-200}
 LONG_PREFILL_TIMEOUT=${LONG_PREFILL_TIMEOUT:-70}
@@ -196,12 +203,14 @@ EOF
 
 export -f versions
 step versions "$VERSIONS_TIMEOUT" bash -c versions
-step kernels "$KERNELS_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider tests/kernels
+# --durations: the log names the slowest tests, should a step come near its limit
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider --durations=8)
+if "$PY" -c "import pytest_timeout" 2> /dev/null; then PYTEST+=(--timeout="$PER_TEST_TIMEOUT"); fi
+step kernels "$KERNELS_TIMEOUT" "${PYTEST[@]}" tests/kernels
 step prefill-splits "$PREFILL_SPLITS_TIMEOUT" "$PY" scripts/prefill_split_bench.py \
   ${SPLITS[@]+"${SPLITS[@]}"}
 if [ -f tests/engine/test_triton_backend.py ]; then
-  step triton-test "$TRITON_TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider \
-    tests/engine/test_triton_backend.py
+  step triton-test "$TRITON_TEST_TIMEOUT" "${PYTEST[@]}" tests/engine/test_triton_backend.py
 else
   skip triton-test "tests/engine/test_triton_backend.py does not exist yet"
 fi

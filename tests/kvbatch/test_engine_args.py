@@ -42,7 +42,6 @@ EVERY_FLAG = [
 
 BENCH_FLAGS = {
     "--kv-cache-memory-fraction",
-    "--gpu-memory-utilization",
     "--long-prefill-token-threshold",
     "--long-prefill-step-ratio",
     "--cuda-graph-max-chunk",
@@ -109,9 +108,6 @@ def test_each_flag_becomes_its_engine_keyword():
         async_scheduling=False,
         cascade_attention=False,
     )
-    assert (
-        engine_kwargs(parse("--gpu-memory-utilization", "0.8"))["kv_cache_memory_fraction"] == 0.8
-    )
     assert engine_kwargs(parse("--async-scheduling"))["async_scheduling"] is True
 
 
@@ -119,7 +115,7 @@ def test_each_flag_becomes_its_engine_keyword():
     "flag, value, why",
     [
         ("--kv-cache-memory-fraction", "1.5", "(0, 1]"),
-        ("--gpu-memory-utilization", "0", "(0, 1]"),
+        ("--kv-cache-memory-fraction", "0", "(0, 1]"),
         ("--kv-cache-bytes", "lots", "not a size"),
         ("--long-prefill-step-ratio", "0.5", "above 1, or 0"),
         ("--long-prefill-token-threshold", "-1", ">= 0"),
@@ -158,7 +154,7 @@ def test_flags_that_cannot_go_together_stop_the_command(tmp_path: Path):
 
 
 def test_every_command_that_runs_a_model_takes_the_flags():
-    wanted = [f for f in EVERY_FLAG if f.startswith("--")] + ["--gpu-memory-utilization"]
+    wanted = [f for f in EVERY_FLAG if f.startswith("--")]
     for command in ("run", "generate", "worker"):
         status, out, _ = run_main([command, "--help"])
         assert status == 0
