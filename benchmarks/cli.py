@@ -157,6 +157,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         long_prefill_step_ratio=args.long_prefill_step_ratio,
         cuda_graph_max_chunk=args.cuda_graph_max_chunk,
+        cuda_graphs=args.cuda_graphs,
         freeze_gc=args.freeze_gc,
         hf_batch_size=args.hf_batch_size or workload.hf_batch_size,
     )

@@ -48,6 +48,7 @@ class EngineOptions:
     long_prefill_token_threshold: int | None = None  # kvbatch: None = the engine's default
     long_prefill_step_ratio: float | None = None  # kvbatch: None = the engine's default
     cuda_graph_max_chunk: int | None = None  # kvbatch: None = the engine's default
+    cuda_graphs: bool | None = None  # kvbatch: None = the engine's default (on; used on CUDA)
     async_scheduling: bool | None = None  # kvbatch: None = the engine's default (on for CUDA)
     freeze_gc: bool | None = None  # kvbatch: None = the engine's default (on for CUDA)
     hf_batch_size: int | None = None  # hf-static: requests per static batch; None = all
@@ -64,6 +65,17 @@ class EngineOptions:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+# EngineOptions fields passed to kvbatch's engine only when set (None: the engine's default)
+ENGINE_DEFAULTED = (
+    "kv_cache_memory_fraction",
+    "long_prefill_token_threshold",
+    "long_prefill_step_ratio",
+    "cuda_graph_max_chunk",
+    "cuda_graphs",
+    "freeze_gc",
+)
 
 
 class PeerUnavailable(RuntimeError):
@@ -215,19 +227,11 @@ class KvbatchPeer(Peer):
 
         o = self.options
         self._sampling_params = SamplingParams
-        kwargs: dict[str, Any] = {}
-        if o.kv_cache_memory_fraction is not None:
-            kwargs["kv_cache_memory_fraction"] = o.kv_cache_memory_fraction
-        if o.long_prefill_token_threshold is not None:
-            kwargs["long_prefill_token_threshold"] = o.long_prefill_token_threshold
-        if o.long_prefill_step_ratio is not None:
-            kwargs["long_prefill_step_ratio"] = o.long_prefill_step_ratio
-        if o.cuda_graph_max_chunk is not None:
-            kwargs["cuda_graph_max_chunk"] = o.cuda_graph_max_chunk
+        # the options left at None keep the engine's defaults
+        optional = {name: getattr(o, name) for name in ENGINE_DEFAULTED}
+        kwargs: dict[str, Any] = {k: v for k, v in optional.items() if v is not None}
         if self.async_scheduling is not None:
             kwargs["async_scheduling"] = self.async_scheduling
-        if o.freeze_gc is not None:
-            kwargs["freeze_gc"] = o.freeze_gc
         self.llm = LLM(
             model=self.model_path,
             device=o.device,

@@ -105,6 +105,14 @@ def add_gpu_tuning_args(group) -> None:
         help="decode steps with one prompt chunk of up to N tokens replay CUDA graphs "
         "(default: 512; 0 = decode steps only)",
     )
+    group.add_argument(
+        "--enforce-eager",
+        dest="cuda_graphs",
+        action="store_false",
+        default=None,
+        help="CUDA: run every step eagerly, capturing no CUDA graphs (less memory and a "
+        "quicker start; slower decoding)",
+    )
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -145,14 +153,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "replaces --kv-cache-memory-fraction",
     )
     add_gpu_tuning_args(memory)
-    memory.add_argument(
-        "--enforce-eager",
-        dest="cuda_graphs",
-        action="store_false",
-        default=None,
-        help="CUDA: run every step eagerly, capturing no CUDA graphs (less memory and a "
-        "quicker start; slower decoding)",
-    )
     memory.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,

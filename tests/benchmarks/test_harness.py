@@ -547,3 +547,21 @@ def test_full_warmup_runs_kvbatch_once_on_a_draw_of_its_own(tiny_model, monkeypa
     calls.clear()
     run_benchmark(dataclasses.replace(config, full_warmup=None))  # None: CUDA only
     assert [name for name, _, _ in calls] == ["kvbatch", "hf-static"]
+
+
+def test_the_shared_tuning_flags_reach_the_engine(tiny_model):
+    """The GPU tuning flags `kvbatch run` shares with the bench (kvbatch/engine_args.py) reach
+    the benchmarked engine; left out, they leave its defaults."""
+    argv = ["rag", "--tiny", "--model", str(tiny_model), "--enforce-eager"]
+    argv += ["--cuda-graph-max-chunk", "0", "--long-prefill-token-threshold", "64"]
+    argv += ["--long-prefill-step-ratio", "3", "--kv-cache-memory-fraction", "0.5"]
+    config = cli.config_from_args(cli.build_parser().parse_args(argv), "test")
+    peer = make_peer("kvbatch", config.model_path, config.options)
+    peer.load()
+    engine = peer.llm.engine
+    assert (engine.config.cuda_graphs, engine.config.cuda_graph_max_chunk) == (False, 0)
+    assert engine.config.scheduler.long_prefill_token_threshold == 64
+    assert engine.config.scheduler.long_prefill_step_ratio == 3.0
+    assert engine.config.cache.kv_cache_memory_fraction == 0.5
+    plain = cli.config_from_args(cli.build_parser().parse_args(argv[:4]), "test").options
+    assert plain == dataclasses.replace(EngineOptions(), hf_batch_size=plain.hf_batch_size)
