@@ -227,9 +227,15 @@ def test_a_step_that_captures_a_graph_is_not_timed(tiny_models):
         )
 
     run = timed_chunks_run(
-        tiny_models("llama-gqa"), DEVICE, attention_backend="triton", prepare=simulate_captures
+        tiny_models("llama-gqa"),
+        DEVICE,
+        attention_backend="triton",
+        prepare=simulate_captures,
+        long_len=200,  # the interpreter's steps are slow: a few chunks after the probe
+        decode_len=20,  # decoding through the whole prefill
     )
-    run(2.5)
+    _, _, chunks = run(2.5)
+    assert len(chunks) >= 3
     assert first_seen and sum(mixed_steps) > len(first_seen)
     assert sum(timed) == sum(mixed_steps) - len(first_seen)
 
@@ -423,13 +429,13 @@ def test_timed_chunks_on_cuda_time_steps_with_events(tiny_models):
     assert timed_tokens == untimed_tokens
 
 
-def timed_chunks_run(path, device, prepare=None, **engine_args):
-    """run(ratio) -> (tokens, engine, the long prompt's chunks): four decoders, then a
-    440-token prompt (longer than the 128-token threshold) while they decode. `prepare`
-    gets the engine before it runs."""
+def timed_chunks_run(path, device, prepare=None, long_len=440, decode_len=40, **engine_args):
+    """run(ratio) -> (tokens, engine, the long prompt's chunks): four decoders of `decode_len`
+    tokens, then a `long_len`-token prompt (longer than the 128-token threshold) while they
+    decode. `prepare` gets the engine before it runs."""
     decoders = random_prompts(512, (20, 33, 9, 14), seed=3)
-    long_prompt = random_prompts(512, (440,), seed=4)[0]
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    long_prompt = random_prompts(512, (long_len,), seed=4)[0]
+    params = SamplingParams(max_tokens=decode_len, temperature=0.0, ignore_eos=True)
     long_params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
     def run(ratio):
