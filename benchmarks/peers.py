@@ -228,8 +228,9 @@ class KvbatchPeer(Peer):
         o = self.options
         self._sampling_params = SamplingParams
         # the options left at None keep the engine's defaults
-        optional = {name: getattr(o, name) for name in ENGINE_DEFAULTED}
-        kwargs: dict[str, Any] = {k: v for k, v in optional.items() if v is not None}
+        kwargs: dict[str, Any] = {
+            k: getattr(o, k) for k in ENGINE_DEFAULTED if getattr(o, k) is not None
+        }
         if self.async_scheduling is not None:
             kwargs["async_scheduling"] = self.async_scheduling
         self.llm = LLM(

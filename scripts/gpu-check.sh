@@ -92,7 +92,7 @@ if [ "$CPU" = 1 ]; then
           --models tiny)
   KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-150}
   TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-240}
-  PER_TEST_TIMEOUT=${PER_TEST_TIMEOUT:-120}  # the slowest interpreter test: ~40 s here
+  PER_TEST_TIMEOUT=${PER_TEST_TIMEOUT:-120}  # the slowest interpreter test: ~15 s here
   GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-180}
   SPLITS=(--device cpu --context 1100 --chunks 4 --splits 1,3 --kv-heads 1 --group 2 --head-dim 16
           --cascade-groups 2 --cascade-rows 3 --cascade-keys 600)
