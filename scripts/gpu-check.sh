@@ -40,6 +40,9 @@
 #                 long-prefill-CAP.json: what a fixed cap does to the gap target (and to the
 #                 long prompt's first token) next to timed chunks; each is skipped when it
 #                 could not end inside BUDGET_S (560) seconds of the run
+#   rag-hf-cb     kvbatch bench rag --peers hf-cb --repeat 1 --json rag-hf-cb.json: transformers'
+#                 paged continuous batching (generate_batch) as the peer (RAG_HF_CB=0 skips it;
+#                 skipped, like the caps, when it could not end inside BUDGET_S)
 #   rag-sweep     kvbatch bench rag --sweep over max_num_seqs 512 x max_num_batched_tokens
 #                 8192,16384 (kv fraction 0.9) into rag-sweep.json: whether all 512 requests
 #                 at once serve rag better than the defaults (256 x 8192: the rag step's
@@ -48,10 +51,12 @@
 #   summary       scripts/gpu_check_summary.py: the short table (also summary.txt)
 #
 # The results folder gets gpu-check.log (every step's output), steps.tsv, rag.json,
-# long-prefill.json, long-prefill-eager.json, long-prefill-gc.json, rag-sweep.json and
-# summary.txt (eight: all the device tool brings back; a cap's file would be a ninth). Each
+# rag-hf-cb.json, long-prefill.json, long-prefill-eager.json, long-prefill-gc.json,
+# rag-sweep.json and summary.txt (nine, a cap's file more: the device tool brings back eight
+# files, so there run it with `--out /tmp/gpu-check` and end the command with
+# `tar -czf $OUT/gpu-check.tgz -C /tmp/gpu-check . ; cp /tmp/gpu-check/summary.txt $OUT/`). Each
 # step's time limit can be changed through the environment (e.g. RAG_TIMEOUT=400); the
-# limits add up to 945 s, a run
+# limits add up to 1035 s, a run
 # takes about 5 to 6 minutes, and if the run is cut short every finished step's files are there.
 # PER_TEST_TIMEOUT (75 s; 120 with --cpu) bounds each test of the kernels and triton-test steps,
 # whose logs also list their slowest tests.
@@ -107,7 +112,7 @@ else
   SPLITS=()
   LONG_PREFILL_DEFAULTS=()
 fi
-# GPU limits add up to 945 s (first Triton compiles included); a run takes about 5 to 6
+# GPU limits add up to 1035 s (first Triton compiles included); a run takes about 5 to 6
 # minutes, and the optional steps (caps, sweep) keep it inside BUDGET_S.
 VERSIONS_TIMEOUT=${VERSIONS_TIMEOUT:-20}
 KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-120}
@@ -122,6 +127,7 @@ RAG_TIMEOUT=${RAG_TIMEOUT:-200}
 LONG_PREFILL_TIMEOUT=${LONG_PREFILL_TIMEOUT:-70}
 LONG_PREFILL_CAP_TIMEOUT=${LONG_PREFILL_CAP_TIMEOUT:-60}  # each; skipped past BUDGET_S
 RAG_SWEEP_TIMEOUT=${RAG_SWEEP_TIMEOUT:-90}  # skipped past BUDGET_S
+RAG_HF_CB_TIMEOUT=${RAG_HF_CB_TIMEOUT:-90}  # skipped past BUDGET_S
 SUMMARY_TIMEOUT=${SUMMARY_TIMEOUT:-15}
 
 mkdir -p "$OUT_DIR"
@@ -248,6 +254,12 @@ for cap in ${LONG_PREFILL_CAP_LIST[@]+"${LONG_PREFILL_CAP_LIST[@]}"}; do
     ${TINY[@]+"${TINY[@]}"} --long-prefill-token-threshold "$cap" --long-prefill-step-ratio 0 \
     --json "$OUT_DIR/long-prefill-$cap.json"
 done
+# transformers' continuous batching (generate_batch) as rag's peer, in a step of its own so
+# that a failure or a slow run of it cannot cost the rag step's figures; RAG_HF_CB=0 skips it
+if [ "${RAG_HF_CB:-1}" = 1 ] && fits rag-hf-cb "$RAG_HF_CB_TIMEOUT"; then
+  step rag-hf-cb "$RAG_HF_CB_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} \
+    --peers hf-cb --repeat 1 --json "$OUT_DIR/rag-hf-cb.json"
+fi
 # RAG_SWEEP_ARGS: the sweep's grid (empty: no sweep), if BUDGET_S allows
 read -r -a RAG_SWEEP_GRID <<< "${RAG_SWEEP_ARGS---sweep-max-num-seqs 512 \
 --sweep-max-num-batched-tokens 8192,16384 --sweep-kv-cache-memory-fraction 0.9}"

@@ -3,7 +3,8 @@
     python scripts/gpu_check_summary.py RESULTS_DIR [--write summary.txt]
 
 Reads steps.tsv (each step's status), rag.json, long-prefill.json, long-prefill-CAP.json
-(other chunk caps) and rag-sweep.json (all `kvbatch bench --json`) and prints the steps, the rag table (seconds, tokens/s, latency, ratio, fraction of the floor)
+(other chunk caps), rag-hf-cb.json and rag-sweep.json (all `kvbatch bench --json`) and prints
+the steps, the rag tables (seconds, tokens/s, latency, ratio, fraction of the floor)
 and issue 5's two targets: `rag` in at most 1.5 s on an H200, and in `long-prefill` no decoding
 request waiting more than 3 decode steps. Runs with the standard library alone.
 """
@@ -57,7 +58,10 @@ def _load(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def rag_lines(data: dict[str, Any] | None) -> list[str]:
+def rag_lines(data: dict[str, Any] | None, *, verdict: bool = True) -> list[str]:
+    """A rag run's table, greedy matches, step and kernel profiles; with `verdict`, the 1.5 s
+    target's (the rag step's; the hf-cb step's own kvbatch run is a second reading, not the
+    verdict)."""
     if data is None:
         return ["rag: no results (the step failed or timed out; see gpu-check.log)"]
     w, m = data["workload"], data["machine"]
@@ -101,21 +105,23 @@ def rag_lines(data: dict[str, Any] | None) -> list[str]:
         kernels = (e.get("extra") or {}).get("kernel_profile")
         if kernels:  # --kernel-profile: where the device time went
             lines.append(format_kernel_profile(kernels, e["engine"]))
-    kv = next((e for e in data["engines"] if e["engine"] == "kvbatch"), None)
-    if kv is None:
-        lines.append(f"target (<= {RAG_TARGET_S} s on an H200): kvbatch did not run")
-    elif w["name"] != "rag" or not floor.get("applies"):
-        lines.append(
-            f"target (<= {RAG_TARGET_S} s on an H200): n/a here (not the full rag on an H200)"
-        )
-    else:
-        verdict = "MET" if kv["seconds"] <= RAG_TARGET_S else "MISSED"
-        goal = "; goal 1.0 s met" if kv["seconds"] <= RAG_GOAL_S else ""
-        lines.append(
-            f"target (<= {RAG_TARGET_S} s on an H200): {verdict} ({kv['seconds']:.2f} s{goal})"
-        )
+    if verdict:
+        kv = next((e for e in data["engines"] if e["engine"] == "kvbatch"), None)
+        lines.append(rag_target_line(kv, w["name"], bool(floor.get("applies"))))
     lines += [f"warning: {w}" for w in data.get("warnings", [])]
     return lines
+
+
+def rag_target_line(kv: dict[str, Any] | None, workload: str, on_h200: bool) -> str:
+    """Issue 5's verdict on kvbatch's rag seconds (only the full rag on an H200 counts)."""
+    head = f"target (<= {RAG_TARGET_S} s on an H200)"
+    if kv is None:
+        return f"{head}: kvbatch did not run"
+    if workload != "rag" or not on_h200:
+        return f"{head}: n/a here (not the full rag on an H200)"
+    verdict = "MET" if kv["seconds"] <= RAG_TARGET_S else "MISSED"
+    goal = "; goal 1.0 s met" if kv["seconds"] <= RAG_GOAL_S else ""
+    return f"{head}: {verdict} ({kv['seconds']:.2f} s{goal})"
 
 
 def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
@@ -211,6 +217,9 @@ def summary(folder: Path) -> str:
         lines += [f"{name}: skipped"] if name in skipped else describe(_load(results))
     for path in sorted(folder.glob("long-prefill-*.json"), key=_cap):  # other chunk caps
         lines += long_prefill_lines(_load(path))
+    if "rag-hf-cb" in {r["step"] for r in rows} - skipped:  # transformers' continuous batching
+        lines += ["", "rag with hf-cb (its own step):"]
+        lines += rag_lines(_load(folder / "rag-hf-cb.json"), verdict=False)
     sweep = sweep_lines(_load(folder / "rag-sweep.json"))
     if sweep:
         lines += [""] + sweep

@@ -82,7 +82,7 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     r = subprocess.run(
-        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", "rag,prefill-*", "--out", str(out)],
+        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", "rag,prefill-*,rag-hf-cb", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -99,15 +99,18 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
         "long-prefill": "skipped",
         "long-prefill-eager": "skipped",
         "long-prefill-gc": "skipped",  # and no token cap's step: LONG_PREFILL_CAPS is empty
+        "rag-hf-cb": "ok",
         "rag-sweep": "skipped",
         "summary": "ok",
     }
     assert sorted(p.name for p in out.iterdir()) == [
-        "gpu-check.log", "rag.json", "steps.tsv", "summary.txt",
+        "gpu-check.log", "rag-hf-cb.json", "rag.json", "steps.tsv", "summary.txt",
     ]  # fmt: skip
     summary = (out / "summary.txt").read_text()
     assert "rag-tiny on cpu" in summary and "kvbatch kernel profile" in summary
     assert "long-prefill: skipped" in summary  # not "failed": --only left it out
+    assert "rag with hf-cb (its own step):" in summary  # transformers' continuous batching
+    assert "greedy tokens hf-cb vs kvbatch: 4/4" in summary
     bad = subprocess.run(
         ["bash", "scripts/gpu-check.sh", "--bogus"], cwd=ROOT, capture_output=True, text=True
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tests.scripts import load_script
@@ -125,3 +126,43 @@ def test_the_graphs_line_counts_those_captured_after_the_warm_up():
     assert graphs.endswith("0 captured in the run (last run); 7 more captured after the warm-up")
     data["engines"][0]["extra"]["graphs_captured_after_warmup"] = 0
     assert "warm-up" not in summary.long_prefill_lines(data)[1]
+
+
+def _rag(engines: dict[str, float]) -> dict[str, Any]:
+    """A `kvbatch bench rag --json` result on an H200 with these engines' seconds."""
+    rows = [
+        {"engine": name, "seconds": s, "tokens_per_s": 32768 / s, "ratio": s / engines["kvbatch"]}
+        for name, s in engines.items()
+    ]
+    return {
+        "workload": {"name": "rag"},
+        "machine": {"device": "cuda", "device_name": "NVIDIA H200"},
+        "date": "2026-12-02",
+        "floor": {"seconds": 0.4, "device": "H200", "applies": True},
+        "engines": rows,
+    }
+
+
+def _steps(folder, **status: str) -> None:
+    lines = ["step\tstatus\trc\tseconds\tlimit\tlast line"]
+    lines += [f"{step}\t{s}\t0\t9\t90\t" for step, s in status.items()]
+    (folder / "steps.tsv").write_text("\n".join(lines) + "\n")
+
+
+def test_the_hf_cb_step_gets_its_own_table_and_no_second_verdict(tmp_path):
+    (tmp_path / "rag.json").write_text(json.dumps(_rag({"kvbatch": 0.82, "hf-static": 10.7})))
+    (tmp_path / "rag-hf-cb.json").write_text(json.dumps(_rag({"kvbatch": 0.85, "hf-cb": 3.4})))
+    _steps(tmp_path, rag="ok", **{"rag-hf-cb": "ok"})
+    text = summary.summary(tmp_path)
+    assert text.count("target (<= 1.5 s on an H200): MET (0.82 s; goal 1.0 s met)") == 1
+    assert "0.85" not in text.split("rag with hf-cb (its own step):")[0]
+    hf_cb = text.split("rag with hf-cb (its own step):")[1]
+    assert "hf-cb" in hf_cb and "3.40" in hf_cb and "4.00" in hf_cb  # seconds, ratio
+    assert "target" not in hf_cb.split("long-prefill")[0]
+
+    (tmp_path / "rag-hf-cb.json").unlink()  # the step failed: said so under its heading
+    _steps(tmp_path, rag="ok", **{"rag-hf-cb": "TIMEOUT"})
+    hf_cb = summary.summary(tmp_path).split("rag with hf-cb (its own step):")[1]
+    assert hf_cb.lstrip().startswith("rag: no results (the step failed or timed out")
+    _steps(tmp_path, rag="ok", **{"rag-hf-cb": "skipped"})  # RAG_HF_CB=0, or no time left
+    assert "rag with hf-cb" not in summary.summary(tmp_path)
