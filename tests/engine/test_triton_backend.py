@@ -40,7 +40,10 @@ def torch_tokens(tiny_models):
     ],
     ids=["cascade", "chunked", "async"],
 )
-def test_triton_backend_gives_the_torch_backends_tokens(tiny_models, torch_tokens, engine_args):
+def test_triton_backend_gives_the_torch_backends_tokens(
+    tiny_models, torch_tokens, monkeypatch, engine_args
+):
+    poison_new_float_tensors(monkeypatch)  # cascade partials of rows outside every group
     got, llm = generate(
         tiny_models("llama-gqa"), shared_prefix_prompts(), attention_backend="triton", **engine_args
     )
@@ -57,7 +60,7 @@ def test_triton_backend_matches_transformers(tiny_models, kind):
     assert got == hf_greedy(path, prompts, GREEDY.max_tokens, ignore_eos=True)
 
 
-def test_padded_decode_graph_path_gives_the_same_tokens(tiny_models):
+def test_padded_decode_graph_path_gives_the_same_tokens(tiny_models, monkeypatch):
     """The static-buffer path of CUDA graphs (padding rows: slot -1, length 0), run eagerly:
     batches of 1..5 decodes land in buckets 1, 2, 4, 8 with padding rows."""
     path = tiny_models("llama-mha")
@@ -71,13 +74,16 @@ def test_padded_decode_graph_path_gives_the_same_tokens(tiny_models):
     graphs = llm.engine.runner.step_graphs
     real_run = graphs.run
     graphs.run = lambda key, ids, *a: replays.append(ids.shape[0]) or real_run(key, ids, *a)
+    poison_new_float_tensors(monkeypatch)
     assert tokens(llm.generate(prompts, GREEDY)) == want
     assert replays and max(replays) == 5
     llm.engine.kv.check_integrity()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["in-turn", "async"])
-def test_padded_decode_graph_path_with_shared_prefix_groups(tiny_models, async_scheduling):
+def test_padded_decode_graph_path_with_shared_prefix_groups(
+    tiny_models, monkeypatch, async_scheduling
+):
     """Cascade steps in the static buffers: groups come and go as their members finish at
     different lengths (a stale group left in the buffers would attend the wrong rows), and
     with 7 sequences the bucket of 8 has a padding row. With async scheduling the graphed
@@ -104,11 +110,30 @@ def test_padded_decode_graph_path_with_shared_prefix_groups(tiny_models, async_s
     graphs.run = lambda key, ids, pos, meta, rows: (
         seen.append((ids.shape[0], len(meta.decode_groups))) or real_run(key, ids, pos, meta, rows)
     )
+    poison_new_float_tensors(monkeypatch)
     assert tokens(llm.generate(prompts, params)) == want
     assert (7, 2) in seen  # both groups, one padding row
     assert any(g == 1 for _, g in seen)  # group b dissolved (its member with 2 tokens is done)
     assert any(g == 0 for _, g in seen)  # plain decode steps still replay the plain graphs
     llm.engine.kv.check_integrity()
+
+
+def poison_new_float_tensors(monkeypatch) -> None:
+    """From here on every float tensor from torch.empty / torch.empty_like is NaN: memory no
+    kernel wrote (an attention output's chunk padding rows, a cascade partial of rows outside
+    every group, a logits row past the sampled ones) is then NaN, not whatever was there, so a
+    real row that reads any of it gets NaN logits and different tokens. Inside a CUDA graph
+    such memory is the graph pool's leftovers, which can hold NaN or inf."""
+
+    def poisoned(make):
+        def new(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+        return new
+
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
 
 
 def long_prompt_beside_decodes(shared: bool):
@@ -135,7 +160,8 @@ def test_padded_mixed_step_graph_path_gives_the_same_tokens(
     in buckets 16 and 32 with padding rows after the decode bucket's padding, and the long
     prompt's last chunk samples through its remapped logits row. Async: the decodes read
     pending tokens. Shared prefixes: cascade groups beside the chunk. Split keys (threshold
-    lowered): each chunk's keys split for the longest context, most splits empty."""
+    lowered): each chunk's keys split for the longest context, most splits empty. New float
+    tensors are NaN, so no real row reads a padding row's (or any unwritten) output."""
     import kernels.prefill_attention as prefill
 
     path = tiny_models("llama-gqa")
@@ -159,6 +185,7 @@ def test_padded_mixed_step_graph_path_gives_the_same_tokens(
         return real_run(key, ids, positions, meta, rows)
 
     graphs.run = run
+    poison_new_float_tensors(monkeypatch)
     assert tokens(llm.generate(prompts, params)) == want
     assert {key.chunk for key, *_ in seen} == ({32} if shared else {16, 32})
     assert any(m < key.chunk for key, _, m, _, _ in seen)  # a padded chunk
