@@ -26,6 +26,24 @@ def generate(path, prompts, **engine_args):
     return tokens(outs), llm
 
 
+def poison_new_float_tensors(monkeypatch) -> None:
+    """From here on every float tensor from torch.empty / torch.empty_like is NaN: memory no
+    kernel wrote (an attention output's chunk padding rows, a cascade partial of rows outside
+    every group, a logits row past the sampled ones) is then NaN, not whatever was there, so a
+    real row that reads any of it gets NaN logits and different tokens. Inside a CUDA graph
+    such memory is the graph pool's leftovers, which can hold NaN or inf."""
+
+    def poisoned(make):
+        def new(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+        return new
+
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+
+
 @pytest.fixture(scope="module")
 def torch_tokens(tiny_models):
     return generate(tiny_models("llama-gqa"), shared_prefix_prompts(), attention_backend="torch")[0]
@@ -116,24 +134,6 @@ def test_padded_decode_graph_path_with_shared_prefix_groups(
     assert any(g == 1 for _, g in seen)  # group b dissolved (its member with 2 tokens is done)
     assert any(g == 0 for _, g in seen)  # plain decode steps still replay the plain graphs
     llm.engine.kv.check_integrity()
-
-
-def poison_new_float_tensors(monkeypatch) -> None:
-    """From here on every float tensor from torch.empty / torch.empty_like is NaN: memory no
-    kernel wrote (an attention output's chunk padding rows, a cascade partial of rows outside
-    every group, a logits row past the sampled ones) is then NaN, not whatever was there, so a
-    real row that reads any of it gets NaN logits and different tokens. Inside a CUDA graph
-    such memory is the graph pool's leftovers, which can hold NaN or inf."""
-
-    def poisoned(make):
-        def new(*args, **kwargs):
-            t = make(*args, **kwargs)
-            return t.fill_(float("nan")) if t.is_floating_point() else t
-
-        return new
-
-    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
-    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
 
 
 def long_prompt_beside_decodes(shared: bool):
