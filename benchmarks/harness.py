@@ -305,8 +305,9 @@ def draw_prompts(workload: Workload, vocab_size: int, repeat: int) -> list[Draw]
 
 
 def warm_up(peer: Peer, config: BenchConfig, vocab_size: int) -> None:
-    """The peer's own tiny job; then, for an engine whose kernels are compiled on first use
-    (`Peer.compiles_kernels`: kvbatch's Triton kernels on CUDA), one untimed run of the whole
+    """The peer's own tiny job; then, for an engine with one-off costs on a workload's first
+    run (`Peer.needs_full_warmup`: kvbatch's Triton kernels and CUDA graphs; hf-cb's
+    generate_batch manager, sized for the workload and kept), one untimed run of the whole
     workload on a draw of its own. Triton specialises a kernel on its arguments (an integer
     equal to 1 or divisible by 16, flags such as shared-prefix groups), and a tiny job does not
     reach every variant `rag` does: each one left would be compiled, at up to a second or
@@ -321,7 +322,7 @@ def warm_up(peer: Peer, config: BenchConfig, vocab_size: int) -> None:
     full = config.full_warmup
     if full is None:
         full = config.options.device.startswith("cuda")
-    if full and peer.compiles_kernels:
+    if full and peer.needs_full_warmup:
         run_once(peer, *fresh_draw(config.workload, vocab_size, WARMUP_SEED_OFFSET))
         if config.workload.has_long_prompt:  # timed chunks: the next run may pick other sizes
             peer.after_warmup()
