@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+from tests.benchmarks.tiny_llama import save_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -13,3 +17,13 @@ def random_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVBATCH_CACHE", str(root))
         yield root
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def eos_model(tmp_path_factory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("eos-llama"), eos_bias=True)

@@ -1,4 +1,4 @@
-"""The side-by-side harness on a tiny random Llama: the table, the JSON and the hf-static peer.
+"""The side-by-side harness on a tiny random Llama: the table, the JSON, the CLI and kvbatch.
 
 The kvbatch end-to-end tests skip themselves while `engine.LLM` cannot be imported.
 """
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,120 +20,22 @@ from benchmarks.harness import (
     percentiles,
     run_benchmark,
 )
+from benchmarks.hf_peers import HFStaticPeer
 from benchmarks.peers import (
     PEERS,
     EngineOptions,
-    HFStaticPeer,
     KvbatchPeer,
     PeerUnavailable,
     make_peer,
 )
-from benchmarks.workloads import WORKLOADS, Workload, make_prompts
-
-VOCAB = 512
-EOS = 2
-
-TINY = Workload(
-    name="tiny",
-    model="tiny-random-llama",
-    num_documents=2,
-    chunks_per_document=2,
-    document_len=40,
-    chunk_len=8,
-    instruction_len=4,
-    output_len=4,
-    seed=3,
-)
-
-
-def _save_tiny_llama(path: Path, eos_bias: bool = False) -> Path:
-    """A 2-layer random Llama (GQA) with a word-level tokenizer, saved as a HF folder."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        bos_token_id=1,
-        eos_token_id=EOS,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(config).eval()
-    if eos_bias:  # make EOS the greedy choice almost everywhere
-        with torch.no_grad():
-            model.lm_head.weight[EOS] = 5.0
-    model.save_pretrained(path)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, VOCAB)}
-    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<unk>",
-    )
-    fast.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return _save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def eos_model(tmp_path_factory) -> Path:
-    return _save_tiny_llama(tmp_path_factory.mktemp("eos-llama"), eos_bias=True)
+from benchmarks.workloads import WORKLOADS
+from tests.benchmarks.tiny_llama import TINY
 
 
 @pytest.fixture
 def tiny_registered(monkeypatch):
     monkeypatch.setitem(WORKLOADS, TINY.name, TINY)
     return TINY
-
-
-# --- hf-static -----------------------------------------------------------------------------
-
-
-def _hf(model: Path, **options) -> HFStaticPeer:
-    peer = make_peer("hf-static", model, EngineOptions(**options))
-    assert isinstance(peer, HFStaticPeer)
-    peer.load()
-    return peer
-
-
-def test_hf_static_decodes_exactly_max_tokens_ignoring_eos(eos_model):
-    peer = _hf(eos_model)
-    prompts = make_prompts(TINY, VOCAB)
-    result = peer.run(prompts, max_tokens=6)
-    assert result.output_tokens == len(prompts) * 6
-    assert all(len(t) == 6 for t in result.token_ids)
-    assert any(EOS in t for t in result.token_ids)  # EOS was decoded, and decoding went on
-    # and it is greedy: EOS is not masked, so it is what a plain forward picks first
-    with torch.inference_mode():
-        logits = peer.model(torch.tensor([prompts[0]])).logits[0, -1]
-    assert result.token_ids[0][0] == int(logits.argmax())
-    peer.close()
-    assert peer.model is None
-
-
-def test_hf_static_batches_and_left_padding_give_the_same_greedy_tokens(tiny_model):
-    prompts = make_prompts(TINY, VOCAB)
-    one_batch = _hf(tiny_model).generate(prompts, 4)
-    by_two = _hf(tiny_model, hf_batch_size=2).generate(prompts, 4)
-    assert one_batch == by_two
-    ragged = [prompts[0][:20], prompts[1], prompts[2][:33]]  # left-padded to 52
-    padded = _hf(tiny_model).generate(ragged, 4)
-    alone = [_hf(tiny_model, hf_batch_size=1).generate([p], 4)[0] for p in ragged]
-    assert padded == alone
 
 
 def test_registry_and_options():
@@ -276,7 +177,7 @@ def test_kvbatch_prefix_cache_accounting(tiny_model):
     assert run_benchmark(no_cache).summary("kvbatch").extra["cached_prompt_tokens"] == 0
 
 
-# --- latency, floor, long-prefill, hf-cb, unavailable peers (issue 5) -----------------------
+# --- latency, floor, long-prefill, unavailable peers (issue 5) -----------------------------
 
 LATENCY_KEYS = {"ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "floor_fraction", "long_prefill"}
 
@@ -345,70 +246,6 @@ def _summary_script():
     from tests.scripts import load_script
 
     return load_script("gpu_check_summary")
-
-
-def test_hf_cb_decodes_hf_static_tokens_and_times_them(tiny_model):
-    from benchmarks.peers import HFContinuousBatchingPeer
-
-    prompts = make_prompts(TINY, VOCAB)
-    static = _hf(tiny_model).generate(prompts, 4)
-    peer = make_peer("hf-cb", tiny_model, EngineOptions())
-    assert isinstance(peer, HFContinuousBatchingPeer)
-    peer.load()
-    result = peer.run(prompts, max_tokens=4)
-    assert result.token_ids == static
-    assert result.timings is not None and len(result.timings.ttft) == len(prompts)
-    assert all(t is None or t > 0 for t in result.timings.ttft + result.timings.tpot)
-    peer.close()
-
-
-def test_hf_cb_keeps_one_manager_for_the_workload_and_not_the_warm_ups(tiny_model, caplog):
-    """generate_batch's manager (its KV pool, on CUDA its graphs) is built once, outside the
-    timed runs, for the workload's shape; the tiny warm-up's is dropped; close frees it; and
-    transformers' warning about a kept manager is not repeated on every call."""
-    prompts = make_prompts(TINY, VOCAB)
-    peer = make_peer("hf-cb", tiny_model, EngineOptions())
-    peer.load()
-    model = peer.model
-
-    def kept():
-        return getattr(model, "_cached_continuous_batching_manager", None)
-
-    peer.warmup()
-    assert kept() is None  # sized for two 8-token prompts: not kept for the workload
-    first = peer.run(prompts, max_tokens=4)
-    manager = kept()
-    assert manager is not None
-    again = peer.run(make_prompts(TINY.with_seed(TINY.seed + 1), VOCAB), max_tokens=4)
-    assert kept() is manager  # the second run reused it
-    assert first.token_ids == _hf(tiny_model).generate(prompts, 4)
-    assert len(again.token_ids) == len(prompts) and all(len(t) == 4 for t in again.token_ids)
-    peer.close()
-    assert kept() is None
-    assert "persistent_manager" not in caplog.text
-
-
-@pytest.mark.parametrize("page_field", ["page_size", "block_size"])
-def test_hf_cb_sizes_its_cpu_pool_under_either_name_of_the_page_field(
-    tiny_model, monkeypatch, page_field
-):
-    """transformers 5.17 calls the page `block_size`, 5.24 `page_size`: without the right
-    name the CPU pool fell back to transformers' default (all of the machine's memory: 11 s
-    for `rag --tiny` on 5.17 against 0.4 s sized to the job)."""
-    import transformers
-
-    config = dataclasses.make_dataclass(
-        "ContinuousBatchingConfig",
-        [(page_field, int, 256), ("num_blocks", int, None), ("max_batch_tokens", int, None)],
-    )
-    monkeypatch.setattr(transformers, "ContinuousBatchingConfig", config)
-    peer = make_peer("hf-cb", tiny_model, EngineOptions())
-    peer._signature = {"continuous_batching_config": None}
-    sized = peer._cpu_cb_config([[1] * 20, [2] * 5], max_tokens=4)
-    assert getattr(sized, page_field) == 16 and sized.num_blocks == 2 + 1 + 4
-    other = dataclasses.make_dataclass("ContinuousBatchingConfig", [("pages", int, 1)])
-    monkeypatch.setattr(transformers, "ContinuousBatchingConfig", other)
-    assert peer._cpu_cb_config([[1] * 20], max_tokens=4) is None
 
 
 class _Unavailable(HFStaticPeer):
