@@ -30,6 +30,7 @@ from benchmarks.peers import (
 )
 from benchmarks.workloads import WORKLOADS
 from tests.benchmarks.tiny_llama import TINY
+from tests.scripts import load_script
 
 
 @pytest.fixture
@@ -225,27 +226,23 @@ def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
     )
     data["warnings"] = ["hf-cb is unavailable and was skipped: no generate_batch"]
     out.write_text(json.dumps(data))
-    text = _summary_script().summary(tmp_path)
+    text = load_script("gpu_check_summary").summary(tmp_path)
     assert "greedy tokens hf-static vs kvbatch: 4/4\n" in text  # float32: no caveat
     data["options"]["dtype"] = "bfloat16"  # as on the GPU, where a near tie may flip a token
     data["greedy_match"][0]["matching"] = 3
     (tmp_path / "rag.json").write_text(json.dumps(data))
-    assert "hf-static vs kvbatch: 3/4 (bfloat16 on both" in _summary_script().summary(tmp_path)
+    assert "hf-static vs kvbatch: 3/4 (bfloat16 on both" in load_script(
+        "gpu_check_summary"
+    ).summary(tmp_path)
     data["greedy_match"][0]["matching"] = 4
     out.write_text(json.dumps(data))
-    text = _summary_script().summary(tmp_path)
+    text = load_script("gpu_check_summary").summary(tmp_path)
     assert "warning: hf-cb is unavailable and was skipped: no generate_batch" in text
     assert "rag-tiny on cpu" in text and "hf-static" in text and "ok" in text
     assert "n/a here (not the full rag on an H200)" in text
     assert "kvbatch steps (last run)" in text and "kvbatch-sync steps (last run)" in text
     assert "kvbatch kernel profile" in text
     assert "long-prefill: no results" in text
-
-
-def _summary_script():
-    from tests.scripts import load_script
-
-    return load_script("gpu_check_summary")
 
 
 class _Unavailable(HFStaticPeer):

@@ -14,6 +14,7 @@ from benchmarks.sweep import (
     SweepGrid,
     parse_list,
 )
+from tests.scripts import load_script
 
 
 def test_parse_list():
@@ -98,13 +99,11 @@ def test_sweep_runs_each_cell_and_writes_json(tmp_path, monkeypatch, capsys):
     assert cells[0]["ttft_p99"] > cells[1]["ttft_p99"]
 
     # the GPU check's summary lists the cells and the fastest one
-    from tests.benchmarks.test_harness import _summary_script
-
     folder = tmp_path / "check"
     folder.mkdir()
     data["cells"].append({**cells[0], "max_num_seqs": 512, "error": "OutOfMemoryError: CUDA"})
     (folder / "rag-sweep.json").write_text(json.dumps(data))
-    text = _summary_script().summary(folder)
+    text = load_script("gpu_check_summary").summary(folder)
     assert "rag-tiny sweep (kvbatch alone, one engine per cell):" in text
     fastest = min(cells, key=lambda c: c["seconds"])
     assert f"fastest: max_num_seqs {fastest['max_num_seqs']}, " in text
