@@ -21,7 +21,7 @@ RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY engine ./engine
-COPY kernels ./kernels
+COPY kvkernels ./kvkernels
 COPY jobs ./jobs
 COPY worker ./worker
 COPY kvbatch ./kvbatch

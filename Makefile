@@ -48,8 +48,6 @@ format: venv
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# Validate compose.yaml (every profile) with Debian's docker-compose 1.29, which needs no Docker
-# engine; installed with apt when missing. tests/test_compose.py runs the same check when it can.
 # System programs the tests start or call: a redis-server of their own, Debian's
 # docker-compose (validates compose.yaml without a Docker engine). Installed with apt if missing.
 sysdeps:
@@ -62,6 +60,8 @@ sysdeps:
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$need; \
 	fi
 
+# Validate compose.yaml (every profile) with Debian's docker-compose 1.29, which needs no Docker
+# engine; installed with apt when missing. tests/test_compose.py runs the same check when it can.
 compose-check: sysdeps
 	docker-compose -f compose.yaml --profile example --profile scheduled \
 		--profile observability --profile minio config -q

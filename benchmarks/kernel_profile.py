@@ -14,7 +14,7 @@ the report gets:
   host milliseconds per step inside `ModelRunner.launch`, and on a GPU the span of the
   kernels each step launched (the profiler's GPU-side range of the step's annotation).
 - kinds: seconds per kind of kernel (GEMM, prefill attention, decode attention, ...), named
-  from the kernel names of kernels/ and cuBLAS's;
+  from the kernel names of kvkernels/ and cuBLAS's;
 - top kernels: calls, total and mean time, share of all kernel time.
 
 On the CPU (tests, `--tiny`) nothing runs on a device: operators are ranked by their self CPU

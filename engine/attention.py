@@ -225,7 +225,7 @@ def get_backend(name: str, device: torch.device):
                 "attention_backend='triton' needs a CUDA device (on the CPU it runs only under "
                 "TRITON_INTERPRET=1, for testing): use attention_backend='torch' or 'auto'"
             )
-        from kernels.interpreter import interpreter_problem
+        from kvkernels.interpreter import interpreter_problem
 
         problem = interpreter_problem()
         if problem:

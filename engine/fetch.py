@@ -249,8 +249,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
     folder, name = str(gguf.parent), gguf.name
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # transformers marks a GGUF-loaded model as quantized and refuses to save it, although on
-    # this path (no `kernels` package) every weight is already a plain float32 tensor.
+    # transformers marks a GGUF-loaded model as quantized and refuses to save it, although it
+    # has dequantized every weight to a plain float32 tensor (packed layers are refused below).
     packed = getattr(model.hf_quantizer, "packed_modules", None)
     if packed:
         raise FetchError(f"transformers kept {len(packed)} GGUF layers packed; cannot save them")

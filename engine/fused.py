@@ -8,8 +8,8 @@ What it changes against the plain forward, and why:
   [gate; up]: fewer, larger GEMMs (a decode step is launch- and bandwidth-bound). The original
   parameters become views into the fused weights, so memory is not doubled and state-dict
   names are unchanged.
-- The residual add is fused into the next RMSNorm (kernels/rms_norm.py), rotary is applied in
-  place from positions (kernels/rotary.py), SiLU-and-mul is one kernel (kernels/activation.py).
+- The residual add is fused into the next RMSNorm (kvkernels/rms_norm.py), rotary is applied in
+  place from positions (kvkernels/rotary.py), SiLU-and-mul is one kernel (kvkernels/activation.py).
 The arithmetic is the plain forward's (same order of the residual sums, RMSNorm in float32).
 """
 
@@ -63,9 +63,9 @@ def fused_forward(
     backend,
     logits_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [rows, vocab] float32
-    from kernels.activation import silu_and_mul
-    from kernels.rms_norm import fused_add_rms_norm, rms_norm
-    from kernels.rotary import apply_rotary_
+    from kvkernels.activation import silu_and_mul
+    from kvkernels.rms_norm import fused_add_rms_norm, rms_norm
+    from kvkernels.rotary import apply_rotary_
 
     cfg = model.config
     eps = cfg.rms_norm_eps

@@ -26,7 +26,7 @@ from engine.sequence import Sequence
 from engine.spec.rejection import verify
 
 # Decode steps whose longest context exceeds this run eagerly: a graph's block-table width is
-# fixed, and the decode kernel cuts contexts into splits by that width (kernels/).
+# fixed, and the decode kernel cuts contexts into splits by that width (kvkernels/).
 GRAPH_MAX_CONTEXT = 8192
 # Decode steps with more shared-prefix groups than this run eagerly (`rag` at 256 running
 # sequences has 8: 32 chunks per document).

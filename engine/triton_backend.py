@@ -1,4 +1,4 @@
-"""The Triton attention backend: the kernels in kernels/ over the same metadata as the torch one.
+"""The Triton attention backend: the kernels in kvkernels/ over the same metadata as the torch one.
 
 Per layer it runs at most four launches, whatever the number of sequences:
 
@@ -80,11 +80,11 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self) -> None:
-        # Imported here: kernels/ imports triton, which the torch backend never needs.
-        from kernels.decode_attention import paged_decode_attention
-        from kernels.kv_write import write_kv_cache
-        from kernels.merge_states import merge_attention_states
-        from kernels.prefill_attention import paged_prefill_attention
+        # Imported here: kvkernels/ imports triton, which the torch backend never needs.
+        from kvkernels.decode_attention import paged_decode_attention
+        from kvkernels.kv_write import write_kv_cache
+        from kvkernels.merge_states import merge_attention_states
+        from kvkernels.prefill_attention import paged_prefill_attention
 
         self._decode = paged_decode_attention
         self._prefill = paged_prefill_attention

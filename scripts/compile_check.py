@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.pop("TRITON_INTERPRET", None)  # real compiles, before anything imports kernels/
+os.environ.pop("TRITON_INTERPRET", None)  # real compiles, before anything imports kvkernels/
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -12,7 +12,7 @@
 #
 # Steps, in order (a failing step is recorded and the next one still runs):
 #   versions      python, torch, triton, transformers, the device; nvidia-smi
-#   kernels       pytest -q tests/kernels (CUDA when present; the Triton interpreter otherwise)
+#   kernels       pytest -q tests/kvkernels (CUDA when present; the Triton interpreter otherwise)
 #   prefill-splits  scripts/prefill_split_bench.py: the prefill kernel on one short chunk after a
 #                 32k context at 1..32 key splits and the automatic choice (ms each), every
 #                 split checked against the unsplit output (--cpu: a tiny shape)
@@ -216,7 +216,7 @@ step versions "$VERSIONS_TIMEOUT" bash -c versions
 # --durations: the log names the slowest tests, should a step come near its limit
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider --durations=8)
 if "$PY" -c "import pytest_timeout" 2> /dev/null; then PYTEST+=(--timeout="$PER_TEST_TIMEOUT"); fi
-step kernels "$KERNELS_TIMEOUT" "${PYTEST[@]}" tests/kernels
+step kernels "$KERNELS_TIMEOUT" "${PYTEST[@]}" tests/kvkernels
 step prefill-splits "$PREFILL_SPLITS_TIMEOUT" "$PY" scripts/prefill_split_bench.py \
   ${SPLITS[@]+"${SPLITS[@]}"}
 if [ -f tests/engine/test_triton_backend.py ]; then

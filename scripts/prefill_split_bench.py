@@ -2,7 +2,7 @@
 
 The long-prefill shape (a 32k prompt prefilled in chunks while others decode): a chunk of C
 tokens attends to the whole cached prefix, and with few row tiles the kernel splits the keys
-(kernels/prefill_attention.choose_prefill_splits). This prints, per chunk length, the time at
+(kvkernels/prefill_attention.choose_prefill_splits). This prints, per chunk length, the time at
 each forced split count and at the automatic choice, and each result's largest difference from
 the unsplit output, so one GPU run says whether the automatic choice is near the best one.
 Then the cascade shape of `rag` (16 groups of 16 decoding rows against a 1024-token shared
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    from kernels.prefill_attention import auto_prefill_splits, paged_prefill_attention
+    from kvkernels.prefill_attention import auto_prefill_splits, paged_prefill_attention
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

@@ -162,7 +162,7 @@ def test_padded_mixed_step_graph_path_gives_the_same_tokens(
     pending tokens. Shared prefixes: cascade groups beside the chunk. Split keys (threshold
     lowered): each chunk's keys split for the longest context, most splits empty. New float
     tensors are NaN, so no real row reads a padding row's (or any unwritten) output."""
-    import kernels.prefill_attention as prefill
+    import kvkernels.prefill_attention as prefill
 
     path = tiny_models("llama-gqa")
     prompts, params = long_prompt_beside_decodes(shared)
@@ -271,7 +271,7 @@ def test_short_chunks_of_a_long_prompt_split_their_keys(tiny_models, monkeypatch
     """Chunked prefill of a long prompt in short chunks: the prefill kernel splits the cached
     context's keys across programs (the threshold lowered so the tiny model's contexts
     qualify) and merges them; the tokens are the torch backend's."""
-    import kernels.prefill_attention as prefill
+    import kvkernels.prefill_attention as prefill
 
     path = tiny_models("llama-gqa")
     prompts = random_prompts(512, (230, 100, 9), seed=7)

@@ -35,7 +35,7 @@ def test_the_image_hides_the_packages_it_lacks():
         "-c",
         "import importlib.util, sys\n"
         "assert importlib.util.find_spec('boto3') is None\n"
-        "import engine, kernels, transformers\n"
+        "import engine, kvkernels, transformers\n"
         "assert 'pydantic' not in sys.modules\n"
         "import jobs.schemas\n",  # jobs/ needs pydantic: this must fail
         timeout=120,
@@ -47,7 +47,7 @@ def test_the_image_hides_the_packages_it_lacks():
 def test_the_gpu_tests_collect_without_them():
     r = run_as_image(
         "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-        "tests/kernels", "tests/engine/test_triton_backend.py",
+        "tests/kvkernels", "tests/engine/test_triton_backend.py",
         timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""kernels/kv_write.py: the Triton KV-cache write against its reference and the engine's write_kv.
+"""kvkernels/kv_write.py: the Triton KV-cache write against its reference and the engine's write_kv.
 
 On the CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.attention import write_kv
-from kernels.kv_write import write_kv_cache, write_kv_cache_ref
+from kvkernels.kv_write import write_kv_cache, write_kv_cache_ref
 
 
 def _device() -> torch.device:

@@ -1,4 +1,4 @@
-"""kernels/rotary.py: in-place RoPE against its reference and the engine's RotaryEmbedding.
+"""kvkernels/rotary.py: in-place RoPE against its reference and the engine's RotaryEmbedding.
 
 On the CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.rope import RopeConfig, RotaryEmbedding, inverse_frequencies
-from kernels.rotary import apply_rotary_, apply_rotary_ref
+from kvkernels.rotary import apply_rotary_, apply_rotary_ref
 
 
 def _device() -> torch.device:

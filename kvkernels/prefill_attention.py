@@ -26,7 +26,7 @@ ranges of whole key tiles (sized from its own context length, in the kernel, so 
 needs no lengths on the host and can sit in a CUDA graph), one program per (row tile, split)
 writes a float32 partial and its log-sum-exp, and a merge kernel over the same row tiles
 combines them exactly (the cascade merge's arithmetic,
-kernels/decode_attention.merge_split_partials):
+kvkernels/decode_attention.merge_split_partials):
 
     keys of seq s:  [ split 0 | split 1 | split 2 ]  ->  (o, lse) each  ->  merge  ->  out
 """
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import (
+from kvkernels.decode_attention import (
     LOG2E,
     check_attention_inputs,
     dot_precision,

@@ -22,7 +22,7 @@ TOLERANCES = {
 @pytest.fixture
 def device() -> torch.device:
     if not torch.cuda.is_available():
-        from kernels.interpreter import interpreter_problem
+        from kvkernels.interpreter import interpreter_problem
 
         problem = interpreter_problem()
         if problem:

@@ -1,4 +1,4 @@
-"""kernels/rms_norm.py: RMSNorm and fused add + RMSNorm against their references and the engine's
+"""kvkernels/rms_norm.py: RMSNorm and fused add + RMSNorm against their references and the engine's
 RMSNorm module. On the CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.model import RMSNorm
-from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from kvkernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 
 
 def _device() -> torch.device:

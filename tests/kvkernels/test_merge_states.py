@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
-from kernels.merge_states import merge_attention_states, merge_attention_states_ref
-from kernels.prefill_attention import paged_prefill_attention
-from tests.kernels.conftest import (
+from kvkernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from kvkernels.merge_states import merge_attention_states, merge_attention_states_ref
+from kvkernels.prefill_attention import paged_prefill_attention
+from tests.kvkernels.conftest import (
     assert_close,
     assert_lse_close,
     generator,

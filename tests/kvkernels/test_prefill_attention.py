@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.prefill_attention import (
+from kvkernels.prefill_attention import (
     MIN_KEYS_PER_SPLIT,
     auto_prefill_splits,
     choose_prefill_splits,
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
-from tests.kernels.conftest import (
+from tests.kvkernels.conftest import (
     assert_close,
     assert_lse_close,
     gather_context,

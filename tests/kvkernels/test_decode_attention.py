@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.decode_attention import (
+from kvkernels.decode_attention import (
     choose_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
-from tests.kernels.conftest import (
+from tests.kvkernels.conftest import (
     assert_close,
     assert_lse_close,
     gather_context,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import kernels.interpreter as interpreter
+import kvkernels.interpreter as interpreter
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""kernels/activation.py: SiLU-and-mul against its reference and the engine's MLP arithmetic.
+"""kvkernels/activation.py: SiLU-and-mul against its reference and the engine's MLP arithmetic.
 
 On the CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kvkernels.activation import silu_and_mul, silu_and_mul_ref
 
 
 def _device() -> torch.device:
