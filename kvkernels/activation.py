@@ -4,8 +4,9 @@ Semantics are engine/model.py's MLP (`F.silu(gate, inplace=True).mul_(up)`): sil
 in float32 as g / (1 + exp(-g)) and rounded to the input's dtype, then the product is rounded
 once more, so float16 results match the eager ops.
 
-A 2-D grid (rows x column blocks) rather than one program per row: intermediate sizes reach
-28672, too wide for one block. gate and up may be strided views (the halves of a fused
+A 2-D grid (row blocks x column blocks) rather than one program per row: intermediate sizes
+reach 28672, too wide for one block. A row block is one row when compiled, more under the
+interpreter (kvkernels/interpreter.py). gate and up may be strided views (the halves of a fused
 gate_up projection); `out` may be gate itself, each element being read before it is written
 by the same program.
 """
@@ -17,14 +18,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kvkernels.interpreter import rows_per_program
+
 _BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _silu_and_mul_kernel(
     gate_ptr,
     up_ptr,
     out_ptr,
+    num_rows,
     num_cols,
     stride_g_row,
     stride_g_col,
@@ -32,11 +36,12 @@ def _silu_and_mul_kernel(
     stride_u_col,
     stride_o_row,
     stride_o_col,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < num_cols
+    row = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]  # [ROWS, 1]
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]  # [1, BLOCK]
+    mask = (row < num_rows) & (cols < num_cols)
     gate = tl.load(gate_ptr + row * stride_g_row + cols * stride_g_col, mask=mask, other=0.0)
     up = tl.load(up_ptr + row * stride_u_row + cols * stride_u_col, mask=mask, other=0.0)
     dtype = gate.dtype
@@ -58,9 +63,18 @@ def silu_and_mul(
     num_rows, num_cols = gate.shape
     if num_rows == 0 or num_cols == 0:
         return out
-    grid = (num_rows, triton.cdiv(num_cols, _BLOCK))
-    _silu_and_mul_kernel[grid](
-        gate, up, out, num_cols, *gate.stride(), *up.stride(), *out.stride(), BLOCK=_BLOCK
+    rows = rows_per_program()
+    _silu_and_mul_kernel[(triton.cdiv(num_rows, rows), triton.cdiv(num_cols, _BLOCK))](
+        gate,
+        up,
+        out,
+        num_rows,
+        num_cols,
+        *gate.stride(),
+        *up.stride(),
+        *out.stride(),
+        ROWS=rows,
+        BLOCK=_BLOCK,
     )
     return out
 

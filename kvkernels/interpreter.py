@@ -5,6 +5,12 @@ bound that the kernel loaded from memory (`for tile in range(start, end, BLOCK_N
 from a sequence length) into a Python int with `int(array)`, which numpy 2.4 refuses for
 1-element arrays. Compiled kernels on CUDA are unaffected. Checked: triton 3.6 fails, 3.7 and
 3.9 pass, with numpy 2.4.6; triton 3.6 passes with numpy 2.3.5.
+
+The interpreter also prices work differently from a GPU: it runs the programs of a grid one
+after another, each at a fixed Python cost of milliseconds whatever the size of its tiles. The
+elementwise kernels (RMSNorm, rotary, KV write, SiLU-and-mul) therefore take a number of rows
+per program from `rows_per_program`: one when compiled, the grid the GPU is tuned for, and a
+block of rows under the interpreter, which cuts the engine tests' time by several times.
 """
 
 from __future__ import annotations
@@ -12,6 +18,17 @@ from __future__ import annotations
 import os
 import re
 from importlib.metadata import PackageNotFoundError, version
+
+# Rows (tokens) per program of an elementwise kernel under the interpreter: a tiny model's
+# step is a few dozen tokens, so most steps take one or two programs.
+INTERPRETED_ROWS_PER_PROGRAM = 32
+
+
+def rows_per_program() -> int:
+    """Rows one program of an elementwise kernel handles: 1 when compiled (one program per
+    token, as the kernels were tuned and measured on the H200), a block under the interpreter
+    (see the module docstring)."""
+    return INTERPRETED_ROWS_PER_PROGRAM if os.environ.get("TRITON_INTERPRET") == "1" else 1
 
 
 def _major_minor(v: str) -> tuple[int, int]:

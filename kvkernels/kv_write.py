@@ -9,6 +9,8 @@ t goes to slot `slot_mapping[t] = block * block_size + offset`:
 A negative slot means "skip this row": CUDA-graph batches are padded to a captured size, and
 the padding rows must not write anywhere. The kernel masks them out on the device, so the
 launch never reads the slots back to the host and can be captured in a graph.
+
+One program writes ROWS tokens (one when compiled: kvkernels/interpreter.py).
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kvkernels.interpreter import rows_per_program
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
     cache_ptr,
     k_ptr,
     v_ptr,
     slot_ptr,
+    num_tokens,
     num_kv_heads,
     head_dim,
     block_size,
@@ -38,20 +43,22 @@ def _write_kv_kernel(
     stride_v_t,
     stride_v_head,
     stride_v_dim,
+    ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    tokens = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    slot = tl.load(slot_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
+    t = tokens[:, None, None]  # [ROWS, 1, 1]
+    slot = slot[:, None, None]
     block = slot // block_size
     offset = slot % block_size
 
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    dims = tl.arange(0, BLOCK_D)[None, :]
-    # slot < 0 masks the whole row: nothing is read, nothing is written. (The slot is
-    # broadcast to the tile before the compare: the interpreter turns `tile & scalar_bool`
-    # into an int32 mask, which its load then rejects.)
-    mask = (heads < num_kv_heads) & (dims < head_dim) & (slot + 0 * dims >= 0)
+    heads = tl.arange(0, BLOCK_H)[None, :, None]
+    dims = tl.arange(0, BLOCK_D)[None, None, :]
+    # slot < 0 masks the whole row (a padding row, or past the last token): nothing is read,
+    # nothing is written.
+    mask = (slot >= 0) & (heads < num_kv_heads) & (dims < head_dim)
 
     dst = cache_ptr + block * stride_c_block + offset * stride_c_off
     dst += heads * stride_c_head + dims * stride_c_dim
@@ -76,17 +83,20 @@ def write_kv_cache(
         return
     _, _, block_size, _, _ = kv_cache.shape
     slot_mapping = slot_mapping.contiguous()
-    _write_kv_kernel[(num_tokens,)](
+    rows = rows_per_program()
+    _write_kv_kernel[(triton.cdiv(num_tokens, rows),)](
         kv_cache,
         k,
         v,
         slot_mapping,
+        num_tokens,
         num_kv_heads,
         head_dim,
         block_size,
         *kv_cache.stride(),
         *k.stride(),
         *v.stride(),
+        ROWS=rows,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
     )

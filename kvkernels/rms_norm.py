@@ -9,8 +9,9 @@ The product with the weight is done in float32 and rounded once to x's dtype, wh
 torch does for a float16/bfloat16 multiply (the product of two such numbers is exact in
 float32), so the kernel matches the module up to the order of the float32 sum.
 
-One program normalises one row; the whole row (hidden up to 8192) sits in one block, masked
-where hidden is not a power of two (576 for SmolLM2, 64 for the tiny test models).
+One program normalises ROWS rows (one when compiled: kvkernels/interpreter.py); a whole row
+(hidden up to 8192) sits in one block, masked where hidden is not a power of two (576 for
+SmolLM2, 64 for the tiny test models).
 """
 
 from __future__ import annotations
@@ -19,38 +20,42 @@ import torch
 import triton
 import triton.language as tl
 
+from kvkernels.interpreter import rows_per_program
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,  # read and updated (residual += x) when HAS_RESIDUAL
     weight_ptr,
     out_ptr,
+    num_rows,
     hidden,
     eps,
     stride_x,
     stride_r,
     stride_out,
     HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    rows = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]  # [ROWS, 1]
+    cols = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+    mask = (rows < num_rows) & (cols < hidden)
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0)
     dtype = x.dtype
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        r = tl.load(residual_ptr + rows * stride_r + cols, mask=mask, other=0.0)
         dtype = r.dtype
         # Rounded to the residual's dtype, as `residual += x` is.
         x = (r.to(tl.float32) + x.to(tl.float32)).to(dtype)
-        tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
+        tl.store(residual_ptr + rows * stride_r + cols, x, mask=mask)
     x32 = x.to(tl.float32)
-    mean_sq = tl.sum(x32 * x32, axis=0) / hidden
+    mean_sq = tl.sum(x32 * x32, axis=1)[:, None] / hidden  # [ROWS, 1]
     normed = (x32 * tl.rsqrt(mean_sq + eps)).to(dtype)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(dtype)
+    w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(dtype)
     y = (normed.to(tl.float32) * w.to(tl.float32)).to(dtype)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
@@ -111,17 +116,20 @@ def _launch(x, residual, weight, out, eps) -> None:
     if num_rows == 0:
         return
     block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(num_rows,)](
+    rows = rows_per_program()
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x,
         x if residual is None else residual,  # unused without HAS_RESIDUAL
         weight,
         out,
+        num_rows,
         hidden,
         eps,
         x.stride(0),
         0 if residual is None else residual.stride(0),
         out.stride(0),
         HAS_RESIDUAL=residual is not None,
+        ROWS=rows,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 8),
     )

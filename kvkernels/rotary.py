@@ -12,7 +12,8 @@ Each product and the sum are rounded to x's dtype as the module's eager ops are,
 results match it to the last bit up to cos/sin's own float32 rounding. inv_freq carries the
 checkpoint's scaling (default, linear, llama3), so the kernel needs to know nothing of it.
 
-One program rotates every q and k head of one token: cos/sin are computed once per token.
+One program rotates every q and k head of ROWS tokens (one when compiled:
+kvkernels/interpreter.py): cos/sin are computed once per token.
 q and k may be strided views (slices of a fused qkv projection); only their strides are used.
 """
 
@@ -22,28 +23,33 @@ import torch
 import triton
 import triton.language as tl
 
+from kvkernels.interpreter import rows_per_program
+
 
 @triton.jit
 def _rotate_heads(
     x_ptr,
+    tokens,  # [ROWS, 1, 1] int64
+    token_mask,  # [ROWS, 1, 1]
     num_heads,
     half,
+    stride_t,
     stride_head,
     stride_dim,
-    cos,  # [1, BLOCK_HALF] float32
+    cos,  # [ROWS, 1, BLOCK_HALF] float32
     sin,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """Rotate all heads of one token, BLOCK_H heads at a time."""
+    """Rotate all heads of the program's tokens, BLOCK_H heads at a time."""
     dtype = x_ptr.dtype.element_ty
     c = cos.to(dtype).to(tl.float32)  # cos/sin rounded to x's dtype, as cos_sin(dtype) does
     s = sin.to(dtype).to(tl.float32)
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    dims = tl.arange(0, BLOCK_HALF)[None, None, :]
     for h0 in range(0, num_heads, BLOCK_H):
-        heads = h0 + tl.arange(0, BLOCK_H)[:, None]
-        mask = (heads < num_heads) & (dims < half)
-        ptr1 = x_ptr + heads * stride_head + dims * stride_dim
+        heads = h0 + tl.arange(0, BLOCK_H)[None, :, None]
+        mask = token_mask & (heads < num_heads) & (dims < half)
+        ptr1 = x_ptr + tokens * stride_t + heads * stride_head + dims * stride_dim
         ptr2 = ptr1 + half * stride_dim
         x1 = tl.load(ptr1, mask=mask, other=0.0)
         x2 = tl.load(ptr2, mask=mask, other=0.0)
@@ -56,12 +62,13 @@ def _rotate_heads(
         tl.store(ptr2, y2.to(dtype), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _rotary_kernel(
     q_ptr,
     k_ptr,
     positions_ptr,
     inv_freq_ptr,
+    num_tokens,
     num_heads,
     num_kv_heads,
     half,
@@ -71,21 +78,27 @@ def _rotary_kernel(
     stride_k_t,
     stride_k_head,
     stride_k_dim,
+    ROWS: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
-    pos = tl.load(positions_ptr + t).to(tl.float32)
+    tokens = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    pos = tl.load(positions_ptr + tokens, mask=tokens < num_tokens, other=0).to(tl.float32)
+    tokens = tokens[:, None, None]
+    token_mask = tokens < num_tokens
+    dims = tl.arange(0, BLOCK_HALF)[None, None, :]
     inv_freq = tl.load(inv_freq_ptr + dims, mask=dims < half, other=0.0)
-    freqs = pos * inv_freq  # [1, BLOCK_HALF] float32
+    freqs = pos[:, None, None] * inv_freq  # [ROWS, 1, BLOCK_HALF] float32
     cos = tl.cos(freqs)
     sin = tl.sin(freqs)
     _rotate_heads(
-        q_ptr + t * stride_q_t,
+        q_ptr,
+        tokens,
+        token_mask,
         num_heads,
         half,
+        stride_q_t,
         stride_q_head,
         stride_q_dim,
         cos,
@@ -94,9 +107,12 @@ def _rotary_kernel(
         BLOCK_HALF,
     )
     _rotate_heads(
-        k_ptr + t * stride_k_t,
+        k_ptr,
+        tokens,
+        token_mask,
         num_kv_heads,
         half,
+        stride_k_t,
         stride_k_head,
         stride_k_dim,
         cos,
@@ -123,16 +139,19 @@ def apply_rotary_(
     if num_tokens == 0:
         return
     half = head_dim // 2
-    _rotary_kernel[(num_tokens,)](
+    rows = rows_per_program()
+    _rotary_kernel[(triton.cdiv(num_tokens, rows),)](
         q,
         k,
         positions.contiguous(),
         inv_freq.contiguous(),
+        num_tokens,
         num_heads,
         k.shape[1],
         half,
         *q.stride(),
         *k.stride(),
+        ROWS=rows,
         BLOCK_HQ=min(triton.next_power_of_2(num_heads), _MAX_HEADS_PER_STEP),
         BLOCK_HK=min(triton.next_power_of_2(k.shape[1]), _MAX_HEADS_PER_STEP),
         BLOCK_HALF=triton.next_power_of_2(half),

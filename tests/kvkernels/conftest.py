@@ -35,6 +35,18 @@ def dtype(request: pytest.FixtureRequest) -> torch.dtype:
     return request.param
 
 
+@pytest.fixture(params=[1, 4], ids=lambda rows: f"rows{rows}")
+def rows_per_program(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Rows per program of the elementwise kernels under the interpreter: 1, the grid they run
+    with when compiled (on the GPU), and 4, blocks of rows with a ragged last block for most
+    token counts (the interpreter's own default, 32, runs in every other test). On CUDA both
+    run one row per program."""
+    import kvkernels.interpreter as interpreter
+
+    monkeypatch.setattr(interpreter, "INTERPRETED_ROWS_PER_PROGRAM", request.param)
+    return request.param
+
+
 def generator(seed: int) -> torch.Generator:
     """A seeded CPU generator: tensors are drawn on the CPU and moved, so that a test sees the
     same numbers on every device."""

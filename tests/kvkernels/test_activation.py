@@ -32,7 +32,7 @@ def _inputs(num_tokens: int, ffn: int, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens, ffn", [(1, 64), (7, 576), (5, 2048), (3, 3000)])
-def test_matches_reference(dtype, num_tokens, ffn):
+def test_matches_reference(dtype, num_tokens, ffn, rows_per_program):
     gate, up = _inputs(num_tokens, ffn, dtype)
     gate_before, up_before = gate.clone(), up.clone()
     out = torch.full_like(gate, float("nan"))

@@ -47,7 +47,15 @@ def _slots(num_tokens: int, num_slots: int, num_padding: int, dtype) -> torch.Te
     ],
 )
 def test_matches_reference(
-    dtype, slot_dtype, num_tokens, num_blocks, block_size, num_kv_heads, head_dim, num_padding
+    dtype,
+    slot_dtype,
+    num_tokens,
+    num_blocks,
+    block_size,
+    num_kv_heads,
+    head_dim,
+    num_padding,
+    rows_per_program,
 ):
     torch.manual_seed(num_tokens * 31 + head_dim)
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)

@@ -33,7 +33,7 @@ def _inputs(num_tokens: int, hidden: int, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens, hidden", SHAPES)
-def test_rms_norm_matches_reference(dtype, num_tokens, hidden):
+def test_rms_norm_matches_reference(dtype, num_tokens, hidden, rows_per_program):
     x, weight = _inputs(num_tokens, hidden, dtype)
     x_before = x.clone()
     out = torch.full_like(x, float("nan"))
@@ -65,7 +65,7 @@ def test_rms_norm_in_place_and_strided_rows(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens, hidden", SHAPES)
-def test_fused_add_rms_norm_matches_reference(dtype, num_tokens, hidden):
+def test_fused_add_rms_norm_matches_reference(dtype, num_tokens, hidden, rows_per_program):
     x, weight = _inputs(num_tokens, hidden, dtype)
     residual = torch.randn_like(x)
     ref_residual = residual.clone()

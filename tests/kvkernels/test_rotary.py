@@ -57,7 +57,9 @@ def _fused_qkv(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
     "num_tokens, num_heads, num_kv_heads, head_dim",
     [(1, 2, 1, 16), (7, 8, 2, 64), (5, 4, 4, 128), (3, 6, 2, 80)],  # 80: half not a power of 2
 )
-def test_matches_reference_on_fused_qkv(dtype, kind, num_tokens, num_heads, num_kv_heads, head_dim):
+def test_matches_reference_on_fused_qkv(
+    dtype, kind, num_tokens, num_heads, num_kv_heads, head_dim, rows_per_program
+):
     torch.manual_seed(num_tokens * 13 + head_dim)
     qkv, q, k = _fused_qkv(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
     ref_qkv = qkv.clone()
