@@ -15,7 +15,6 @@ The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -220,13 +219,13 @@ def get_backend(name: str, device: torch.device):
             + ", ".join(BACKENDS)
         )
     if name == "triton" and device.type != "cuda":
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        from kvkernels.interpreter import interpreter_problem, interpreting
+
+        if not interpreting():
             raise ValueError(
                 "attention_backend='triton' needs a CUDA device (on the CPU it runs only under "
                 "TRITON_INTERPRET=1, for testing): use attention_backend='torch' or 'auto'"
             )
-        from kvkernels.interpreter import interpreter_problem
-
         problem = interpreter_problem()
         if problem:
             raise ValueError(problem)

@@ -24,11 +24,17 @@ from importlib.metadata import PackageNotFoundError, version
 INTERPRETED_ROWS_PER_PROGRAM = 32
 
 
+def interpreting() -> bool:
+    """Whether Triton kernels run under its CPU interpreter (TRITON_INTERPRET=1) rather than
+    compiled."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def rows_per_program() -> int:
     """Rows one program of an elementwise kernel handles: 1 when compiled (one program per
     token, as the kernels were tuned and measured on the H200), a block under the interpreter
     (see the module docstring)."""
-    return INTERPRETED_ROWS_PER_PROGRAM if os.environ.get("TRITON_INTERPRET") == "1" else 1
+    return INTERPRETED_ROWS_PER_PROGRAM if interpreting() else 1
 
 
 def _major_minor(v: str) -> tuple[int, int]:
@@ -39,7 +45,7 @@ def _major_minor(v: str) -> tuple[int, int]:
 def interpreter_problem() -> str | None:
     """Why the installed Triton interpreter cannot run our kernels, or None when it can (or
     when the interpreter is not in use)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not interpreting():
         return None
     try:
         triton_v, numpy_v = version("triton"), version("numpy")
