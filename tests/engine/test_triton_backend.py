@@ -351,7 +351,7 @@ def test_the_profiled_largest_step_runs(tiny_models, backend):
     assert step.meta.slot_mapping.unique().numel() == 100
     probs = run_step(model, get_backend(backend, torch.device(DEVICE)), step)
     assert probs.shape == (7, model.config.vocab_size)
-    torch.testing.assert_close(probs.sum(-1), torch.ones(7))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(7, device=probs.device))
 
 
 def test_auto_backend_is_torch_on_the_cpu_and_triton_needs_a_gpu(monkeypatch):
