@@ -72,11 +72,11 @@ class StepProfile:
             def counted(key, *args, **kwargs):
                 self.graph_steps += 1
                 self.mixed_graph_steps += bool(key.chunk)
-                before = graphs.mixed_captured
+                before = graphs.first_use_captures
                 try:
                     return replay(key, *args, **kwargs)
                 finally:
-                    self.graph_captures += graphs.mixed_captured - before
+                    self.graph_captures += graphs.first_use_captures - before
 
             graphs.run = counted
 

@@ -32,9 +32,16 @@ unused groups have 0 rows (their programs exit at once):
     group_tables  [max_groups, max_blocks]   each group's shared blocks
     group_ranges  [3, max_groups]            first row, rows (0 = unused), shared tokens
 
-Steps with more prompt chunks, longer chunks, more groups or longer decode contexts run
-eagerly. Needs the triton backend, whose kernels skip negative slots and never read device
-values on the host.
+Decode contexts longer than the tables hold (`max_blocks`: kept short because the decode
+kernel cuts a context into splits by the table's width, and a short context in a wide table
+gets too few) use a third kind, "wide" graphs, whose tables (`wide_tables`) hold the longest
+context (`max_wide_blocks`). They too are captured on first use: a long prompt that has
+finished prefilling decodes beside the short ones in a replay, not eagerly. (In the H200
+check of 2026-12-04 an eager step cost ~22 ms more than a replayed one, and the longest token
+gap of `long-prefill`, 24-30 ms whatever the chunk size, matched its eager steps: the 32k
+prompt's decodes.) Steps with more prompt chunks, longer chunks, more groups or contexts
+longer than `max_wide_blocks` run eagerly. Needs the triton backend, whose kernels skip
+negative slots and never read device values on the host.
 
 Without CUDA, `capture=False` runs the same static-buffer path eagerly: the padding and
 bucketing logic is then testable on the CPU.
@@ -66,6 +73,12 @@ class GraphKey(NamedTuple):
     rows: int  # decode bucket
     cascade: bool  # with shared-prefix groups
     chunk: int = 0  # prompt-chunk bucket (0: a decode step)
+    wide: bool = False  # decode tables of max_wide_blocks (a context longer than max_blocks)
+
+    @property
+    def on_first_use(self) -> bool:
+        """Captured when a step first needs it, not at start."""
+        return bool(self.chunk) or self.wide
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -95,6 +108,7 @@ class StepGraphs:
         max_chunk: int = 0,  # the longest prompt chunk a mixed graph takes (0: none)
         max_prefill_tokens: int = 0,  # a graphed chunk's longest context (cached + chunk)
         block_size: int = 16,
+        max_wide_blocks: int = 0,  # wide graphs' table width (<= max_blocks: no wide graphs)
     ) -> None:
         self.forward, self.max_blocks, self.device = forward, max_blocks, device
         self.buckets = batch_buckets(max_batch)
@@ -108,6 +122,8 @@ class StepGraphs:
         self.positions = torch.zeros(tokens, dtype=torch.long, device=device)
         self.slots = torch.full((tokens,), -1, dtype=torch.long, device=device)
         self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
+        self.max_wide_blocks = max_wide_blocks if max_wide_blocks > max_blocks else 0
+        self.wide_tables = torch.zeros(top, self.max_wide_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(top, dtype=torch.int32, device=device)
         self.group_tables = torch.zeros(max_groups, max_blocks, dtype=torch.int32, device=device)
         self.group_ranges = torch.zeros(3, max_groups, dtype=torch.int32, device=device)
@@ -123,7 +139,7 @@ class StepGraphs:
         self.logits: dict[GraphKey, torch.Tensor] = {}  # views of _out, per graph
         self._out: torch.Tensor | None = None  # [top bucket + 1, vocab]: every graph's logits
         self.graphs: dict[GraphKey, object] = {}
-        self.mixed_captured = 0
+        self.first_use_captures = 0  # graphs captured on first use (GraphKey.on_first_use)
         self._pool = self._stream = None
         if capture:
             self._capture_all()
@@ -132,11 +148,11 @@ class StepGraphs:
         meta = self.metas.get(key)
         if meta is not None:
             return meta
-        b, cascade, chunk = key
+        b, cascade, chunk, wide = key
         meta = AttentionMetadata(
             slot_mapping=self.slots[: b + chunk],
             num_decode_tokens=b,
-            decode_block_tables=self.tables[:b],
+            decode_block_tables=(self.wide_tables if wide else self.tables)[:b],
             decode_seq_lens=self.seq_lens[:b],
             prefills=[],
         )
@@ -153,7 +169,7 @@ class StepGraphs:
         return meta
 
     def _run(self, key: GraphKey) -> torch.Tensor:
-        b, _, chunk = key
+        b, _, chunk, _ = key
         rows = self.logit_rows[: b + 1] if chunk else None
         ids, positions = self.input_ids[: b + chunk], self.positions[: b + chunk]
         return self.forward(ids, positions, self._meta(key), rows)
@@ -176,15 +192,21 @@ class StepGraphs:
                 self.max_groups = 0
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         torch.cuda.synchronize(self.device)
+        wide = (
+            f", and decode contexts of {self.max_blocks + 1} to {self.max_wide_blocks} blocks,"
+            if self.max_wide_blocks
+            else ""
+        )
         log.info(
             "captured %d decode CUDA graphs in %.1f s: batch sizes %s, plain and with up to %d "
-            "shared-prefix groups; steps with one prompt chunk of up to %s tokens capture "
+            "shared-prefix groups; steps with one prompt chunk of up to %s tokens%s capture "
             "theirs on first use",
             len(self.graphs),
             time.perf_counter() - start,
             self.buckets,
             self.max_groups,
             self.chunks[-1] if self.chunks else 0,
+            wide,
         )
 
     def _capture(self, keys) -> None:
@@ -209,21 +231,27 @@ class StepGraphs:
         self.logits[key] = out
         self.graphs[key] = graph
 
-    def _capture_mixed(self, key: GraphKey) -> bool:
-        """A mixed step's graph, after the step ran eagerly (its warm-up). The graph context
-        waits for the device; the other threads of a worker may use CUDA meanwhile
-        ("thread_local"). A failed capture turns mixed graphs off, not the engine (False)."""
+    def _capture_on_first_use(self, key: GraphKey) -> bool:
+        """A mixed or wide step's graph, after the step ran eagerly (its warm-up). The graph
+        context waits for the device; the other threads of a worker may use CUDA meanwhile
+        ("thread_local"). A failed capture turns that kind of graph off (mixed: every step
+        with a chunk; wide: every step with a long context), not the engine (False)."""
         start = time.perf_counter()
         try:
             self._capture_one(key, error_mode="thread_local")
         except RuntimeError as e:
-            log.warning("a mixed-step CUDA graph failed to capture (%s); they run eagerly", e)
-            self.chunks = []
+            kind = "mixed-step" if key.chunk else "wide decode"
+            log.warning("a %s CUDA graph failed to capture (%s); they run eagerly", kind, e)
+            if key.chunk:
+                self.chunks = []
+            if key.wide:
+                self.max_wide_blocks = 0
             return False
-        self.mixed_captured += 1
+        self.first_use_captures += 1
         log.debug(
-            "captured the CUDA graph of %d decodes + a %d-token chunk%s in %.0f ms",
+            "captured the CUDA graph of %d decodes%s + a %d-token chunk%s in %.0f ms",
             key.rows,
+            f" (tables of {self.max_wide_blocks} blocks)" if key.wide else "",
             key.chunk,
             " with shared-prefix groups" if key.cascade else "",
             (time.perf_counter() - start) * 1e3,
@@ -231,10 +259,10 @@ class StepGraphs:
         return True
 
     def missing_chunk_graphs(self) -> list[GraphKey]:
-        """For every (decode bucket, groups) that has met a prompt chunk, the chunk buckets
-        whose graphs are not captured yet, largest first."""
-        pairs = {(k.rows, k.cascade) for k in self.graphs if k.chunk}
-        keys = [GraphKey(b, cascade, c) for b, cascade in pairs for c in self.chunks]
+        """For every (decode bucket, groups, wide tables) that has met a prompt chunk, the
+        chunk buckets whose graphs are not captured yet, largest first."""
+        kinds = {(k.rows, k.cascade, k.wide) for k in self.graphs if k.chunk}
+        keys = [GraphKey(b, cascade, c, wide) for b, cascade, wide in kinds for c in self.chunks]
         return sorted((k for k in keys if k not in self.graphs), reverse=True)
 
     def reset_to_padding(self) -> None:
@@ -266,7 +294,7 @@ class StepGraphs:
         with torch.cuda.stream(self._stream):
             for key in keys:
                 self._run(key)  # warm-up, outside the capture
-                if not self._capture_mixed(key):
+                if not self._capture_on_first_use(key):
                     break
                 captured += 1
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
@@ -279,11 +307,14 @@ class StepGraphs:
 
     def key_for(self, meta: AttentionMetadata, num_tokens: int, num_rows: int) -> GraphKey | None:
         """The graph of a step of `num_tokens` tokens sampling `num_rows` rows, or None: a
-        decode step that fits the buckets, the table width and the group buffers, possibly
-        with one prompt chunk after the decodes that fits a chunk bucket."""
+        decode step that fits the buckets, the table width (wide tables past max_blocks) and
+        the group buffers, possibly with one prompt chunk after the decodes that fits a chunk
+        bucket."""
         nd = meta.num_decode_tokens
-        if not 0 < nd <= self.buckets[-1] or meta.decode_block_tables.shape[1] > self.max_blocks:
+        width = meta.decode_block_tables.shape[1]
+        if not 0 < nd <= self.buckets[-1] or width > max(self.max_blocks, self.max_wide_blocks):
             return None
+        wide = width > self.max_blocks
         groups = meta.decode_groups
         if groups and not (
             self.max_groups > 0
@@ -295,7 +326,7 @@ class StepGraphs:
             return None
         b = self.buckets[bisect.bisect_left(self.buckets, nd)]
         if not meta.prefills:
-            return GraphKey(b, bool(groups)) if num_tokens == nd else None
+            return GraphKey(b, bool(groups), 0, wide) if num_tokens == nd else None
         if len(meta.prefills) != 1 or not self.chunks or num_rows > b + 1:
             return None
         span = meta.prefills[0]
@@ -310,7 +341,7 @@ class StepGraphs:
         ):
             return None
         chunk = self.chunks[bisect.bisect_left(self.chunks, span.query_len)]
-        return GraphKey(b, bool(groups), chunk)
+        return GraphKey(b, bool(groups), chunk, wide)
 
     def run(
         self,
@@ -321,7 +352,7 @@ class StepGraphs:
         logits_rows: torch.Tensor,  # rows of the step (as laid out by the runner) to sample
     ) -> torch.Tensor:  # [len(logits_rows), vocab] float32
         """Fill the static buffers of `key` (from key_for) and replay its graph."""
-        b, cascade, chunk = key
+        b, cascade, chunk, wide = key
         nd = meta.num_decode_tokens
         m = input_ids.shape[0] - nd  # the chunk's tokens (0 in a decode step)
         for buf, src in ((self.input_ids, input_ids), (self.positions, positions)):
@@ -330,7 +361,7 @@ class StepGraphs:
         self.slots[nd:b].fill_(-1)
         self.slots[b + m : b + chunk].fill_(-1)
         width = meta.decode_block_tables.shape[1]
-        self.tables[:nd, :width].copy_(meta.decode_block_tables)
+        (self.wide_tables if wide else self.tables)[:nd, :width].copy_(meta.decode_block_tables)
         self.seq_lens[:nd].copy_(meta.decode_seq_lens)
         self.seq_lens[nd:b].zero_()
         if cascade:
@@ -352,10 +383,10 @@ class StepGraphs:
         if graph is not None:
             graph.replay()
             logits = self.logits[key]
-        else:  # not captured (CPU, or a mixed step's first time): the same buffers, eagerly
+        else:  # not captured (CPU, or a mixed or wide step's first time): the same buffers
             logits = self._run(key)
-            if chunk and self.capture and self.chunks:
-                self._capture_mixed(key)
+            if key.on_first_use and self.capture and (self.chunks or not chunk):
+                self._capture_on_first_use(key)
         return logits[:k] if chunk else logits[:nd][logits_rows]
 
 

@@ -25,8 +25,9 @@ from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec.rejection import verify
 
-# Decode steps whose longest context exceeds this run eagerly: a graph's block-table width is
-# fixed, and the decode kernel cuts contexts into splits by that width (kvkernels/).
+# Decode steps whose longest context exceeds this replay "wide" graphs, captured on first use
+# (engine/cuda_graphs.py): a graph's block-table width is fixed, and the decode kernel cuts
+# contexts into splits by that width (kvkernels/), so the graphs of ordinary steps keep it short.
 GRAPH_MAX_CONTEXT = 8192
 # Decode steps with more shared-prefix groups than this run eagerly (`rag` at 256 running
 # sequences has 8: 32 chunks per document).
@@ -118,7 +119,7 @@ class ModelRunner:
         return LaunchedStep(sampling_seqs, sampled, started=started)
 
     def _graphs_captured(self) -> int:
-        return 0 if self.step_graphs is None else self.step_graphs.mixed_captured
+        return 0 if self.step_graphs is None else self.step_graphs.first_use_captures
 
     def graph_chunk_buckets(self) -> list[int]:
         """The sizes a step's one prompt chunk is padded up to by its CUDA graph (none without
@@ -161,6 +162,7 @@ class ModelRunner:
             forward,
             max_batch=max_batch,
             max_blocks=-(-min(max_model_len, GRAPH_MAX_CONTEXT) // self.block_size),
+            max_wide_blocks=-(-max_model_len // self.block_size),
             device=self.device,
             capture=capture,
             max_groups=GRAPH_MAX_GROUPS if self.cascade else 0,

@@ -12,7 +12,9 @@
 #
 # Steps, in order (a failing step is recorded and the next one still runs):
 #   versions      python, torch, triton, transformers, the device; nvidia-smi
-#   kernels       pytest -q tests/kvkernels (CUDA when present; the Triton interpreter otherwise)
+#   kernels       pytest -q tests/kvkernels (CUDA when present; the Triton interpreter otherwise),
+#                 on KERNELS_WORKERS pytest-xdist workers when xdist is there (the H200 image
+#                 has it): cold, Triton's compiles are most of the step, and they use the CPU
 #   prefill-splits  scripts/prefill_split_bench.py: the prefill kernel on one short chunk after a
 #                 32k context at 1..32 key splits and the automatic choice (ms each), every
 #                 split checked against the unsplit output (--cpu: a tiny shape)
@@ -96,6 +98,7 @@ if [ "$CPU" = 1 ]; then
   GREEDY=(env TRITON_INTERPRET=1 "$PY" scripts/greedy_check.py --device cpu --backend triton
           --models tiny)
   KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-150}
+  KERNELS_WORKERS=${KERNELS_WORKERS:-0}  # the interpreter on 2 cores: no gain
   # ~130 s on a usual day here; 2026-12-02's slower host (the whole suite 935 s, not ~480)
   # ran past 240
   TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-480}
@@ -118,7 +121,10 @@ fi
 # GPU limits add up to 1065 s (first Triton compiles included); a run takes about 5 to 6
 # minutes, and the optional steps (caps, sweep) keep it inside BUDGET_S.
 VERSIONS_TIMEOUT=${VERSIONS_TIMEOUT:-20}
+# 2026-12-04, one process, a cold Triton cache: 163 of the 314 tests in 120 s (the limit), all
+# 314 in 23 s once compiled
 KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-120}
+KERNELS_WORKERS=${KERNELS_WORKERS:-8}  # the H200 machine has 16 cores
 PREFILL_SPLITS_TIMEOUT=${PREFILL_SPLITS_TIMEOUT:-60}
 TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-150}  # 81 s on the H200 (2026-11-30)
 # Each test of the two pytest steps (pytest-timeout, on the H200 image): a test stuck in Python
@@ -216,7 +222,12 @@ step versions "$VERSIONS_TIMEOUT" bash -c versions
 # --durations: the log names the slowest tests, should a step come near its limit
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider --durations=8)
 if "$PY" -c "import pytest_timeout" 2> /dev/null; then PYTEST+=(--timeout="$PER_TEST_TIMEOUT"); fi
-step kernels "$KERNELS_TIMEOUT" "${PYTEST[@]}" tests/kvkernels
+KERNELS_PARALLEL=()
+if [ "$KERNELS_WORKERS" -gt 1 ] && "$PY" -c "import xdist" 2> /dev/null; then
+  KERNELS_PARALLEL=(-n "$KERNELS_WORKERS")
+fi
+step kernels "$KERNELS_TIMEOUT" "${PYTEST[@]}" ${KERNELS_PARALLEL[@]+"${KERNELS_PARALLEL[@]}"} \
+  tests/kvkernels
 step prefill-splits "$PREFILL_SPLITS_TIMEOUT" "$PY" scripts/prefill_split_bench.py \
   ${SPLITS[@]+"${SPLITS[@]}"}
 if [ -f tests/engine/test_triton_backend.py ]; then

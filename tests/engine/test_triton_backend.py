@@ -98,6 +98,80 @@ def test_padded_decode_graph_path_gives_the_same_tokens(tiny_models, monkeypatch
     llm.engine.kv.check_integrity()
 
 
+def test_long_decode_contexts_use_wide_graphs_captured_on_first_use(tiny_models, monkeypatch):
+    """Decode contexts past GRAPH_MAX_CONTEXT (lowered to 16 tokens: one block) replay graphs
+    of wide tables, captured on first use (simulated on the CPU's eager graph path), not
+    eager steps; once the long ones finish, the short contexts go back to the graphs captured
+    at start. The tokens equal the torch backend's, with every new float tensor NaN."""
+    import engine.runner as runner
+
+    monkeypatch.setattr(runner, "GRAPH_MAX_CONTEXT", 16)
+    path = tiny_models("llama-mha")
+    prompts = random_prompts(512, (5, 19, 33, 2, 40), seed=3)
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (13, 3, 4, 12, 2)
+    ]
+    ref = LLM(path, device=DEVICE, dtype="float32", attention_backend="torch")
+    want = tokens(ref.generate(prompts, params))
+    llm = LLM(
+        path, device=DEVICE, dtype="float32", attention_backend="triton", cascade_attention=False
+    )
+    llm.engine.runner.capture_step_graphs(max_batch=8, max_model_len=64, capture=False)
+    graphs = llm.engine.runner.step_graphs
+    assert (graphs.max_blocks, graphs.max_wide_blocks) == (1, 4)
+    first_seen = set()
+    simulate_graph_captures(graphs, first_seen)
+    keys = []  # every graphed step's key, in order
+    real_run = graphs.run
+    graphs.run = lambda key, *a: keys.append(key) or real_run(key, *a)
+    poison_new_float_tensors(monkeypatch)
+    assert tokens(llm.generate(prompts, params)) == want
+    wide = [k.wide for k in keys]
+    assert wide[0] and False in wide and wide[-1]  # long, short (<= 16), long (17) again
+    assert first_seen == {k for k in keys if k.wide} and graphs.first_use_captures == len(
+        first_seen
+    )
+    llm.engine.kv.check_integrity()
+
+
+def test_the_graph_of_a_step_follows_its_decode_table_width():
+    """key_for: tables up to max_blocks wide take the graphs captured at start, wider ones up
+    to max_wide_blocks the wide graphs, wider still (or any past max_blocks without wide
+    graphs) run eagerly; a chunk step keeps its table kind."""
+    from engine.attention import AttentionMetadata
+
+    def key(graphs, width, rows=3):
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(rows, dtype=torch.long),
+            num_decode_tokens=rows,
+            decode_block_tables=torch.zeros(rows, width, dtype=torch.int32),
+            decode_seq_lens=torch.ones(rows, dtype=torch.int32),
+            prefills=[],
+        )
+        return graphs.key_for(meta, rows, rows)
+
+    def step_graphs(max_wide_blocks):
+        return StepGraphs(
+            lambda *a: None,
+            max_batch=8,
+            max_blocks=4,
+            device=torch.device("cpu"),
+            capture=False,
+            max_wide_blocks=max_wide_blocks,
+        )
+
+    graphs = step_graphs(max_wide_blocks=16)
+    assert key(graphs, 4) == GraphKey(4, False) and not GraphKey(4, False).on_first_use
+    assert (
+        key(graphs, 5) == GraphKey(4, False, 0, True) and GraphKey(4, False, 0, True).on_first_use
+    )
+    assert key(graphs, 16) == GraphKey(4, False, 0, True)
+    assert key(graphs, 17) is None
+    assert tuple(graphs.wide_tables.shape) == (8, 16)
+    no_wide = step_graphs(max_wide_blocks=4)  # no wider than the plain tables: none
+    assert no_wide.max_wide_blocks == 0 and key(no_wide, 5) is None and key(no_wide, 4)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["in-turn", "async"])
 def test_padded_decode_graph_path_with_shared_prefix_groups(
     tiny_models, monkeypatch, async_scheduling
@@ -149,19 +223,22 @@ def long_prompt_beside_decodes(shared: bool):
 
 
 @pytest.mark.parametrize(
-    "async_scheduling, shared, split",
-    [(False, False, True), (True, True, False)],
-    ids=["in-turn-split-keys", "async-shared-prefixes"],
+    "async_scheduling, shared, split, wide",
+    [(False, False, True, False), (True, True, False, False), (False, False, False, True)],
+    ids=["in-turn-split-keys", "async-shared-prefixes", "in-turn-wide-tables"],
 )
 def test_padded_mixed_step_graph_path_gives_the_same_tokens(
-    tiny_models, monkeypatch, async_scheduling, shared, split
+    tiny_models, monkeypatch, async_scheduling, shared, split, wide
 ):
     """Decode steps with one prompt chunk in the static buffers, run eagerly: the chunks land
     in buckets 16 and 32 with padding rows after the decode bucket's padding, and the long
     prompt's last chunk samples through its remapped logits row. Async: the decodes read
     pending tokens. Shared prefixes: cascade groups beside the chunk. Split keys (threshold
-    lowered): each chunk's keys split for the longest context, most splits empty. New float
-    tensors are NaN, so no real row reads a padding row's (or any unwritten) output."""
+    lowered): each chunk's keys split for the longest context, most splits empty. Wide tables
+    (GRAPH_MAX_CONTEXT lowered to 16 tokens): the decodes beside the chunk past one block.
+    New float tensors are NaN, so no real row reads a padding row's (or any unwritten)
+    output."""
+    import engine.runner as runner
     import kvkernels.prefill_attention as prefill
 
     path = tiny_models("llama-gqa")
@@ -170,6 +247,8 @@ def test_padded_mixed_step_graph_path_gives_the_same_tokens(
     want = tokens(LLM(path, attention_backend="torch", **args).generate(prompts, params))
     if split:
         monkeypatch.setattr(prefill, "MIN_KEYS_PER_SPLIT", 32)
+    if wide:
+        monkeypatch.setattr(runner, "GRAPH_MAX_CONTEXT", 16)
     llm = LLM(path, attention_backend="triton", async_scheduling=async_scheduling, **args)
     llm.engine.runner.capture_step_graphs(
         max_batch=8, max_model_len=256, max_chunk=32, capture=False
@@ -192,6 +271,7 @@ def test_padded_mixed_step_graph_path_gives_the_same_tokens(
     assert any(nd < key.rows for key, nd, *_ in seen)  # padded decode rows before the chunk
     assert any(rows == nd + 1 for _, nd, _, rows, _ in seen)  # the last chunk sampled
     assert any(groups for *_, groups in seen) == shared
+    assert any(key.wide for key, *_ in seen) == wide
     llm.engine.kv.check_integrity()
 
 
@@ -228,9 +308,9 @@ def simulate_graph_captures(graphs, first_seen: set) -> None:
     def capture(key):
         if key not in first_seen:
             first_seen.add(key)
-            graphs.mixed_captured += 1
+            graphs.first_use_captures += 1
 
-    graphs._capture_mixed = capture
+    graphs._capture_on_first_use = capture
 
 
 def test_a_step_that_captures_a_graph_is_not_timed(tiny_models):
@@ -416,7 +496,7 @@ def test_mixed_step_graphs_on_cuda_are_captured_on_first_use(tiny_models):
     args = dict(device="cuda", dtype="float32", max_num_batched_tokens=24, max_model_len=256)
     eager = LLM(path, cuda_graph_max_chunk=0, **args)
     want = tokens(eager.generate(prompts, params))
-    assert eager.engine.runner.step_graphs.mixed_captured == 0
+    assert eager.engine.runner.step_graphs.first_use_captures == 0
     llm = LLM(path, cuda_graph_max_chunk=32, **args)
     graphs = llm.engine.runner.step_graphs
     replays = []
@@ -424,7 +504,7 @@ def test_mixed_step_graphs_on_cuda_are_captured_on_first_use(tiny_models):
     graphs.run = lambda key, *a: replays.append(key) or real_run(key, *a)
     assert tokens(llm.generate(prompts, params)) == want
     mixed = {key for key in graphs.graphs if key.chunk}
-    assert graphs.mixed_captured == len(mixed) >= 1
+    assert graphs.first_use_captures == len(mixed) >= 1
     assert len([key for key in replays if key.chunk]) > len(mixed)  # replayed after capture
     llm.engine.kv.check_integrity()
     # the rest of the chunk buckets of the decode sizes met, captured between jobs: a second
@@ -432,11 +512,39 @@ def test_mixed_step_graphs_on_cuda_are_captured_on_first_use(tiny_models):
     missing = graphs.missing_chunk_graphs()
     assert llm.engine.capture_chunk_graphs() == len(missing)
     assert graphs.missing_chunk_graphs() == []
-    assert graphs.mixed_captured == len(mixed) + len(missing)
+    assert graphs.first_use_captures == len(mixed) + len(missing)
     pairs = {(key.rows, key.cascade) for key in graphs.graphs if key.chunk}
     before = set(graphs.graphs)
     assert tokens(llm.generate(prompts, params)) == want
     assert all((k.rows, k.cascade) not in pairs for k in set(graphs.graphs) - before)
+    llm.engine.kv.check_integrity()
+
+
+@pytest.mark.gpu
+def test_wide_decode_graphs_on_cuda_are_captured_on_first_use(tiny_models, monkeypatch):
+    """On CUDA decode contexts past GRAPH_MAX_CONTEXT (lowered to 16 tokens) capture a wide
+    graph the first time its bucket is seen and replay it after: float32 tokens equal those
+    of eager steps."""
+    import engine.runner as runner
+
+    monkeypatch.setattr(runner, "GRAPH_MAX_CONTEXT", 16)
+    path = tiny_models("llama-gqa")
+    prompts = random_prompts(512, (5, 19, 33, 2, 40), seed=3)
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (13, 9, 10, 12, 8)
+    ]
+    args = dict(device="cuda", dtype="float32", max_model_len=128)
+    want = tokens(LLM(path, cuda_graphs=False, **args).generate(prompts, params))
+    llm = LLM(path, **args)
+    graphs = llm.engine.runner.step_graphs
+    assert graphs.max_wide_blocks == 8
+    replays = []
+    real_run = graphs.run
+    graphs.run = lambda key, *a: replays.append(key) or real_run(key, *a)
+    assert tokens(llm.generate(prompts, params)) == want
+    wide = {key for key in graphs.graphs if key.wide}
+    assert wide and graphs.first_use_captures == len(wide)
+    assert len([key for key in replays if key.wide]) > len(wide)  # replayed after capture
     llm.engine.kv.check_integrity()
 
 
