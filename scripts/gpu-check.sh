@@ -18,7 +18,7 @@
 #   prefill-splits  scripts/prefill_split_bench.py: the prefill kernel on one short chunk after a
 #                 32k context at 1..32 key splits and the automatic choice (ms each), every
 #                 split checked against the unsplit output (--cpu: a tiny shape)
-#   triton-test   pytest -q tests/engine/test_triton_backend.py (skipped if it does not exist)
+#   triton-test   pytest -q tests/engine/test_triton_backend.py tests/engine/test_cuda_graphs.py
 #   greedy        scripts/greedy_check.py: kvbatch (triton backend, float32) vs transformers on
 #                 a tiny random model and on the rag-shape model (--cpu: the tiny one, with
 #                 the Triton interpreter)
@@ -230,11 +230,8 @@ step kernels "$KERNELS_TIMEOUT" "${PYTEST[@]}" ${KERNELS_PARALLEL[@]+"${KERNELS_
   tests/kvkernels
 step prefill-splits "$PREFILL_SPLITS_TIMEOUT" "$PY" scripts/prefill_split_bench.py \
   ${SPLITS[@]+"${SPLITS[@]}"}
-if [ -f tests/engine/test_triton_backend.py ]; then
-  step triton-test "$TRITON_TEST_TIMEOUT" "${PYTEST[@]}" tests/engine/test_triton_backend.py
-else
-  skip triton-test "tests/engine/test_triton_backend.py does not exist yet"
-fi
+step triton-test "$TRITON_TEST_TIMEOUT" "${PYTEST[@]}" tests/engine/test_triton_backend.py \
+  tests/engine/test_cuda_graphs.py
 step greedy "$GREEDY_TIMEOUT" "${GREEDY[@]}"
 step rag "$RAG_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} \
   --peers "${RAG_PEERS:-hf-static,kvbatch-sync}" --repeat "${RAG_REPEAT:-2}" --kernel-profile \

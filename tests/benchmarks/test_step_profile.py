@@ -8,7 +8,7 @@ import time
 from benchmarks.models import TINY_LLAMA, random_model_dir
 from benchmarks.step_profile import PHASES, StepProfile, format_step_profile
 from engine import LLM, SamplingParams
-from tests.engine.test_triton_backend import simulate_graph_captures
+from tests.engine.test_cuda_graphs import simulate_graph_captures
 
 
 def test_phases_of_every_step_that_ran_the_model(tmp_path):
