@@ -385,7 +385,7 @@ class StepGraphs:
             logits = self.logits[key]
         else:  # not captured (CPU, or a mixed or wide step's first time): the same buffers
             logits = self._run(key)
-            if key.on_first_use and self.capture and (self.chunks or not chunk):
+            if key.on_first_use and self.capture:  # (key_for gave it: that kind is on)
                 self._capture_on_first_use(key)
         return logits[:k] if chunk else logits[:nd][logits_rows]
 
