@@ -71,9 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         from worker.scheduled import beat
 
         return beat(args)
-    if args.command in ("submit", "worker", "finalize", "status", "cancel"):
+    if args.command in ("submit", "worker", "finalize", "status", "cancel", "resend"):
         from worker import cli as worker_cli
 
+        if args.command == "resend":
+            return worker_cli.resend(args)
         if args.command == "status":
             return worker_cli.status(args)
         if args.command == "cancel":
@@ -87,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_distributed(sub) -> None:
-    """`submit`, `worker`, `finalize`, `status`, `cancel`: a job spread over Celery workers (worker/cli.py)."""
+    """`submit`, `worker`, `finalize`, `status`, `cancel`, `resend`: a job spread over Celery
+    workers (worker/cli.py)."""
     from worker import cli as worker_cli
 
     worker_cli.add_submit_args(
@@ -103,6 +106,9 @@ def _add_distributed(sub) -> None:
         sub.add_parser("status", help="a job's counts, tokens/s and ETA (--watch to follow)")
     )
     worker_cli.add_cancel_args(sub.add_parser("cancel", help="stop a job; finished lines are kept"))
+    worker_cli.add_resend_args(
+        sub.add_parser("resend", help="send again the shards of a job that the broker lost")
+    )
     from worker.scheduled import add_beat_args
 
     add_beat_args(

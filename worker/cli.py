@@ -14,6 +14,9 @@ kvbatch status JOB --output URI [--json] [--watch [--interval S]]
 kvbatch cancel JOB --output URI
     stop a job: running shards stop between engine steps, pending ones are skipped,
     finished lines are kept (jobs/cancel.py)
+kvbatch resend JOB --output URI [--broker URL] [--queue Q] [--unwritten]
+    send again the shards the broker lost (Redis: no result and no message in the queue or
+    unacknowledged); --unwritten: every shard without a result (worker/resend.py)
 """
 
 from __future__ import annotations
@@ -78,6 +81,25 @@ def add_status_args(p: argparse.ArgumentParser) -> None:
 def add_cancel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("job_id")
     p.add_argument("--output", required=True, help="the prefix the job was submitted to")
+
+
+def add_resend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job_id")
+    p.add_argument("--output", required=True, help="the prefix the job was submitted to")
+    p.add_argument("--broker", help="redis://, rediss:// or sqs:// (default: KVBATCH_BROKER_URL)")
+    p.add_argument("--queue", default=DEFAULT_QUEUE)
+    p.add_argument(
+        "--unwritten",
+        action="store_true",
+        help="send every shard that has no result, not only those the broker lost "
+        "(needed on SQS, whose queue cannot be listed; a shard sent twice is still answered once)",
+    )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=2.0,
+        help="seconds between the two reads of the Redis queue (a shard missing from both is lost)",
+    )
 
 
 def submit(args: argparse.Namespace) -> int:
@@ -322,6 +344,45 @@ def cancel(args: argparse.Namespace) -> int:
             f"kvbatch cancel: job {args.job_id} {result.status}; {result.skipped_shards} pending "
             "shards skipped, running ones stop between engine steps"
         )
+    return 0
+
+
+def resend(args: argparse.Namespace) -> int:
+    from jobs.finalize import read_manifest
+    from jobs.shards import job_dir
+    from jobs.storage import StorageError
+    from worker.app import BrokerError, broker_url, make_app
+    from worker.resend import ResendError, resend
+
+    if args.settle < 0:
+        print("kvbatch resend: --settle must be 0 or more seconds", file=sys.stderr)
+        return 2
+    try:
+        app = make_app(broker_url(args.broker))
+        job = job_dir(args.output, args.job_id)
+        if not job.join("job.json").exists():
+            print(f"kvbatch resend: no job {args.job_id!r} under {args.output}", file=sys.stderr)
+            return 1
+        result = resend(
+            app, args.queue, args.output, job, read_manifest(job),
+            unwritten=args.unwritten, settle=args.settle,
+        )  # fmt: skip
+    except (BrokerError, ResendError, ValueError, StorageError) as e:
+        print(f"kvbatch resend: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # kombu raises the transport's own errors (redis, botocore, ...)
+        from kombu.utils.url import maybe_sanitize_url
+
+        where = maybe_sanitize_url(app.conf.broker_url)  # no password in the message
+        print(f"kvbatch resend: cannot read or write the broker {where}: {e}", file=sys.stderr)
+        return 1
+    what = "without a result" if args.unwritten else "lost by the broker"
+    print(
+        f"kvbatch resend: job {args.job_id}: {result.written} of {result.shards} shards written; "
+        f"{len(result.resent)} {what} sent again"
+    )
+    for shard_id in result.resent:
+        print(shard_id)
     return 0
 
 

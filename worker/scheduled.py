@@ -234,16 +234,11 @@ def _resend(entry: ScheduleEntry, job, job_id: str, out, app) -> str:
     result and no attempt yet (one already sent and still queued is sent twice; its second
     delivery finds the result and does nothing)."""
     from jobs.finalize import read_manifest
-    from jobs.shards import ShardMessage
+    from worker.resend import unwritten_shards
 
     manifest = read_manifest(job)
     started = {k.split("/", 1)[1].rsplit(".", 1)[0] for k in job.list("attempts/")}
-    done = {k.split("/", 1)[1].removesuffix(".jsonl") for k in job.list("results/")}
-    messages = [
-        ShardMessage(job_id, s["shard_id"], s["uri"], s["sha256"])
-        for s in manifest["shards"]
-        if s["shard_id"] not in started | done
-    ]
+    messages = unwritten_shards(job, manifest, skip=started)
     log.warning("scheduled %s: run %s was not fully sent; sending %d shards again",
                 entry.name, job_id, len(messages))  # fmt: skip
     record = _run_record(out, job_id)

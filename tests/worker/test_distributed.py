@@ -66,18 +66,25 @@ def _env(**extra: str) -> dict:
 def _submit(broker: str, input_path: Path, output: Path, model: Path, *args: str) -> str:
     """`kvbatch submit` through its CLI entry point, in this process: a subprocess would pay
     for importing transformers again (seconds on a busy machine) for each job."""
+    code, out, err = _cli_in_process(
+        "submit", str(input_path), "--output", str(output), "--model", str(model),
+        "--broker", broker, *args,
+    )  # fmt: skip
+    assert code == 0, err
+    return out.strip().splitlines()[-1]
+
+
+def _cli_in_process(*argv: str) -> tuple[int, str, str]:
+    """A `kvbatch` command run in this process: its exit code, stdout and stderr."""
     import contextlib
     import io
 
     from kvbatch.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    argv = ["submit", str(input_path), "--output", str(output), "--model", str(model),
-            "--broker", broker, *args]  # fmt: skip
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    assert code == 0, err.getvalue()
-    return out.getvalue().strip().splitlines()[-1]
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
 
 
 class Workers:
@@ -150,8 +157,9 @@ def _answers(path: Path) -> dict[str, str]:
 def test_two_workers_answer_like_run_job(tmp_path, persistent_redis_server, tiny_chat_model):  # noqa: F811
     """2,000 lines (plus a bad line and a duplicate custom_id), two workers, one shard message
     sent twice, and Redis SIGKILLed and restarted (from its append-only file) once the first
-    shard is written: every custom_id is answered exactly once, as `kvbatch run` answers it.
-    (~30 s on an idle 2-core machine.)"""
+    shard is written, then `kvbatch resend` (a worker whose BRPOP was in flight at the kill
+    lost that shard: worker/resend.py): every custom_id is answered exactly once, as
+    `kvbatch run` answers it. (~30 s on an idle 2-core machine.)"""
     from jobs.run import RunOptions, run_job
     from jobs.shards import ShardMessage
     from worker.app import make_app
@@ -185,11 +193,19 @@ def test_two_workers_answer_like_run_job(tmp_path, persistent_redis_server, tiny
         before = [log.stat().st_size if log.exists() else 0 for log in workers.logs]
         redis.restart(down=1.0)
         pending = len(manifest["shards"]) - len(list((job / "results").glob("*.jsonl")))
+        # The operator's step after a broker restart. The append-only file kept the queue
+        # and the unacknowledged deliveries: at most the one pop each worker had in flight
+        # is lost.
+        code, out, err = _cli_in_process(
+            "resend", job_id, "--output", str(output), "--broker", redis.url
+        )
+        assert code == 0, err
+        assert len(out.splitlines()[1:]) <= len(workers.procs), out
         record = _wait_completed(job, workers, timeout=120)
     finally:
         workers.stop()
     print(f"{n} lines over Redis: {time.monotonic() - started:.1f} s from start-up; "
-          f"{pending} of {len(manifest['shards'])} shards pending at the restart")  # fmt: skip
+          f"{pending} of {len(manifest['shards'])} shards pending at the restart; {out}")  # fmt: skip
     assert pending > 0, "the job ended before the restart"
     # Each worker went on consuming after the restart (NOTES.md: workers can silently stop
     # after a Redis reconnect). Whether a worker logs the lost connection depends on timing (a
