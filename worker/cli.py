@@ -359,6 +359,10 @@ def resend(args: argparse.Namespace) -> int:
         return 2
     try:
         app = make_app(broker_url(args.broker))
+    except BrokerError as e:
+        print(f"kvbatch resend: {e}", file=sys.stderr)
+        return 1
+    try:
         job = job_dir(args.output, args.job_id)
         if not job.join("job.json").exists():
             print(f"kvbatch resend: no job {args.job_id!r} under {args.output}", file=sys.stderr)
@@ -367,7 +371,7 @@ def resend(args: argparse.Namespace) -> int:
             app, args.queue, args.output, job, read_manifest(job),
             unwritten=args.unwritten, settle=args.settle,
         )  # fmt: skip
-    except (BrokerError, ResendError, ValueError, StorageError) as e:
+    except (ResendError, ValueError, StorageError) as e:
         print(f"kvbatch resend: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # kombu raises the transport's own errors (redis, botocore, ...)

@@ -49,10 +49,11 @@ def unwritten_shards(
 ) -> list[ShardMessage]:
     """The messages of the job's shards that have no result, leaving out the ids in `skip`."""
     done = {k.split("/", 1)[1].removesuffix(".jsonl") for k in job.list("results/")}
+    leave_out = done | set(skip)
     return [
         ShardMessage(manifest["job_id"], s["shard_id"], s["uri"], s["sha256"])
         for s in manifest["shards"]
-        if s["shard_id"] not in done | set(skip)
+        if s["shard_id"] not in leave_out
     ]
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.redis_server import redis_server  # noqa: F401
+from tests.redis_server import _free_port, redis_server  # noqa: F401
 from tests.worker.test_distributed import _chat, _cli_in_process, _submit, _write_input
 
 
@@ -82,8 +82,12 @@ def test_resend_sends_only_the_shard_the_broker_lost(job, redis_server):  # noqa
         delivered.ack()
 
 
-def test_resend_explains_what_to_do_on_sqs_and_for_a_missing_job(job):
+def test_resend_explains_what_to_do_on_sqs_a_missing_job_and_no_broker(job):
     output, job_id, _manifest = job
+    gone = f"redis://:hunter2@127.0.0.1:{_free_port()}/0"
+    code, out, err = _resend(job_id, "--output", str(output), "--broker", gone, "--settle", "0")
+    assert code == 1 and out == ""
+    assert "cannot read or write the broker" in err and "hunter2" not in err
     sqs = "sqs://key:secret@127.0.0.1:9/"
     code, out, err = _resend(job_id, "--output", str(output), "--broker", sqs)
     assert code == 1 and out == ""
