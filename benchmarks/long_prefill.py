@@ -23,6 +23,8 @@ from typing import Any
 
 from benchmarks.gc_pauses import GCPauses
 
+LONGEST_STEPS = 5  # how many of the slowest steps the figures list
+
 
 @dataclass
 class LongPrefillRun:
@@ -65,6 +67,7 @@ def drive_long_prefill(
     long_id: str | None = None
     long_seq: Any = None  # engine.requests drops a request when it finishes: keep it
     decode_steps: list[float] = []  # wall seconds of the plain decode steps
+    steps: list[tuple[float, str]] = []  # every step's wall seconds and what it held
     prefill_steps: list[float] = []  # ... of the steps while the long prompt is prefilled
     arrival = step_count = 0
     first_long_token: float | None = None
@@ -79,6 +82,7 @@ def drive_long_prefill(
             prefill_steps.append(step_s)
         elif decoding:
             decode_steps.append(step_s)
+        steps.append((step_s, _step_kind(prefilling, decoding, long_seq)))
         step_count += 1
         for rid, seq in seqs.items():
             n = seq.num_output_tokens
@@ -136,6 +140,11 @@ def drive_long_prefill(
         "long_prompt_arrival_s": arrival - start,
         "long_prompt_ttft_s": long_ttft,
         "steps": step_count,
+        # where to look when the gap is long: the slowest steps, their index and kind
+        "longest_steps": [
+            {"step": i, "ms": round(steps[i][0] * 1000, 3), "kind": steps[i][1]}
+            for i in sorted(range(len(steps)), key=lambda i: -steps[i][0])[:LONGEST_STEPS]
+        ],
         # what the engine's step cost model learned (engine/step_cost.py), when it timed steps
         "step_cost": cost.describe() if (cost := getattr(engine, "step_cost", None)) else None,
         # the cycle collector's passes (benchmarks/gc_pauses.py): was the longest gap one?
@@ -143,6 +152,25 @@ def drive_long_prefill(
         | {"longest_pause_prefilling_s": pauses.longest(arrival, first_long_token)},
     }
     return LongPrefillRun(outs, seconds, figures)
+
+
+def _step_kind(prefilling: bool, decoding: bool, long_seq: Any) -> str:
+    """A step's label for `longest_steps`: "start" (a decoder still had no token),
+    "prefilling" (the long prompt had none), "long decoding" (a plain step that decodes the
+    long request too, at its long context) or "plain"."""
+    if prefilling:
+        return "prefilling"
+    if not decoding:
+        return "start"
+    if long_seq is not None and long_seq.num_output_tokens and not long_seq.is_finished:
+        return "long decoding"
+    return "plain"
+
+
+def longest_steps_text(f: dict[str, Any]) -> str:
+    """The slowest steps for the one-line reports ("" when the figures have none)."""
+    longest = f.get("longest_steps") or []
+    return ", ".join(f"{s['ms']:.1f} ms (step {s['step']}, {s['kind']})" for s in longest)
 
 
 def padding_text(cost: dict[str, Any]) -> str:

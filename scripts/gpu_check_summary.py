@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.kernel_profile import format_kernel_profile
-from benchmarks.long_prefill import reference_and_prefill_text
+from benchmarks.long_prefill import longest_steps_text, reference_and_prefill_text
 from benchmarks.step_profile import format_step_profile
 from benchmarks.text_table import format_rows
 
@@ -152,6 +152,8 @@ def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
         f"ratio {'-' if ratio is None else f'{ratio:.1f}'} decode steps{prefill}; the long "
         f"prompt's first token after {_ms(f.get('long_prompt_ttft_s'))} ms"
     ]
+    if longest := longest_steps_text(f):
+        lines.append(f"longest steps: {longest}")
     extra = (kv or {}).get("extra") or {}
     profile = extra.get("step_profile") or {}
     if profile.get("steps"):  # whether the steps with a chunk replayed graphs

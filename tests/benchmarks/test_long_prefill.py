@@ -40,6 +40,17 @@ def test_long_prefill_tiny_reports_the_gap(random_cache, tmp_path, capsys):
     # the collector's passes during the run, and the longest inside the prefill window
     assert len(f["gc"]["collections"]) == 3 and "longest_pause_prefilling_s" in f["gc"]
     assert f"; {f['gc']['full_passes']} full GC passes in the run, longest GC pause " in printed
+    # the slowest steps, slowest first, each labelled; on the CPU a step with a 256-token
+    # chunk costs several decode steps, so the prefill's 8 or more are among them
+    longest = f["longest_steps"]
+    assert len(longest) == 5 and [s["ms"] for s in longest] == sorted(
+        (s["ms"] for s in longest), reverse=True
+    )
+    assert len({s["step"] for s in longest}) == 5 and all(
+        0 <= s["step"] < f["steps"] for s in longest
+    )
+    assert "prefilling" in {s["kind"] for s in longest}
+    assert {s["kind"] for s in longest} <= {"start", "prefilling", "long decoding", "plain"}
 
     # the GPU check's summary: the default run and the one with another chunk cap, labelled
     alt = tmp_path / "alt.json"
@@ -64,6 +75,8 @@ def test_long_prefill_tiny_reports_the_gap(random_cache, tmp_path, capsys):
     assert text.count("target (<= 3 decode steps)") == 3
     assert text.count("ms, plain decode step ") == 3
     assert f"steps while prefilling: {f['prefill_steps']}, median " in text
+    first = f["longest_steps"][0]
+    assert f"longest steps: {first['ms']:.1f} ms (step {first['step']}, {first['kind']}), " in text
 
 
 def test_long_prefill_refuses_peers_that_cannot_add_a_prompt_mid_run(random_cache, capsys):
@@ -110,3 +123,18 @@ def test_long_prefill_with_timed_chunks_reports_what_the_engine_learned(
         assert f["prefilling_gap_ratio"] == pytest.approx(
             f["max_token_gap_prefilling_s"] / f["median_decode_step_s"]
         )
+
+
+def test_step_kinds_name_what_a_step_held():
+    from types import SimpleNamespace
+
+    from benchmarks.long_prefill import _step_kind
+
+    long = SimpleNamespace(num_output_tokens=3, is_finished=False)
+    assert _step_kind(True, False, long) == "prefilling"
+    assert _step_kind(False, False, None) == "start"
+    assert _step_kind(False, True, None) == "plain"
+    assert _step_kind(False, True, long) == "long decoding"
+    assert (
+        _step_kind(False, True, SimpleNamespace(num_output_tokens=9, is_finished=True)) == "plain"
+    )
