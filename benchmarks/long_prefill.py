@@ -66,10 +66,8 @@ def drive_long_prefill(
     finished: dict[str, Any] = {}
     long_id: str | None = None
     long_seq: Any = None  # engine.requests drops a request when it finishes: keep it
-    decode_steps: list[float] = []  # wall seconds of the plain decode steps
-    steps: list[tuple[float, str]] = []  # every step's wall seconds and what it held
-    prefill_steps: list[float] = []  # ... of the steps while the long prompt is prefilled
-    arrival = step_count = 0
+    steps: list[tuple[float, str]] = []  # every step's wall seconds and its kind (_step_kind)
+    arrival = 0
     first_long_token: float | None = None
     last = start
     while engine.has_unfinished():
@@ -78,12 +76,7 @@ def drive_long_prefill(
         done = engine.step()
         now = time.perf_counter()
         step_s, last = now - last, now
-        if prefilling:
-            prefill_steps.append(step_s)
-        elif decoding:
-            decode_steps.append(step_s)
         steps.append((step_s, _step_kind(prefilling, decoding, long_seq)))
-        step_count += 1
         for rid, seq in seqs.items():
             n = seq.num_output_tokens
             if n > seen[rid]:
@@ -115,6 +108,9 @@ def drive_long_prefill(
     ]
     engine_gaps = [o.metrics.max_token_gap for o in outs if o.metrics is not None]
     max_gap = max(engine_gaps) if engine_gaps else max(gaps, default=0.0)
+    # the plain decode steps (the long request's decodes too) and the prefill's steps
+    decode_steps = [t for t, kind in steps if kind in ("plain", "long decoding")]
+    prefill_steps = [t for t, kind in steps if kind == "prefilling"]
     if decode_steps:
         median_step, reference = statistics.median(decode_steps), "plain decode steps"
     else:
@@ -139,7 +135,7 @@ def drive_long_prefill(
         "long_prompt_tokens": len(long_prompt),
         "long_prompt_arrival_s": arrival - start,
         "long_prompt_ttft_s": long_ttft,
-        "steps": step_count,
+        "steps": len(steps),
         # where to look when the gap is long: the slowest steps, their index and kind
         "longest_steps": [
             {"step": i, "ms": round(steps[i][0] * 1000, 3), "kind": steps[i][1]}
