@@ -102,26 +102,38 @@ def add_resend_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _app(args: argparse.Namespace, command: str):
+    """The Celery app on `--broker` (or KVBATCH_BROKER_URL), or None after printing why not."""
+    from worker.app import BrokerError, broker_url, make_app
+
+    try:
+        return make_app(broker_url(args.broker))
+    except BrokerError as e:
+        print(f"kvbatch {command}: {e}", file=sys.stderr)
+        return None
+
+
+def _where(app) -> str:
+    """The app's broker URL for a message: its password masked."""
+    from kombu.utils.url import maybe_sanitize_url
+
+    return maybe_sanitize_url(app.conf.broker_url)
+
+
 def submit(args: argparse.Namespace) -> int:
     from jobs.run import JobError
     from jobs.submit import prepare_job
-    from worker.app import BrokerError, broker_url, make_app
     from worker.tasks import send_shard
 
-    try:
-        app = make_app(broker_url(args.broker))
-    except BrokerError as e:
-        print(f"kvbatch submit: {e}", file=sys.stderr)
+    app = _app(args, "submit")
+    if app is None:
         return 1
     # The broker first: an unreachable broker must not leave a job folder nobody will run.
     try:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1)
     except Exception as e:  # kombu raises the transport's own errors (redis, botocore, ...)
-        from kombu.utils.url import maybe_sanitize_url
-
-        where = maybe_sanitize_url(app.conf.broker_url)  # no password in the message
-        print(f"kvbatch submit: cannot reach the broker {where}: {e}", file=sys.stderr)
+        print(f"kvbatch submit: cannot reach the broker {_where(app)}: {e}", file=sys.stderr)
         return 1
     try:
         from worker.sqs import ensure_queue
@@ -174,16 +186,13 @@ def submit(args: argparse.Namespace) -> int:
 
 
 def worker(args: argparse.Namespace, engine: dict) -> int:
-    from worker.app import BrokerError, broker_url, make_app
     from worker.tasks import WorkerModel, use_model
 
     logging.basicConfig(level=logging.WARNING, format="kvbatch: %(message)s", stream=sys.stderr)
     for name in ("kvbatch", "engine", "jobs"):
         logging.getLogger(name).setLevel(logging.INFO)
-    try:
-        app = make_app(broker_url(args.broker))
-    except BrokerError as e:
-        print(f"kvbatch worker: {e}", file=sys.stderr)
+    app = _app(args, "worker")
+    if app is None:
         return 1
     model = WorkerModel(args.model, engine)
     try:
@@ -351,16 +360,13 @@ def resend(args: argparse.Namespace) -> int:
     from jobs.finalize import read_manifest
     from jobs.shards import job_dir
     from jobs.storage import StorageError
-    from worker.app import BrokerError, broker_url, make_app
     from worker.resend import ResendError, resend
 
     if args.settle < 0:
         print("kvbatch resend: --settle must be 0 or more seconds", file=sys.stderr)
         return 2
-    try:
-        app = make_app(broker_url(args.broker))
-    except BrokerError as e:
-        print(f"kvbatch resend: {e}", file=sys.stderr)
+    app = _app(args, "resend")
+    if app is None:
         return 1
     try:
         job = job_dir(args.output, args.job_id)
@@ -375,10 +381,9 @@ def resend(args: argparse.Namespace) -> int:
         print(f"kvbatch resend: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # kombu raises the transport's own errors (redis, botocore, ...)
-        from kombu.utils.url import maybe_sanitize_url
-
-        where = maybe_sanitize_url(app.conf.broker_url)  # no password in the message
-        print(f"kvbatch resend: cannot read or write the broker {where}: {e}", file=sys.stderr)
+        print(
+            f"kvbatch resend: cannot read or write the broker {_where(app)}: {e}", file=sys.stderr
+        )
         return 1
     what = "without a result" if args.unwritten else "lost by the broker"
     print(
