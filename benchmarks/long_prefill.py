@@ -40,6 +40,7 @@ def drive_long_prefill(
     workload: Any,
     params: Callable[[int], Any],
     synchronize: Callable[[], None] = lambda: None,
+    step_detail: Callable[[], dict[str, Any] | None] = lambda: None,
 ) -> LongPrefillRun:
     """Drive `engine` step by step through the long-prefill job and measure it.
 
@@ -51,6 +52,10 @@ def drive_long_prefill(
     first call labelled prefill in fact times a plain decode step (one step in tens). When no
     step is plain the reference falls back to the median gap between consecutive decoder
     tokens; `decode_step_reference` says which was used.
+
+    `step_detail`, called after each step (benchmarks/step_profile.StepProfile.last), explains
+    the slowest steps in `longest_steps`: host phases, the collected step's device time and
+    the graph the step replayed.
     """
     # the collector's passes over the run; a run that raises leaves an idle callback behind
     pauses = GCPauses().start()
@@ -66,7 +71,8 @@ def drive_long_prefill(
     finished: dict[str, Any] = {}
     long_id: str | None = None
     long_seq: Any = None  # engine.requests drops a request when it finishes: keep it
-    steps: list[tuple[float, str]] = []  # every step's wall seconds and its kind (_step_kind)
+    # every step's wall seconds, its kind (_step_kind) and step_detail's account of it
+    steps: list[tuple[float, str, dict[str, Any] | None]] = []
     arrival = 0
     first_long_token: float | None = None
     last = start
@@ -76,7 +82,7 @@ def drive_long_prefill(
         done = engine.step()
         now = time.perf_counter()
         step_s, last = now - last, now
-        steps.append((step_s, _step_kind(prefilling, decoding, long_seq)))
+        steps.append((step_s, _step_kind(prefilling, decoding, long_seq), step_detail()))
         for rid, seq in seqs.items():
             n = seq.num_output_tokens
             if n > seen[rid]:
@@ -109,8 +115,8 @@ def drive_long_prefill(
     engine_gaps = [o.metrics.max_token_gap for o in outs if o.metrics is not None]
     max_gap = max(engine_gaps) if engine_gaps else max(gaps, default=0.0)
     # the plain decode steps (the long request's decodes too) and the prefill's steps
-    decode_steps = [t for t, kind in steps if kind in ("plain", "long decoding")]
-    prefill_steps = [t for t, kind in steps if kind == "prefilling"]
+    decode_steps = [t for t, kind, _ in steps if kind in ("plain", "long decoding")]
+    prefill_steps = [t for t, kind, _ in steps if kind == "prefilling"]
     if decode_steps:
         median_step, reference = statistics.median(decode_steps), "plain decode steps"
     else:
@@ -139,6 +145,7 @@ def drive_long_prefill(
         # where to look when the gap is long: the slowest steps, their index and kind
         "longest_steps": [
             {"step": i, "ms": round(steps[i][0] * 1000, 3), "kind": steps[i][1]}
+            | ({"detail": steps[i][2]} if steps[i][2] else {})
             for i in sorted(range(len(steps)), key=lambda i: -steps[i][0])[:LONGEST_STEPS]
         ],
         # what the engine's step cost model learned (engine/step_cost.py), when it timed steps
@@ -166,7 +173,25 @@ def _step_kind(prefilling: bool, decoding: bool, long_seq: Any) -> str:
 def longest_steps_text(f: dict[str, Any]) -> str:
     """The slowest steps for the one-line reports ("" when the figures have none)."""
     longest = f.get("longest_steps") or []
-    return ", ".join(f"{s['ms']:.1f} ms (step {s['step']}, {s['kind']})" for s in longest)
+    return ", ".join(
+        f"{s['ms']:.1f} ms (step {s['step']}, {s['kind']}{_detail_text(s.get('detail'))})"
+        for s in longest
+    )
+
+
+def _detail_text(d: dict[str, Any] | None) -> str:
+    """ "; host 0.8 ms, waiting 4.2 ms, collected step 3.9 ms on the device, graph of 64
+    decodes + a 32-token chunk": host = schedule + prepare + forward + rest, waiting = sample
+    (the sampler's launch and the wait for the collected step's tokens)."""
+    if not d:
+        return ""
+    host = sum(d[f"{k}_ms"] for k in ("schedule", "prepare", "forward", "rest"))
+    text = f"; host {host:.1f} ms, waiting {d['sample_ms']:.1f} ms"
+    if d.get("collected_device_ms") is not None:
+        text += f", collected step {d['collected_device_ms']:.1f} ms on the device"
+    if d.get("graph"):
+        text += f", graph of {d['graph']}"
+    return text
 
 
 def padding_text(cost: dict[str, Any]) -> str:

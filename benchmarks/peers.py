@@ -278,6 +278,7 @@ class KvbatchPeer(Peer):
             workload,
             self._params,
             synchronize=self._synchronize,
+            step_detail=lambda: self._profile.last,
         )
         self._cached_tokens = [int(o.num_cached_tokens or 0) for o in run.outputs]
         outputs = [list(o.outputs[0].token_ids) for o in run.outputs]

@@ -15,6 +15,12 @@ next step starts only when the host has it ready); with it, the GPU runs one ste
 host does these for the next. The profile wraps the engine's methods in place; it costs a
 few `perf_counter` calls per step. It also records the cycle collector's passes
 (benchmarks/gc_pauses.py): a full pass is a stall no phase accounts for.
+
+`last` describes the latest step for a caller that wants one slow step explained (the
+long-prefill run's slowest steps): its phases, the device time of the step it collected (with
+async scheduling, the one before it; timed only when the engine times its steps) and the CUDA
+graph it replayed. A step that waited long in `sample` waited for the device; one long in
+schedule, prepare or rest lost the time on the host.
 """
 
 from __future__ import annotations
@@ -36,16 +42,24 @@ class StepProfile:
         self.mixed_graph_steps = 0  # of those, decodes with a prompt chunk
         self.graph_captures = 0  # of those, steps that captured their graph (first use)
         self.gc = GCPauses().start()
-        self._step: dict[str, float] = {}
+        self.last: dict[str, Any] | None = None  # the latest step that ran the model
+        self._step: dict[str, Any] = {}
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.runner, "_prepare", "prepare")
         self._wrap(engine.runner, "_forward", "forward")
         self._wrap(engine.runner, "launch", "launch")
         self._wrap(engine, "_collect", "collect")
-        inner_step = engine.step
+        inner_collect, inner_step = engine._collect, engine.step
+
+        def collect(launched):
+            result = inner_collect(launched)
+            self._step["device"] = launched.seconds  # its events have completed by now
+            return result
+
+        engine._collect = collect
 
         def step(*args, **kwargs):
-            self._step = {}
+            self._step, self.last = {}, None
             start = time.perf_counter()
             try:
                 return inner_step(*args, **kwargs)
@@ -54,15 +68,19 @@ class StepProfile:
                 t = self._step
                 if "launch" in t:  # a step that scheduled nothing never reached the model
                     collect = t.get("collect", 0.0)  # async: the first step collects nothing
-                    self.steps.append(
-                        {
-                            "schedule": t["schedule"],
-                            "prepare": t["prepare"],
-                            "forward": t["forward"],
-                            "sample": t["launch"] - t["prepare"] - t["forward"] + collect,
-                            "rest": total - t["launch"] - collect - t["schedule"],
-                        }
-                    )
+                    phases = {
+                        "schedule": t["schedule"],
+                        "prepare": t["prepare"],
+                        "forward": t["forward"],
+                        "sample": t["launch"] - t["prepare"] - t["forward"] + collect,
+                        "rest": total - t["launch"] - collect - t["schedule"],
+                    }
+                    self.steps.append(phases)
+                    device = t.get("device")
+                    self.last = {f"{k}_ms": round(v * 1e3, 3) for k, v in phases.items()} | {
+                        "collected_device_ms": None if device is None else round(device * 1e3, 3),
+                        "graph": t.get("graph"),
+                    }
 
         engine.step = step
         graphs = engine.runner.step_graphs
@@ -70,6 +88,7 @@ class StepProfile:
             replay = graphs.run
 
             def counted(key, *args, **kwargs):
+                self._step["graph"] = graph_label(key)
                 self.graph_steps += 1
                 self.mixed_graph_steps += bool(key.chunk)
                 before = graphs.first_use_captures
@@ -124,6 +143,18 @@ class StepProfile:
             "host_seconds": sum(host),
             "gc": self.gc.summary(),
         }
+
+
+def graph_label(key: Any) -> str:
+    """A step's CUDA graph in words, from its engine/cuda_graphs.GraphKey."""
+    text = f"{key.rows} decodes"
+    if key.chunk:
+        text += f" + a {key.chunk}-token chunk"
+    if key.wide:
+        text += ", wide tables"
+    if key.cascade:
+        text += ", shared-prefix groups"
+    return text
 
 
 def format_step_profile(p: dict[str, Any], engine: str = "kvbatch") -> str:

@@ -29,6 +29,10 @@ import triton.language as tl
 LOG2E = 1.4426950408889634  # scores go through exp2: log2(e) is folded into the scale
 
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism
+# Tables wider than LONG_TABLE_TOKENS (the engine's wide decode graphs, and eager steps with a
+# long context) cut it into splits of at most LONG_TOKENS_PER_SPLIT tokens whatever the batch.
+LONG_TABLE_TOKENS = 8192
+LONG_TOKENS_PER_SPLIT = 2048
 
 
 @triton.jit
@@ -75,14 +79,17 @@ def _decode_split_kernel(
     start = split * tokens_per_split
     end = tl.minimum(tl.minimum(seq_len, start + tokens_per_split), max_tokens)
 
+    # A split past seq_len (most of a wide table's splits: short rows beside a long one)
+    # reads and writes nothing but its lse (-inf): the merge skips its partial output.
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < G
+    live_g = g_mask & (tl.zeros([BLOCK_G], tl.int32) + start < end)  # [BLOCK_G], all alike
     d_mask = offs_d < HEAD_DIM
     heads = kvh * G + offs_g
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=g_mask[:, None] & d_mask[None, :],
+        mask=live_g[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_G, BLOCK_D]
 
@@ -123,7 +130,7 @@ def _decode_split_kernel(
             lse_ptr + b * stride_lb + heads * stride_lh, lse2 * 0.6931471805599453, mask=g_mask
         )
     else:
-        tl.store(o_ptrs + split * stride_os, o, mask=o_mask)
+        tl.store(o_ptrs + split * stride_os, o, mask=live_g[:, None] & d_mask[None, :])
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls, lse2, mask=g_mask)
 
 
@@ -178,13 +185,16 @@ def merge_split_partials(
     """Online merge of `num_splits` partial attentions of the same rows over disjoint key
     ranges: o_ptrs [R, D] and lse_ptrs [R] (float32, log2 units) point at split 0. Returns the
     merged output [R, D] (float32) and natural-log lse [R]. An empty split (lse -inf) weighs
-    nothing; rows whose splits are all empty get zeros and lse -inf."""
+    nothing and its output is not read (the decode kernel leaves it unwritten); rows whose
+    splits are all empty get zeros and lse -inf."""
     m = tl.full(lse_ptrs.shape, float("-inf"), tl.float32)
     total = tl.zeros(lse_ptrs.shape, tl.float32)
     acc = tl.zeros(o_ptrs.shape, tl.float32)
     for s in range(num_splits):
         lse_s = tl.load(lse_ptrs + s * stride_lse_split, mask=row_mask, other=float("-inf"))
-        o_s = tl.load(o_ptrs + s * stride_o_split, mask=mask, other=0.0)
+        o_s = tl.load(
+            o_ptrs + s * stride_o_split, mask=mask & (lse_s > float("-inf"))[:, None], other=0.0
+        )
         m_new = tl.maximum(m, lse_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
@@ -221,9 +231,19 @@ def num_sms(device: torch.device) -> int:
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device) -> int:
     """Splits per sequence so that about two waves of programs fill the GPU, keeping at least
-    MIN_TOKENS_PER_SPLIT tokens per split (from shapes only: capturable in a CUDA graph)."""
+    MIN_TOKENS_PER_SPLIT tokens per split (from shapes only: capturable in a CUDA graph).
+
+    A wide table usually means one long context beside many short ones (a 32k prompt that
+    finished prefilling decodes with 64 chat requests): the batch alone fills the GPU, but the
+    long row's few programs then read all of its keys serially while the rest of the GPU idles,
+    and the step takes as long as they do (one split: 12.7 ms per step instead of 1.6 on an
+    H200 in the long-prefill check of 2026-12-04). So a wide table gets a split per
+    LONG_TOKENS_PER_SPLIT tokens; the short rows' extra splits are empty and write only their
+    lse (-inf), but they are still programs to launch: hence no splits of a few hundred keys."""
     programs = max(1, batch * num_kv_heads)
     wanted = triton.cdiv(2 * num_sms(device), programs)
+    if max_tokens > LONG_TABLE_TOKENS:
+        wanted = max(wanted, triton.cdiv(max_tokens, LONG_TOKENS_PER_SPLIT))
     useful = max(1, max_tokens // MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, 64))
 

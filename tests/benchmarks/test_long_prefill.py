@@ -51,6 +51,10 @@ def test_long_prefill_tiny_reports_the_gap(random_cache, tmp_path, capsys):
     )
     assert "prefilling" in {s["kind"] for s in longest}
     assert {s["kind"] for s in longest} <= {"start", "prefilling", "long decoding", "plain"}
+    # each explained by the step profile: its phases fit inside the step's wall time
+    phases = ("schedule", "prepare", "forward", "sample", "rest")
+    for s in longest:
+        assert 0 < sum(s["detail"][f"{k}_ms"] for k in phases) <= s["ms"] + 0.01
 
     # the GPU check's summary: the default run and the one with another chunk cap, labelled
     alt = tmp_path / "alt.json"
@@ -76,7 +80,12 @@ def test_long_prefill_tiny_reports_the_gap(random_cache, tmp_path, capsys):
     assert text.count("ms, plain decode step ") == 3
     assert f"steps while prefilling: {f['prefill_steps']}, median " in text
     first = f["longest_steps"][0]
-    assert f"longest steps: {first['ms']:.1f} ms (step {first['step']}, {first['kind']}), " in text
+    detail = first["detail"]
+    host = sum(detail[f"{k}_ms"] for k in ("schedule", "prepare", "forward", "rest"))
+    assert (
+        f"longest steps: {first['ms']:.1f} ms (step {first['step']}, {first['kind']}; "
+        f"host {host:.1f} ms, waiting {detail['sample_ms']:.1f} ms), "
+    ) in text
 
 
 def test_long_prefill_refuses_peers_that_cannot_add_a_prompt_mid_run(random_cache, capsys):
@@ -137,4 +146,18 @@ def test_step_kinds_name_what_a_step_held():
     assert _step_kind(False, True, long) == "long decoding"
     assert (
         _step_kind(False, True, SimpleNamespace(num_output_tokens=9, is_finished=True)) == "plain"
+    )
+
+
+def test_longest_steps_text_explains_a_step_with_its_device_time_and_graph():
+    from benchmarks.long_prefill import longest_steps_text
+
+    detail = {"schedule_ms": 0.1, "prepare_ms": 0.6, "forward_ms": 0.1, "rest_ms": 0.1}
+    detail |= {"sample_ms": 4.2, "collected_device_ms": 3.9}
+    detail["graph"] = "64 decodes + a 32-token chunk, wide tables"
+    steps = [{"step": 213, "ms": 5.3, "kind": "prefilling", "detail": detail}]
+    steps.append({"step": 0, "ms": 12.0, "kind": "start"})  # results without details
+    assert longest_steps_text({"longest_steps": steps}) == (
+        "5.3 ms (step 213, prefilling; host 0.9 ms, waiting 4.2 ms, collected step 3.9 ms on "
+        "the device, graph of 64 decodes + a 32-token chunk, wide tables), 12.0 ms (step 0, start)"
     )

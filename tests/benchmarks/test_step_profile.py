@@ -6,7 +6,7 @@ import gc
 import time
 
 from benchmarks.models import TINY_LLAMA, random_model_dir
-from benchmarks.step_profile import PHASES, StepProfile, format_step_profile
+from benchmarks.step_profile import PHASES, StepProfile, format_step_profile, graph_label
 from engine import LLM, SamplingParams
 from tests.engine.test_cuda_graphs import simulate_graph_captures
 
@@ -23,6 +23,13 @@ def test_phases_of_every_step_that_ran_the_model(tmp_path):
     for step in profile.steps:
         assert set(step) == set(PHASES) and all(v >= 0 for v in step.values())
     assert sum(sum(s.values()) for s in profile.steps) <= elapsed
+    # the last step in detail: its phases in ms, no graph; the CPU's steps are not timed
+    # (the engine times them for timed chunks, off on the CPU by default)
+    last = profile.last
+    assert last is not None and last["graph"] is None and last["collected_device_ms"] is None
+    assert [last[f"{k}_ms"] for k in PHASES] == [
+        round(profile.steps[-1][k] * 1e3, 3) for k in PHASES
+    ]
     summary = profile.summary()
     assert summary["steps"] == len(profile.steps) and summary["graph_steps"] == 0
     assert summary["host_seconds"] < elapsed
@@ -47,10 +54,30 @@ def test_graph_steps_with_a_chunk_and_their_captures_are_counted(tmp_path):
     simulate_graph_captures(engine.runner.step_graphs, first_seen)
     profile = StepProfile(engine)
     prompts = [[5] * 10, list(range(3, 103))]  # the second one in chunks beside the first's decodes
+    labels = []
+    engine_step = engine.step
+
+    def step():
+        done = engine_step()
+        labels.append(profile.last and profile.last["graph"])
+        return done
+
+    engine.step = step
     llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    # each step's graph in words: decode buckets alone, and with the chunk's bucket
+    assert "1 decodes + a 32-token chunk" in labels and "2 decodes" in labels
     summary = profile.summary()
     assert (
         summary["mixed_graph_steps"] >= 3 and summary["graph_steps"] > summary["mixed_graph_steps"]
     )
     assert summary["graph_captures"] == len(first_seen) >= 1
     assert "captured in the run" in format_step_profile(summary)
+
+
+def test_graph_labels_name_the_bucket_chunk_tables_and_groups():
+    from engine.cuda_graphs import GraphKey
+
+    assert graph_label(GraphKey(64, False)) == "64 decodes"
+    assert graph_label(GraphKey(72, True, 32, True)) == (
+        "72 decodes + a 32-token chunk, wide tables, shared-prefix groups"
+    )

@@ -59,6 +59,11 @@ CASES = {
     "gqa4-d64-empty-splits": Case(
         [31, 32, 33, 90], group=4, head_dim=64, block_size=32, num_splits=16, scale=0.3
     ),
+    # a wide table (one context past LONG_TABLE_TOKENS beside short ones): the automatic
+    # choice cuts it into 5 splits, and the short rows' other splits are empty
+    "gqa4-d16-wide-auto": Case(
+        [8300, 3, 0, 700], group=4, head_dim=16, num_kv_heads=1, block_size=64
+    ),
 }
 
 
@@ -141,6 +146,9 @@ def test_num_splits_from_shapes_only():
     assert choose_num_splits(512, 8, 80 * 16, cpu) == 1  # the big batch fills the GPU alone
     assert choose_num_splits(1, 8, 2048 * 16, cpu) > 8  # one long sequence needs splits
     assert choose_num_splits(1, 8, 64, cpu) == 1  # too short to be worth splitting
+    assert choose_num_splits(256, 8, 8192, cpu) == 1  # a graph's usual table: the batch fills
+    # a wide table (a 32k context among 72 rows): splits of <= 2048 tokens all the same
+    assert choose_num_splits(72, 8, 2049 * 16, cpu) == 17
 
 
 @pytest.mark.gpu
