@@ -180,9 +180,9 @@ def longest_steps_text(f: dict[str, Any]) -> str:
 
 
 def _detail_text(d: dict[str, Any] | None) -> str:
-    """ "; host 0.8 ms, waiting 4.2 ms, collected step 3.9 ms on the device, graph of 64
-    decodes + a 32-token chunk": host = schedule + prepare + forward + rest, waiting = sample
-    (the sampler's launch and the wait for the collected step's tokens)."""
+    """A slow step explained, after its kind: host = schedule + prepare + forward + rest,
+    waiting = sample (the sampler's launch and the wait for the collected step's tokens),
+    then the collected step's device time and the graph replayed, when known."""
     if not d:
         return ""
     host = sum(d[f"{k}_ms"] for k in ("schedule", "prepare", "forward", "rest"))
