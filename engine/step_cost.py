@@ -37,7 +37,10 @@ whole when they fit, and never past the last one (an eager step: `chunk_buckets`
 Guards: the first chunk is a probe (PROBE_TOKENS); no chunk is more than GROWTH times the
 largest measured; none is under MIN_CHUNK. If steps with floor-sized chunks keep costing more
 than the budget, no chunk size meets the ratio (the fixed cost of a mixed step is over it):
-a warning says so and long prompts go back to the token cap, rather than crawl.
+a warning says so and long prompts go back to the token cap, rather than crawl. With CUDA
+graphs the chunks still stay within the last bucket: a larger one runs eagerly, far dearer
+than a replay (on the H200 at ratio 1.5, where a 16-token chunk at a 32k context was already
+over budget, the token cap's eager chunks made one decoder wait 868 ms).
 """
 
 from __future__ import annotations
@@ -148,14 +151,18 @@ class StepCostModel:
             self._floor_over_budget = self._floor_over_budget + 1 if over else 0
             if self._floor_over_budget >= OUT_OF_REACH_STEPS and not self.out_of_reach:
                 self.out_of_reach = True
+                buckets = self.chunk_buckets() if self.chunk_buckets is not None else ()
                 log.warning(
                     "a step with a %d-token prompt chunk costs %.2f ms more than a plain decode "
                     "step (%.2f ms): no chunk size keeps it within long_prefill_step_ratio=%g, "
-                    "so long prompts keep the token cap",
+                    "so long prompts keep the token cap%s",
                     shape.longest_chunk,
                     extra * 1e3,
                     self.plain_seconds * 1e3,
                     self.ratio,
+                    f" (at most {buckets[-1]} tokens: the last CUDA-graph chunk)"
+                    if buckets
+                    else "",
                 )
 
     def describe(self) -> dict[str, float | int | bool | None]:
@@ -175,16 +182,19 @@ class StepCostModel:
     def chunk_cap(self, context: int) -> int | None:
         """The most prompt tokens after `context` cached ones that keep a step with decodes
         within `ratio` plain steps; None when the model cannot say (no plain step timed yet)
-        or the ratio is out of reach: the caller keeps its token cap."""
-        if self.plain_seconds is None or self.out_of_reach:
+        or the ratio is out of reach: the caller keeps its token cap. Out of reach with chunk
+        buckets, the last bucket (the token cap applies below it: no eager step)."""
+        if self.plain_seconds is None:
             return None
+        buckets = self.chunk_buckets() if self.chunk_buckets is not None else ()
+        if self.out_of_reach:
+            return buckets[-1] if buckets else None
         if self.cost_per_work is None:
             return PROBE_TOKENS
         most = GROWTH * max(self.largest_measured, PROBE_TOKENS)
         if self.cost_per_work <= 0:
             return most
         target = self.budget / self.cost_per_work  # units of work the budget buys
-        buckets = self.chunk_buckets() if self.chunk_buckets is not None else ()
         n = self._fill_buckets(target, context, buckets)
         return max(MIN_CHUNK, int(min(n, most)))
 

@@ -121,7 +121,24 @@ def test_a_fixed_cost_over_the_budget_gives_the_token_cap_back(caplog):
     floor_steps = [n for n, _, _ in steps if n == MIN_CHUNK]
     assert len(floor_steps) >= OUT_OF_REACH_STEPS
     assert len([r for r in caplog.records if "no chunk size" in r.message]) == 1
+    assert caplog.records[0].getMessage().endswith("so long prompts keep the token cap")
     assert model.describe()["out_of_reach"] is True
+
+
+def test_out_of_reach_chunks_stay_within_the_graphs_last_bucket(caplog):
+    """With graphs the token cap still holds, but never past the last bucket: a larger
+    chunk would run eagerly (H200, ratio 1.5: one decoder waited 868 ms on such steps)."""
+    model = timed_model()
+    model.chunk_buckets = lambda: [16, 32, 64, 128, 256]  # under the token cap (512)
+    with caplog.at_level("WARNING", logger="engine.step_cost"):
+        steps = prefill(model, prompt_len=8000, e=2 * BUDGET)
+    assert "keep the token cap (at most 256 tokens: the last CUDA-graph chunk)" in caplog.text
+    assert model.out_of_reach and model.chunk_cap(5000) == 256
+    after = [n for n, _, _ in steps[[n for n, _, _ in steps].index(MIN_CHUNK) :]]
+    after = after[OUT_OF_REACH_STEPS:]  # from the step after the model gave up
+    assert len(after) > 10 and set(after[:-1]) == {256} and after[-1] <= 256
+    model.chunk_buckets = lambda: []  # a failed capture: no graphs, the token cap alone
+    assert model.chunk_cap(5000) is None
 
 
 def test_one_floor_chunk_over_budget_is_not_out_of_reach():
