@@ -120,6 +120,9 @@ class StepCostModel:
         self.out_of_reach = False
         self._floor_over_budget = 0
 
+    def _buckets(self) -> Sequence[int]:
+        return self.chunk_buckets() if self.chunk_buckets is not None else ()
+
     def work(self, num_tokens: int, pairs: int) -> float:
         """A chunk's tokens plus its attention in tokens' worth of FLOPs."""
         return num_tokens + (pairs / self.break_even if self.break_even else 0.0)
@@ -151,7 +154,7 @@ class StepCostModel:
             self._floor_over_budget = self._floor_over_budget + 1 if over else 0
             if self._floor_over_budget >= OUT_OF_REACH_STEPS and not self.out_of_reach:
                 self.out_of_reach = True
-                buckets = self.chunk_buckets() if self.chunk_buckets is not None else ()
+                buckets = self._buckets()
                 log.warning(
                     "a step with a %d-token prompt chunk costs %.2f ms more than a plain decode "
                     "step (%.2f ms): no chunk size keeps it within long_prefill_step_ratio=%g, "
@@ -186,7 +189,7 @@ class StepCostModel:
         buckets, the last bucket (the token cap applies below it: no eager step)."""
         if self.plain_seconds is None:
             return None
-        buckets = self.chunk_buckets() if self.chunk_buckets is not None else ()
+        buckets = self._buckets()
         if self.out_of_reach:
             return buckets[-1] if buckets else None
         if self.cost_per_work is None:
