@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.gc_pauses import GCPauses
+from benchmarks.step_profile import PHASES
 
 LONGEST_STEPS = 5  # how many of the slowest steps the figures list
 
@@ -185,7 +186,7 @@ def _detail_text(d: dict[str, Any] | None) -> str:
     then the collected step's device time and the graph replayed, when known."""
     if not d:
         return ""
-    host = sum(d[f"{k}_ms"] for k in ("schedule", "prepare", "forward", "rest"))
+    host = sum(d[f"{k}_ms"] for k in PHASES if k != "sample")
     text = f"; host {host:.1f} ms, waiting {d['sample_ms']:.1f} ms"
     if d.get("collected_device_ms") is not None:
         text += f", collected step {d['collected_device_ms']:.1f} ms on the device"

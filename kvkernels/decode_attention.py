@@ -84,7 +84,8 @@ def _decode_split_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < G
-    live_g = g_mask & (tl.zeros([BLOCK_G], tl.int32) + start < end)  # [BLOCK_G], all alike
+    # a vector, all alike: the interpreter refuses a scalar term in a load's mask
+    live_g = g_mask & (tl.zeros([BLOCK_G], tl.int32) + start < end)
     d_mask = offs_d < HEAD_DIM
     heads = kvh * G + offs_g
     q = tl.load(
