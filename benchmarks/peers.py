@@ -252,6 +252,7 @@ class KvbatchPeer(Peer):
 
         self._profile = StepProfile(self.llm.engine)
         self.graphs_captured_after_warmup = 0  # see after_warmup
+        self.graph_launches_after_warmup: dict[str, Any] | None = None  # see after_warmup
 
     def _params(self, max_tokens: int):
         return self._sampling_params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -295,8 +296,12 @@ class KvbatchPeer(Peer):
 
     def after_warmup(self) -> None:
         """The mixed-step graphs the timed runs' chunks may pick and the warm-up did not:
-        captured now, so no timed step waits for a capture (engine/cuda_graphs.py)."""
+        captured now, so no timed step waits for a capture (engine/cuda_graphs.py), and launched
+        once, so none waits for a graph's upload; what those launches cost, first and again."""
         self.graphs_captured_after_warmup = self.llm.engine.capture_chunk_graphs()
+        graphs = self.llm.engine.runner.step_graphs
+        launches = graphs.first_launches if self.graphs_captured_after_warmup else None
+        self.graph_launches_after_warmup = launches._asdict() if launches else None
 
     def before_run(self) -> None:
         self._stats_before = _plain(self.llm.stats())
@@ -319,6 +324,7 @@ class KvbatchPeer(Peer):
             "stats": after,
             "step_profile": self._profile.summary(),  # benchmarks/step_profile.py
             "graphs_captured_after_warmup": self.graphs_captured_after_warmup,
+            "graph_launches_after_warmup": self.graph_launches_after_warmup,
         }
 
 

@@ -41,6 +41,7 @@ class StepProfile:
         self.graph_steps = 0
         self.mixed_graph_steps = 0  # of those, decodes with a prompt chunk
         self.graph_captures = 0  # of those, steps that captured their graph (first use)
+        self.graph_first_launches = 0  # of those, the first replay of a captured graph
         self.gc = GCPauses().start()
         self.last: dict[str, Any] | None = None  # the latest step that ran the model
         self._step: dict[str, Any] = {}
@@ -88,7 +89,10 @@ class StepProfile:
             replay = graphs.run
 
             def counted(key, *args, **kwargs):
-                self._step["graph"] = graph_label(key)
+                # a graph's first replay also uploads it (engine/cuda_graphs.py _launch_new)
+                first = key in graphs.graphs and not graphs.launches[key]
+                self._step["graph"] = graph_label(key, first_launch=first)
+                self.graph_first_launches += first
                 self.graph_steps += 1
                 self.mixed_graph_steps += bool(key.chunk)
                 before = graphs.first_use_captures
@@ -115,19 +119,22 @@ class StepProfile:
     def clear(self) -> None:
         self.steps.clear()
         self.graph_steps = self.mixed_graph_steps = self.graph_captures = 0
+        self.graph_first_launches = 0
         self.gc.clear()
 
     def summary(self) -> dict[str, Any]:
         """Median milliseconds per phase (robust to a step the machine interrupted), the mean
         host milliseconds per step, steps run and steps that replayed a CUDA graph (decodes
         alone or with a prompt chunk, and those that captured it: the first step of a pair of
-        buckets waits for a capture, which a timed run should not hold)."""
+        buckets waits for a capture, which a timed run should not hold; and those that were a
+        captured graph's first replay, which uploads it)."""
         if not self.steps:
             return {
                 "steps": 0,
                 "graph_steps": 0,
                 "mixed_graph_steps": 0,
                 "graph_captures": 0,
+                "graph_first_launches": 0,
                 "ms_per_step": {},
                 "host_ms_per_step": None,
                 "gc": self.gc.summary(),
@@ -138,6 +145,7 @@ class StepProfile:
             "graph_steps": self.graph_steps,
             "mixed_graph_steps": self.mixed_graph_steps,
             "graph_captures": self.graph_captures,
+            "graph_first_launches": self.graph_first_launches,
             "ms_per_step": {k: statistics.median(s[k] for s in self.steps) * 1e3 for k in PHASES},
             "host_ms_per_step": statistics.mean(host) * 1e3,
             "host_seconds": sum(host),
@@ -145,8 +153,9 @@ class StepProfile:
         }
 
 
-def graph_label(key: Any) -> str:
-    """A step's CUDA graph in words, from its engine/cuda_graphs.GraphKey."""
+def graph_label(key: Any, first_launch: bool = False) -> str:
+    """A step's CUDA graph in words, from its engine/cuda_graphs.GraphKey; `first_launch`:
+    the graph's first replay, which also uploads it to the device."""
     text = f"{key.rows} decodes"
     if key.chunk:
         text += f" + a {key.chunk}-token chunk"
@@ -154,6 +163,8 @@ def graph_label(key: Any) -> str:
         text += ", wide tables"
     if key.cascade:
         text += ", shared-prefix groups"
+    if first_launch:
+        text += ", its first launch"
     return text
 
 
@@ -163,7 +174,8 @@ def format_step_profile(p: dict[str, Any], engine: str = "kvbatch") -> str:
     return (
         f"{engine} steps (last run): {p['steps']}, {p['graph_steps']} replayed a CUDA graph "
         f"({p.get('mixed_graph_steps', 0)} with a prompt chunk, "
-        f"{p.get('graph_captures', 0)} captured in the run); "
+        f"{p.get('graph_captures', 0)} captured in the run, "
+        f"{p.get('graph_first_launches', 0)} launched for the first time); "
         f"median ms per step: schedule {ms['schedule']:.2f}, prepare {ms['prepare']:.2f}, "
         f"forward {ms['forward']:.2f}, sample {ms['sample']:.2f}, rest {ms['rest']:.2f}; "
         f"host time {p['host_seconds']:.2f} s in all (schedule + prepare + rest; the GPU "

@@ -22,12 +22,13 @@ empty. The logits come out only for the rows that sample: a static index buffer 
 rows (the decodes and the chunk's last token) feeds the LM head, not all b + c rows.
 
 Decode graphs (plain, and with shared-prefix groups) are captured at start, largest first,
-in one memory pool (NOTES.md). Mixed graphs are captured on first use (up to 2 x decode
-buckets x chunk buckets of them; a run sees a handful): that step runs eagerly through the
-static buffers and its graph is captured after it, for the next. Decode steps with
-shared-prefix (cascade) groups use a second set of graphs whose groups live in static
-buffers too: up to `max_groups` groups, each a range of decode rows and its shared blocks;
-unused groups have 0 rows (their programs exit at once):
+in one memory pool (NOTES.md), and launched once on the all-padding buffers: a graph's first
+launch also uploads it to the device, which no step should wait for (`_launch_new`). Mixed
+graphs are captured on first use (up to 2 x decode buckets x chunk buckets of them; a run
+sees a handful): that step runs eagerly through the static buffers and its graph is captured
+after it, for the next. Decode steps with shared-prefix (cascade) groups use a second set of
+graphs whose groups live in static buffers too: up to `max_groups` groups, each a range of
+decode rows and its shared blocks; unused groups have 0 rows (their programs exit at once):
 
     group_tables  [max_groups, max_blocks]   each group's shared blocks
     group_ranges  [3, max_groups]            first row, rows (0 = unused), shared tokens
@@ -52,6 +53,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -79,6 +81,16 @@ class GraphKey(NamedTuple):
     def on_first_use(self) -> bool:
         """Captured when a step first needs it, not at start."""
         return bool(self.chunk) or self.wide
+
+
+class FirstLaunches(NamedTuple):
+    """What launching new graphs cost, the first time and again (`StepGraphs._launch_new`)."""
+
+    graphs: int
+    first_host_ms: float
+    first_device_ms: float
+    again_host_ms: float
+    again_device_ms: float
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -140,6 +152,8 @@ class StepGraphs:
         self._out: torch.Tensor | None = None  # [top bucket + 1, vocab]: every graph's logits
         self.graphs: dict[GraphKey, object] = {}
         self.first_use_captures = 0  # graphs captured on first use (GraphKey.on_first_use)
+        self.launches: Counter[GraphKey] = Counter()  # replays of each graph so far
+        self.first_launches: FirstLaunches | None = None  # the latest _launch_new's times
         self._pool = self._stream = None
         if capture:
             self._capture_all()
@@ -190,6 +204,7 @@ class StepGraphs:
                 for key in cascade:
                     self.graphs.pop(key, None)
                 self.max_groups = 0
+            self._launch_new(sorted(self.graphs))
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         torch.cuda.synchronize(self.device)
         wide = (
@@ -230,6 +245,48 @@ class StepGraphs:
             out.copy_(self._run(key))
         self.logits[key] = out
         self.graphs[key] = graph
+
+    def _launch_new(self, keys: list[GraphKey]) -> None:
+        """Launch each of these newly captured graphs once, now, while every row of the
+        buffers is padding (the launch writes no KV and reads no block, as their eager
+        warm-ups did), on the current stream; twice in fact, to log what a first launch costs
+        against a later one.
+
+        torch instantiates a graph when its capture ends, but the driver uploads it to the
+        device at its first launch (cudaGraphUpload would do it ahead; torch does not expose
+        it). Without this, the first step that replays a graph pays that, and a graph captured
+        between jobs (`capture_chunk_buckets`) meets its first step in a timed run. In the
+        H200 check of 2026-12-04 one long-prefill step per run, the one with the long prompt's
+        last chunk (a remainder, so possibly a bucket the warm-up never replayed), took 5-10 ms
+        against a median of 3 while prefilling. `first_launches` keeps the times, for the
+        benchmark to report whether a first launch costs more."""
+        if not keys:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        marks[0].record(stream)
+        host = []
+        for mark in marks[1:]:
+            start = time.perf_counter()
+            for key in keys:
+                self.graphs[key].replay()
+                self.launches[key] += 1
+            host.append((time.perf_counter() - start) * 1e3)
+            mark.record(stream)
+        marks[2].synchronize()
+        times = FirstLaunches(
+            len(keys),
+            host[0],
+            marks[0].elapsed_time(marks[1]),
+            host[1],
+            marks[1].elapsed_time(marks[2]),
+        )
+        self.first_launches = times
+        log.info(
+            "launched %d new CUDA graphs ahead of their first step: %.1f ms on the host and "
+            "%.1f ms on the device the first time, %.1f and %.1f ms again",
+            *times,
+        )
 
     def _capture_on_first_use(self, key: GraphKey) -> bool:
         """A mixed or wide step's graph, after the step ran eagerly (its warm-up). The graph
@@ -282,28 +339,30 @@ class StepGraphs:
         run did not, and its first step waits for the capture (tens of ms: one long token gap).
         Call between runs, with no step in flight (the benchmarks do, after the warm-up). The
         buffers go back to all padding first (`reset_to_padding`), so each graph's eager
-        warm-up writes no KV and reads no block; the next step fills what it uses. A failed
-        capture turns mixed graphs off, as on first use."""
+        warm-up writes no KV and reads no block; the next step fills what it uses. The new
+        graphs are then launched on those buffers (`_launch_new`), so the first step to replay
+        one does not pay its upload. A failed capture turns mixed graphs off, as on first use."""
         keys = self.missing_chunk_graphs()
         if not self.capture or not keys:
             return 0
         self.reset_to_padding()
         start = time.perf_counter()
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        captured = 0
+        captured: list[GraphKey] = []
         with torch.cuda.stream(self._stream):
             for key in keys:
                 self._run(key)  # warm-up, outside the capture
                 if not self._capture_on_first_use(key):
                     break
-                captured += 1
+                captured.append(key)
+            self._launch_new(captured)  # the buffers are still all padding
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         log.info(
             "captured %d more CUDA graphs of steps with a prompt chunk in %.1f s",
-            captured,
+            len(captured),
             time.perf_counter() - start,
         )
-        return captured
+        return len(captured)
 
     def key_for(self, meta: AttentionMetadata, num_tokens: int, num_rows: int) -> GraphKey | None:
         """The graph of a step of `num_tokens` tokens sampling `num_rows` rows, or None: a
@@ -382,6 +441,7 @@ class StepGraphs:
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
+            self.launches[key] += 1
             logits = self.logits[key]
         else:  # not captured (CPU, or a mixed or wide step's first time): the same buffers
             logits = self._run(key)

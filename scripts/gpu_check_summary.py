@@ -161,8 +161,10 @@ def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
         lines.append(
             f"CUDA graphs: {profile['graph_steps']} of {profile['steps']} steps replayed one, "
             f"{profile.get('mixed_graph_steps', 0)} of them with a prompt chunk, "
-            f"{profile.get('graph_captures', 0)} captured in the run (last run)"
+            f"{profile.get('graph_captures', 0)} captured in the run, "
+            f"{profile.get('graph_first_launches', 0)} launched for the first time (last run)"
             + (f"; {before} more captured after the warm-up" if before else "")
+            + _launches_text(extra.get("graph_launches_after_warmup"))
         )
     if ratio is None:
         lines.append(f"target (<= {GAP_TARGET:g} decode steps): not measured")
@@ -171,6 +173,18 @@ def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
         tiny = "" if data["workload"]["name"] == "long-prefill" else " (tiny run: indicative only)"
         lines.append(f"target (<= {GAP_TARGET:g} decode steps): {verdict}{tiny}")
     return lines
+
+
+def _launches_text(t: dict[str, Any] | None) -> str:
+    """What launching the graphs captured after the warm-up cost (engine/cuda_graphs.py
+    FirstLaunches): the first launch uploads a graph, so first against again is that upload."""
+    if not t:
+        return ""
+    return (
+        f" and launched once: {t['first_device_ms']:.1f} ms on the device "
+        f"({t['first_host_ms']:.1f} on the host) the first time, "
+        f"{t['again_device_ms']:.1f} ({t['again_host_ms']:.1f}) again"
+    )
 
 
 def sweep_lines(data: dict[str, Any] | None) -> list[str]:

@@ -71,7 +71,8 @@ def test_graph_steps_with_a_chunk_and_their_captures_are_counted(tmp_path):
         summary["mixed_graph_steps"] >= 3 and summary["graph_steps"] > summary["mixed_graph_steps"]
     )
     assert summary["graph_captures"] == len(first_seen) >= 1
-    assert "captured in the run" in format_step_profile(summary)
+    assert summary["graph_first_launches"] == 0  # nothing replays a graph on the CPU
+    assert "captured in the run, 0 launched for the first time" in format_step_profile(summary)
 
 
 def test_graph_labels_name_the_bucket_chunk_tables_and_groups():
@@ -80,4 +81,7 @@ def test_graph_labels_name_the_bucket_chunk_tables_and_groups():
     assert graph_label(GraphKey(64, False)) == "64 decodes"
     assert graph_label(GraphKey(72, True, 32, True)) == (
         "72 decodes + a 32-token chunk, wide tables, shared-prefix groups"
+    )
+    assert graph_label(GraphKey(64, False, 48), first_launch=True) == (
+        "64 decodes + a 48-token chunk, its first launch"
     )

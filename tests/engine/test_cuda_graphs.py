@@ -346,6 +346,10 @@ def test_mixed_step_graphs_on_cuda_are_captured_on_first_use(tiny_models):
     assert eager.engine.runner.step_graphs.first_use_captures == 0
     llm = LLM(path, cuda_graph_max_chunk=32, **args)
     graphs = llm.engine.runner.step_graphs
+    # the decode graphs captured at start were launched (twice: first, and again for the log)
+    at_start = set(graphs.graphs)
+    assert at_start and graphs.first_launches.graphs == len(at_start)
+    assert all(graphs.launches[key] == 2 for key in at_start)
     replays = []
     real_run = graphs.run
     graphs.run = lambda key, *a: replays.append(key) or real_run(key, *a)
@@ -357,8 +361,17 @@ def test_mixed_step_graphs_on_cuda_are_captured_on_first_use(tiny_models):
     # the rest of the chunk buckets of the decode sizes met, captured between jobs: a second
     # job captures nothing for those sizes, and its tokens do not change
     missing = graphs.missing_chunk_graphs()
+    kv = [c.clone() for c in llm.engine.runner.kv_caches]
+    launched = graphs.first_launches
     assert llm.engine.capture_chunk_graphs() == len(missing)
     assert graphs.missing_chunk_graphs() == []
+    # and launched ahead of their first step, on buffers of padding: no KV written
+    if missing:
+        assert graphs.first_launches.graphs == len(missing)
+    else:  # (the job met every bucket) nothing new to launch
+        assert graphs.first_launches is launched
+    assert all(graphs.launches[key] == 2 for key in missing)
+    assert all(torch.equal(a, c) for a, c in zip(kv, llm.engine.runner.kv_caches))
     assert graphs.first_use_captures == len(mixed) + len(missing)
     pairs = {(key.rows, key.cascade) for key in graphs.graphs if key.chunk}
     before = set(graphs.graphs)

@@ -99,11 +99,11 @@ def test_the_line_says_when_the_startup_heap_was_not_frozen():
 def test_the_lines_count_the_steps_that_replayed_graphs():
     data = _results(NEW)
     profile = {"steps": 300, "graph_steps": 280, "mixed_graph_steps": 60, "graph_captures": 1}
-    data["engines"][0]["extra"] = {"step_profile": profile}
+    data["engines"][0]["extra"] = {"step_profile": profile | {"graph_first_launches": 2}}
     head, graphs, target = summary.long_prefill_lines(data)
     assert graphs == (
         "CUDA graphs: 280 of 300 steps replayed one, 60 of them with a prompt chunk, "
-        "1 captured in the run (last run)"
+        "1 captured in the run, 2 launched for the first time (last run)"
     )
     assert len(summary.long_prefill_lines(_results(NEW))) == 2  # no profile, no line
 
@@ -123,8 +123,19 @@ def test_the_graphs_line_counts_those_captured_after_the_warm_up():
     profile = {"steps": 300, "graph_steps": 280, "mixed_graph_steps": 60, "graph_captures": 0}
     data["engines"][0]["extra"] = {"step_profile": profile, "graphs_captured_after_warmup": 7}
     graphs = summary.long_prefill_lines(data)[1]
-    assert graphs.endswith("0 captured in the run (last run); 7 more captured after the warm-up")
+    assert graphs.endswith(
+        "0 launched for the first time (last run); 7 more captured after the warm-up"
+    )
+    # and launched once then (engine/cuda_graphs.py FirstLaunches): the first time against again
+    launches = dict(graphs=7, first_host_ms=1.2, first_device_ms=9.5)
+    launches |= dict(again_host_ms=0.3, again_device_ms=4.31)
+    data["engines"][0]["extra"]["graph_launches_after_warmup"] = launches
+    assert summary.long_prefill_lines(data)[1].endswith(
+        "7 more captured after the warm-up and launched once: 9.5 ms on the device (1.2 on the "
+        "host) the first time, 4.3 (0.3) again"
+    )
     data["engines"][0]["extra"]["graphs_captured_after_warmup"] = 0
+    data["engines"][0]["extra"]["graph_launches_after_warmup"] = None
     assert "warm-up" not in summary.long_prefill_lines(data)[1]
 
 
