@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvkernels.specialize import step_varying
+
 LOG2E = 1.4426950408889634  # scores go through exp2: log2(e) is folded into the scale
 
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism
@@ -35,7 +37,10 @@ LONG_TABLE_TOKENS = 8192
 LONG_TOKENS_PER_SPLIT = 2048
 
 
-@triton.jit
+@step_varying(
+    ints=("stride_tb", "stride_lb", "stride_lh", "tokens_per_split", "max_tokens"),
+    pointers=("table_ptr", "seq_lens_ptr"),
+)
 def _decode_split_kernel(
     q_ptr,  # [B, H, D]
     kv_ptr,  # [2, num_blocks, block_size, KVH, D]
@@ -135,7 +140,7 @@ def _decode_split_kernel(
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls, lse2, mask=g_mask)
 
 
-@triton.jit
+@step_varying(ints=("stride_lmb", "stride_lmh", "num_splits"))
 def _merge_splits_kernel(
     mid_o_ptr,  # [B, H, S, D] float32
     mid_lse_ptr,  # [B, H, S] float32, log2 units

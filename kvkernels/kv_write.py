@@ -20,9 +20,10 @@ import triton
 import triton.language as tl
 
 from kvkernels.interpreter import rows_per_program
+from kvkernels.specialize import step_varying
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@step_varying(ints=("num_tokens",), pointers=("slot_ptr",))
 def _write_kv_kernel(
     cache_ptr,
     k_ptr,

@@ -46,6 +46,7 @@ from kvkernels.decode_attention import (
     merge_split_partials,
     num_sms,
 )
+from kvkernels.specialize import step_varying
 
 MIN_KEYS_PER_SPLIT = 512  # a split must amortise its q tile load and its partial's write
 
@@ -116,7 +117,10 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@step_varying(
+    ints=("stride_tb", "num_splits"),
+    pointers=("table_ptr", "query_start_ptr", "query_lens_ptr", "context_lens_ptr"),
+)
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
     kv_ptr,  # [2, num_blocks, block_size, KVH, D]
@@ -241,7 +245,7 @@ def _prefill_kernel(
     tl.store(lse_ptr + split * stride_ls + rows * stride_lt + heads * stride_lh, lse, mask=m_mask)
 
 
-@triton.jit
+@step_varying(ints=("num_splits",), pointers=("query_start_ptr", "query_lens_ptr"))
 def _merge_prefill_splits_kernel(
     part_o_ptr,  # [num_splits, T, H, D] float32
     part_lse_ptr,  # [num_splits, T, H] float32, log2 units

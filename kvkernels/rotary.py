@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kvkernels.interpreter import rows_per_program
+from kvkernels.specialize import step_varying
 
 
 @triton.jit
@@ -62,7 +63,7 @@ def _rotate_heads(
         tl.store(ptr2, y2.to(dtype), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@step_varying(ints=("num_tokens",), pointers=("positions_ptr",))
 def _rotary_kernel(
     q_ptr,
     k_ptr,

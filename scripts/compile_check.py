@@ -14,8 +14,11 @@ constexprs and argument specialisations the engine gives it. Outputs are never c
 torch ops between kernels run on the CPU on uninitialised data).
 
 For each compiled kernel: shared memory (from Triton's metadata; must fit the 227 KiB an
-sm_90 block may use), registers and spill bytes (ptxas -v on its PTX). Exit status 1 when a
-kernel fails to compile or overflows shared memory; spills are reported, not fatal.
+sm_90 block may use), registers and spill bytes (ptxas -v on its PTX). Then eager steps whose
+sizes vary as a job's do: each kernel must compile once per set of its constexprs, since a
+variant for an argument's alignment or divisibility is a compile in the middle of a run on the
+GPU (kvkernels/specialize.py). Exit status 1 when a kernel fails to compile, overflows shared
+memory or compiles more variants than that; spills are reported, not fatal.
 Run it under the GPU machine's Triton (3.6) too: that is the version that will compile there.
 """
 
@@ -66,15 +69,16 @@ class CompileOnlyDriver:
         return True
 
 
-def record_compiles(arch: int) -> list[tuple[str, object]]:
-    """From now on every kernel launch compiles for `arch` and returns without running."""
+def record_compiles(arch: int) -> list[tuple[str, object, object]]:
+    """From now on every kernel launch compiles for `arch` and returns without running; each
+    launch appends (kernel name, its JITFunction, the compiled kernel)."""
     driver.set_active(CompileOnlyDriver(arch))
-    compiled: list[tuple[str, object]] = []
+    compiled: list[tuple[str, object, object]] = []
     run = triton_jit.JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, kernel))
+        compiled.append((self.fn.__name__, self, kernel))
         return kernel
 
     triton_jit.JITFunction.run = compile_only
@@ -102,6 +106,37 @@ def rag_shaped_model(dtype: torch.dtype):
 
 def drive_engine(dtype: torch.dtype) -> None:
     """The engine's GPU path on the CPU: a scheduler, the runner, the triton backend."""
+    model = rag_shaped_model(dtype)
+    docs = [[100 + i] * 40 for i in range(2)]  # two documents of 2.5 blocks, 3 chunks each
+    prompts = [doc + [7 + j] * (5 + j) for doc in docs for j in range(3)]
+    prompts.append(list(range(3, 303)))  # a 300-token prompt: chunked over two steps
+    # prefill chunks, cascade decode steps, plain decodes
+    runner = run_steps(model, dtype, prompts, [4] * len(prompts), max_num_batched_tokens=256)
+
+    # The graph path: static buffers sized for a bucket, with and without groups, and with
+    # a prompt chunk after the decodes (its keys split for the longest context).
+    from engine.cuda_graphs import GraphKey
+
+    runner.capture_step_graphs(max_batch=8, max_model_len=4096, max_chunk=32, capture=False)
+    graphs = runner.step_graphs
+    for key in graphs.keys + [GraphKey(2, False, 16), GraphKey(8, True, 32)]:
+        graphs._run(key)
+
+    # Eager steps whose sizes vary step to step, as a job's do: a long prompt's chunks beside
+    # decodes that share a document or not, under token budgets that give odd chunks. Each
+    # kernel should compile once per set of constexprs (kvkernels/specialize.py), not once
+    # per alignment or divisibility its per-step arguments happen to have.
+    doc = [11] * 70
+    for budget, decoders, long_len, shared in ((61, 5, 1500, False), (97, 9, 2100, True)):
+        prompts = [(doc if shared else []) + [3 + i] * (7 + 5 * i) for i in range(decoders)]
+        prompts.append([5 + i % 2000 for i in range(long_len)])  # (the vocabulary is cut)
+        lens = [30 + i for i in range(decoders)] + [3]
+        run_steps(model, dtype, prompts, lens, max_num_batched_tokens=budget)
+
+
+def run_steps(model, dtype, prompts, max_tokens, max_num_batched_tokens):
+    """Greedy requests through a scheduler and the model runner with the triton backend, to
+    the end; returns the runner."""
     from engine.config import SchedulerConfig
     from engine.fused import model_forward
     from engine.kv_cache import KVCacheManager
@@ -111,10 +146,10 @@ def drive_engine(dtype: torch.dtype) -> None:
     from engine.sequence import Sequence
     from engine.triton_backend import TritonAttentionBackend
 
-    model = rag_shaped_model(dtype)
-    block_size, num_blocks = 16, 256
+    block_size, num_blocks = 16, 512
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256), kv)
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens)
+    scheduler = Scheduler(config, kv)
     runner = ModelRunner(
         model,
         kv,
@@ -125,31 +160,56 @@ def drive_engine(dtype: torch.dtype) -> None:
         TritonAttentionBackend(),
         forward=model_forward(model, fused=True),
     )
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    docs = [[100 + i] * 40 for i in range(2)]  # two documents of 2.5 blocks, 3 chunks each
-    prompts = [doc + [7 + j] * (5 + j) for doc in docs for j in range(3)]
-    prompts.append(list(range(3, 303)))  # a 300-token prompt: chunked over two steps
-    for i, p in enumerate(prompts):
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         scheduler.add(Sequence(str(i), p, params))
-    while scheduler.has_unfinished():  # prefill chunks, cascade decode steps, plain decodes
+    while scheduler.has_unfinished():
         out = scheduler.schedule()
         result = runner.execute(out)
         scheduler.advance(out)
         done = []
         for seq, tokens in zip(result.seqs, result.token_ids):
             seq.token_ids.extend(tokens)
-            if seq.num_output_tokens >= params.max_tokens:
+            if seq.num_output_tokens >= seq.params.max_tokens:
                 done.append(seq)
         scheduler.finish(done)
+    return runner
 
-    # The graph path: static buffers sized for a bucket, with and without groups, and with
-    # a prompt chunk after the decodes (its keys split for the longest context).
-    from engine.cuda_graphs import GraphKey
 
-    runner.capture_step_graphs(max_batch=8, max_model_len=4096, max_chunk=32, capture=False)
-    graphs = runner.step_graphs
-    for key in graphs.keys + [GraphKey(2, False, 16), GraphKey(8, True, 32)]:
-        graphs._run(key)
+def specialisations(launches: list[tuple[str, object, object]]) -> list[dict]:
+    """Per kernel: how many variants were compiled, how many sets of constexpr values and
+    argument types (the graph buffers' int32 tables against a step's int64 ones) they had,
+    and the arguments that differed between variants beyond those (Triton's specialisations:
+    an int of 1 made a constant, divisibility by 16, pointer alignment)."""
+    by_kernel: dict[str, tuple[object, dict]] = {}
+    for name, fn, kernel in launches:
+        if kernel is not None:
+            by_kernel.setdefault(name, (fn, {}))[1][kernel.hash] = kernel
+    rows = []
+    for name, (fn, variants) in sorted(by_kernel.items()):
+        constexpr = {i for i, p in enumerate(fn.params) if p.is_constexpr}
+        sets, varying = set(), set()
+        specs = [(k, k.src.attrs, k.src.constants) for k in variants.values()]
+        for k, attrs, consts in specs:
+            values = sorted((k, str(v)) for k, v in consts.items() if k[0] in constexpr)
+            pointers = sorted((n, t) for n, t in k.src.signature.items() if str(t)[:1] == "*")
+            sets.add((tuple(pointers), tuple(values)))
+            for _, other_attrs, other_consts in specs:
+                for key in (attrs.keys() | other_attrs.keys()) - {(i,) for i in constexpr}:
+                    if attrs.get(key) != other_attrs.get(key):
+                        varying.add(fn.arg_names[key[0]])
+                for key in (consts.keys() | other_consts.keys()) - {(i,) for i in constexpr}:
+                    if consts.get(key) != other_consts.get(key):
+                        varying.add(fn.arg_names[key[0]])
+        rows.append(
+            {
+                "kernel": name,
+                "variants": len(variants),
+                "constexpr_sets": len(sets),
+                "varying": sorted(varying),
+            }
+        )
+    return rows
 
 
 def ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
@@ -171,15 +231,24 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
 
 def check(arch: int, dtypes: list[str]) -> dict:
     compiled = record_compiles(arch)
-    rows, errors = [], []
+    rows, errors, specs = [], [], []
     for name in dtypes:
         start = len(compiled)
         try:
             drive_engine(getattr(torch, name))
         except Exception as e:  # a kernel that does not compile: the finding itself
             errors.append(f"{name}: {type(e).__name__}: {e}")
+        for spec in specialisations(compiled[start:]):
+            specs.append(spec | {"dtype": name})
+            if spec["variants"] > spec["constexpr_sets"]:
+                errors.append(
+                    f"{name}: {spec['kernel']} compiled {spec['variants']} variants for "
+                    f"{spec['constexpr_sets']} sets of constexprs and pointer types; arguments "
+                    f"that varied: "
+                    f"{', '.join(spec['varying'])} (kvkernels/specialize.py step_varying)"
+                )
         seen = set()
-        for kernel_name, kernel in compiled[start:]:
+        for kernel_name, _, kernel in compiled[start:]:
             if kernel is None or kernel.hash in seen:
                 continue
             seen.add(kernel.hash)
@@ -205,6 +274,7 @@ def check(arch: int, dtypes: list[str]) -> dict:
         "ok": ok,
         "errors": errors,
         "kernels": rows,
+        "specialisations": specs,
     }
 
 
@@ -222,6 +292,14 @@ def format_report(report: dict) -> str:
             f"| {r['kernel']} | {r['dtype']} | {r['num_warps']} | {r['num_stages']} | "
             f"{r['shared_bytes'] / 1024:.1f}{flag} | {r['registers']} | {r['spill_bytes']} |"
         )
+    lines += [
+        "",
+        "variants compiled per kernel (sets of constexprs and pointer types): "
+        + ", ".join(
+            f"{r['kernel']} {r['variants']} ({r['constexpr_sets']})"
+            for r in report["specialisations"]
+        ),
+    ]
     lines += [f"error: {e}" for e in report["errors"]]
     return "\n".join(lines)
 

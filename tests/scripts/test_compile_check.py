@@ -48,3 +48,10 @@ def test_every_kernel_the_engine_launches_compiles_for_sm90(tmp_path):
     attention = [r for r in rows if r["kernel"] in ("_prefill_kernel", "_decode_split_kernel")]
     assert all(r["shared_bytes"] > 0 for r in attention)  # pipelined tiles live in shared memory
     assert "| _prefill_kernel | bfloat16 |" in done.stdout
+    # eager steps of varying sizes compile each kernel once per set of constexprs and pointer
+    # types, not once per alignment of a step's metadata (kvkernels/specialize.py)
+    specs = {r["kernel"]: r for r in report["specialisations"]}
+    assert set(specs) == KERNELS
+    assert all(r["variants"] == r["constexpr_sets"] for r in specs.values())
+    assert specs["_prefill_kernel"]["variants"] >= 4  # causal or not, split or not
+    assert "variants compiled per kernel" in done.stdout
