@@ -19,11 +19,12 @@ import triton
 import triton.language as tl
 
 from kvkernels.interpreter import rows_per_program
+from kvkernels.specialize import step_varying
 
 _BLOCK = 1024
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+@step_varying(ints=("num_rows",))
 def _silu_and_mul_kernel(
     gate_ptr,
     up_ptr,

@@ -21,9 +21,10 @@ import triton
 import triton.language as tl
 
 from kvkernels.interpreter import rows_per_program
+from kvkernels.specialize import step_varying
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+@step_varying(ints=("num_rows",))
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,  # read and updated (residual += x) when HAS_RESIDUAL

@@ -187,20 +187,19 @@ def specialisations(launches: list[tuple[str, object, object]]) -> list[dict]:
             by_kernel.setdefault(name, (fn, {}))[1][kernel.hash] = kernel
     rows = []
     for name, (fn, variants) in sorted(by_kernel.items()):
-        constexpr = {i for i, p in enumerate(fn.params) if p.is_constexpr}
-        sets, varying = set(), set()
-        specs = [(k, k.src.attrs, k.src.constants) for k in variants.values()]
-        for k, attrs, consts in specs:
-            values = sorted((k, str(v)) for k, v in consts.items() if k[0] in constexpr)
-            pointers = sorted((n, t) for n, t in k.src.signature.items() if str(t)[:1] == "*")
+        constexpr = {(i,) for i, p in enumerate(fn.params) if p.is_constexpr}
+        others = {(i,) for i in range(len(fn.params))} - constexpr
+        sets = set()
+        seen: dict[tuple, set[str]] = {}  # argument -> its specialisations among the variants
+        for kernel in variants.values():
+            attrs, consts = kernel.src.attrs, kernel.src.constants
+            values = sorted((key, str(v)) for key, v in consts.items() if key in constexpr)
+            sig = kernel.src.signature.items()
+            pointers = sorted((n, t) for n, t in sig if str(t)[:1] == "*")
             sets.add((tuple(pointers), tuple(values)))
-            for _, other_attrs, other_consts in specs:
-                for key in (attrs.keys() | other_attrs.keys()) - {(i,) for i in constexpr}:
-                    if attrs.get(key) != other_attrs.get(key):
-                        varying.add(fn.arg_names[key[0]])
-                for key in (consts.keys() | other_consts.keys()) - {(i,) for i in constexpr}:
-                    if consts.get(key) != other_consts.get(key):
-                        varying.add(fn.arg_names[key[0]])
+            for key in others:
+                seen.setdefault(key, set()).add(f"{attrs.get(key)} {consts.get(key)}")
+        varying = {fn.arg_names[key[0]] for key, specs in seen.items() if len(specs) > 1}
         rows.append(
             {
                 "kernel": name,
