@@ -3,6 +3,7 @@
     kvbatch bench host-overhead [--requests 512] [--backend torch] [--no-cascade]
                                 [--async-scheduling] [--json F]
     kvbatch bench host-overhead --long-prompt 32768 [--requests 64] [--chunk-tokens 256]
+                                [--long-decode-steps 32]
 
 On a GPU a decode step of the `rag` workload takes a few milliseconds, and the host builds
 the next step only after the sampled tokens are back: every millisecond of scheduling and
@@ -102,14 +103,17 @@ def measure_long_prompt(
     chunk_tokens: int = 256,
     plain_steps: int = 10,
     threads: int = 1,
+    long_decode_steps: int = 32,
 ) -> dict[str, Any]:
     """Host phases of the long-prefill shape: `decoders` requests decode; after `plain_steps`
     profiled plain steps a `long_prompt_len`-token prompt arrives and is prefilled in chunks
     of at most `chunk_tokens` tokens' worth beside them (the token cap, the same split every
-    run). Whether the host's work per step (schedule, prepare, rest) grows while a long
-    prompt is in flight: on a GPU those phases are the part of a mixed step that graphs and
-    chunk sizes do not shorten. The prompt's add_request is timed apart (it falls between two
-    steps)."""
+    run); then it decodes beside them for `long_decode_steps` steps. Whether the host's work
+    per step (schedule, prepare, rest) grows while a long prompt is in flight, and once its
+    table (2,048 blocks at 32k) is one of the decodes': on a GPU those phases are the part of
+    a step that graphs and chunk sizes do not shorten, and with async scheduling the first
+    long-decoding step is prepared in the call that collects the prompt's last chunk. The
+    prompt's add_request is timed apart (it falls between two steps)."""
     import random
 
     import torch
@@ -118,15 +122,17 @@ def measure_long_prompt(
     from engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
+    positions = long_prompt_len + max(64, long_decode_steps + 32)
     spec = dataclasses.replace(
         TINY_LLAMA,
-        name=f"{TINY_LLAMA.name}-ctx{long_prompt_len + 64}",
-        max_position_embeddings=max(TINY_LLAMA.max_position_embeddings, long_prompt_len + 64),
+        name=f"{TINY_LLAMA.name}-ctx{positions}",
+        max_position_embeddings=max(TINY_LLAMA.max_position_embeddings, positions),
     )
-    max_model_len = long_prompt_len + 16
+    max_model_len = long_prompt_len + long_decode_steps + 16
     # the decoders outlast a prefill of up to DECODE_TOKENS steps (a 32k prompt: 468 steps at
-    # --chunk-tokens 4096; at 256 the cap's chunks shrink with depth and it took 4,090)
-    decode_len = min(DECODE_TOKENS, max_model_len - 128)
+    # --chunk-tokens 4096; at 256 the cap's chunks shrink with depth and it took 4,090), and
+    # then the long prompt's decodes
+    decode_len = min(DECODE_TOKENS + long_decode_steps, max_model_len - 128)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, spec.vocab_size) for _ in range(128)] for _ in range(decoders)]
     llm = LLM(
@@ -147,16 +153,24 @@ def measure_long_prompt(
     plain = list(profile.steps)
     long_prompt = [rng.randrange(3, spec.vocab_size) for _ in range(long_prompt_len)]
     start = time.perf_counter()
-    rid = engine.add_request(long_prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    long_params = dataclasses.replace(decode, max_tokens=long_decode_steps + 1)  # greedy too
+    rid = engine.add_request(long_prompt, long_params)
     add_ms = (time.perf_counter() - start) * 1e3
     long_seq = engine.requests[rid]
     profile.clear()
     while long_seq.num_output_tokens == 0:
         engine.step()
     mixed = list(profile.steps)
+    profile.clear()
+    for _ in range(long_decode_steps):
+        engine.step()
+    long_decoding = list(profile.steps)
 
     def medians(steps: list[dict[str, float]]) -> dict[str, float]:
         return {k: statistics.median(s[k] for s in steps) * 1e3 for k in PHASES}
+
+    def maxima(steps: list[dict[str, float]]) -> dict[str, float]:
+        return {k: max(s[k] for s in steps) * 1e3 for k in PHASES}
 
     return {
         "decoders": decoders,
@@ -167,26 +181,36 @@ def measure_long_prompt(
         "mixed_steps": len(mixed),
         "plain_ms_per_step": medians(plain),
         "mixed_ms_per_step": medians(mixed),
-        "mixed_max_ms": {k: max(s[k] for s in mixed) * 1e3 for k in PHASES},
+        "mixed_max_ms": maxima(mixed),
+        "long_decoding_steps": len(long_decoding),
+        "long_decoding_ms_per_step": medians(long_decoding) if long_decoding else None,
+        "long_decoding_max_ms": maxima(long_decoding) if long_decoding else None,
         "torch": torch.__version__,
     }
 
 
 def format_long_prompt_result(r: dict[str, Any]) -> str:
-    rows = [
-        f"| {k} | {r['plain_ms_per_step'][k]:.2f} | {r['mixed_ms_per_step'][k]:.2f} "
-        f"| {r['mixed_max_ms'][k]:.2f} |"
-        for k in PHASES
+    columns = [
+        ("plain step (median ms)", r["plain_ms_per_step"]),
+        ("with a chunk (median ms)", r["mixed_ms_per_step"]),
+        ("with a chunk (max ms)", r["mixed_max_ms"]),
     ]
+    if r.get("long_decoding_ms_per_step"):
+        columns += [
+            ("long decoding (median ms)", r["long_decoding_ms_per_step"]),
+            ("long decoding (max ms)", r["long_decoding_max_ms"]),
+        ]
+    rows = ["| " + " | ".join([k, *(f"{c[k]:.2f}" for _, c in columns)]) + " |" for k in PHASES]
     return "\n".join(
         [
             f"host-overhead --long-prompt {r['long_prompt_len']}: {r['decoders']} decoders on "
             f"the tiny model, chunks of at most {r['chunk_tokens']} tokens' worth; "
-            f"{r['plain_steps']} plain steps, {r['mixed_steps']} while the prompt was prefilled; "
+            f"{r['plain_steps']} plain steps, {r['mixed_steps']} while the prompt was prefilled, "
+            f"{r.get('long_decoding_steps', 0)} while it decoded beside the others; "
             f"its add_request {r['add_request_ms']:.2f} ms",
             "",
-            "| phase | plain step (median ms) | with a chunk (median ms) | with a chunk (max ms) |",
-            "|---|---|---|---|",
+            "| phase | " + " | ".join(name for name, _ in columns) + " |",
+            "|---" * (len(columns) + 1) + "|",
             *rows,
         ]
     )
@@ -235,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         "of --chunk-tokens, host phases of plain steps against steps with a chunk",
     )
     ap.add_argument("--chunk-tokens", type=int, default=256, help="with --long-prompt")
+    ap.add_argument(
+        "--long-decode-steps",
+        type=int,
+        default=32,
+        help="with --long-prompt: steps profiled after its first token, while it decodes",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     args = ap.parse_args(argv)
@@ -242,10 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     if requests < 1 or args.output_len < 2:
         ap.error("--requests must be >= 1 and --output-len >= 2")
     if args.long_prompt:
-        if args.long_prompt < 2 or args.chunk_tokens < 1:
-            ap.error("--long-prompt must be >= 2 and --chunk-tokens >= 1")
+        if args.long_prompt < 2 or args.chunk_tokens < 1 or args.long_decode_steps < 0:
+            ap.error("--long-prompt must be >= 2, --chunk-tokens >= 1 and --long-decode-steps >= 0")
         result = measure_long_prompt(
-            args.long_prompt, requests, args.chunk_tokens, threads=args.threads
+            args.long_prompt,
+            requests,
+            args.chunk_tokens,
+            threads=args.threads,
+            long_decode_steps=args.long_decode_steps,
         )
         print(format_long_prompt_result(result))
         _write_json(args.json, result)

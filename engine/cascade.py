@@ -45,18 +45,29 @@ def find_shared_prefixes(
     by their first physical block; a group's shared prefix is the longest common run of block
     ids, capped so that every member keeps at least its newest token private. Vectorised over
     all rows at once: this runs every decode step.
+
+    Only the columns a group could share are compared: up to the largest cap of a group of
+    `min_group` or more. One long row (a 32k prompt decoding: 2,048 blocks) widens the step's
+    tables, but alone in its group it adds no columns (comparing them all doubled this
+    function's time, +0.15-0.3 ms a step on the 2-core CPU).
     """
-    n, width = tables.shape
+    n = len(tables)
     order = np.argsort(tables[:, 0], kind="stable")
-    rows = tables[order]
-    starts = np.flatnonzero(np.r_[True, rows[1:, 0] != rows[:-1, 0]])  # each group's first row
+    first = tables[order, 0]
+    starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])  # each group's first row
     sizes = np.diff(np.r_[starts, n])
+    # every member keeps its newest token private
+    caps = np.minimum.reduceat((context_lens[order] - 1) // block_size, starts)
+    candidates = (sizes >= min_group) & (caps > 0)
+    if not candidates.any():
+        return order, []
+    width = int(caps[candidates].max())
+    rows = tables[order, :width]
     # A group's common prefix is the shortest run any member shares with the group's first.
     same = rows == rows[np.repeat(starts, sizes)]  # [n, width]
     run = np.where(same.all(axis=1), width, same.argmin(axis=1))
-    caps = (context_lens[order] - 1) // block_size  # every member keeps its newest token private
-    shared = np.minimum(np.minimum.reduceat(run, starts), np.minimum.reduceat(caps, starts))
-    keep = (sizes >= min_group) & (shared > 0)
+    shared = np.minimum(np.minimum.reduceat(run, starts), caps)
+    keep = candidates & (shared > 0)
     groups = [
         (s, s + size, k)
         for s, size, k in zip(starts[keep].tolist(), sizes[keep].tolist(), shared[keep].tolist())

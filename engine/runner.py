@@ -279,7 +279,14 @@ def _decode_tables(tables, num_blocks, context_lens, groups, block_size):
         private      [a1 a2]         [b1 0]          (one row per group)
 
     Returns (private tables [D, P], private lengths [D], group tables [G, max shared],
-    group ranges [3, G]: first row, rows, shared tokens)."""
+    group ranges [3, G]: first row, rows, shared tokens). Without groups the tables are the
+    private ones, cut to the decodes' own width (they come zero-padded from the KV manager):
+    the general path builds [D, P] index arrays: ~0.6 ms a step once a 32k context decodes
+    beside 64 short ones (the 2-core CPU), against ~0.01 ms for the cut."""
+    if not groups:
+        width = int(num_blocks.max(initial=0))
+        no_groups = np.zeros((0, 0), np.int64), np.zeros((3, 0), np.int64)
+        return tables[:, :width], context_lens, *no_groups
     skip = np.zeros(len(tables), dtype=np.int64)
     for start, end, shared in groups:
         skip[start:end] = shared

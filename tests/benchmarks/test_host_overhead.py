@@ -29,13 +29,21 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
 def test_a_long_prompt_s_steps_are_profiled_apart_from_plain_ones(tmp_path, capsys):
     out = tmp_path / "long.json"
     argv = ["host-overhead", "--long-prompt", "600", "--requests", "3", "--chunk-tokens", "64"]
-    assert main([*argv, "--json", str(out)]) == 0
+    assert main([*argv, "--long-decode-steps", "5", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| phase | plain step (median ms) | with a chunk (median ms) |" in printed
+    assert "| long decoding (median ms) | long decoding (max ms) |" in printed
     r = json.loads(out.read_text())
     assert r["decoders"] == 3 and r["long_prompt_len"] == 600 and r["plain_steps"] == 10
     # 600 tokens in chunks of at most 64 tokens' worth: at least 10 steps with a chunk
     assert r["mixed_steps"] >= 600 // 64
-    for phases in (r["plain_ms_per_step"], r["mixed_ms_per_step"], r["mixed_max_ms"]):
+    assert r["long_decoding_steps"] == 5
+    for phases in (
+        r["plain_ms_per_step"],
+        r["mixed_ms_per_step"],
+        r["mixed_max_ms"],
+        r["long_decoding_ms_per_step"],
+        r["long_decoding_max_ms"],
+    ):
         assert set(phases) == set(PHASES) and all(v >= 0 for v in phases.values())
     assert r["add_request_ms"] > 0

@@ -83,6 +83,20 @@ def test_vectorised_grouping_equals_the_loops(seed):
     assert order.tolist() == want_order and groups == want_groups
 
 
+def test_a_long_row_alone_in_its_group_leaves_the_groups_as_they_were():
+    """Only the columns a group of two or more could share are compared: a 32k context
+    decoding (2,048 blocks) beside rag-like groups changes neither the groups nor the order."""
+    rng = np.random.default_rng(7)
+    doc_a, doc_b = rng.integers(1, 10_000, 8).tolist(), rng.integers(1, 10_000, 8).tolist()
+    tables = [doc_a + [20_000 + i] for i in range(3)] + [doc_b + [30_000 + i] for i in range(2)]
+    tables.insert(2, rng.integers(40_000, 50_000, 2049).tolist())
+    ctx = [len(t) * 16 - 5 for t in tables]
+    order, groups = find_shared_prefixes(padded(tables), np.array(ctx), block_size=16)
+    want_order, want_groups = shared_prefixes_by_loops(tables, ctx, 16)
+    assert order.tolist() == want_order and groups == want_groups
+    assert sorted(n for _, _, n in groups) == [8, 8]
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3)])
 def test_cascade_equals_plain_paged_attention(heads, kv_heads):
     g = torch.Generator().manual_seed(0)
