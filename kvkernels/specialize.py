@@ -16,8 +16,9 @@ Found with scripts/compile_check.py's compile-only driver (sm_90, on the CPU): t
 steps, eager ones of varying sizes among them, compiled 15 variants of the prefill kernel and
 8 of the decode kernel where their constexprs and pointer types (the CUDA graphs' int32
 tables, a step's int64 ones) make 5 and 3. The check now fails on any kernel that compiles
-more variants than that (tests/scripts/test_compile_check.py runs it in CI). Data pointers (q, K/V cache, outputs) keep their hints: they are
-allocations, aligned every step, and their loads are the ones that gain from the hints.
+more variants than that (tests/scripts/test_compile_check.py runs it in CI). Data pointers
+(q, K/V cache, outputs) keep their hints: they are allocations, aligned every step, and their
+loads are the ones that gain from the hints.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ For each compiled kernel: shared memory (from Triton's metadata; must fit the 22
 sm_90 block may use), registers and spill bytes (ptxas -v on its PTX). Then eager steps whose
 sizes vary as a job's do: each kernel must compile once per set of its constexprs and pointer
 types, since a variant for an argument's alignment or divisibility is a compile in the middle
-of a run on the GPU (kvkernels/specialize.py). Exit status 1 when a kernel fails to compile, overflows shared
-memory or compiles more variants than that; spills are reported, not fatal.
+of a run on the GPU (kvkernels/specialize.py). Exit status 1 when a kernel fails to compile,
+overflows shared memory or compiles more variants than that; spills are reported, not fatal.
 Run it under the GPU machine's Triton (3.6) too: that is the version that will compile there.
 """
 
