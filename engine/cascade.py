@@ -34,14 +34,17 @@ class DecodeGroup:
 
 
 def find_shared_prefixes(
-    tables: np.ndarray,  # [B, W] block tables, zero-padded (KVCacheManager.block_tables)
+    tables: np.ndarray,  # [R, W] block tables, zero-padded (KVCacheManager.table_array)
     context_lens: np.ndarray,  # [B] tokens per row, including the new one
     block_size: int,
     min_group: int = 2,
+    rows: np.ndarray | None = None,  # [B] the rows of `tables` to group (default: all)
 ) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """Order decode rows so sharers are adjacent and find each group's shared block count.
 
-    Returns (row order, [(start, end, num_shared_blocks)] in that order). Rows are grouped
+    Returns (row order, [(start, end, num_shared_blocks)] in that order); with `rows`, the
+    order indexes `rows` (the runner passes the KV manager's whole table array and the
+    step's rows in it, so that no column past a group's is ever gathered). Rows are grouped
     by their first physical block; a group's shared prefix is the longest common run of block
     ids, capped so that every member keeps at least its newest token private. Vectorised over
     all rows at once: this runs every decode step.
@@ -51,9 +54,10 @@ def find_shared_prefixes(
     tables, but alone in its group it adds no columns (comparing them all doubled this
     function's time, +0.15-0.3 ms a step on the 2-core CPU).
     """
-    n = len(tables)
-    order = np.argsort(tables[:, 0], kind="stable")
-    first = tables[order, 0]
+    rows = np.arange(len(tables)) if rows is None else rows
+    n = len(rows)
+    order = np.argsort(tables[rows, 0], kind="stable")
+    first = tables[rows[order], 0]
     starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])  # each group's first row
     sizes = np.diff(np.r_[starts, n])
     # every member keeps its newest token private
@@ -62,9 +66,9 @@ def find_shared_prefixes(
     if not candidates.any():
         return order, []
     width = int(caps[candidates].max())
-    rows = tables[order, :width]
+    ordered = tables[rows[order], :width]
     # A group's common prefix is the shortest run any member shares with the group's first.
-    same = rows == rows[np.repeat(starts, sizes)]  # [n, width]
+    same = ordered == ordered[np.repeat(starts, sizes)]  # [n, width]
     run = np.where(same.all(axis=1), width, same.argmin(axis=1))
     shared = np.minimum(np.minimum.reduceat(run, starts), caps)
     keep = candidates & (shared > 0)

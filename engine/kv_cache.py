@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from engine.table_rows import TableRows
+from engine.table_rows import TableChanges, TableRows
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 
@@ -192,6 +192,13 @@ class BlockTables(NamedTuple):
 
     table: np.ndarray  # [num_seqs, max_blocks] int64, rows padded with block 0
     num_blocks: np.ndarray  # [num_seqs] int64: each row's real length
+
+
+class TableRefs(NamedTuple):
+    """Where several sequences' tables are in `KVCacheManager.table_array`."""
+
+    rows: np.ndarray  # [num_seqs] int64 (0: an empty row)
+    num_blocks: np.ndarray  # [num_seqs] int64: each table's length
 
 
 class KVCacheManager:
@@ -362,11 +369,26 @@ class KVCacheManager:
         The runner's per-step path: one gather from the mirrored tables (engine/table_rows.py)
         instead of a pass over every entry of every list. Unknown ids get an empty row.
         """
+        rows, lens = self.table_rows(seq_ids)
+        return BlockTables(self._rows.gather(rows, int(lens.max(initial=0))), lens)
+
+    def table_rows(self, seq_ids: Sequence[Hashable]) -> TableRefs:
+        """Where `seq_ids`' tables are in `table_array` (row 0, always zero, for unknown ids)
+        and their lengths: the runner gathers only what it needs, or on the device."""
         states = [self._seqs.get(s) for s in seq_ids]
         rows = np.fromiter((st.row if st else 0 for st in states), np.int64, len(states))
         lens = np.fromiter((len(st.table) if st else 0 for st in states), np.int64, len(states))
-        width = int(lens.max()) if len(states) else 0
-        return BlockTables(self._rows.gather(rows, width), lens)
+        return TableRefs(rows, lens)
+
+    @property
+    def table_array(self) -> np.ndarray:
+        """Every table as a zero-padded row (engine/table_rows.py); read only."""
+        return self._rows.array
+
+    def take_table_changes(self) -> TableChanges:
+        """The entries of `table_array` changed since the last call (one reader: the runner,
+        which keeps a copy on the device, engine/device_tables.py)."""
+        return self._rows.take_changes()
 
     def num_computed_tokens(self, seq_id: Hashable) -> int:
         """Tokens covered by seq_id's table so far (cached + allocated)."""

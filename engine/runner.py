@@ -17,6 +17,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
 from engine.cascade import DecodeGroup, find_shared_prefixes
+from engine.device_tables import DeviceBlockTables, gather_decode_tables, plan_decode_tables
 from engine.kv_cache import KVCacheManager
 from engine.launched_step import LaunchedStep, StepResult
 from engine.model import LlamaForCausalLM
@@ -73,6 +74,7 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
+        self.tables = DeviceBlockTables(device)  # kv's block tables, kept on the device
         self.sampler = Sampler(seed=seed)
         self.step_graphs = None  # set by capture_step_graphs (CUDA, triton backend)
         # The last launched step's sampled tokens, on the device: where a sequence's pending
@@ -173,24 +175,26 @@ class ModelRunner:
 
     def _prepare(self, out: SchedulerOutput):
         """Host side of a step, vectorised with numpy (at 512 decodes, Python per sequence
-        would cost more than the GPU's step), then one host-to-device copy."""
+        would cost more than the GPU's step), then one host-to-device copy. The block tables
+        themselves stay on the device (engine/device_tables.py): the copy carries the
+        entries that changed since the last step and the step's rows, and the step's tables
+        are gathered there."""
         bs = self.block_size
         chunks = out.chunks
         num_decodes = sum(1 for c in chunks if c.num_new_tokens == 1)  # decodes come first
-        tables, num_blocks = self.kv.block_tables([id(c.seq) for c in chunks])
+        rows, num_blocks = self.kv.table_rows([id(c.seq) for c in chunks])
+        host_tables = self.kv.table_array  # [all rows, width] (read only)
+        changes = self.kv.take_table_changes()
         starts = np.fromiter((c.seq.num_computed_tokens for c in chunks), np.int64, len(chunks))
         groups: list[tuple[int, int, int]] = []
         if self.cascade and num_decodes >= 2:
-            # the decodes' own width: a long prompt's chunk in the step widens `tables` to its
-            # context (2,048 blocks at 32k), and every column would be compared every step
-            width = int(num_blocks[:num_decodes].max())
             order, groups = find_shared_prefixes(
-                tables[:num_decodes, :width], starts[:num_decodes] + 1, bs
+                host_tables, starts[:num_decodes] + 1, bs, rows=rows[:num_decodes]
             )
             if groups:  # sharers adjacent; prefill chunks stay where they are
                 perm = np.concatenate([order, np.arange(num_decodes, len(chunks))])
                 chunks = [chunks[i] for i in perm]
-                tables, num_blocks, starts = tables[perm], num_blocks[perm], starts[perm]
+                rows, num_blocks, starts = rows[perm], num_blocks[perm], starts[perm]
         lens = np.fromiter((c.num_new_tokens for c in chunks), np.int64, len(chunks))
         ids: list[int] = []
         pending_at: list[int] = []  # ids still on the device: index in ids, row in _last_sampled
@@ -210,39 +214,61 @@ class ModelRunner:
         query_start = np.cumsum(lens) - lens
         seq_of_token = np.repeat(np.arange(len(chunks)), lens)
         positions = starts[seq_of_token] + np.arange(len(ids)) - query_start[seq_of_token]
-        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        slots = host_tables[rows[seq_of_token], positions // bs] * bs + positions % bs
         context_lens = starts + lens
 
         # not every 1-token chunk samples: it may be a prompt's chunk cut by the token budget
         sample_idx = [i for i, c in enumerate(chunks) if c.samples]
-        rows = (query_start + lens - 1)[sample_idx]
+        logits_rows = (query_start + lens - 1)[sample_idx]
         num_rows = [1 + len(chunks[i].seq.draft_token_ids) for i in sample_idx]
         if any(r > 1 for r in num_rows):  # speculative chunks are scored at every position
-            rows = np.concatenate([np.arange(e - r + 1, e + 1) for e, r in zip(rows, num_rows)])
+            logits_rows = np.concatenate(
+                [np.arange(e - r + 1, e + 1) for e, r in zip(logits_rows, num_rows)]
+            )
 
-        decode = _decode_tables(
-            tables[:num_decodes], num_blocks[:num_decodes], context_lens[:num_decodes], groups, bs
+        plan = plan_decode_tables(
+            rows[:num_decodes], num_blocks[:num_decodes], context_lens[:num_decodes], groups, bs
         )
         prefill_ranges = np.stack([query_start, lens, context_lens])[:, num_decodes:]
-        (ids_d, positions_d, slots_d, rows_d, prefill_tables, prefill_ranges_d, *rest) = (
-            to_device_at_once(
-                [
-                    np.array(ids, dtype=np.int64),
-                    positions,
-                    slots,
-                    rows,
-                    tables[num_decodes:],  # every prefill chunk's table in one tensor
-                    prefill_ranges,
-                    *decode,
-                    np.array(pending_at, dtype=np.int64),
-                    np.array(pending_rows, dtype=np.int64),
-                ],
-                self.device,
-            )
+        (
+            ids_d,
+            positions_d,
+            slots_d,
+            logits_rows_d,
+            rows_d,
+            num_blocks_d,
+            prefill_ranges_d,
+            *rest,
+        ) = to_device_at_once(
+            [
+                np.array(ids, dtype=np.int64),
+                positions,
+                slots,
+                logits_rows,
+                rows,
+                num_blocks,
+                prefill_ranges,
+                *plan.arrays(),
+                changes.rows,
+                changes.cols,
+                changes.values,
+                np.array(pending_at, dtype=np.int64),
+                np.array(pending_rows, dtype=np.int64),
+            ],
+            self.device,
         )
-        *decode_d, pending_at_d, pending_rows_d = rest
+        *plan_d, change_rows, change_cols, change_values, pending_at_d, pending_rows_d = rest
         if pending_at:
             ids_d[pending_at_d] = self._last_sampled[pending_rows_d]
+        self.tables.apply(changes.shape, change_rows, change_cols, change_values)
+        private, private_lens, group_tables, group_ranges = gather_decode_tables(
+            self.tables, plan, rows_d[:num_decodes], num_blocks_d[:num_decodes], *plan_d
+        )
+        prefill_tables = (  # every prefill chunk's table in one tensor
+            self.tables.gather(rows_d[num_decodes:], int(num_blocks[num_decodes:].max()))
+            if len(chunks) > num_decodes
+            else self.tables.empty
+        )
         prefills = [
             PrefillSpan(
                 int(query_start[i]),
@@ -252,7 +278,6 @@ class ModelRunner:
             )
             for i in range(num_decodes, len(chunks))
         ]
-        private, private_lens, shared, ranges = decode_d
         attention = AttentionMetadata(
             slot_mapping=slots_d,
             num_decode_tokens=num_decodes,
@@ -260,45 +285,17 @@ class ModelRunner:
             decode_seq_lens=private_lens,
             prefills=prefills,
             decode_groups=[
-                DecodeGroup(start, end, shared[i, :n]) for i, (start, end, n) in enumerate(groups)
+                DecodeGroup(start, end, group_tables[i, :n])
+                for i, (start, end, n) in enumerate(groups)
             ],
             prefill_block_tables=prefill_tables,
             prefill_ranges=prefill_ranges_d if prefills else None,
-            decode_group_tables=shared if groups else None,
-            decode_group_ranges=ranges if groups else None,
+            decode_group_tables=group_tables if groups else None,
+            decode_group_ranges=group_ranges if groups else None,
             decode_group_max_rows=max((end - start for start, end, _ in groups), default=0),
         )
-        return ids_d, _StepMeta(positions_d, attention), rows_d, [chunks[i].seq for i in sample_idx]
-
-
-def _decode_tables(tables, num_blocks, context_lens, groups, block_size):
-    """Decode block tables and lengths; with shared-prefix groups, only the private part
-    after each group's shared blocks, and the groups' blocks once per group:
-
-        row tables   [S S S a1 a2]   [S S S b1]      groups' tables  [S S S]
-        private      [a1 a2]         [b1 0]          (one row per group)
-
-    Returns (private tables [D, P], private lengths [D], group tables [G, max shared],
-    group ranges [3, G]: first row, rows, shared tokens). Without groups the tables are the
-    private ones, cut to the decodes' own width (they come zero-padded from the KV manager):
-    the general path builds [D, P] index arrays: ~0.6 ms a step once a 32k context decodes
-    beside 64 short ones (the 2-core CPU), against ~0.01 ms for the cut."""
-    if not groups:
-        width = int(num_blocks.max(initial=0))
-        no_groups = np.zeros((0, 0), np.int64), np.zeros((3, 0), np.int64)
-        return tables[:, :width], context_lens, *no_groups
-    skip = np.zeros(len(tables), dtype=np.int64)
-    for start, end, shared in groups:
-        skip[start:end] = shared
-    width = int((num_blocks - skip).max(initial=0))
-    cols = skip[:, None] + np.arange(width)  # [D, P]: which column of its table each entry is
-    private = np.take_along_axis(tables, np.minimum(cols, max(tables.shape[1] - 1, 0)), axis=1)
-    private[cols >= num_blocks[:, None]] = 0
-    group_tables = np.zeros((len(groups), max((g[2] for g in groups), default=0)), np.int64)
-    for i, (start, _, shared) in enumerate(groups):
-        group_tables[i, :shared] = tables[start, :shared]
-    ranges = np.array([(s, e - s, n * block_size) for s, e, n in groups], np.int64).reshape(-1, 3)
-    return private, context_lens - skip * block_size, group_tables, ranges.T.copy()
+        meta = _StepMeta(positions_d, attention)
+        return ids_d, meta, logits_rows_d, [chunks[i].seq for i in sample_idx]
 
 
 def to_device_at_once(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

@@ -81,6 +81,12 @@ def test_vectorised_grouping_equals_the_loops(seed):
     wide = np.pad(padded(tables), ((0, 0), (0, 50)))
     order, groups = find_shared_prefixes(wide, np.array(ctx), block_size=4)
     assert order.tolist() == want_order and groups == want_groups
+    # nor do other rows around them: the runner passes the KV manager's whole table array and
+    # the step's rows in it, here in reverse order after five rows of other sequences
+    array = np.concatenate([rng.integers(0, 6, size=(5, wide.shape[1])), wide[::-1]])
+    rows = 5 + np.arange(len(tables))[::-1]
+    order, groups = find_shared_prefixes(array, np.array(ctx), block_size=4, rows=rows)
+    assert order.tolist() == want_order and groups == want_groups
 
 
 def test_a_long_row_alone_in_its_group_leaves_the_groups_as_they_were():

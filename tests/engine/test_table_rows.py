@@ -24,31 +24,37 @@ def test_rows_grow_in_both_directions_and_are_zero_past_each_table():
     assert not rows.array[a].any() and rows.acquire() == a
 
 
+def random_table_op(kv, live, rng, names, sizes, p_allocate=0.5, p_truncate=0.2) -> None:
+    """One random allocation (of one of `sizes` tokens, for one of `names`), speculative
+    truncation or free on `kv`; `live` maps each sequence to its tokens."""
+    op = rng.random()
+    if op < p_allocate or not live:
+        name = rng.choice(names)
+        tokens = live.setdefault(name, [])
+        n = rng.choice(sizes)
+        new = [rng.randint(0, 3) for _ in range(n)]
+        if kv.allocate_slots(name, tokens + new, n):
+            tokens += new
+        elif not tokens:
+            del live[name]
+    elif op < p_allocate + p_truncate:
+        name = rng.choice(sorted(live))
+        tokens = live[name]
+        keep = rng.randint(kv._seqs[name].num_hashed * kv.block_size, len(tokens))
+        del tokens[keep:]
+        kv.truncate(name, tokens, keep)
+    else:
+        name = rng.choice(sorted(live))
+        kv.free(name)
+        del live[name]
+
+
 def test_block_tables_follow_allocation_truncation_and_free():
     rng = random.Random(0)
     kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=True)
     live: dict[str, list[int]] = {}
     for _ in range(300):
-        op = rng.random()
-        if op < 0.5 or not live:
-            name = rng.choice("abcdefgh")
-            tokens = live.setdefault(name, [])
-            n = rng.randint(1, 9)
-            new = [rng.randint(0, 3) for _ in range(n)]
-            if kv.allocate_slots(name, tokens + new, n):
-                tokens += new
-            elif not tokens:
-                del live[name]
-        elif op < 0.7:
-            name = rng.choice(sorted(live))
-            tokens = live[name]
-            keep = rng.randint(kv._seqs[name].num_hashed * 4, len(tokens))
-            del tokens[keep:]
-            kv.truncate(name, tokens, keep)
-        else:
-            name = rng.choice(sorted(live))
-            kv.free(name)
-            del live[name]
+        random_table_op(kv, live, rng, "abcdefgh", range(1, 10))
         kv.check_integrity()  # includes: each mirrored row equals the table, zero after it
         names = sorted(live) + ["unknown"]
         tables, num_blocks = kv.block_tables(names)
