@@ -187,13 +187,6 @@ class _SeqState:
     row: int = 0  # its row in KVCacheManager._rows (engine/table_rows.py)
 
 
-class BlockTables(NamedTuple):
-    """Several sequences' block tables in one array (`KVCacheManager.block_tables`)."""
-
-    table: np.ndarray  # [num_seqs, max_blocks] int64, rows padded with block 0
-    num_blocks: np.ndarray  # [num_seqs] int64: each row's real length
-
-
 class TableRefs(NamedTuple):
     """Where several sequences' tables are in `KVCacheManager.table_array`."""
 
@@ -223,7 +216,7 @@ class KVCacheManager:
         self._free = _FreeBlockQueue(num_blocks)
         self._cached: dict[int, int] = {}  # chain hash -> block id
         self._seqs: dict[Hashable, _SeqState] = {}
-        self._rows = TableRows()  # the tables mirrored in one array, for block_tables
+        self._rows = TableRows()  # the tables mirrored in one array (table_array)
         self._prefix_queries = 0
         self._prefix_hits = 0
 
@@ -363,18 +356,10 @@ class KVCacheManager:
         seq = self._seqs.get(seq_id)
         return list(seq.table) if seq else []
 
-    def block_tables(self, seq_ids: Sequence[Hashable]) -> BlockTables:
-        """The tables of `seq_ids` as one zero-padded array, rows in the order given.
-
-        The runner's per-step path: one gather from the mirrored tables (engine/table_rows.py)
-        instead of a pass over every entry of every list. Unknown ids get an empty row.
-        """
-        rows, lens = self.table_rows(seq_ids)
-        return BlockTables(self._rows.gather(rows, int(lens.max(initial=0))), lens)
-
     def table_rows(self, seq_ids: Sequence[Hashable]) -> TableRefs:
         """Where `seq_ids`' tables are in `table_array` (row 0, always zero, for unknown ids)
-        and their lengths: the runner gathers only what it needs, or on the device."""
+        and their lengths. The runner's per-step path: it reads only the entries it needs on
+        the host, and gathers the step's tables from its copy on the device."""
         states = [self._seqs.get(s) for s in seq_ids]
         rows = np.fromiter((st.row if st else 0 for st in states), np.int64, len(states))
         lens = np.fromiter((len(st.table) if st else 0 for st in states), np.int64, len(states))

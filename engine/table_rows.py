@@ -2,7 +2,8 @@
 
 The runner needs a step's block tables as one [num_seqs, max_blocks] array. Built from the KV
 manager's Python lists, that is a pass over every entry of every table each step (~40k ints at
-512 running sequences); mirrored here as blocks are appended, it is one gather:
+512 running sequences); mirrored here as blocks are appended, it is one gather (from the
+device's copy of this array, below):
 
     array   row 0: 0 0 0 0 ...        always zero (unknown sequences read it)
             row 1: 7 2 9 5 0 0 ...    seq A's table, zero past its length
@@ -70,10 +71,6 @@ class TableRows:
         """Entries start .. end - 1 of the row are no longer in the table (truncation)."""
         self.array[row, start:end] = 0
         self._changed.append((row, start, end))
-
-    def gather(self, rows: np.ndarray, width: int) -> np.ndarray:
-        """[len(rows), width] copy of those rows (width <= the widest table written)."""
-        return self.array[rows, :width]
 
     def take_changes(self) -> TableChanges:
         """The entries written or zeroed since the last call, with their current values (an

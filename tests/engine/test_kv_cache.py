@@ -446,13 +446,13 @@ def test_a_lookup_that_waits_for_blocks_is_counted_once():
     assert kv.stats().prefix_queries == 2 * BS + len(waiting)
 
 
-def test_block_tables_pads_each_row_and_keeps_the_order_given():
+def test_table_rows_pad_each_table_and_keep_the_order_given():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     assert kv.allocate_slots("a", list(range(9)), 9)  # 3 blocks
     assert kv.allocate_slots("b", list(range(100, 104)), 4)  # 1 block
-    tables, num_blocks = kv.block_tables(["b", "a", "unknown"])
+    rows, num_blocks = kv.table_rows(["b", "a", "unknown"])
     assert num_blocks.tolist() == [1, 3, 0]
-    assert tables.tolist() == [
+    assert kv.table_array[rows, :3].tolist() == [
         kv.block_table("b") + [0, 0],
         kv.block_table("a"),
         [0, 0, 0],

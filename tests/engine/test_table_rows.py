@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
-
 from engine.kv_cache import KVCacheManager
 from engine.table_rows import TableRows
 
@@ -17,9 +15,9 @@ def test_rows_grow_in_both_directions_and_are_zero_past_each_table():
     rows.write(a, 0, [5, 6, 7])  # wider than the array
     rows.write(b, 0, [9])
     rows.write(a, 3, [8])
-    assert rows.gather(np.array([a, b, 0]), 4).tolist() == [[5, 6, 7, 8], [9, 0, 0, 0], [0] * 4]
+    assert rows.array[[a, b, 0], :4].tolist() == [[5, 6, 7, 8], [9, 0, 0, 0], [0] * 4]
     rows.clear(a, 2, 4)
-    assert rows.gather(np.array([a]), 4).tolist() == [[5, 6, 0, 0]]
+    assert rows.array[a, :4].tolist() == [5, 6, 0, 0]
     rows.release(a, 2)
     assert not rows.array[a].any() and rows.acquire() == a
 
@@ -57,6 +55,6 @@ def test_block_tables_follow_allocation_truncation_and_free():
         random_table_op(kv, live, rng, "abcdefgh", range(1, 10))
         kv.check_integrity()  # includes: each mirrored row equals the table, zero after it
         names = sorted(live) + ["unknown"]
-        tables, num_blocks = kv.block_tables(names)
-        for row, n, name in zip(tables.tolist(), num_blocks.tolist(), names):
+        rows, num_blocks = kv.table_rows(names)
+        for row, n, name in zip(kv.table_array[rows].tolist(), num_blocks.tolist(), names):
             assert row[:n] == kv.block_table(name) and not any(row[n:])
