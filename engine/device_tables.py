@@ -57,18 +57,20 @@ class DeviceBlockTables:
         return self.array[rows, :width]
 
     def gather_after(
-        self, rows: torch.Tensor, skip: torch.Tensor, num_blocks: torch.Tensor, width: int
+        self,
+        rows: torch.Tensor,
+        num_blocks: torch.Tensor,
+        width: int,
+        skip: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[len(rows), width]: each row's blocks from column skip[i] on, zero past its length
-        (num_blocks[i]): the private part of a row whose first skip[i] blocks are shared."""
-        cols = skip[:, None] + torch.arange(width, device=skip.device)  # [rows, width]
+        """[len(rows), width]: each row's blocks from column skip[i] on (0 without skip), zero
+        from column num_blocks[i] on: the private part of a row whose first skip[i] blocks are
+        shared, or (no skip, num_blocks the shared count) a group's shared blocks."""
+        cols = torch.arange(width, device=rows.device)[None, :]  # [1 or rows, width]
+        if skip is not None:
+            cols = skip[:, None] + cols
         out = self.array[rows[:, None], cols.clamp(max=self.array.shape[1] - 1)]
         return out.masked_fill_(cols >= num_blocks[:, None], 0)
-
-    def gather_prefixes(self, rows: torch.Tensor, lengths: torch.Tensor, width: int):
-        """[len(rows), width]: each row's first lengths[i] blocks, zero after them."""
-        out = self.gather(rows, width)  # (a copy: advanced indexing)
-        return out.masked_fill_(torch.arange(width, device=rows.device) >= lengths[:, None], 0)
 
 
 class DecodeTablePlan(NamedTuple):
@@ -132,6 +134,6 @@ def gather_decode_tables(
     private lengths [D], group tables [G, max shared], group ranges [3, G])."""
     if not len(plan.group_blocks):  # most steps: no torch op more than needed
         return tables.gather(rows, plan.width), lens, tables.empty, group_ranges
-    private = tables.gather_after(rows, skip, num_blocks, plan.width)
-    group_tables = tables.gather_prefixes(group_rows, group_blocks, plan.group_width)
+    private = tables.gather_after(rows, num_blocks, plan.width, skip)
+    group_tables = tables.gather_after(group_rows, group_blocks, plan.group_width)
     return private, lens, group_tables, group_ranges
