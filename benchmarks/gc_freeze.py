@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.gc_pauses import GCPauses
+from kvbatch.bench.gc_pauses import GCPauses
 
 
 def full_pass_ms() -> float:
@@ -34,7 +34,7 @@ def full_pass_ms() -> float:
 def kv_blocks_pass_ms(num_blocks: int) -> float:
     """A full pass over a KVCacheManager of `num_blocks` blocks alone (ms): the rest of the
     heap is frozen meanwhile, so the pass examines the manager's objects only."""
-    from engine.kv_cache import KVCacheManager
+    from kvbatch.engine.kv.kv_cache import KVCacheManager
 
     gc.collect()
     gc.freeze()
@@ -48,9 +48,9 @@ def kv_blocks_pass_ms(num_blocks: int) -> float:
 
 
 def run_once(freeze: bool, decoders: int, output_len: int) -> dict[str, Any]:
-    from benchmarks.models import TINY_LLAMA, random_model_dir
-    from engine import LLM, SamplingParams
-    from engine.startup_heap import thaw_startup_heap
+    from kvbatch.bench.models import TINY_LLAMA, random_model_dir
+    from kvbatch.engine import LLM, SamplingParams
+    from kvbatch.engine.core.startup_heap import thaw_startup_heap
 
     llm = LLM(str(random_model_dir(TINY_LLAMA)), max_num_seqs=decoders, freeze_gc=freeze)
     try:

@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.kernel_profile import format_kernel_profile, profile_engine_run
-from benchmarks.long_prefill import reference_and_prefill_text
-from benchmarks.machine import machine_info
-from benchmarks.peers import EngineOptions, Peer, PeerUnavailable, RunResult, make_peer
-from benchmarks.step_profile import format_step_profile
-from benchmarks.text_table import format_rows
-from benchmarks.workloads import (
+from kvbatch.bench.kernel_profile import format_kernel_profile, profile_engine_run
+from kvbatch.bench.long_prefill import reference_and_prefill_text
+from kvbatch.bench.machine import machine_info
+from kvbatch.bench.peers import EngineOptions, Peer, PeerUnavailable, RunResult, make_peer
+from kvbatch.bench.step_profile import format_step_profile
+from kvbatch.bench.text_table import format_rows
+from kvbatch.bench.workloads import (
     LLAMA_1B_RANDOM,
     SMOLLM2,
     TINY_RANDOM,
@@ -361,7 +361,7 @@ def check_engines_support(workload: Workload, engines: Sequence[str]) -> None:
     """long-prefill needs engines that accept a prompt mid-run: kvbatch alone, so far."""
     if not workload.has_long_prompt:
         return
-    from benchmarks.peers import PEERS
+    from kvbatch.bench.peers import PEERS
 
     unable = [n for n in engines if n in PEERS and not PEERS[n].supports_long_prefill]
     if unable:
@@ -400,11 +400,11 @@ def resolve_model(workload: Workload, model: str | Path | None = None) -> str:
             raise BenchError(f"--model {model}: no such file or folder")
         return str(path)
     if workload.model == SMOLLM2:
-        from engine.fetch import smollm2_dir
+        from kvbatch.fetch import smollm2_dir
 
         return str(smollm2_dir())
     if workload.model in (LLAMA_1B_RANDOM, TINY_RANDOM):
-        from benchmarks.models import random_model_dir
+        from kvbatch.bench.models import random_model_dir
 
         return str(random_model_dir(workload.model))
     raise BenchError(

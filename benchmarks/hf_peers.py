@@ -1,7 +1,7 @@
 """The transformers peers: `hf-static` (generate in static batches, the baseline) and
 `hf-cb` (transformers' own continuous batching, generate_batch).
 
-They register themselves with benchmarks.peers on import; peers.py imports this module at
+They register themselves with kvbatch.bench.peers on import; peers.py imports this module at
 its end, so `make_peer("hf-static", ...)` works wherever peers.py is imported.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.peers import Peer, PeerUnavailable, Timings, register_peer
+from kvbatch.bench.peers import Peer, PeerUnavailable, Timings, register_peer
 
 
 @register_peer

@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.step_profile import PHASES, StepProfile
+from kvbatch.bench.step_profile import PHASES, StepProfile
 
 
 def measure(
@@ -43,9 +43,9 @@ def measure(
 ) -> dict[str, Any]:
     import torch
 
-    from benchmarks.models import TINY_LLAMA, random_model_dir
-    from benchmarks.workloads import TINY_RANDOM, get_workload, make_prompts
-    from engine import LLM, SamplingParams
+    from kvbatch.bench.models import TINY_LLAMA, random_model_dir
+    from kvbatch.bench.workloads import TINY_RANDOM, get_workload, make_prompts
+    from kvbatch.engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
     rag = get_workload("rag")
@@ -118,8 +118,8 @@ def measure_long_prompt(
 
     import torch
 
-    from benchmarks.models import TINY_LLAMA, random_model_dir
-    from engine import LLM, SamplingParams
+    from kvbatch.bench.models import TINY_LLAMA, random_model_dir
+    from kvbatch.engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
     positions = long_prompt_len + max(64, long_decode_steps + 32)

@@ -14,7 +14,7 @@ the report gets:
   host milliseconds per step inside `ModelRunner.launch`, and on a GPU the span of the
   kernels each step launched (the profiler's GPU-side range of the step's annotation).
 - kinds: seconds per kind of kernel (GEMM, prefill attention, decode attention, ...), named
-  from the kernel names of kvkernels/ and cuBLAS's;
+  from the kernel names of kvbatch.kernels/ and cuBLAS's;
 - top kernels: calls, total and mean time, share of all kernel time.
 
 On the CPU (tests, `--tiny`) nothing runs on a device: operators are ranked by their self CPU
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
-from benchmarks.text_table import format_rows
+from kvbatch.bench.text_table import format_rows
 
 ANNOTATION = "kvbatch."  # record_function names this module adds: kvbatch.<step kind>
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.gc_pauses import GCPauses
-from benchmarks.step_profile import PHASES
+from kvbatch.bench.gc_pauses import GCPauses
+from kvbatch.bench.step_profile import PHASES
 
 LONGEST_STEPS = 5  # how many of the slowest steps the figures list
 

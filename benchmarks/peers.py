@@ -225,7 +225,10 @@ class KvbatchPeer(Peer):
         return self.options.async_scheduling
 
     def load(self) -> None:
-        from engine import LLM, SamplingParams  # the engine is imported only when benchmarked
+        from kvbatch.engine import (  # the kvbatch.engine is imported only when benchmarked
+            LLM,
+            SamplingParams,
+        )
 
         o = self.options
         self._sampling_params = SamplingParams
@@ -248,7 +251,7 @@ class KvbatchPeer(Peer):
         )
         self._cached_tokens: list[int] = []
         self._stats_before: dict[str, Any] = {}
-        from benchmarks.step_profile import StepProfile
+        from kvbatch.bench.step_profile import StepProfile
 
         self._profile = StepProfile(self.llm.engine)
         self.graphs_captured_after_warmup = 0  # see after_warmup
@@ -268,7 +271,7 @@ class KvbatchPeer(Peer):
     ) -> RunResult:
         """The decoders start; the long prompt joins once each has `long_prompt_after` tokens
         (benchmarks/long_prefill.py drives the steps and measures the gaps)."""
-        from benchmarks.long_prefill import drive_long_prefill
+        from kvbatch.bench.long_prefill import drive_long_prefill
 
         self.before_run()
         self._synchronize()
@@ -383,4 +386,4 @@ def _float_or_none(x: Any) -> float | None:
 
 
 # The transformers peers register themselves on import; last, as they subclass Peer.
-from benchmarks import hf_peers  # noqa: E402, F401
+from kvbatch.bench import hf_peers  # noqa: E402, F401

@@ -1,6 +1,6 @@
 """`spec-copy`: speculative decoding on prompts that ask to repeat or extract their own text.
 
-    python -m benchmarks.spec_copy [--model PATH] [--speculative ngram|draft:PATH] [-k 4]
+    python -m kvbatch.bench.spec_copy [--model PATH] [--speculative ngram|draft:PATH] [-k 4]
 
 SmolLM2-135M-Instruct on the CPU by default. One engine; speculation is switched on and off
 between runs (same weights, same KV pool), and the runs are interleaved: for each repeat,
@@ -159,15 +159,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from engine import LLM, SamplingParams
-    from engine.config import SpecConfig
-    from engine.spec.decoder import build_spec_decoder
+    from kvbatch.engine import LLM, SamplingParams
+    from kvbatch.engine.core.config import SpecConfig
+    from kvbatch.engine.spec.decoder import build_spec_decoder
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model = args.model
     if model is None:
-        from engine.fetch import smollm2_dir
+        from kvbatch.fetch import smollm2_dir
 
         model = str(smollm2_dir())
     spec_config = SpecConfig.parse(args.speculative, args.num_speculative_tokens)

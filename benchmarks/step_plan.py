@@ -20,17 +20,17 @@ import dataclasses
 import sys
 from typing import Any
 
-from benchmarks.text_table import format_rows
-from benchmarks.workloads import Workload, get_workload
+from kvbatch.bench.text_table import format_rows
+from kvbatch.bench.workloads import Workload, get_workload
 
 
 def plan(workload: Workload, max_num_seqs: int, max_num_batched_tokens: int) -> dict[str, Any]:
     """The step plan of one cell: the scheduler's steps over the workload, model stubbed."""
     import torch
 
-    from benchmarks.models import TINY_LLAMA, random_model_dir
-    from benchmarks.workloads import TINY_RANDOM, make_prompts
-    from engine import LLM, SamplingParams
+    from kvbatch.bench.models import TINY_LLAMA, random_model_dir
+    from kvbatch.bench.workloads import TINY_RANDOM, make_prompts
+    from kvbatch.engine import LLM, SamplingParams
 
     # Chunks of long prompts are capped in tokens' worth of compute, which depends on the
     # model's shape (ModelConfig.attention_break_even_context): plan with the real model's.
@@ -85,8 +85,8 @@ def plan(workload: Workload, max_num_seqs: int, max_num_batched_tokens: int) -> 
 def _break_even_context(model: str) -> int | None:
     """The attention break-even context of a workload's random model (None for a model that
     is not built from a config here, e.g. SmolLM2's GGUF: the tiny model's is kept)."""
-    from benchmarks.models import MODEL_SPECS
-    from engine.model import ModelConfig
+    from kvbatch.bench.models import MODEL_SPECS
+    from kvbatch.engine.model.llama import ModelConfig
 
     spec = MODEL_SPECS.get(model)
     return None if spec is None else ModelConfig.from_hf(spec.config()).attention_break_even_context

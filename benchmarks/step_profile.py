@@ -29,7 +29,7 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.gc_pauses import GCPauses, format_gc_pauses
+from kvbatch.bench.gc_pauses import GCPauses, format_gc_pauses
 
 PHASES = ("schedule", "prepare", "forward", "sample", "rest")
 HOST_PHASES = ("schedule", "prepare", "rest")

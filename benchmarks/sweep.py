@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import (
+from kvbatch.bench.harness import (
     KVBATCH,
     LATENCY_HEADERS,
     BenchConfig,
@@ -41,9 +41,9 @@ from benchmarks.harness import (
     run_once,
     warm_up,
 )
-from benchmarks.machine import machine_info
-from benchmarks.peers import make_peer
-from benchmarks.text_table import format_rows
+from kvbatch.bench.machine import machine_info
+from kvbatch.bench.peers import make_peer
+from kvbatch.bench.text_table import format_rows
 
 DEFAULT_MAX_NUM_SEQS = (128, 256, 512)
 DEFAULT_BATCHED_TOKENS = (4096, 8192, 16384)

@@ -34,14 +34,14 @@ FIRST_ORDINARY_TOKEN = 3
 """Token ids below this are special (unk/pad, bos, eos in Llama-family vocabularies)."""
 
 SMOLLM2 = "smollm2-135m-instruct"
-"""Real SmolLM2-135M-Instruct weights (engine.fetch.smollm2_dir()), for CPU workloads."""
+"""Real SmolLM2-135M-Instruct weights (kvbatch.fetch.smollm2_dir()), for CPU workloads."""
 
 LLAMA_1B_RANDOM = "llama-3.2-1b-random"
-"""Llama-3.2-1B shape with random weights (benchmarks.models.LLAMA_3_2_1B), for the GPU
+"""Llama-3.2-1B shape with random weights (kvbatch.bench.models.LLAMA_3_2_1B), for the GPU
 workloads (`rag`, `no-share-gpu`, `long-prefill`)."""
 
 TINY_RANDOM = "llama-tiny-random"
-"""The same architecture shrunk (benchmarks.models.TINY_LLAMA), for the `--tiny` variants."""
+"""The same architecture shrunk (kvbatch.bench.models.TINY_LLAMA), for the `--tiny` variants."""
 
 
 @dataclass(frozen=True)

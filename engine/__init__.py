@@ -1,8 +1,8 @@
 """kvbatch's inference engine: paged KV cache, continuous batching, prefix caching.
 
-    from engine import LLM, SamplingParams
+    from kvbatch.engine import LLM, SamplingParams
 
-Names are imported lazily so that `engine.fetch` (and commands that never run a model) do not
+Names are imported lazily so that `kvbatch.fetch` (and commands that never run a model) do not
 pay for importing torch.
 """
 
@@ -11,13 +11,13 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "LLM": "engine.llm",
-    "LLMEngine": "engine.llm_engine",
-    "SamplingParams": "engine.sampling_params",
-    "RequestOutput": "engine.outputs",
-    "CompletionOutput": "engine.outputs",
-    "EngineStats": "engine.outputs",
-    "SpecConfig": "engine.config",
+    "LLM": "kvbatch.engine.core.llm",
+    "LLMEngine": "kvbatch.engine.core.llm_engine",
+    "SamplingParams": "kvbatch.engine.core.sampling_params",
+    "RequestOutput": "kvbatch.engine.core.outputs",
+    "CompletionOutput": "kvbatch.engine.core.outputs",
+    "EngineStats": "kvbatch.engine.core.outputs",
+    "SpecConfig": "kvbatch.engine.core.config",
 }
 __all__ = list(_EXPORTS)
 
@@ -25,4 +25,4 @@ __all__ = list(_EXPORTS)
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    raise AttributeError(f"module 'kvbatch.engine' has no attribute {name!r}")

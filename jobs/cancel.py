@@ -25,15 +25,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jobs.finalize import (
+from kvbatch.jobs.finalize import (
     CANCEL_MARKER,
     cancel_requested,
     cancel_shard,
     read_manifest,
     try_finalize,
 )
-from jobs.shards import ShardMessage
-from jobs.storage import Storage, StorageError
+from kvbatch.jobs.shards import ShardMessage
+from kvbatch.jobs.storage import Storage, StorageError
 
 __all__ = ["CancelCheck", "CancelResult", "cancel_job", "cancel_requested"]
 

@@ -21,11 +21,11 @@ import json
 import time
 from collections.abc import Iterator
 
-from jobs.batch_record import BatchRecord
-from jobs.responses import error_line
-from jobs.shards import ShardMessage, read_shard, read_shard_lines
-from jobs.storage import Storage, StorageError, validate_key_part
-from jobs.validate import LineError
+from kvbatch.jobs.batch_record import BatchRecord
+from kvbatch.jobs.responses import error_line
+from kvbatch.jobs.shards import ShardMessage, read_shard, read_shard_lines
+from kvbatch.jobs.storage import Storage, StorageError, validate_key_part
+from kvbatch.jobs.validate import LineError
 
 
 def read_manifest(job: Storage) -> dict:

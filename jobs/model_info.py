@@ -26,7 +26,7 @@ def load_tokenizer(model: str):
 
 def max_model_len(model: str, override: int | None = None) -> int:
     """The longest sequence (prompt + output) the engine will run for `model`: the config's
-    max_position_embeddings, capped by its sliding window as engine.model.ModelConfig does
+    max_position_embeddings, capped by its sliding window as kvbatch.engine.model.llama.ModelConfig does
     (Qwen2 only uses its window when use_sliding_window is set). `override` must fit in it."""
     from transformers import AutoConfig
 

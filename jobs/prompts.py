@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.sampling_params import SamplingParams
-from jobs.validate import JobRequest, LineError
+from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.jobs.validate import JobRequest, LineError
 
 
 class PromptError(ValueError):

@@ -22,9 +22,9 @@ import re
 import weakref
 from typing import Any
 
-from engine.outputs import RequestOutput
-from engine.sequence import TokenLogprobs
-from jobs.validate import JobRequest, LineError
+from kvbatch.engine.core.outputs import RequestOutput
+from kvbatch.engine.core.sequence import TokenLogprobs
+from kvbatch.jobs.validate import JobRequest, LineError
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}  # engine -> OpenAI
 _MIN_LOGPROB = -9999.0  # what OpenAI reports for an impossible token; JSON has no -inf

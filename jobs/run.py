@@ -22,15 +22,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobs.batch_record import BatchRecord
-from jobs.grouping import feed_in_order, group_by_prefix
-from jobs.partial import PartialOutput
-from jobs.progress import Progress
-from jobs.prompts import PromptError, prompt_token_ids, sampling_params_for
-from jobs.responses import error_line, success_line
-from jobs.storage import StorageError, open_storage
-from jobs.token_store import TokenStore
-from jobs.validate import JobRequest, LineError, validate_lines
+from kvbatch.jobs.batch_record import BatchRecord
+from kvbatch.jobs.grouping import feed_in_order, group_by_prefix
+from kvbatch.jobs.partial import PartialOutput
+from kvbatch.jobs.progress import Progress
+from kvbatch.jobs.prompts import PromptError, prompt_token_ids, sampling_params_for
+from kvbatch.jobs.responses import error_line, success_line
+from kvbatch.jobs.storage import StorageError, open_storage
+from kvbatch.jobs.token_store import TokenStore
+from kvbatch.jobs.validate import JobRequest, LineError, validate_lines
 
 log = logging.getLogger("kvbatch.run")
 
@@ -118,7 +118,7 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
         model=opts.model,
     )
     if llm is None:
-        from engine import LLM
+        from kvbatch.engine import LLM
 
         try:
             llm = LLM(model=opts.model, **opts.engine)

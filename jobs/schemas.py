@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import SamplingParams
+from kvbatch.engine.core.sampling_params import SamplingParams
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -38,7 +38,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy Completions API's default
 CONTEXT_MAX_TOKENS = 2**31 - 1
 """`SamplingParams.max_tokens` of a request that may generate up to the end of the context
 (chat without max_tokens and without a job default): the engine stops at max_model_len, and
-`jobs.prompts.max_tokens_for` turns it into the exact room left."""
+`kvbatch.jobs.prompts.max_tokens_for` turns it into the exact room left."""
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 _ROLES = ("system", "developer", "user", "assistant")

@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
-from jobs.storage import Storage, open_storage, validate_key_part
-from jobs.validate import JobRequest
+from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.jobs.storage import Storage, open_storage, validate_key_part
+from kvbatch.jobs.validate import JobRequest
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -89,7 +89,7 @@ class ShardRequest:
         return SamplingParams(**self.params)
 
     def to_job_request(self) -> JobRequest:
-        """The request as jobs.responses.success_line wants it (messages and prompt dropped)."""
+        """The request as kvbatch.jobs.responses.success_line wants it (messages and prompt dropped)."""
         return JobRequest(
             line=self.line,
             custom_id=self.custom_id,
@@ -176,9 +176,9 @@ def run_shard(
     `should_stop` (the job's cancel check) is asked between engine steps; once it is True the
     shard's requests in the engine are aborted, and every request without an answer gets a
     batch_cancelled error line: the result still holds one line per request."""
-    from jobs.finalize import cancelled_line
-    from jobs.grouping import feed_in_order
-    from jobs.responses import success_line
+    from kvbatch.jobs.finalize import cancelled_line
+    from kvbatch.jobs.grouping import feed_in_order
+    from kvbatch.jobs.responses import success_line
 
     engine = llm.engine
     requests = read_shard(msg)

@@ -3,11 +3,11 @@
     <output>/<job_id>/job.json                  manifest: shards, counts, batch id, max_attempts
     <output>/<job_id>/batch.json                status "in_progress"
     <output>/<job_id>/validation_errors.jsonl   error lines of bad input lines, by line
-    <output>/<job_id>/shards/<shard_id>.jsonl   payloads (jobs.shards.ShardRequest lines)
+    <output>/<job_id>/shards/<shard_id>.jsonl   payloads (kvbatch.jobs.shards.ShardRequest lines)
 
-Validation and tokenization are those of `kvbatch run` (jobs.run), with the model's tokenizer
-and context length read without loading weights (jobs.model_info). Requests are ordered by
-prefix (jobs.grouping) and cut into shards only where a top-level prefix group starts, so no
+Validation and tokenization are those of `kvbatch run` (kvbatch.jobs.run), with the model's tokenizer
+and context length read without loading weights (kvbatch.jobs.model_info). Requests are ordered by
+prefix (kvbatch.jobs.grouping) and cut into shards only where a top-level prefix group starts, so no
 shared prefix is computed by two workers; each shard holds about `shard_tokens` prompt tokens
 (a bigger group is a shard of its own). prepare_job enqueues nothing: the caller sends
 `SubmittedJob.messages`.
@@ -23,14 +23,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.kv_cache import block_hashes
-from jobs.batch_record import BatchRecord
-from jobs.grouping import group_by_prefix
-from jobs.responses import error_line
-from jobs.run import JobError, RunOptions, prepare_requests
-from jobs.shards import ShardMessage, ShardRequest, job_dir, new_job_id, write_shard
-from jobs.storage import StorageError, open_storage
-from jobs.token_store import TokenStore
+from kvbatch.engine.kv.kv_cache import block_hashes
+from kvbatch.jobs.batch_record import BatchRecord
+from kvbatch.jobs.grouping import group_by_prefix
+from kvbatch.jobs.responses import error_line
+from kvbatch.jobs.run import JobError, RunOptions, prepare_requests
+from kvbatch.jobs.shards import ShardMessage, ShardRequest, job_dir, new_job_id, write_shard
+from kvbatch.jobs.storage import StorageError, open_storage
+from kvbatch.jobs.token_store import TokenStore
 
 DEFAULT_MAX_ATTEMPTS = 3
 
@@ -121,7 +121,7 @@ def prepare_job(
     except StorageError as e:
         raise JobError(str(e)) from e
 
-    from jobs import model_info
+    from kvbatch.jobs import model_info
 
     try:
         tokenizer = model_info.load_tokenizer(model)

@@ -28,7 +28,7 @@ invalid_messages            has a malformed message (role, content, parts)
 invalid_parameter           has a parameter of the wrong type or out of range
 ==========================  ===============================================================
 
-Prompt length needs the tokenizer: `jobs.prompts` checks it later (context_length_exceeded,
+Prompt length needs the tokenizer: `kvbatch.jobs.prompts` checks it later (context_length_exceeded,
 invalid_prompt) and turns its errors into `LineError`s of the same shape.
 """
 
@@ -42,8 +42,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from engine.sampling_params import SamplingParams
-from jobs.schemas import (
+from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.jobs.schemas import (
     BODIES,
     CHAT_URL,
     MAX_CUSTOM_ID_LEN,
@@ -86,7 +86,7 @@ _LINE_FIELD_CODES = {
 
 @dataclass(frozen=True)
 class JobRequest:
-    """One valid line, ready to be tokenized (`jobs.prompts`) and run."""
+    """One valid line, ready to be tokenized (`kvbatch.jobs.prompts`) and run."""
 
     line: int  # 1-based line number in the input
     custom_id: str
@@ -100,7 +100,7 @@ class JobRequest:
     model: str | None  # as the body names it
     # The output cap the line set itself (max_tokens / max_completion_tokens), or None; then
     # params.max_tokens holds the default (a cap that is clamped to the room left, never an
-    # error). See jobs.prompts.max_tokens_for.
+    # error). See kvbatch.jobs.prompts.max_tokens_for.
     max_tokens: int | None = None
 
     @property
@@ -110,11 +110,11 @@ class JobRequest:
 
 @dataclass(frozen=True)
 class LineError:
-    """One bad line: its record in errors.jsonl (see `jobs.responses.error_line`)."""
+    """One bad line: its record in errors.jsonl (see `kvbatch.jobs.responses.error_line`)."""
 
     line: int
     custom_id: str | None
-    code: str  # one of CODES, or jobs.prompts' context_length_exceeded / invalid_prompt
+    code: str  # one of CODES, or kvbatch.jobs.prompts' context_length_exceeded / invalid_prompt
     message: str  # starts with "line N: " and says what to fix
 
 

@@ -13,7 +13,7 @@ from kvbatch.engine_args import add_engine_args, engine_args_conflict, engine_kw
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":  # the benchmark harness owns its own options
-        from benchmarks.cli import main as bench_main
+        from kvbatch.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvbatch", description="Batch LLM inference.")
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if conflict:
         parser.error(conflict)
     if args.command == "fetch-model":
-        from engine.fetch import smollm2_dir, smollm2_gguf
+        from kvbatch.fetch import smollm2_dir, smollm2_gguf
 
         print(smollm2_gguf() if args.gguf else smollm2_dir())
         return 0
@@ -68,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         return _run(args)
     if args.command == "beat":
-        from worker.scheduled import beat
+        from kvbatch.worker.scheduled import beat
 
         return beat(args)
     if args.command in ("submit", "worker", "finalize", "status", "cancel", "resend"):
-        from worker import cli as worker_cli
+        from kvbatch.worker import cli as worker_cli
 
         if args.command == "resend":
             return worker_cli.resend(args)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 def _add_distributed(sub) -> None:
     """`submit`, `worker`, `finalize`, `status`, `cancel`, `resend`: a job spread over Celery
     workers (worker/cli.py)."""
-    from worker import cli as worker_cli
+    from kvbatch.worker import cli as worker_cli
 
     worker_cli.add_submit_args(
         sub.add_parser("submit", help="shard a job and enqueue it; prints the job id last")
@@ -109,7 +109,7 @@ def _add_distributed(sub) -> None:
     worker_cli.add_resend_args(
         sub.add_parser("resend", help="send again the shards of a job that the broker lost")
     )
-    from worker.scheduled import add_beat_args
+    from kvbatch.worker.scheduled import add_beat_args
 
     add_beat_args(
         sub.add_parser("beat", help="run the recurring jobs of a schedule file (celery beat)")
@@ -119,13 +119,12 @@ def _add_distributed(sub) -> None:
 def _run(args: argparse.Namespace) -> int:
     import logging
 
-    from jobs.run import JobError, RunOptions, resolve_paths, run_job
+    from kvbatch.jobs.run import JobError, RunOptions, resolve_paths, run_job
 
     # INFO for our own loggers only: at the root, boto3 and others would log their chatter
     # ("Found credentials in environment variables.") around the one line a failure prints.
     logging.basicConfig(level=logging.WARNING, format="kvbatch: %(message)s", stream=sys.stderr)
-    for name in ("kvbatch", "engine", "jobs"):
-        logging.getLogger(name).setLevel(logging.INFO)
+    logging.getLogger("kvbatch").setLevel(logging.INFO)
     opts = RunOptions(
         input=args.input,
         model=args.model,
@@ -156,7 +155,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from kvbatch.engine import LLM, SamplingParams
 
     try:
         chats = _read_chats(args.chat_file) if args.chat_file else []

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kvkernels.interpreter import rows_per_program
-from kvkernels.specialize import step_varying
+from kvbatch.kernels.interpreter import rows_per_program
+from kvbatch.kernels.specialize import step_varying
 
 _BLOCK = 1024
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvkernels.specialize import step_varying
+from kvbatch.kernels.specialize import step_varying
 
 LOG2E = 1.4426950408889634  # scores go through exp2: log2(e) is folded into the scale
 

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvkernels.interpreter import rows_per_program
-from kvkernels.specialize import step_varying
+from kvbatch.kernels.interpreter import rows_per_program
+from kvbatch.kernels.specialize import step_varying
 
 
 @step_varying(ints=("num_tokens",), pointers=("slot_ptr",))

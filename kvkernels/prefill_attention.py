@@ -39,14 +39,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kvkernels.decode_attention import (
+from kvbatch.kernels.decode_attention import (
     LOG2E,
     check_attention_inputs,
     dot_precision,
     merge_split_partials,
     num_sms,
 )
-from kvkernels.specialize import step_varying
+from kvbatch.kernels.specialize import step_varying
 
 MIN_KEYS_PER_SPLIT = 512  # a split must amortise its q tile load and its partial's write
 

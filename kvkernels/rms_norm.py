@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvkernels.interpreter import rows_per_program
-from kvkernels.specialize import step_varying
+from kvbatch.kernels.interpreter import rows_per_program
+from kvbatch.kernels.specialize import step_varying
 
 
 @step_varying(ints=("num_rows",))
@@ -66,7 +66,7 @@ def rms_norm(
     *,
     out: torch.Tensor | None = None,  # [T, hidden], x's dtype; may be x itself
 ) -> torch.Tensor:  # [T, hidden], x's dtype
-    """RMSNorm of each row of x, as engine.model.RMSNorm computes it."""
+    """RMSNorm of each row of x, as kvbatch.engine.model.llama.RMSNorm computes it."""
     x = _rows(x, weight, "x")
     out = torch.empty_like(x) if out is None else _check_out(out, x)
     _launch(x, None, weight, out, eps)
@@ -95,7 +95,7 @@ def fused_add_rms_norm(
 def rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Plain-torch reference (engine.model.RMSNorm with the weight in x's dtype)."""
+    """Plain-torch reference (kvbatch.engine.model.llama.RMSNorm with the weight in x's dtype)."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     y = weight.to(x.dtype) * x32.to(x.dtype)

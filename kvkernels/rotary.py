@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvkernels.interpreter import rows_per_program
-from kvkernels.specialize import step_varying
+from kvbatch.kernels.interpreter import rows_per_program
+from kvbatch.kernels.specialize import step_varying
 
 
 @triton.jit
@@ -132,9 +132,9 @@ def apply_rotary_(
     q: torch.Tensor,  # [T, num_heads, head_dim], rotated in place
     k: torch.Tensor,  # [T, num_kv_heads, head_dim], rotated in place
     positions: torch.Tensor,  # [T] int64
-    inv_freq: torch.Tensor,  # [head_dim / 2] float32 (engine.rope.inverse_frequencies)
+    inv_freq: torch.Tensor,  # [head_dim / 2] float32 (kvbatch.engine.model.rope.inverse_frequencies)
 ) -> None:
-    """Rotate q and k in place by each token's position (engine.rope.RotaryEmbedding)."""
+    """Rotate q and k in place by each token's position (kvbatch.engine.model.rope.RotaryEmbedding)."""
     _check_shapes(q, k, positions, inv_freq)
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
@@ -162,7 +162,7 @@ def apply_rotary_(
 def apply_rotary_ref(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
 ) -> None:
-    """Plain-torch reference: engine.rope.RotaryEmbedding's cos_sin and apply, written back."""
+    """Plain-torch reference: kvbatch.engine.model.rope.RotaryEmbedding's cos_sin and apply, written back."""
     _check_shapes(q, k, positions, inv_freq)
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim]

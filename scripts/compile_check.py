@@ -91,9 +91,9 @@ def rag_shaped_model(dtype: torch.dtype):
     the sampler, no kernel."""
     import dataclasses
 
-    from benchmarks.models import LLAMA_3_2_1B
-    from engine.model import LlamaForCausalLM, ModelConfig
-    from engine.rope import RotaryEmbedding
+    from kvbatch.bench.models import LLAMA_3_2_1B
+    from kvbatch.engine.model.llama import LlamaForCausalLM, ModelConfig
+    from kvbatch.engine.model.rope import RotaryEmbedding
 
     spec = dataclasses.replace(LLAMA_3_2_1B, num_hidden_layers=1, vocab_size=2048)
     cfg = ModelConfig.from_hf(spec.config())
@@ -115,7 +115,7 @@ def drive_engine(dtype: torch.dtype) -> None:
 
     # The graph path: static buffers sized for a bucket, with and without groups, and with
     # a prompt chunk after the decodes (its keys split for the longest context).
-    from engine.cuda_graphs import GraphKey
+    from kvbatch.engine.exec.cuda_graphs import GraphKey
 
     runner.capture_step_graphs(max_batch=8, max_model_len=4096, max_chunk=32, capture=False)
     graphs = runner.step_graphs
@@ -137,14 +137,14 @@ def drive_engine(dtype: torch.dtype) -> None:
 def run_steps(model, dtype, prompts, max_tokens, max_num_batched_tokens):
     """Greedy requests through a scheduler and the model runner with the triton backend, to
     the end; returns the runner."""
-    from engine.config import SchedulerConfig
-    from engine.fused import model_forward
-    from engine.kv_cache import KVCacheManager
-    from engine.runner import ModelRunner
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import Scheduler
-    from engine.sequence import Sequence
-    from engine.triton_backend import TritonAttentionBackend
+    from kvbatch.engine.attention.triton_backend import TritonAttentionBackend
+    from kvbatch.engine.core.config import SchedulerConfig
+    from kvbatch.engine.core.sampling_params import SamplingParams
+    from kvbatch.engine.core.sequence import Sequence
+    from kvbatch.engine.exec.runner import ModelRunner
+    from kvbatch.engine.kv.kv_cache import KVCacheManager
+    from kvbatch.engine.model.fused import model_forward
+    from kvbatch.engine.sched.scheduler import Scheduler
 
     block_size, num_blocks = 16, 512
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)

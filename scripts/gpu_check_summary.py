@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.kernel_profile import format_kernel_profile
-from benchmarks.long_prefill import longest_steps_text, reference_and_prefill_text
-from benchmarks.step_profile import format_step_profile
-from benchmarks.text_table import format_rows
+from kvbatch.bench.kernel_profile import format_kernel_profile
+from kvbatch.bench.long_prefill import longest_steps_text, reference_and_prefill_text
+from kvbatch.bench.step_profile import format_step_profile
+from kvbatch.bench.text_table import format_rows
 
 RAG_TARGET_S = 1.5  # issue 5: at most 1.5 s on an H200 (8x transformers' static generate)
 RAG_GOAL_S = 1.0

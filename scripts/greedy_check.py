@@ -3,7 +3,7 @@
     python scripts/greedy_check.py --device cuda --backend triton --models tiny,rag
     python scripts/greedy_check.py --device cpu --models tiny          # the same on the CPU
 
-For each model (`tiny`: benchmarks.models.TINY_LLAMA; `rag`: Llama-3.2-1B's shape built from
+For each model (`tiny`: kvbatch.bench.models.TINY_LLAMA; `rag`: Llama-3.2-1B's shape built from
 its config, the `rag` benchmark's model) the same prompts run through kvbatch
 (engine.LLM(attention_backend=...), float32) and through transformers' `generate` (float32,
 one prompt at a time, no padding), and the greedy tokens must be equal. The prompts cover
@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
-from benchmarks.models import LLAMA_3_2_1B, TINY_LLAMA, ModelSpec, random_model_dir  # noqa: E402
+from kvbatch.bench.models import LLAMA_3_2_1B, TINY_LLAMA, ModelSpec, random_model_dir  # noqa: E402
 
 MODELS: dict[str, ModelSpec] = {"tiny": TINY_LLAMA, "rag": LLAMA_3_2_1B}
 BLOCK_SIZE = 16
@@ -63,7 +63,7 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 
 def kvbatch_tokens(path: Path, prompts, max_tokens: int, device: str, backend: str):
-    from engine import LLM, SamplingParams
+    from kvbatch.engine import LLM, SamplingParams
 
     llm = LLM(
         model=str(path),

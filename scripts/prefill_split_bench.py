@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    from kvkernels.prefill_attention import auto_prefill_splits, paged_prefill_attention
+    from kvbatch.kernels.prefill_attention import auto_prefill_splits, paged_prefill_attention
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

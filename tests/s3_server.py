@@ -2,7 +2,7 @@
 
 Use it from a test module with `from tests.s3_server import s3_server  # noqa: F401`, or
 import it into tests/conftest.py to share it. While the session runs, the AWS_* variables point
-every boto3 client (and jobs.storage) at the server with dummy credentials; they are restored
+every boto3 client (and kvbatch.jobs.storage) at the server with dummy credentials; they are restored
 afterwards.
 """
 
@@ -19,7 +19,7 @@ import pytest
 _UNSET_VARIABLES = (
     "AWS_ENDPOINT_URL_S3",  # would beat AWS_ENDPOINT_URL for S3
     "AWS_PROFILE",
-    "AWS_MAX_ATTEMPTS",  # tests expect jobs.storage's default of 5
+    "AWS_MAX_ATTEMPTS",  # tests expect kvbatch.jobs.storage's default of 5
     "AWS_SESSION_TOKEN",
     "AWS_SECURITY_TOKEN",
     "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
@@ -54,7 +54,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """A moto server for the whole session; see the module docstring."""
     from moto.server import ThreadedMotoServer
 
-    from jobs.storage.s3 import reset_client
+    from kvbatch.jobs.storage.s3 import reset_client
 
     werkzeug_log = logging.getLogger("werkzeug")  # one line per request otherwise
     werkzeug_level = werkzeug_log.level

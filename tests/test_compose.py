@@ -162,7 +162,7 @@ def test_bind_mounts_exist(compose):
 
 
 def test_kvbatch_commands_are_valid_invocations(compose, monkeypatch):
-    from worker.app import broker_url
+    from kvbatch.worker.app import broker_url
 
     checked = set()
     for name, service in _kvbatch_services(compose).items():

@@ -1,6 +1,6 @@
 """Our top-level packages must not share an import name with another installed distribution.
 
-The repository root is first on sys.path for the tests, `python -m engine.fetch` and an
+The repository root is first on sys.path for the tests, `python -m kvbatch.fetch` and an
 editable install, so a folder of ours named like a dependency's module hides that module from
 everyone. It happened: our Triton kernels lived in `kernels/` until transformers 5.25 made Hugging
 Face's kernel-hub package `kernels` a requirement and imported it at once; every fresh install

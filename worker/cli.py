@@ -28,7 +28,7 @@ import os
 import socket
 import sys
 
-DEFAULT_QUEUE = "kvbatch"  # worker.app.DEFAULT_QUEUE; not imported, so that `kvbatch run`
+DEFAULT_QUEUE = "kvbatch"  # kvbatch.worker.app.DEFAULT_QUEUE; not imported, so that `kvbatch run`
 # does not import Celery just to build its argument parser
 
 log = logging.getLogger("kvbatch.worker")
@@ -104,7 +104,7 @@ def add_resend_args(p: argparse.ArgumentParser) -> None:
 
 def _app(args: argparse.Namespace, command: str):
     """The Celery app on `--broker` (or KVBATCH_BROKER_URL), or None after printing why not."""
-    from worker.app import BrokerError, broker_url, make_app
+    from kvbatch.worker.app import BrokerError, broker_url, make_app
 
     try:
         return make_app(broker_url(args.broker))
@@ -121,9 +121,9 @@ def _where(app) -> str:
 
 
 def submit(args: argparse.Namespace) -> int:
-    from jobs.run import JobError
-    from jobs.submit import prepare_job
-    from worker.tasks import send_shard
+    from kvbatch.jobs.run import JobError
+    from kvbatch.jobs.submit import prepare_job
+    from kvbatch.worker.tasks import send_shard
 
     app = _app(args, "submit")
     if app is None:
@@ -136,7 +136,7 @@ def submit(args: argparse.Namespace) -> int:
         print(f"kvbatch submit: cannot reach the broker {_where(app)}: {e}", file=sys.stderr)
         return 1
     try:
-        from worker.sqs import ensure_queue
+        from kvbatch.worker.sqs import ensure_queue
 
         ensure_queue(app, args.queue)  # SQS: the queue and its dead-letter queue; Redis: no-op
     except Exception as e:
@@ -161,8 +161,8 @@ def submit(args: argparse.Namespace) -> int:
         for msg in job.messages:
             send_shard(app, args.output, msg, args.queue)
     except Exception as e:
-        from jobs.finalize import mark_job_failed
-        from jobs.shards import job_dir
+        from kvbatch.jobs.finalize import mark_job_failed
+        from kvbatch.jobs.shards import job_dir
 
         reason = f"sending the shards to the broker failed: {e}; resubmit the input"
         try:  # the job can never finish: say so in its batch.json (and kvbatch status)
@@ -172,8 +172,8 @@ def submit(args: argparse.Namespace) -> int:
         print(f"kvbatch submit: job {job.job_id} at {job.dir_uri}: {reason}", file=sys.stderr)
         return 1
     if not job.messages:  # every line was invalid: nothing to run, finalize now
-        from jobs.finalize import try_finalize
-        from jobs.shards import job_dir
+        from kvbatch.jobs.finalize import try_finalize
+        from kvbatch.jobs.shards import job_dir
 
         try_finalize(job_dir(args.output, job.job_id))
     print(
@@ -186,11 +186,10 @@ def submit(args: argparse.Namespace) -> int:
 
 
 def worker(args: argparse.Namespace, engine: dict) -> int:
-    from worker.tasks import WorkerModel, use_model
+    from kvbatch.worker.tasks import WorkerModel, use_model
 
     logging.basicConfig(level=logging.WARNING, format="kvbatch: %(message)s", stream=sys.stderr)
-    for name in ("kvbatch", "engine", "jobs"):
-        logging.getLogger(name).setLevel(logging.INFO)
+    logging.getLogger("kvbatch").setLevel(logging.INFO)
     app = _app(args, "worker")
     if app is None:
         return 1
@@ -202,7 +201,7 @@ def worker(args: argparse.Namespace, engine: dict) -> int:
         return 1
     use_model(model)
     try:
-        from worker.sqs import ensure_queue
+        from kvbatch.worker.sqs import ensure_queue
 
         ensure_queue(app, args.queue)  # SQS: the queue and its dead-letter queue; Redis: no-op
     except Exception as e:
@@ -210,7 +209,7 @@ def worker(args: argparse.Namespace, engine: dict) -> int:
         return 1
     port = getattr(args, "metrics_port", 0)
     if port:
-        from worker.metrics import observe_engine, start_metrics_server
+        from kvbatch.worker.metrics import observe_engine, start_metrics_server
 
         try:  # a busy port (two workers on one host) costs the metrics, not the worker
             start_metrics_server(port)
@@ -239,9 +238,9 @@ def worker(args: argparse.Namespace, engine: dict) -> int:
 
 
 def finalize(args: argparse.Namespace) -> int:
-    from jobs.finalize import job_status, try_finalize
-    from jobs.shards import job_dir
-    from jobs.storage import StorageError
+    from kvbatch.jobs.finalize import job_status, try_finalize
+    from kvbatch.jobs.shards import job_dir
+    from kvbatch.jobs.storage import StorageError
 
     try:
         job = job_dir(args.output, args.job_id)
@@ -282,9 +281,9 @@ def status(args: argparse.Namespace) -> int:
 
 
 def _read_status(output: str, job_id: str) -> dict | None:
-    from jobs.finalize import job_status
-    from jobs.shards import job_dir
-    from jobs.storage import StorageError
+    from kvbatch.jobs.finalize import job_status
+    from kvbatch.jobs.shards import job_dir
+    from kvbatch.jobs.storage import StorageError
 
     try:
         job = job_dir(output, job_id)
@@ -331,9 +330,9 @@ def format_status(s: dict) -> str:
 
 
 def cancel(args: argparse.Namespace) -> int:
-    from jobs.cancel import cancel_job
-    from jobs.shards import job_dir
-    from jobs.storage import StorageError
+    from kvbatch.jobs.cancel import cancel_job
+    from kvbatch.jobs.shards import job_dir
+    from kvbatch.jobs.storage import StorageError
 
     try:
         job = job_dir(args.output, args.job_id)
@@ -357,10 +356,10 @@ def cancel(args: argparse.Namespace) -> int:
 
 
 def resend(args: argparse.Namespace) -> int:
-    from jobs.finalize import read_manifest
-    from jobs.shards import job_dir
-    from jobs.storage import StorageError
-    from worker.resend import ResendError, resend
+    from kvbatch.jobs.finalize import read_manifest
+    from kvbatch.jobs.shards import job_dir
+    from kvbatch.jobs.storage import StorageError
+    from kvbatch.worker.resend import ResendError, resend
 
     if args.settle < 0:
         print("kvbatch resend: --settle must be 0 or more seconds", file=sys.stderr)

@@ -172,7 +172,7 @@ class WorkerMetrics:
 def lines_by_status(records) -> dict[str, int]:
     """{completed, failed, cancelled: count} of a shard's [(index, line)] (a cancelled line
     counts as cancelled only, not also as failed)."""
-    from jobs.finalize import CANCELLED
+    from kvbatch.jobs.finalize import CANCELLED
 
     counts = dict.fromkeys(LINE_STATUSES, 0)
     for _, line in records:

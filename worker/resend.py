@@ -26,9 +26,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from jobs.shards import ShardMessage
-from jobs.storage import Storage
-from worker.app import TASK_NAME
+from kvbatch.jobs.shards import ShardMessage
+from kvbatch.jobs.storage import Storage
+from kvbatch.worker.app import TASK_NAME
 
 log = logging.getLogger("kvbatch.worker")
 
@@ -121,7 +121,7 @@ def resend(
 ) -> ResendResult:  # fmt: skip
     """Send again the shards that are lost (Redis), or with `unwritten` every shard that has
     no result (any broker). Returns what was sent."""
-    from worker.tasks import send_shard
+    from kvbatch.worker.tasks import send_shard
 
     redis = app.conf.broker_url.startswith(("redis://", "rediss://"))
     if not (redis or unwritten):

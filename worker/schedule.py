@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from jobs.storage import validate_key_part
+from kvbatch.jobs.storage import validate_key_part
 
 DEFAULT_TEMPLATE = (
     "<document>\n{document}\n</document>\n\n"

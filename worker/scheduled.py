@@ -10,10 +10,10 @@ nothing. The steps:
    document first and then the chunk, written to `<output>/inputs/<name>-<date>.jsonl`.
    Document first: all chunks of a document share it as a prompt prefix, which prefix grouping
    turns into one document prefill per group (and one shard per document group).
-2. jobs.submit.prepare_job(..., job_id=<name>-<date>); JobError because the job exists -> None.
+2. kvbatch.jobs.submit.prepare_job(..., job_id=<name>-<date>); JobError because the job exists -> None.
 3. `<output>/runs/<name>-<date>.json` records the documents read (key -> sha256), so the next
    run takes only new or changed ones, with `sent: false`; one message per shard
-   (worker.tasks.send_shard); then `sent: true`. A trigger that finds job.json but not
+   (kvbatch.worker.tasks.send_shard); then `sent: true`. A trigger that finds job.json but not
    `sent: true` (a send failed part-way) sends the shards that have no attempt or result yet;
    the scheduled task itself retries the same date a few times after such a failure.
 """
@@ -27,8 +27,8 @@ import logging
 import re
 from pathlib import PurePosixPath
 
-from jobs.storage import open_storage
-from worker.schedule import Schedule, ScheduleEntry
+from kvbatch.jobs.storage import open_storage
+from kvbatch.worker.schedule import Schedule, ScheduleEntry
 
 SCHEDULED_TASK = "kvbatch.scheduled_run"
 SCHEDULED_QUEUE = "kvbatch-scheduled"  # consumed by `kvbatch beat` itself, not by GPU workers
@@ -136,9 +136,9 @@ def documents_input(entry: ScheduleEntry, model_name: str) -> tuple[bytes, dict[
 def start_scheduled_run(entry: ScheduleEntry, run_date: dt.date, *, app=None) -> str | None:
     """Prepare and enqueue the run of `entry` for `run_date`; its job id, or None when that
     date's run already exists (a duplicate trigger) or there is nothing new to run."""
-    from jobs.run import JobError
-    from jobs.shards import job_dir
-    from jobs.submit import prepare_job
+    from kvbatch.jobs.run import JobError
+    from kvbatch.jobs.shards import job_dir
+    from kvbatch.jobs.submit import prepare_job
 
     job_id = run_id(entry.name, run_date)
     job = job_dir(entry.output, job_id)  # validates the key part
@@ -213,18 +213,18 @@ def _write_run_record(out, record: dict) -> None:
 def _send(entry: ScheduleEntry, job, messages, app) -> None:
     """One message per shard, then finalize a job with nothing to run."""
     if app is None:
-        from worker.app import broker_url, make_app
+        from kvbatch.worker.app import broker_url, make_app
 
         app = make_app(broker_url())
-    from worker.sqs import ensure_queue
-    from worker.tasks import send_shard
+    from kvbatch.worker.sqs import ensure_queue
+    from kvbatch.worker.tasks import send_shard
 
     if messages:
         ensure_queue(app, entry.queue)
     for msg in messages:
         send_shard(app, entry.output, msg, entry.queue)
     if not messages:
-        from jobs.finalize import try_finalize
+        from kvbatch.jobs.finalize import try_finalize
 
         try_finalize(job)
 
@@ -233,8 +233,8 @@ def _resend(entry: ScheduleEntry, job, job_id: str, out, app) -> str:
     """Send again the shards of a run whose sends failed part-way: every shard that has no
     result and no attempt yet (one already sent and still queued is sent twice; its second
     delivery finds the result and does nothing)."""
-    from jobs.finalize import read_manifest
-    from worker.resend import unwritten_shards
+    from kvbatch.jobs.finalize import read_manifest
+    from kvbatch.worker.resend import unwritten_shards
 
     manifest = read_manifest(job)
     started = {k.split("/", 1)[1].rsplit(".", 1)[0] for k in job.list("attempts/")}
@@ -292,8 +292,8 @@ def beat(args) -> int:
     their shards reach the GPU workers. Run exactly one per stack."""
     import sys
 
-    from worker.app import BrokerError, broker_url, make_app
-    from worker.schedule import ScheduleError, load_schedule
+    from kvbatch.worker.app import BrokerError, broker_url, make_app
+    from kvbatch.worker.schedule import ScheduleError, load_schedule
 
     try:
         schedule = load_schedule(args.schedule)

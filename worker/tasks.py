@@ -34,7 +34,7 @@ from typing import Any
 from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry
 
-from worker.app import TASK_NAME
+from kvbatch.worker.app import TASK_NAME
 
 log = logging.getLogger("kvbatch.worker")
 
@@ -60,7 +60,7 @@ class WorkerModel:
 
     def llm(self):
         if self._llm is None:
-            from engine import LLM  # torch is imported here, not at worker start-up
+            from kvbatch.engine import LLM  # torch is imported here, not at kvbatch.worker start-up
 
             log.info("loading %s", self.path)
             self._llm = LLM(model=self.path, **self.engine)
@@ -93,7 +93,7 @@ def register(app: Celery) -> None:
 
 
 def send_shard(app: Celery, output: str, message, queue: str) -> None:
-    """Enqueue one shard (a jobs.shards.ShardMessage) for the job under `output`."""
+    """Enqueue one shard (a kvbatch.jobs.shards.ShardMessage) for the job under `output`."""
     app.tasks[TASK_NAME].apply_async(
         kwargs={"output": output, "shard": message.to_dict()}, queue=queue
     )
@@ -108,7 +108,7 @@ def handle_shard(task, output: str, shard: dict) -> dict:
     the shard is failed (fail_shard) so the job still finalizes. Only when even that cannot be
     written is the message given up, with the reason in the log (and in
     `<job>/failures/<shard_id>.json` when that can be written)."""
-    from worker.sqs import visibility_heartbeat
+    from kvbatch.worker.sqs import visibility_heartbeat
 
     msg, job = _parse(output, shard)
     if _model is None:
@@ -130,8 +130,8 @@ class _Step:
 
 
 def _handle(task, msg, job, step: _Step) -> dict:
-    from jobs.cancel import CancelCheck
-    from jobs.finalize import (
+    from kvbatch.jobs.cancel import CancelCheck
+    from kvbatch.jobs.finalize import (
         cancel_requested,
         cancel_shard,
         fail_shard,
@@ -141,8 +141,8 @@ def _handle(task, msg, job, step: _Step) -> dict:
         try_finalize,
         write_shard_result,
     )
-    from jobs.shards import run_shard
-    from worker import metrics
+    from kvbatch.jobs.shards import run_shard
+    from kvbatch.worker import metrics
 
     step.name = "reading job.json"
     manifest = read_manifest(job)
@@ -224,7 +224,7 @@ def _handle(task, msg, job, step: _Step) -> dict:
 
 def _failed_outside_run(task, msg, job, step: str, error: Exception) -> dict:
     """An exception outside the shard's run: retry with backoff, then fail the shard."""
-    from jobs.finalize import fail_shard, try_finalize
+    from kvbatch.jobs.finalize import fail_shard, try_finalize
 
     where = f"{msg.job_id}/{msg.shard_id}"
     if step == "reading job.json" and _exists(job.join("job.json")) is False:
@@ -263,7 +263,7 @@ def _exists(target) -> bool | None:
 def _max_countdown() -> int:
     """Backoff stays well below the visibility timeout: on Redis a countdown message waits
     unacknowledged in the worker and would be handed out again past it (NOTES.md)."""
-    from worker.app import visibility_timeout
+    from kvbatch.worker.app import visibility_timeout
 
     try:
         return max(1, min(MAX_RETRY_COUNTDOWN, visibility_timeout() // 4))
@@ -306,12 +306,12 @@ def _slowed(should_stop):
 def _count_written(msg, status: str, job) -> None:
     """Count a shard given up on (cancelled, poisoned, failed); its lines only when this
     delivery wrote its result (`job` is None otherwise). Metrics never fail a shard."""
-    from worker import metrics
+    from kvbatch.worker import metrics
 
     lines = None
     if job is not None:
         try:
-            from jobs.finalize import _read_lines, _result
+            from kvbatch.jobs.finalize import _read_lines, _result
 
             records = [
                 (0, json.loads(raw)["record"]) for raw in _read_lines(_result(job, msg.shard_id))
@@ -324,8 +324,8 @@ def _count_written(msg, status: str, job) -> None:
 
 def _parse(output: str, shard: dict):
     """The checked message and its job folder; a malformed message is rejected for good."""
-    from jobs.shards import ShardMessage, job_dir
-    from jobs.storage import StorageError
+    from kvbatch.jobs.shards import ShardMessage, job_dir
+    from kvbatch.jobs.storage import StorageError
 
     try:
         if not isinstance(output, str) or not output:

@@ -16,9 +16,9 @@ while a step is memory-bound (small decode batches) and the drafts are often rig
 
 from __future__ import annotations
 
-from engine.config import SpecConfig
-from engine.sequence import Sequence, SequenceStatus
-from engine.spec.stats import SpecDecodeStats
+from kvbatch.engine.core.config import SpecConfig
+from kvbatch.engine.core.sequence import Sequence, SequenceStatus
+from kvbatch.engine.spec.stats import SpecDecodeStats
 
 
 class SpecDecoder:
@@ -85,13 +85,13 @@ class SpecDecoder:
 
 def build_spec_decoder(config: SpecConfig, engine, draft=None) -> SpecDecoder:
     """The proposer of `config.method` for an LLMEngine (after its KV cache is sized);
-    `draft`: the draft model, when the engine loaded it already (engine.loader.LoadedModel)."""
+    `draft`: the draft model, when the engine loaded it already (kvbatch.engine.model.loader.LoadedModel)."""
     if config.method == "ngram":
-        from engine.spec.ngram import NgramProposer
+        from kvbatch.engine.spec.ngram import NgramProposer
 
         proposer = NgramProposer(config.ngram_min, config.ngram_max)
     else:
-        from engine.spec.draft import DraftModelProposer
+        from kvbatch.engine.spec.draft import DraftModelProposer
 
         proposer = DraftModelProposer(
             config.draft_model,

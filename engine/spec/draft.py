@@ -23,13 +23,13 @@ import logging
 
 import torch
 
-from engine.kv_cache import KVCacheManager
-from engine.loader import LoadedModel, load_model
-from engine.runner import ModelRunner
-from engine.sampler import Sampler, SamplingTensors
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.sequence import Sequence
+from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.engine.core.sequence import Sequence
+from kvbatch.engine.exec.runner import ModelRunner
+from kvbatch.engine.exec.sampler import Sampler, SamplingTensors
+from kvbatch.engine.kv.kv_cache import KVCacheManager
+from kvbatch.engine.model.loader import LoadedModel, load_model
+from kvbatch.engine.sched.scheduler import ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from engine.sequence import Sequence
+from kvbatch.engine.core.sequence import Sequence
 
 
 def ngram_propose(

@@ -26,7 +26,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.sampler import Sampler, SamplerOutput, SamplingTensors, _mix32, seeded_exponential
+from kvbatch.engine.exec.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingTensors,
+    _mix32,
+    seeded_exponential,
+)
 
 _M32 = 0xFFFFFFFF
 

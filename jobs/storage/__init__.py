@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import re
 
-from jobs.storage.base import (
+from kvbatch.jobs.storage.base import (
     AlreadyExists,
     Storage,
     StorageError,
     relative_key,
     validate_key_part,
 )
-from jobs.storage.local import LocalStorage
-from jobs.storage.stdio import StdioStorage
+from kvbatch.jobs.storage.local import LocalStorage
+from kvbatch.jobs.storage.stdio import StdioStorage
 
 __all__ = [
     "AlreadyExists",
@@ -51,7 +51,9 @@ def open_storage(uri: str) -> Storage:
         return LocalStorage(uri)
     name = scheme.group(1).lower()
     if name == "s3":
-        from jobs.storage.s3 import S3Storage  # boto3 costs ~0.3 s to import: only when used
+        from kvbatch.jobs.storage.s3 import (
+            S3Storage,  # boto3 costs ~0.3 s to import: only when used
+        )
 
         return S3Storage(uri)
     if name == "file":

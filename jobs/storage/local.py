@@ -12,7 +12,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO
 
-from jobs.storage.base import (
+from kvbatch.jobs.storage.base import (
     AlreadyExists,
     Storage,
     StorageError,

@@ -34,7 +34,7 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from jobs.storage.base import (
+from kvbatch.jobs.storage.base import (
     AlreadyExists,
     Storage,
     StorageError,

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import BinaryIO, NoReturn
 
-from jobs.storage.base import Storage, StorageError
+from kvbatch.jobs.storage.base import Storage, StorageError
 
 
 class StdioStorage(Storage):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.cancel import CancelCheck, cancel_job
-from jobs.finalize import (
+from kvbatch.jobs.cancel import CancelCheck, cancel_job
+from kvbatch.jobs.finalize import (
     cancel_requested,
     job_status,
     read_manifest,
@@ -19,8 +19,8 @@ from jobs.finalize import (
     try_finalize,
     write_shard_result,
 )
-from jobs.grouping import feed_in_order
-from jobs.shards import job_dir, read_shard, run_shard
+from kvbatch.jobs.grouping import feed_in_order
+from kvbatch.jobs.shards import job_dir, read_shard, run_shard
 from tests.jobs.test_run import read_jsonl
 from tests.jobs.test_submit import BLOCK_SIZE, MAX_MODEL_LEN, prepare, rag_lines
 
@@ -35,7 +35,7 @@ def read_bytes(target) -> bytes:
 @pytest.fixture
 def slow_llm(tiny_chat_model: Path):
     """Two sequences at a time, so requests finish in waves over many steps."""
-    from engine import LLM
+    from kvbatch.engine import LLM
 
     return LLM(
         model=str(tiny_chat_model),
@@ -66,7 +66,7 @@ def _run(llm, job, msg, **kw):
 
 
 def test_feed_in_order_stops_between_steps_and_aborts(slow_llm):
-    from engine import SamplingParams
+    from kvbatch.engine import SamplingParams
 
     engine = slow_llm.engine
     params = SamplingParams(max_tokens=8, temperature=0)

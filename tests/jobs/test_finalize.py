@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.finalize import (
+from kvbatch.jobs.finalize import (
     fail_shard,
     job_status,
     read_manifest,
@@ -17,9 +17,9 @@ from jobs.finalize import (
     try_finalize,
     write_shard_result,
 )
-from jobs.run import RunOptions, resolve_paths, run_job
-from jobs.shards import job_dir, run_shard
-from jobs.storage import open_storage
+from kvbatch.jobs.run import RunOptions, resolve_paths, run_job
+from kvbatch.jobs.shards import job_dir, run_shard
+from kvbatch.jobs.storage import open_storage
 from tests.jobs.test_run import read_jsonl, write_jsonl
 from tests.jobs.test_submit import BLOCK_SIZE, MAX_MODEL_LEN, prepare, rag_lines
 from tests.s3_server import S3Server
@@ -30,7 +30,7 @@ MiB = 1024 * 1024
 @pytest.fixture
 def make_llm(tiny_chat_model: Path):
     """A fresh engine each call: cached-token counts then depend only on the job's order."""
-    from engine import LLM
+    from kvbatch.engine import LLM
 
     def make():
         return LLM(
@@ -158,7 +158,7 @@ def test_s3_round_trip(s3_server: S3Server, tmp_path: Path, make_llm, tiny_chat_
     lines = rag_lines(seed=1)[:8]
     src = write_jsonl(tmp_path / "in.jsonl", lines)
     open_storage(f"s3://{bucket}/in/job.jsonl").write_bytes(src.read_bytes())
-    from jobs.submit import prepare_job
+    from kvbatch.jobs.submit import prepare_job
 
     sub = prepare_job(
         f"s3://{bucket}/in/job.jsonl",

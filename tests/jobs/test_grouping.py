@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
-from jobs.grouping import GroupedOrder, feed_in_order, group_boundaries, group_by_prefix
+from kvbatch.engine.core.outputs import CompletionOutput, RequestOutput
+from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.jobs.grouping import GroupedOrder, feed_in_order, group_boundaries, group_by_prefix
 
 BS = 16
 NUM_DOCS, DOC_BLOCKS, CHUNKS_PER_DOC, CHUNK_BLOCKS = 6, 5, 10, 2
@@ -225,7 +225,7 @@ def one_torch_thread():
 
 def test_grouped_order_beats_input_order_on_the_real_engine(tiny_models, one_torch_thread):
     """A KV pool too small for every document: input order keeps evicting, grouping does not."""
-    from engine import LLM
+    from kvbatch.engine import LLM
 
     prompts, _ = rag_job()
     g = group_by_prefix(prompts, BS)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from jobs.prompts import PromptError, max_tokens_for, prompt_token_ids, sampling_params_for
-from jobs.validate import JobRequest, validate_lines
+from kvbatch.jobs.prompts import PromptError, max_tokens_for, prompt_token_ids, sampling_params_for
+from kvbatch.jobs.validate import JobRequest, validate_lines
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 

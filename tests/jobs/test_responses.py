@@ -9,10 +9,10 @@ from openai import BaseModel as OpenAIModel
 from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sequence import TokenLogprobs
-from jobs.responses import error_line, success_line
-from jobs.validate import JobRequest, LineError, validate_lines
+from kvbatch.engine.core.outputs import CompletionOutput, RequestOutput
+from kvbatch.engine.core.sequence import TokenLogprobs
+from kvbatch.jobs.responses import error_line, success_line
+from kvbatch.jobs.validate import JobRequest, LineError, validate_lines
 
 MODEL = "SmolLM2-135M-Instruct"
 LINE_KEYS = {"id", "custom_id", "response", "error"}

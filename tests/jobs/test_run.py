@@ -1,4 +1,4 @@
-"""`kvbatch run` end to end, in process: jobs.run.run_job on a tiny random Llama that has
+"""`kvbatch run` end to end, in process: kvbatch.jobs.run.run_job on a tiny random Llama that has
 SmolLM2's real tokenizer and chat template (the `tiny_chat_model` fixture), one engine shared
 by the module. Subprocess checks (SIGKILL and --resume, exit codes) are in test_run_cli.py."""
 
@@ -12,7 +12,7 @@ from openai import BaseModel as OpenAIModel
 from openai.types import Batch, Completion
 from openai.types.chat import ChatCompletion
 
-from jobs.run import RunOptions, resolve_paths, run_job
+from kvbatch.jobs.run import RunOptions, resolve_paths, run_job
 from tests.s3_server import S3Server
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -24,7 +24,7 @@ MiB = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_model: Path):
-    from engine import LLM
+    from kvbatch.engine import LLM
 
     return LLM(
         model=str(tiny_chat_model),
@@ -343,7 +343,7 @@ def test_model_name_option_overrides_the_first_line(llm, tmp_path: Path):
 def test_s3_in_and_out_with_multipart_output(
     llm, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    from jobs.storage.s3 import MIN_PART_SIZE
+    from kvbatch.jobs.storage.s3 import MIN_PART_SIZE
 
     monkeypatch.setenv("KVBATCH_S3_PART_SIZE", str(MIN_PART_SIZE))
     bucket = s3_server.make_bucket()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.run import RunOptions, resolve_paths, run_job
+from kvbatch.jobs.run import RunOptions, resolve_paths, run_job
 from tests.jobs.test_run import (
     CHAT,
     COMPLETIONS,
@@ -109,7 +109,7 @@ def test_empty_input_exits_0_with_zero_requests(
 
     source = tmp_path / "empty.jsonl"
     source.write_bytes(b"")
-    levels = {n: logging.getLogger(n).level for n in ("kvbatch", "engine", "jobs")}
+    levels = {n: logging.getLogger(n).level for n in ("kvbatch",)}
     try:
         status = main(["run", str(source), "--model", str(tiny_chat_model), *ENGINE_FLAGS])
     finally:
@@ -142,7 +142,7 @@ def _wait_for_commit(proc: subprocess.Popen, partial: Path, timeout: float = 60)
 
 @pytest.mark.slow
 def test_sigkill_then_resume_answers_each_request_once(tiny_chat_model: Path, tmp_path: Path):
-    from engine import LLM
+    from kvbatch.engine import LLM
 
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu".split()
     lines = []

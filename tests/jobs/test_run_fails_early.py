@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.run import JobError, RunOptions, run_job
+from kvbatch.jobs.run import JobError, RunOptions, run_job
 from tests.jobs.test_run import chat, write_jsonl
 from tests.s3_server import S3Server
 
@@ -17,7 +17,7 @@ from tests.s3_server import S3Server
 def no_model_load(monkeypatch: pytest.MonkeyPatch) -> str:
     """A model path that does not exist, and an engine.LLM that fails the test if built: a job
     that must fail before loading the model runs with llm=None and this path."""
-    import engine
+    from kvbatch import engine
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded: the job should have failed before")

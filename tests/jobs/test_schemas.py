@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from jobs.schemas import (
+from kvbatch.jobs.schemas import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     CONTEXT_MAX_TOKENS,
     BatchLine,

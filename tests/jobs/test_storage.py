@@ -1,4 +1,4 @@
-"""jobs.storage against real parts: the local file system, real pipes, and moto's S3 server
+"""kvbatch.jobs.storage against real parts: the local file system, real pipes, and moto's S3 server
 over HTTP (tests.s3_server)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.storage import (
+from kvbatch.jobs.storage import (
     AlreadyExists,
     LocalStorage,
     StorageError,
@@ -234,7 +234,7 @@ def test_stdio_in_process(monkeypatch):
 
 def test_stdio_through_real_pipes():
     code = (
-        "from jobs.storage import open_storage\n"
+        "from kvbatch.jobs.storage import open_storage\n"
         "src, dst = open_storage('-'), open_storage('-')\n"
         "src.check_readable()\n"
         "with dst.open_write() as out:\n"
@@ -263,7 +263,7 @@ def bucket(s3_server: S3Server) -> str:  # noqa: F811
 @pytest.fixture
 def fresh_client():
     """A client built from this test's environment, and none left behind for the next test."""
-    from jobs.storage.s3 import reset_client
+    from kvbatch.jobs.storage.s3 import reset_client
 
     reset_client()
     yield
@@ -271,7 +271,7 @@ def fresh_client():
 
 
 def test_s3_client_uses_aws_endpoint_url_and_standard_retries(s3_server):  # noqa: F811
-    from jobs.storage import s3
+    from kvbatch.jobs.storage import s3
 
     s3.reset_client()
     clients: list[object] = []
@@ -312,7 +312,7 @@ def test_s3_write_small_object_with_one_put(s3_server, bucket):  # noqa: F811
 
 
 def test_s3_open_write_uses_multipart_for_big_outputs(s3_server, bucket):  # noqa: F811
-    from jobs.storage.s3 import MIN_PART_SIZE, S3Storage
+    from kvbatch.jobs.storage.s3 import MIN_PART_SIZE, S3Storage
 
     out = S3Storage(f"s3://{bucket}/out/output.jsonl", part_size=MIN_PART_SIZE)
     chunk = bytes(range(256)) * 4096  # 1 MiB
@@ -337,7 +337,7 @@ def test_s3_write_if_absent_first_writer_wins(s3_server, bucket):  # noqa: F811
 
 
 def test_s3_conditional_multipart_loses_cleanly(s3_server, bucket):  # noqa: F811
-    from jobs.storage.s3 import MIN_PART_SIZE, S3Storage
+    from kvbatch.jobs.storage.s3 import MIN_PART_SIZE, S3Storage
 
     out = S3Storage(f"s3://{bucket}/shards/big.jsonl", part_size=MIN_PART_SIZE)
     assert out.write_if_absent(b"winner")
@@ -350,7 +350,7 @@ def test_s3_conditional_multipart_loses_cleanly(s3_server, bucket):  # noqa: F81
 
 
 def test_s3_exception_aborts_the_upload(s3_server, bucket):  # noqa: F811
-    from jobs.storage.s3 import MIN_PART_SIZE, S3Storage
+    from kvbatch.jobs.storage.s3 import MIN_PART_SIZE, S3Storage
 
     out = S3Storage(f"s3://{bucket}/out/output.jsonl", part_size=MIN_PART_SIZE)
     client = s3_server.client()

@@ -1,4 +1,4 @@
-"""jobs.submit.prepare_job and jobs.shards: validation, prefix shards cut on group boundaries,
+"""kvbatch.jobs.submit.prepare_job and kvbatch.jobs.shards: validation, prefix shards cut on group boundaries,
 claim-check messages, payload integrity, safe job ids."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs.run import JobError
-from jobs.shards import ShardMessage, job_dir, new_job_id, read_shard
-from jobs.storage import open_storage
-from jobs.submit import cut_shards, prepare_job, shared_leading_blocks
+from kvbatch.jobs.run import JobError
+from kvbatch.jobs.shards import ShardMessage, job_dir, new_job_id, read_shard
+from kvbatch.jobs.storage import open_storage
+from kvbatch.jobs.submit import cut_shards, prepare_job, shared_leading_blocks
 from tests.jobs.test_run import chat, completion, read_jsonl, write_jsonl
 
 BLOCK_SIZE = 16

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-import jobs.validate as validate_module
-from engine.sampling_params import SamplingParams
-from jobs.schemas import CONTEXT_MAX_TOKENS
-from jobs.validate import CODES, JobRequest, LineError, validate_lines
+import kvbatch.jobs.validate as validate_module
+from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.jobs.schemas import CONTEXT_MAX_TOKENS
+from kvbatch.jobs.validate import CODES, JobRequest, LineError, validate_lines
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -170,9 +170,9 @@ def test_kvbatch_run_builds_its_engine_from_the_flags(
 ):
     """A job through `kvbatch run` with every flag: answered, and the engine it ran on has
     the pool --kv-cache-bytes asks for (its start line says so) and the settings asked."""
-    import engine
-    from engine import LLM
-    from engine.runner import kv_bytes_per_block
+    from kvbatch import engine
+    from kvbatch.engine import LLM
+    from kvbatch.engine.exec.runner import kv_bytes_per_block
 
     engines = []
 
@@ -194,7 +194,7 @@ def test_kvbatch_run_builds_its_engine_from_the_flags(
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     argv = ["run", str(source), "--model", str(tiny_chat_model), "--device", "cpu"]
     argv += ["--max-model-len", "128", *EVERY_FLAG]
-    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.INFO, logger="engine"):
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.INFO, logger="kvbatch.engine"):
         mp.setattr(engine, "LLM", Recording)  # jobs/run.py imports it when it runs
         status, out, err = run_main(argv)
     assert status == 0, err

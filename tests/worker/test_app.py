@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
+from kvbatch.worker.app import TASK_NAME, BrokerError, broker_url, make_app
 from tests.redis_server import redis_server  # noqa: F401
-from worker.app import TASK_NAME, BrokerError, broker_url, make_app
 
 
 def test_settings_for_long_tasks():

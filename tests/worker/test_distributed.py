@@ -160,10 +160,10 @@ def test_two_workers_answer_like_run_job(tmp_path, persistent_redis_server, tiny
     shard is written, then `kvbatch resend` (a worker whose BRPOP was in flight at the kill
     lost that shard: worker/resend.py): every custom_id is answered exactly once, as
     `kvbatch run` answers it. (~30 s on an idle 2-core machine.)"""
-    from jobs.run import RunOptions, run_job
-    from jobs.shards import ShardMessage
-    from worker.app import make_app
-    from worker.tasks import send_shard
+    from kvbatch.jobs.run import RunOptions, run_job
+    from kvbatch.jobs.shards import ShardMessage
+    from kvbatch.worker.app import make_app
+    from kvbatch.worker.tasks import send_shard
 
     redis = persistent_redis_server
     n = 2000
@@ -270,9 +270,9 @@ def test_poison_shard_becomes_error_records(tmp_path, tiny_chat_model):
     become error records and the job still completes (the task run in-process, eagerly)."""
     from celery.exceptions import Reject
 
-    from jobs.submit import prepare_job
-    from worker.app import TASK_NAME, make_app
-    from worker.tasks import WorkerModel, use_model
+    from kvbatch.jobs.submit import prepare_job
+    from kvbatch.worker.app import TASK_NAME, make_app
+    from kvbatch.worker.tasks import WorkerModel, use_model
 
     lines = [_chat(i, system=i % 2 == 0) for i in range(40)]
     input_path = _write_input(tmp_path / "input.jsonl", lines)

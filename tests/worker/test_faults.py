@@ -113,12 +113,12 @@ def test_unwritable_results_are_clear_in_logs_and_status(
 ):
     """Results may not be written at all: every retry fails, the shard cannot even be failed,
     and the reason (bucket, key, permission) is in the log and in `kvbatch status`."""
-    from jobs.finalize import job_status
-    from jobs.shards import job_dir
-    from jobs.storage.s3 import reset_client
-    from jobs.submit import prepare_job
-    from worker.app import TASK_NAME, make_app
-    from worker.tasks import WorkerModel, use_model
+    from kvbatch.jobs.finalize import job_status
+    from kvbatch.jobs.shards import job_dir
+    from kvbatch.jobs.storage.s3 import reset_client
+    from kvbatch.jobs.submit import prepare_job
+    from kvbatch.worker.app import TASK_NAME, make_app
+    from kvbatch.worker.tasks import WorkerModel, use_model
 
     bucket = s3_server.make_bucket()
     input_path = _write_input(tmp_path / "input.jsonl", [_chat(i, system=False) for i in range(6)])
@@ -156,10 +156,10 @@ def test_submit_marks_the_job_failed_when_sending_fails(
 ):
     """The broker answers submit's check, then sending the second shard fails: the job folder
     is written, so batch.json says failed, with the reason, and `kvbatch status` shows it."""
-    import worker.tasks
+    import kvbatch.worker.tasks
     from kvbatch.cli import main
 
-    real_send, sent = worker.tasks.send_shard, []
+    real_send, sent = kvbatch.worker.tasks.send_shard, []
 
     def send_then_fail(app, output, message, queue):
         if sent:
@@ -167,7 +167,7 @@ def test_submit_marks_the_job_failed_when_sending_fails(
         sent.append(message)
         real_send(app, output, message, queue)
 
-    monkeypatch.setattr(worker.tasks, "send_shard", send_then_fail)
+    monkeypatch.setattr(kvbatch.worker.tasks, "send_shard", send_then_fail)
     input_path = _write_input(
         tmp_path / "input.jsonl", [_chat(i, system=i % 2 == 0) for i in range(20)]
     )

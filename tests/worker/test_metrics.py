@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker import metrics as metrics_mod
-from worker.metrics import WorkerMetrics, lines_by_status, start_metrics_server
+from kvbatch.worker import metrics as metrics_mod
+from kvbatch.worker.metrics import WorkerMetrics, lines_by_status, start_metrics_server
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "kvbatch.json"
@@ -34,13 +34,13 @@ def _samples(m: WorkerMetrics) -> dict[tuple[str, tuple], float]:
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_chat_model):
-    from engine import LLM
+    from kvbatch.engine import LLM
 
     return LLM(model=str(tiny_chat_model), device="cpu", max_num_seqs=4)
 
 
 def test_observe_engine_exports_the_engine_totals(tiny_llm):
-    from engine import SamplingParams
+    from kvbatch.engine import SamplingParams
 
     m = WorkerMetrics()
     m.observe_engine(tiny_llm)  # a baseline: the engine may have run before (module fixture)
@@ -93,7 +93,7 @@ class _FakeScheduler:
 
 class _FakeEngine:
     def __init__(self, **totals):
-        from engine.outputs import EngineStats
+        from kvbatch.engine.core.outputs import EngineStats
 
         self.scheduler = _FakeScheduler()
         base = dict(
@@ -173,9 +173,9 @@ def test_shards_and_lines_by_status():
 def test_handle_shard_counts_the_shard_and_its_lines(
     tmp_path, tiny_llm, tiny_chat_model, monkeypatch
 ):
-    from jobs.submit import prepare_job
+    from kvbatch.jobs.submit import prepare_job
+    from kvbatch.worker import tasks
     from tests.worker.test_distributed import _chat, _write_input
-    from worker import tasks
 
     m = WorkerMetrics()
     monkeypatch.setattr(metrics_mod, "METRICS", m)
@@ -225,7 +225,7 @@ def test_metrics_endpoint_answers(monkeypatch):
 
 
 def test_worker_metrics_port_option():
-    from worker.cli import add_worker_args
+    from kvbatch.worker.cli import add_worker_args
 
     p = argparse.ArgumentParser()
     add_worker_args(p)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kvbatch.worker.schedule import ScheduleError, load_schedule, parse_schedule
 from tests.redis_server import redis_server  # noqa: F401
-from worker.schedule import ScheduleError, load_schedule, parse_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,7 +76,7 @@ def test_toml_file_errors(tmp_path):
 
 
 def test_chunks_hold_the_document_first(tmp_path):
-    from worker.scheduled import chunk_text, documents_input
+    from kvbatch.worker.scheduled import chunk_text, documents_input
 
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -113,8 +113,8 @@ def test_chunks_hold_the_document_first(tmp_path):
 def test_same_date_twice_is_one_job(tmp_path, redis_server, tiny_chat_model):  # noqa: F811
     import redis
 
-    from worker.app import DEFAULT_QUEUE, make_app
-    from worker.scheduled import start_scheduled_run
+    from kvbatch.worker.app import DEFAULT_QUEUE, make_app
+    from kvbatch.worker.scheduled import start_scheduled_run
 
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -149,7 +149,7 @@ def test_cron_entries_become_crontabs():
     from celery import Celery
     from celery.schedules import crontab
 
-    from worker.scheduled import SCHEDULED_QUEUE, SCHEDULED_TASK, register_scheduled
+    from kvbatch.worker.scheduled import SCHEDULED_QUEUE, SCHEDULED_TASK, register_scheduled
 
     schedule = parse_schedule(
         {"timezone": "Europe/Paris",
@@ -196,8 +196,8 @@ def test_a_run_whose_sends_failed_is_sent_by_the_next_trigger(
     import redis
     from kombu.exceptions import OperationalError
 
-    from worker.app import DEFAULT_QUEUE, make_app
-    from worker.scheduled import start_scheduled_run
+    from kvbatch.worker.app import DEFAULT_QUEUE, make_app
+    from kvbatch.worker.scheduled import start_scheduled_run
 
     docs = tmp_path / "docs"
     docs.mkdir()

@@ -1,0 +1,145 @@
+"""The reference attention backend: gathers each sequence's blocks and calls SDPA (CPU and CUDA)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvbatch.engine.attention.cascade import cascade_decode
+from kvbatch.engine.attention.metadata import AttentionMetadata, PrefillSpan
+
+
+class TorchAttentionBackend:
+    """Reference backend: gathers a sequence's blocks and calls SDPA. CPU and CUDA."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta)
+        for span in meta.prefills:
+            rows = slice(span.query_start, span.query_start + span.query_len)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, span)
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Decodes in one SDPA call per length bucket (length_buckets), each padded to its
+        longest: one 2k-token row among 60-token ones would
+        otherwise make every row gather and mask 2k keys (2.5 ms against 0.2 ms a layer for
+        9 rows of the tiny model on the CPU)."""
+        if meta.decode_groups:
+            return cascade_decode(
+                q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.decode_groups
+            )
+        lens, tables = meta.decode_seq_lens, meta.decode_block_tables
+        buckets = length_buckets(lens)
+        if buckets is None:
+            return _padded_decode(q, kv_cache, tables, lens)
+        block_size = kv_cache.shape[2]
+        out = torch.empty_like(q)
+        for rows in buckets:
+            width = -(-int(lens[rows].max()) // block_size)
+            out[rows] = _padded_decode(q[rows], kv_cache, tables[rows, :width], lens[rows])
+        return out
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
+    ) -> torch.Tensor:
+        """A chunk attends causally to its cached prefix and to itself."""
+        cached = span.context_len - span.query_len
+        qh = q.transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
+        if cached == 0:  # nothing cached: the chunk's own K/V, plain causal attention
+            out = F.scaled_dot_product_attention(
+                qh,
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                is_causal=True,
+                enable_gqa=True,
+            )
+            return out[0].transpose(0, 1)
+        _, _, _, num_kv_heads, head_dim = kv_cache.shape
+        keys = gather_blocks(kv_cache[0], span.block_ids).view(-1, num_kv_heads, head_dim)
+        values = gather_blocks(kv_cache[1], span.block_ids).view(-1, num_kv_heads, head_dim)
+        keys, values = keys[: span.context_len], values[: span.context_len]
+        # Query i sits at absolute position cached + i and sees keys 0 .. cached + i.
+        q_pos = torch.arange(cached, span.context_len, device=q.device)
+        k_pos = torch.arange(span.context_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, context_len]
+        out = F.scaled_dot_product_attention(
+            qh,
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
+
+
+# Splitting decode rows into length buckets costs an SDPA call per bucket (~0.2 ms on the CPU
+# for the tiny model): worth it only when it saves at least this many padded keys per head
+# and a quarter of the padded work.
+MIN_PADDED_KEYS_SAVED = 4096
+
+
+def length_buckets(lens: torch.Tensor) -> list[torch.Tensor] | None:
+    """Decode rows grouped by length octave (floor(log2)), so that no row is padded to more
+    than twice its own length; None when one call over all rows costs about as much (the
+    longest within 2x of the shortest, or little padding saved). A few tensor ops per
+    octave: no Python loop over the step's rows, once per layer."""
+    if lens.numel() < 2 or bool(lens.max() <= 2 * lens.min()):
+        return None
+    octave = torch.log2(lens.double()).floor().long()
+    buckets = [torch.nonzero(octave == o).flatten() for o in torch.unique(octave).tolist()]
+    padded_once = lens.numel() * int(lens.max())
+    padded_apart = sum(len(rows) * int(lens[rows].max()) for rows in buckets)
+    saved = padded_once - padded_apart
+    if saved < MIN_PADDED_KEYS_SAVED or 4 * saved < padded_once:
+        return None
+    return buckets
+
+
+def _padded_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor
+) -> torch.Tensor:
+    """One SDPA call for decode rows [B, heads, head_dim] over their block tables [B, blocks],
+    keys padded to the table's width and masked past each row's length."""
+    num_seqs, max_blocks = tables.shape
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, kv_heads, S, head_dim]
+    keys = gather_blocks(kv_cache[0], tables).view(num_seqs, -1, num_kv_heads, head_dim)
+    values = gather_blocks(kv_cache[1], tables).view(num_seqs, -1, num_kv_heads, head_dim)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+    positions = torch.arange(max_blocks * block_size, device=q.device)
+    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True
+    )  # [B, heads, 1, head_dim]
+    return out[:, :, 0, :]
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy the listed blocks out of one layer's K or V pool, in table order.
+
+    index_select on a flat list is ~9x faster on the CPU than advanced indexing with a 2-D
+    table (measured: 0.5 ms vs 4.7 ms for 32 x 31 blocks of SmolLM2's shape).
+    """
+    return torch.index_select(cache, 0, block_ids.reshape(-1))
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    """Scatter new K/V rows into their slots (block * block_size + offset)."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)

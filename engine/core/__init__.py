@@ -1,0 +1,1 @@
+"""The engine's front: LLM, the engine loop, configs, sequences, outputs, sampling params."""

@@ -1,0 +1,140 @@
+"""`LLM`: the offline API, close to vLLM's `LLM.generate`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvbatch.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from kvbatch.engine.core.llm_engine import LLMEngine, PromptType
+from kvbatch.engine.core.outputs import CompletionOutput, EngineStats, RequestOutput
+from kvbatch.engine.core.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model once, then generate for many prompts at a time.
+
+    >>> llm = LLM(model="path/to/hf-folder-or-file.gguf")
+    >>> outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        long_prefill_token_threshold: int = 2048,
+        long_prefill_step_ratio: float | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory_fraction: float = 0.90,
+        kv_cache_bytes: int | None = None,
+        num_kv_blocks: int | None = None,
+        attention_backend: str = "auto",
+        cascade_attention: bool = True,
+        cuda_graphs: bool = True,
+        cuda_graph_max_chunk: int = 512,
+        async_scheduling: bool | None = None,
+        freeze_gc: bool | None = None,
+        seed: int = 0,
+        speculative: str | SpecConfig | None = None,
+        num_speculative_tokens: int | None = None,
+    ) -> None:
+        """`speculative`: None (off), "ngram" (prompt lookup), "draft:PATH" (a draft model
+        with the target's vocabulary) or a SpecConfig; `num_speculative_tokens` = k (4)."""
+        config = EngineConfig(
+            model=str(model),
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            cascade_attention=cascade_attention,
+            cuda_graphs=cuda_graphs,
+            cuda_graph_max_chunk=cuda_graph_max_chunk,
+            async_scheduling=async_scheduling,
+            freeze_gc=freeze_gc,
+            seed=seed,
+            cache=CacheConfig(
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                kv_cache_memory_fraction=kv_cache_memory_fraction,
+                kv_cache_bytes=kv_cache_bytes,
+                num_kv_blocks=num_kv_blocks,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len or 0,
+                long_prefill_token_threshold=long_prefill_token_threshold,
+                long_prefill_step_ratio=long_prefill_step_ratio,
+            ),
+            speculative=SpecConfig.parse(speculative, num_speculative_tokens),
+        )
+        self.engine = LLMEngine(config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        A prompt that cannot run (too long, empty, bad token ids) gets an output with
+        `error` set and finish_reason "error"; the other prompts still run.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        engine = self.engine
+        results: dict[int, RequestOutput] = {}
+        index_of: dict[str, int] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                index_of[engine.add_request(prompt, p, request_id=f"generate-{id(self)}-{i}")] = i
+            except ValueError as e:
+                results[i] = _error_output(str(i), prompt, str(e))
+        bar = _progress(len(index_of)) if use_tqdm else None
+        while engine.has_unfinished():
+            for out in engine.step():
+                results[index_of[out.request_id]] = out
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in range(len(prompts))]
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+
+def _error_output(request_id: str, prompt, message: str) -> RequestOutput:
+    ids = prompt if isinstance(prompt, list) else []
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=ids,
+        outputs=[CompletionOutput(0, "", [], "error")],
+        finished=True,
+        error=message,
+    )
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

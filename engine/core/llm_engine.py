@@ -1,0 +1,500 @@
+"""The streaming engine: add requests, call step() until nothing is left.
+
+One step = schedule (which tokens run) -> one forward over all of them -> sample the
+sequences that reached their end -> append, check stops, release finished sequences.
+
+Async scheduling (on by default on CUDA): the host's work for a step (scheduling, building
+its tensors, then appending and stop-checking the tokens) takes about as long as the GPU's
+forward of a large decode batch, and done in turn each waits for the other. So a step is
+scheduled and queued *before* the previous step's tokens reach the host: its decodes read
+those tokens on the device (Sequence.num_pending), and the previous step is finished while
+the device runs this one. A request that stops on EOS or a stop string then costs one extra
+row in the step after (its token is dropped); max_tokens and the context limit are known in
+advance and cost nothing. Speculative decoding needs each step's tokens to propose the next
+ones, so it keeps steps in turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+
+from kvbatch.engine.attention.backends import get_backend
+from kvbatch.engine.core.config import (
+    DEFAULT_CPU_KV_BYTES,
+    CacheConfig,
+    EngineConfig,
+    default_batched_tokens,
+    default_long_prefill_step_ratio,
+)
+from kvbatch.engine.core.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.engine.core.sequence import Sequence, SequenceStatus, TokenLogprobs
+from kvbatch.engine.core.startup_heap import freeze_startup_heap, thaw_startup_heap
+from kvbatch.engine.core.stopping import StopChecker
+from kvbatch.engine.exec.launched_step import LaunchedStep, StepResult, start_clock
+from kvbatch.engine.exec.runner import ModelRunner, kv_bytes_per_block
+from kvbatch.engine.kv.kv_cache import KVCacheManager
+from kvbatch.engine.kv.memory import (
+    KV_POOL_REQUESTS_PER_SEQ,
+    cuda_kv_budget,
+    kv_blocks_worth_having,
+    profile_peak_activation_bytes,
+)
+from kvbatch.engine.model.fused import model_forward
+from kvbatch.engine.model.loader import load_model
+from kvbatch.engine.sched.scheduler import Scheduler
+from kvbatch.engine.sched.step_cost import StepCostModel
+
+log = logging.getLogger(__name__)
+
+# Decode steps of more sequences than this run eagerly; each bucket's graph costs capture time
+# (36 buckets up to 512, each plain and shared-prefix). 512 as vLLM's default capture size:
+# for a small model the GPU is not busy long enough to hide an eager step's launches even at
+# 512 sequences (Llama-3.2-1B: ~250 launches a step, ~100 of them Triton kernels whose
+# Python launcher alone costs tens of microseconds, against a GPU step of ~1.5 ms).
+CUDA_GRAPH_MAX_BATCH = 512
+
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        # an earlier engine's freeze: a dropped engine's cycles go before this one allocates
+        thaw_startup_heap()
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        loaded = load_model(config.model, self.dtype, self.device)
+        self.model, self.model_config = loaded.model, loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = self._max_model_len()
+        cache = config.cache
+        scheduler_config = config.scheduler
+        if scheduler_config.max_num_batched_tokens is None:
+            scheduler_config = dataclasses.replace(
+                scheduler_config, max_num_batched_tokens=default_batched_tokens(self.device)
+            )
+        if scheduler_config.attention_break_even_context is None:
+            scheduler_config = dataclasses.replace(
+                scheduler_config,
+                attention_break_even_context=self.model_config.attention_break_even_context,
+            )
+        if scheduler_config.long_prefill_step_ratio is None:
+            scheduler_config = dataclasses.replace(
+                scheduler_config,
+                long_prefill_step_ratio=default_long_prefill_step_ratio(self.device),
+            )
+        scheduler_config = dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
+        self.async_scheduling = self._async_scheduling()
+        backend = get_backend(config.attention_backend, self.device)
+        # The triton backend comes with the fused kernels and GEMMs (engine/fused.py).
+        self.forward = model_forward(self.model, fused=backend.name == "triton")
+        # A draft model keeps a KV pool of as many blocks as the target's: load it first, so
+        # that its weights are counted in free memory and its blocks in the KV budget.
+        spec = config.speculative
+        draft = None
+        if spec is not None and spec.method == "draft":
+            draft = load_model(spec.draft_model, self.dtype, self.device)
+        num_blocks = self._num_blocks(backend, scheduler_config, draft)
+        if num_blocks * cache.block_size < self.max_model_len:
+            shared = " (the budget pays for the draft model's KV too)" if draft else ""
+            raise ValueError(
+                f"the KV cache holds {num_blocks * cache.block_size} tokens ({num_blocks} blocks "
+                f"of {cache.block_size}){shared} but one request may need max_model_len="
+                f"{self.max_model_len}: raise kv_cache_bytes (or num_kv_blocks, or "
+                "kv_cache_memory_fraction on CUDA) or lower max_model_len"
+            )
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.step_cost = None  # times steps to size long prompts' chunks (engine/step_cost.py)
+        if (
+            scheduler_config.long_prefill_step_ratio
+            and scheduler_config.long_prefill_token_threshold
+        ):
+            self.step_cost = StepCostModel(
+                scheduler_config.long_prefill_step_ratio,
+                scheduler_config.attention_break_even_context,
+                chunk_buckets=lambda: self.runner.graph_chunk_buckets(),
+            )
+        self.scheduler = Scheduler(scheduler_config, self.kv, self.step_cost)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv,
+            num_blocks,
+            cache.block_size,
+            self.device,
+            self.dtype,
+            backend,
+            seed=config.seed,
+            cascade=config.cascade_attention,
+            forward=self.forward,
+        )
+        self.stop_checker = StopChecker(loaded.eos_token_ids, self.max_model_len, self.tokenizer)
+        self.spec = None  # speculative decoding (engine/spec/), when config.speculative is set
+        if config.speculative is not None:
+            from kvbatch.engine.spec.decoder import build_spec_decoder
+
+            self.spec = build_spec_decoder(config.speculative, self, draft)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._num_steps = self._computed = self._generated = self._prompt_tokens = 0
+        self._num_finished = 0
+        self._in_flight: LaunchedStep | None = None  # async scheduling: not yet finished
+        if config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
+            self.runner.capture_step_graphs(
+                min(scheduler_config.max_num_seqs, CUDA_GRAPH_MAX_BATCH),
+                self.max_model_len,
+                max_chunk=config.cuda_graph_max_chunk,
+            )
+        log.info(
+            "KV cache: %d blocks of %d tokens = %d tokens at most in flight (%.1f requests "
+            "of max_model_len %d at once)",
+            num_blocks,
+            cache.block_size,
+            num_blocks * cache.block_size,
+            num_blocks * cache.block_size / self.max_model_len,
+            self.max_model_len,
+        )
+        self.frozen_gc_objects = 0  # objects the startup freeze took out of GC passes
+        if self._freeze_gc():
+            self.frozen_gc_objects = freeze_startup_heap()
+            log.info("froze %d objects out of the cycle collector's passes", self.frozen_gc_objects)
+
+    def _freeze_gc(self) -> bool:
+        asked = self.config.freeze_gc
+        return self.device.type == "cuda" if asked is None else asked
+
+    def _async_scheduling(self) -> bool:
+        asked = self.config.async_scheduling
+        if self.config.speculative is not None:
+            if asked:
+                raise ValueError(
+                    "async_scheduling needs each step's tokens only after the next step is "
+                    "queued, and speculative decoding proposes from them: turn one off"
+                )
+            return False
+        return self.device.type == "cuda" if asked is None else asked
+
+    def _max_model_len(self) -> int:
+        cfg = self.model_config
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window:  # without windowed attention, stay inside the window
+            limit = min(limit, cfg.sliding_window)
+        asked = self.config.scheduler.max_model_len
+        if asked > limit:
+            raise ValueError(f"max_model_len={asked} exceeds the model's context of {limit}")
+        return asked or limit
+
+    def _num_blocks(self, backend, scheduler_config, draft=None) -> int:
+        """Blocks of the KV pool (and of the draft model's, which has as many): the budget
+        divided by what one block costs, both models' KV together."""
+        cache = self.config.cache
+        self._warn_unused_fraction()
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        per_block = kv_bytes_per_block(self.model, cache.block_size, self.dtype)
+        if draft is not None:
+            per_block += kv_bytes_per_block(draft.model, cache.block_size, self.dtype)
+        if cache.kv_cache_bytes is not None:
+            budget = cache.kv_cache_bytes
+        elif self.device.type == "cuda":
+            peak = profile_peak_activation_bytes(
+                self.model,
+                self.forward,
+                backend,
+                num_tokens=scheduler_config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                max_num_seqs=scheduler_config.max_num_seqs,
+                block_size=cache.block_size,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            budget = cuda_kv_budget(peak, cache.kv_cache_memory_fraction, self.device)
+            log.info(
+                "profiled the largest step (%d tokens): %.2f GiB of activations; KV pool "
+                "%.2f GiB (kv_cache_memory_fraction=%.2f of what is left)",
+                scheduler_config.max_num_batched_tokens,
+                peak / 2**30,
+                budget / 2**30,
+                cache.kv_cache_memory_fraction,
+            )
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+        blocks = max(0, budget // per_block)
+        if cache.kv_cache_bytes is None:  # a default budget: no more than can be put to use
+            most = kv_blocks_worth_having(
+                scheduler_config.max_num_seqs, self.max_model_len, cache.block_size
+            )
+            if blocks > most:
+                log.info(
+                    "KV pool capped at %d blocks (%d x max_num_seqs=%d requests of "
+                    "max_model_len=%d) instead of the %d the budget allows",
+                    most,
+                    KV_POOL_REQUESTS_PER_SEQ,
+                    scheduler_config.max_num_seqs,
+                    self.max_model_len,
+                    blocks,
+                )
+                blocks = most
+        return blocks
+
+    def _warn_unused_fraction(self) -> None:
+        """A kv_cache_memory_fraction asked for but not used says so (a user tuning it on the
+        CPU, or beside an explicit pool size, would otherwise see no change and no reason)."""
+        cache = self.config.cache
+        if cache.kv_cache_memory_fraction == CacheConfig.kv_cache_memory_fraction:
+            return
+        if cache.num_kv_blocks is not None:
+            why = "num_kv_blocks sets the pool"
+        elif cache.kv_cache_bytes is not None:
+            why = "kv_cache_bytes sets the pool"
+        elif self.device.type != "cuda":
+            why = (
+                f"it sizes the pool on CUDA only; on {self.device} kv_cache_bytes does "
+                f"(default {DEFAULT_CPU_KV_BYTES >> 20} MiB)"
+            )
+        else:
+            return
+        log.warning(
+            "kv_cache_memory_fraction=%g is not used: %s", cache.kv_cache_memory_fraction, why
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue one request. Raises ValueError (naming the problem) for a bad prompt."""
+        params = params or SamplingParams()
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but the model's context is "
+                f"max_model_len={self.max_model_len} (including at least one output token): "
+                "shorten the prompt"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need a tokenizer and this model has none; use stop_token_ids"
+            )
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, token_ids, params, prompt=text)
+        self.requests[request_id] = seq
+        self._prompt_tokens += len(token_ids)
+        self.scheduler.add(seq)
+        return request_id
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise ValueError(
+            f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}"
+        )
+
+    def _check_ids(self, ids) -> list[int]:
+        """The ids as a list of ints in [0, vocab). A request added mid-run is checked between
+        two steps, on the decoders' time: for a 32k-token prompt a generator over the ids took
+        2-4 ms on the 2-core CPU machine (on a host as fast, about two H200 decode steps) in
+        the decoders' gap at the long prompt's arrival. Plain ints (the usual case) are checked in three C-level
+        passes instead (~1.2 ms there); anything else goes through the generator, which
+        names the offending id (by position: a None id is an offender too)."""
+        vocab = self.model_config.vocab_size
+        ids = list(ids)
+        if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab:
+            return ids
+        at = next(
+            (
+                i
+                for i, t in enumerate(ids)
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+            ),
+            None,
+        )
+        if at is not None:
+            raise ValueError(f"token id {ids[at]!r} is not an int in [0, {vocab})")
+        return ids
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.abort(seq)
+            if self.spec is not None:
+                self.spec.release(seq)
+
+    def capture_chunk_graphs(self) -> int:
+        """Capture now, rather than in a later step that would wait for it, every CUDA graph of
+        a step with a prompt chunk that the decode batch sizes met so far may still need (CUDA,
+        triton, mixed-step graphs on; else 0): engine/cuda_graphs.py
+        `StepGraphs.capture_chunk_buckets`. Returns how many; only between jobs."""
+        if self.has_unfinished():
+            raise RuntimeError("capture_chunk_graphs: requests are still running; call it idle")
+        graphs = self.runner.step_graphs
+        return graphs.capture_chunk_buckets() if graphs is not None else 0
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the requests that finished in it (with async scheduling, the
+        requests whose last token came from the step before: the final call runs no model)."""
+        # timed from here: what the host does before the forward is part of the step's time
+        started = start_clock(self.device) if self.step_cost is not None else None
+        if self.spec is not None:  # drafts first: the scheduler counts them in the budget
+            self.spec.propose(self.scheduler.running, self._num_steps)
+        out = self.scheduler.schedule()
+        launched = self._launch(out, started) if out.chunks else None
+        if not self.async_scheduling:
+            return self._finish(self._collect(launched)) if launched else self._nothing_ran()
+        previous, self._in_flight = self._in_flight, launched
+        if launched is not None:
+            for row, seq in enumerate(launched.seqs):  # their next decode reads it on device
+                seq.num_pending += 1
+                seq.pending_row = row
+        if previous is None:
+            return [] if launched else self._nothing_ran()
+        return self._finish(self._collect(previous))
+
+    def _nothing_ran(self) -> list[RequestOutput]:
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler could not place any request: KV cache too small")
+        return []
+
+    def _launch(self, out, started=None) -> LaunchedStep:
+        launched = self.runner.launch(out, started)
+        launched.shape = out.shape
+        if out.shape is not None and launched.padded_chunk:  # the rows its graph computed
+            launched.shape = dataclasses.replace(out.shape, prefill_rows=launched.padded_chunk)
+        self.scheduler.advance(out)
+        self._num_steps += 1
+        self._computed += out.num_tokens
+        return launched
+
+    def _collect(self, launched: LaunchedStep) -> StepResult:
+        """The step's tokens on the host: the host waits here for the device."""
+        result = launched.result()
+        if self.step_cost is not None and launched.shape is not None:
+            seconds = launched.seconds
+            if seconds is not None:
+                self.step_cost.observe(launched.shape, seconds)
+        return result
+
+    def _finish(self, result: StepResult) -> list[RequestOutput]:
+        """Append a step's tokens, check stops, release the finished requests."""
+        if result.logprobs is not None:
+            chosen, top_ids, top_lps = result.logprobs
+        finished = []
+        now = time.perf_counter()
+        first_row = 0  # sampler rows follow the new tokens, flattened
+        for seq, tokens in zip(result.seqs, result.token_ids):
+            if seq.num_pending:
+                seq.num_pending -= 1
+            if seq.status is SequenceStatus.FINISHED:  # stopped a step earlier, or aborted
+                first_row += len(tokens)
+                continue
+            # With speculation several tokens arrive at once: each is checked for stops in
+            # turn, exactly as if decoded alone, and those after a stop are dropped.
+            kept = 0
+            for row, token in enumerate(tokens, first_row):
+                seq.token_ids.append(token)
+                seq.record_token_time(now)
+                if seq.logprobs is not None and result.logprobs is not None:
+                    n = seq.params.logprobs
+                    seq.logprobs.append(
+                        TokenLogprobs(
+                            token, chosen[row], list(zip(top_ids[row][:n], top_lps[row][:n]))
+                        )
+                    )
+                kept += 1
+                if self.stop_checker.check(seq, token):
+                    finished.append(seq)
+                    break
+            first_row += len(tokens)
+            self._generated += kept
+            if seq.draft_token_ids:
+                num_drafts, num_accepted = len(seq.draft_token_ids), len(tokens) - 1
+                self.scheduler.accept_drafts(seq, num_accepted)
+                # Drafts cut off by a stop are not in the output: reported as rejected.
+                used = min(num_accepted, kept)
+                self.spec.observe(seq, num_drafts, num_accepted, used, self._num_steps)
+        if self.spec is not None:
+            for seq in finished:
+                self.spec.release(seq)
+        self.scheduler.finish(finished)
+        self._num_finished += len(finished)
+        return [self._output(self.requests.pop(s.request_id)) for s in finished]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        ids = seq.output_token_ids
+        text = seq.output_text
+        if text is None:
+            text = self.stop_checker.decode(ids)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[
+                CompletionOutput(0, text, ids, seq.finish_reason, seq.stop_reason, seq.logprobs)
+            ],
+            finished=seq.status is SequenceStatus.FINISHED,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            spec_stats=seq.spec_stats if self.spec is not None else None,
+            metrics=_metrics(seq),
+        )
+
+    def stats(self) -> EngineStats:
+        kv = self.kv.stats()
+        return EngineStats(
+            num_requests=len(self.requests) + self._num_finished,
+            num_finished=self._num_finished,
+            num_steps=self._num_steps,
+            prompt_tokens=self._prompt_tokens,
+            computed_tokens=self._computed,
+            generation_tokens=self._generated,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_queries=kv.prefix_queries,
+            prefix_hits=kv.prefix_hits,
+            kv_usage=kv.usage,
+            num_kv_blocks=kv.num_blocks,
+            block_size=self.config.cache.block_size,
+            **self._spec_stats(),
+        )
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        s = self.spec.stats
+        return dict(
+            spec_draft_tokens=s.num_draft_tokens,
+            spec_accepted_tokens=s.num_accepted_tokens,
+            spec_acceptance_by_position=s.acceptance_by_position,
+        )
+
+
+def _metrics(seq: Sequence) -> RequestMetrics:
+    first, last, n = seq.first_token_time, seq.last_token_time, seq.num_output_tokens
+    return RequestMetrics(
+        arrival_time=seq.arrival_time,
+        time_to_first_token=None if first is None else first - seq.arrival_time,
+        time_per_output_token=(last - first) / (n - 1) if first is not None and n > 1 else None,
+        max_token_gap=seq.max_token_gap,
+        finished_time=last,
+    )

@@ -1,0 +1,105 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import sys
+import time
+from dataclasses import dataclass, field
+
+from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.engine.spec.stats import SpecDecodeStats
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    """The chosen token's log-probability and the top-n alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request. `token_ids` is prompt + outputs; the KV of the first `num_computed_tokens`
+    is in the cache (or is being written by the step that scheduled them).
+
+    With async scheduling (engine/llm_engine.py) a sampled token reaches the host one step
+    after the step that sampled it: until then it is *pending*, counted in `num_tokens` (so
+    the scheduler runs it as this sequence's next decode) but not yet in `token_ids`, and the
+    next step reads it on the device from row `pending_row` of the last launched step's
+    sampled tokens."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    output_text: str | None = None  # set when a stop string cut the text
+    logprobs: list[TokenLogprobs] | None = None
+    # Wall-clock timing (time.perf_counter): arrival, first and latest output token, and the
+    # longest wait between two output tokens (what chunked prefill must keep short).
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    max_token_gap: float = 0.0
+    # Speculative decoding (engine/spec/). Drafts are proposed, unverified tokens that follow
+    # token_ids: scheduled and scored with them, but never part of them until accepted.
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: object | None = None  # [k, vocab] tensor: the draft's q per draft; None = one-hot
+    spec_stats: SpecDecodeStats | None = None  # set once the sequence has speculated
+    spec_acceptance: float = 1.0  # EWMA of accepted / proposed, for switching speculation off
+    spec_resume_step: int = 0  # engine step from which the sequence may speculate again
+    num_pending: int = 0  # sampled on the device, not yet appended (async scheduling)
+    # prompt + max_tokens, capped by the context (set by the scheduler): no token runs past it
+    token_limit: int = sys.maxsize
+    pending_row: int = -1  # the newest pending token's row in its step's sampled tokens
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    def record_token_time(self, now: float) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            self.max_token_gap = max(self.max_token_gap, now - self.last_token_time)
+        self.last_token_time = now
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids = []
+        self.draft_probs = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens so far, pending ones included: what the scheduler plans with."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,326 @@
+"""Turns a scheduled step into flat tensors, runs the model once, samples.
+
+chunks:      seq A: 1 token (decode)   seq B: 4 tokens (prefill chunk at offset 32)
+input_ids:   [a9 | b32 b33 b34 b35]
+positions:   [ 9 |  32  33  34  35]
+slots:       table[pos // block_size] * block_size + pos % block_size
+logits rows: the last token of every chunk that reaches the end of its sequence; for a
+             speculative chunk (last token + k drafts), all of its 1 + k tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvbatch.engine.attention.cascade import DecodeGroup, find_shared_prefixes
+from kvbatch.engine.attention.metadata import AttentionMetadata, PrefillSpan
+from kvbatch.engine.core.sequence import Sequence
+from kvbatch.engine.exec.launched_step import LaunchedStep, StepResult
+from kvbatch.engine.exec.sampler import Sampler, SamplingTensors
+from kvbatch.engine.kv.device_tables import (
+    DeviceBlockTables,
+    gather_decode_tables,
+    plan_decode_tables,
+)
+from kvbatch.engine.kv.kv_cache import KVCacheManager
+from kvbatch.engine.model.llama import LlamaForCausalLM
+from kvbatch.engine.sched.scheduler import SchedulerOutput
+from kvbatch.engine.spec.rejection import verify
+
+# Decode steps whose longest context exceeds this replay "wide" graphs, captured on first use
+# (engine/cuda_graphs.py): a graph's block-table width is fixed, and the decode kernel cuts
+# contexts into splits by that width (kvkernels/), so the graphs of ordinary steps keep it short.
+GRAPH_MAX_CONTEXT = 8192
+# Decode steps with more shared-prefix groups than this run eagerly (`rag` at 256 running
+# sequences has 8: 32 chunks per document).
+GRAPH_MAX_GROUPS = 32
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv: KVCacheManager,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        backend,
+        seed: int = 0,
+        cascade: bool = True,
+        forward=None,  # the model's forward (engine/fused.py model_forward); default: model
+    ) -> None:
+        cfg = model.config
+        self.model, self.kv, self.device, self.backend = model, kv, device, backend
+        self.forward = forward or model
+        self.block_size = block_size
+        self.cascade = cascade  # shared-prefix attention for decodes (engine/cascade.py)
+        # One tensor per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim]. Zeroed, so
+        # masked-out padding positions never hold NaN (0 * NaN would poison attention).
+        self.kv_caches = [
+            torch.zeros(
+                2,
+                num_blocks,
+                block_size,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                dtype=dtype,
+                device=device,
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        self.tables = DeviceBlockTables(device)  # kv's block tables, kept on the device
+        self.sampler = Sampler(seed=seed)
+        self.step_graphs = None  # set by capture_step_graphs (CUDA, triton backend)
+        # The last launched step's sampled tokens, on the device: where a sequence's pending
+        # token (async scheduling, Sequence.pending_row) is read from.
+        self._last_sampled: torch.Tensor | None = None
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run a step and wait for its tokens."""
+        return self.launch(out).result()
+
+    def launch(self, out: SchedulerOutput, started=None) -> LaunchedStep:
+        """Queue a step's forward and sampling; on CUDA this returns before they have run.
+        `started`: the step's start_clock (engine/launched_step.py), to time it."""
+        input_ids, meta, logits_rows, sampling_seqs = self._prepare(out)
+        captured = self._graphs_captured()
+        key = self._graph_key(input_ids, meta, logits_rows)
+        logits = self._forward(key, input_ids, meta, logits_rows)
+        if self._graphs_captured() != captured:  # the step waited for a graph's capture: its
+            started = None  # time is no measure of a step's (engine/step_cost.py)
+        launched = self._sample(logits, sampling_seqs, started)
+        launched.padded_chunk = key.chunk if key is not None else 0
+        return launched
+
+    def _sample(self, logits, sampling_seqs: list[Sequence], started) -> LaunchedStep:
+        if not sampling_seqs:
+            return LaunchedStep([], None)
+        if any(s.draft_token_ids for s in sampling_seqs):  # speculative decoding: verify
+            vocab = self.model.config.vocab_size
+            tokens, sampled = verify(self.sampler, logits, sampling_seqs, vocab)
+            return LaunchedStep(sampling_seqs, sampled, tokens, started)
+        params = [s.params for s in sampling_seqs]
+        if all(p.argmax_only for p in params):  # e.g. a greedy batch job: skip the tensors
+            sampled = self.sampler.argmax(logits)
+        else:
+            tensors = SamplingTensors.from_params(
+                params,
+                # the index of the token being sampled: pending tokens come before it
+                [s.num_output_tokens + s.num_pending for s in sampling_seqs],
+                self.model.config.vocab_size,
+                self.device,
+            )
+            sampled = self.sampler(logits, tensors)
+        self._last_sampled = sampled.token_ids
+        return LaunchedStep(sampling_seqs, sampled, started=started)
+
+    def _graphs_captured(self) -> int:
+        return 0 if self.step_graphs is None else self.step_graphs.first_use_captures
+
+    def graph_chunk_buckets(self) -> list[int]:
+        """The sizes a step's one prompt chunk is padded up to by its CUDA graph (none without
+        mixed-step graphs): the step cost model sizes chunks against them."""
+        return self.step_graphs.chunks if self.step_graphs is not None else []
+
+    def _graph_key(self, input_ids, meta: _StepMeta, logits_rows):
+        """The step's graph (a decode step, maybe with one short prompt chunk), or None."""
+        if self.step_graphs is None:
+            return None
+        return self.step_graphs.key_for(meta.attention, input_ids.shape[0], logits_rows.shape[0])
+
+    def _forward(self, key, input_ids, meta: _StepMeta, logits_rows) -> torch.Tensor:
+        """Replay the graph of `key` (from _graph_key) when there is one, else run eagerly."""
+        if key is not None:
+            return self.step_graphs.run(key, input_ids, meta.positions, meta.attention, logits_rows)
+        return self.forward(
+            input_ids,
+            meta.positions,
+            self.kv_caches,
+            meta.attention,
+            self.backend,
+            logits_indices=logits_rows,
+        )
+
+    def capture_step_graphs(
+        self, max_batch: int, max_model_len: int, max_chunk: int = 0, capture: bool = True
+    ):
+        """Decode steps of up to max_batch sequences, and those with one prompt chunk of up
+        to max_chunk tokens, replay CUDA graphs from now on (engine/cuda_graphs.py);
+        capture=False runs the same padded path eagerly (CPU tests)."""
+        from kvbatch.engine.exec.cuda_graphs import StepGraphs
+
+        def forward(ids, positions, meta, logits_indices=None):
+            return self.forward(
+                ids, positions, self.kv_caches, meta, self.backend, logits_indices=logits_indices
+            )
+
+        self.step_graphs = StepGraphs(
+            forward,
+            max_batch=max_batch,
+            max_blocks=-(-min(max_model_len, GRAPH_MAX_CONTEXT) // self.block_size),
+            max_wide_blocks=-(-max_model_len // self.block_size),
+            device=self.device,
+            capture=capture,
+            max_groups=GRAPH_MAX_GROUPS if self.cascade else 0,
+            max_chunk=max_chunk,
+            max_prefill_tokens=max_model_len,
+            block_size=self.block_size,
+        )
+
+    def _prepare(self, out: SchedulerOutput):
+        """Host side of a step, vectorised with numpy (at 512 decodes, Python per sequence
+        would cost more than the GPU's step), then one host-to-device copy. The block tables
+        themselves stay on the device (engine/device_tables.py): the copy carries the
+        entries that changed since the last step and the step's rows, and the step's tables
+        are gathered there."""
+        bs = self.block_size
+        chunks = out.chunks
+        num_decodes = sum(1 for c in chunks if c.num_new_tokens == 1)  # decodes come first
+        rows, num_blocks = self.kv.table_rows([id(c.seq) for c in chunks])
+        host_tables = self.kv.table_array  # [all rows, width] (read only)
+        changes = self.kv.take_table_changes()
+        starts = np.fromiter((c.seq.num_computed_tokens for c in chunks), np.int64, len(chunks))
+        groups: list[tuple[int, int, int]] = []
+        if self.cascade and num_decodes >= 2:
+            order, groups = find_shared_prefixes(
+                host_tables, starts[:num_decodes] + 1, bs, rows=rows[:num_decodes]
+            )
+            if groups:  # sharers adjacent; prefill chunks stay where they are
+                perm = np.concatenate([order, np.arange(num_decodes, len(chunks))])
+                chunks = [chunks[i] for i in perm]
+                rows, num_blocks, starts = rows[perm], num_blocks[perm], starts[perm]
+        lens = np.fromiter((c.num_new_tokens for c in chunks), np.int64, len(chunks))
+        ids: list[int] = []
+        pending_at: list[int] = []  # ids still on the device: index in ids, row in _last_sampled
+        pending_rows: list[int] = []
+        for (seq, n), start in zip(chunks, starts.tolist()):
+            part = seq.token_ids[start : start + n]
+            if len(part) < n:
+                if seq.num_pending:  # a decode of a token the host has not seen yet
+                    pending_at.append(len(ids))
+                    pending_rows.append(seq.pending_row)
+                    part = [0]
+                else:  # a speculative chunk: the last token, then the drafts
+                    part = part + list(seq.draft_token_ids[: n - len(part)])
+            ids.extend(part)
+
+        # Positions and slots for every token.
+        query_start = np.cumsum(lens) - lens
+        seq_of_token = np.repeat(np.arange(len(chunks)), lens)
+        positions = starts[seq_of_token] + np.arange(len(ids)) - query_start[seq_of_token]
+        slots = host_tables[rows[seq_of_token], positions // bs] * bs + positions % bs
+        context_lens = starts + lens
+
+        # not every 1-token chunk samples: it may be a prompt's chunk cut by the token budget
+        sample_idx = [i for i, c in enumerate(chunks) if c.samples]
+        logits_rows = (query_start + lens - 1)[sample_idx]
+        num_rows = [1 + len(chunks[i].seq.draft_token_ids) for i in sample_idx]
+        if any(r > 1 for r in num_rows):  # speculative chunks are scored at every position
+            logits_rows = np.concatenate(
+                [np.arange(e - r + 1, e + 1) for e, r in zip(logits_rows, num_rows)]
+            )
+
+        plan = plan_decode_tables(
+            rows[:num_decodes], num_blocks[:num_decodes], context_lens[:num_decodes], groups, bs
+        )
+        prefill_ranges = np.stack([query_start, lens, context_lens])[:, num_decodes:]
+        (
+            ids_d,
+            positions_d,
+            slots_d,
+            logits_rows_d,
+            rows_d,
+            num_blocks_d,
+            prefill_ranges_d,
+            *rest,
+        ) = to_device_at_once(
+            [
+                np.array(ids, dtype=np.int64),
+                positions,
+                slots,
+                logits_rows,
+                rows,
+                num_blocks,
+                prefill_ranges,
+                *plan.arrays(),
+                changes.rows,
+                changes.cols,
+                changes.values,
+                np.array(pending_at, dtype=np.int64),
+                np.array(pending_rows, dtype=np.int64),
+            ],
+            self.device,
+        )
+        *plan_d, change_rows, change_cols, change_values, pending_at_d, pending_rows_d = rest
+        if pending_at:
+            ids_d[pending_at_d] = self._last_sampled[pending_rows_d]
+        self.tables.apply(changes.shape, change_rows, change_cols, change_values)
+        private, private_lens, group_tables, group_ranges = gather_decode_tables(
+            self.tables, plan, rows_d[:num_decodes], num_blocks_d[:num_decodes], *plan_d
+        )
+        prefill_tables = (  # every prefill chunk's table in one tensor
+            self.tables.gather(rows_d[num_decodes:], int(num_blocks[num_decodes:].max()))
+            if len(chunks) > num_decodes
+            else self.tables.empty
+        )
+        prefills = [
+            PrefillSpan(
+                int(query_start[i]),
+                int(lens[i]),
+                int(context_lens[i]),
+                prefill_tables[i - num_decodes, : -(-int(context_lens[i]) // bs)],
+            )
+            for i in range(num_decodes, len(chunks))
+        ]
+        attention = AttentionMetadata(
+            slot_mapping=slots_d,
+            num_decode_tokens=num_decodes,
+            decode_block_tables=private,
+            decode_seq_lens=private_lens,
+            prefills=prefills,
+            decode_groups=[
+                DecodeGroup(start, end, group_tables[i, :n])
+                for i, (start, end, n) in enumerate(groups)
+            ],
+            prefill_block_tables=prefill_tables,
+            prefill_ranges=prefill_ranges_d if prefills else None,
+            decode_group_tables=group_tables if groups else None,
+            decode_group_ranges=group_ranges if groups else None,
+            decode_group_max_rows=max((end - start for start, end, _ in groups), default=0),
+        )
+        meta = _StepMeta(positions_d, attention)
+        return ids_d, meta, logits_rows_d, [chunks[i].seq for i in sample_idx]
+
+
+def to_device_at_once(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 arrays -> views of one device tensor with their shapes: one host-to-device copy
+    per step instead of one per array. On CUDA the copy goes through pinned memory without
+    blocking: a blocking copy would wait for every step already queued on the stream, which
+    is what async scheduling overlaps with this one's preparation."""
+    flat = np.concatenate([a.astype(np.int64, copy=False).ravel() for a in arrays])
+    buf = torch.from_numpy(flat)
+    if device.type == "cuda":
+        buf = buf.pin_memory().to(device, non_blocking=True)
+    else:
+        buf = buf.to(device)
+    views, at = [], 0
+    for a in arrays:
+        views.append(buf[at : at + a.size].view(a.shape))
+        at += a.size
+    return views
+
+
+@dataclass
+class _StepMeta:
+    positions: torch.Tensor
+    attention: AttentionMetadata

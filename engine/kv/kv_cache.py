@@ -1,0 +1,556 @@
+"""Paged KV-cache block accounting: which physical block holds which tokens.
+
+The KV tensors live in the runner (``[num_blocks, block_size, ...]`` per layer); this module
+only hands out block ids. A sequence's block table maps its logical blocks to physical ones,
+and token ``t`` of a sequence lives in slot ``table[t // block_size] * block_size +
+t % block_size``.
+
+Full blocks are content-addressed so that sequences sharing a prefix share its KV::
+
+    seq A tokens:  | sys[0:16] | sys[16:32] | doc[0:16] | q[0:5]     |
+    seq A table:   [     7     ,     2      ,     9     ,   5        ]   5: partly filled, private
+    seq B table:   [     7     ,     2      ,     9     ,   3        ]   B: same sys + doc
+    seq C table:   [     7     ,     2      ,     4     ]              C: same sys, other doc
+
+    physical:      0  1  2  3  4  5  6  7  8  9
+    ref counts:          3  1  1  1     3     2
+
+    chained hashes (only full blocks are hashed):
+      h0 = H(None, sys[0:16])   h1 = H(h0, sys[16:32])   h2 = H(h1, doc[0:16])
+    hash map: {h0: 7, h1: 2, h2: 9, H(h1, C's block): 4}
+
+A hash alone can collide (and ``hash_fn`` is injectable), so a lookup never trusts it: every
+registered block keeps its own tokens and the identity ``(block_id, generation)`` of its
+parent block, and a hit is verified block by block from the first one. A block's generation
+changes whenever it loses its registration (evicted, or displaced as stale), so a child that
+names an evicted parent can never be reached again.
+
+Freed blocks keep their hash and wait in an LRU free list (an intrusive doubly linked list:
+O(1) push, pop and removal from the middle when a cache hit revives a block). Sequences are
+freed tail first and hashed blocks join the tail, so the ends of prefixes are evicted before
+their shared beginnings; blocks without a hash join the head and are reused first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from kvbatch.engine.kv.table_rows import TableChanges, TableRows
+
+HashFn = Callable[[int | None, tuple[int, ...]], int]
+
+# Stand-in for "no parent" in the default hash: hash(None) is id-based before Python 3.12,
+# so it would differ between processes and the jobs layer hashes prompts in another process.
+_ROOT = 0x9E3779B97F4A7C15
+
+
+def default_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """Chained block hash: Python's tuple hash, deterministic across processes for ints."""
+    return hash((_ROOT if parent is None else parent, tokens))
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, hash_fn: HashFn | None = None
+) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` (the partial last block is skipped)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    fn = hash_fn or default_hash
+    hashes: list[int] = []
+    h: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        h = fn(h, tuple(token_ids[start : start + block_size]))
+        hashes.append(h)
+    return hashes
+
+
+class ComputedBlocks(NamedTuple):
+    """Cached blocks covering the longest cached prefix of a prompt."""
+
+    block_ids: list[int]  # in order, first block first
+    num_tokens: int  # == len(block_ids) * block_size
+
+
+@dataclass
+class KVCacheStats:
+    num_blocks: int
+    num_free_blocks: int
+    usage: float  # fraction of blocks referenced by some sequence
+    prefix_queries: int  # prompt tokens looked up
+    prefix_hits: int  # of those, tokens served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+class _Block:
+    __slots__ = ("block_id", "gen", "hash", "parent", "ref_cnt", "tokens")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.hash: int | None = None  # set iff the block is in the hash map
+        self.tokens: tuple[int, ...] | None = None  # contents, checked on every hit
+        self.parent: tuple[int, int] | None = None  # (block_id, gen) of the parent block
+        self.gen = 0  # bumped whenever the block loses its registration
+
+
+class _FreeBlockQueue:
+    """Block ids in a doubly linked list threaded through two arrays (head = evicted first).
+
+    Index ``n`` is a sentinel closing the ring; ``prev[b] == -1`` means b is not in the list.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        s = num_blocks
+        self._s = s
+        self._prev = [s, *range(num_blocks)]  # prev[0] = s, prev[b] = b - 1, prev[s] = last
+        self._next = [*range(1, num_blocks + 1), 0]  # next[last] = s, next[s] = 0
+        self._prev[s] = s - 1 if num_blocks else s
+        self._next[s] = 0 if num_blocks else s
+        self._len = num_blocks
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, b: int) -> bool:
+        return self._prev[b] != -1
+
+    def __iter__(self) -> Iterator[int]:
+        b = self._next[self._s]
+        for _ in range(self._len):  # bounded, so a corrupt ring cannot loop forever
+            if b == self._s:
+                return
+            yield b
+            b = self._next[b]
+
+    def _link(self, b: int, before: int) -> None:
+        p = self._prev[before]
+        self._prev[b], self._next[b] = p, before
+        self._next[p] = b
+        self._prev[before] = b
+        self._len += 1
+
+    def push_head(self, b: int) -> None:
+        self._link(b, self._next[self._s])
+
+    def push_tail(self, b: int) -> None:
+        self._link(b, self._s)
+
+    def remove(self, b: int) -> None:
+        p, n = self._prev[b], self._next[b]
+        self._next[p] = n
+        self._prev[n] = p
+        self._prev[b] = self._next[b] = -1
+        self._len -= 1
+
+    def pop_head(self) -> int:
+        b = self._next[self._s]
+        if b == self._s:
+            raise RuntimeError("free list is empty")
+        self.remove(b)
+        return b
+
+    def check(self, num_blocks: int) -> list[int]:
+        """Walk the ring, raising RuntimeError on a broken link; returns the ids head to tail."""
+        seen: list[int] = []
+        b, prev = self._next[self._s], self._s
+        while b != self._s:
+            if not 0 <= b < num_blocks:
+                raise RuntimeError(f"free list holds invalid block id {b}")
+            if self._prev[b] != prev:
+                raise RuntimeError(f"free list: prev[{b}] = {self._prev[b]}, expected {prev}")
+            seen.append(b)
+            if len(seen) > num_blocks:
+                raise RuntimeError("free list has a cycle")
+            prev, b = b, self._next[b]
+        if self._prev[self._s] != prev:
+            raise RuntimeError("free list: sentinel's prev is not the last block")
+        if len(seen) != self._len:
+            raise RuntimeError(f"free list length {self._len} but {len(seen)} blocks linked")
+        return seen
+
+
+@dataclass(slots=True)
+class _SeqState:
+    table: list[int]
+    num_tokens: int  # tokens covered by the table (allocated)
+    num_hashed: int = 0  # leading full blocks already run through the hash chain
+    last_hash: int | None = None  # chain hash of block num_hashed - 1
+    parent: tuple[int, int] | None = None  # identity of the cached block for that prefix
+    chain_broken: bool = False  # a true collision: later blocks cannot be shared
+    row: int = 0  # its row in KVCacheManager._rows (engine/table_rows.py)
+
+
+class TableRefs(NamedTuple):
+    """Where several sequences' tables are in `KVCacheManager.table_array`."""
+
+    rows: np.ndarray  # [num_seqs] int64 (0: an empty row)
+    num_blocks: np.ndarray  # [num_seqs] int64: each table's length
+
+
+class KVCacheManager:
+    """Block tables, reference counts, prefix cache and LRU free list for one KV pool."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        hash_fn: HashFn | None = None,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hash_fn = hash_fn or default_hash
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._free = _FreeBlockQueue(num_blocks)
+        self._cached: dict[int, int] = {}  # chain hash -> block id
+        self._seqs: dict[Hashable, _SeqState] = {}
+        self._rows = TableRows()  # the tables mirrored in one array (table_array)
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    # -- lookup ---------------------------------------------------------------------------
+
+    def get_computed_blocks(self, token_ids: Sequence[int]) -> ComputedBlocks:
+        """Longest cached prefix of full blocks, leaving at least the last token to compute.
+
+        Takes no references: pass the result to allocate_slots right away. The query and its hits
+        are counted in the statistics when allocate_slots starts the sequence.
+        """
+        if not self.enable_prefix_caching:
+            return ComputedBlocks([], 0)
+        bs = self.block_size
+        block_ids: list[int] = []
+        h: int | None = None
+        parent: tuple[int, int] | None = None
+        # The last prompt token is always computed: its logits give the first output token.
+        for i in range(max(0, len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = self._hash_fn(h, tokens)
+            b = self._cached.get(h)
+            if b is None:
+                break
+            block = self._blocks[b]
+            if block.tokens != tokens or block.parent != parent:
+                break  # hash collision: contents or prefix differ
+            block_ids.append(b)
+            parent = (b, block.gen)
+        return ComputedBlocks(block_ids, len(block_ids) * bs)
+
+    # -- allocation -----------------------------------------------------------------------
+
+    def can_allocate(
+        self, seq_id: Hashable, num_new_tokens: int, computed: ComputedBlocks | None = None
+    ) -> bool:
+        """Whether allocate_slots with the same arguments would succeed."""
+        return self._num_blocks_to_take(seq_id, num_new_tokens, computed) <= len(self._free)
+
+    def allocate_slots(
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        computed: ComputedBlocks | None = None,
+    ) -> bool:
+        """Grow seq_id's table to cover num_new_tokens more tokens; False (no change) if full.
+
+        ``computed`` (first call only) starts the table with cached blocks. ``token_ids`` is
+        the sequence's token list; blocks completely filled by its first covered tokens are
+        registered in the prefix cache. Pass only final tokens: unverified draft tokens beyond
+        ``len(token_ids)`` get slots but their blocks are not hashed until a later call.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is not None and computed is None and 0 <= num_new_tokens:
+            total = seq.num_tokens + num_new_tokens
+            if total <= len(seq.table) * self.block_size:  # a decode, most steps: no new block
+                seq.num_tokens = total
+                full = min(total, len(token_ids)) // self.block_size
+                if self.enable_prefix_caching and full > seq.num_hashed:
+                    self._register_full_blocks(seq, token_ids)
+                return True
+        if self._num_blocks_to_take(seq_id, num_new_tokens, computed) > len(self._free):
+            return False
+        if seq is None:
+            seq = self._start_seq(seq_id, token_ids, computed)
+        seq.num_tokens += num_new_tokens
+        first_new = len(seq.table)
+        for _ in range(-(-seq.num_tokens // self.block_size) - first_new):
+            b = self._free.pop_head()
+            block = self._blocks[b]
+            if block.hash is not None:
+                self._uncache(block)  # evict the least recently freed cached block
+            block.ref_cnt = 1
+            seq.table.append(b)
+        if len(seq.table) > first_new:
+            self._rows.write(seq.row, first_new, seq.table[first_new:])
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, token_ids)
+        return True
+
+    def free(self, seq_id: Hashable, token_ids: Sequence[int] | None = None) -> None:
+        """Release seq_id's blocks, tail first (unknown ids are ignored).
+
+        ``token_ids``: the sequence's tokens now, when more are known than at its last
+        allocation (with async scheduling a token arrives a step after its slot was given):
+        blocks they fill are registered in the prefix cache before the release.
+        """
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        if token_ids is not None and self.enable_prefix_caching:
+            self._register_full_blocks(seq, token_ids)
+        for b in reversed(seq.table):
+            self._release(b)
+        self._rows.release(seq.row, len(seq.table))
+
+    def truncate(self, seq_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Shrink seq_id's table to its first num_tokens tokens (speculative rollback).
+
+        The slots of rejected draft tokens go back: blocks wholly past the new end return to
+        the pool, and a partly kept block is simply overwritten later. ``token_ids`` are the
+        sequence's final tokens; blocks that the accepted tokens filled are registered in the
+        prefix cache now. Drafts never reach it: a block is hashed only when every token in it
+        is both final (in ``token_ids``) and covered by the table.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"seq {seq_id!r} has no blocks to truncate")
+        if not seq.num_hashed * self.block_size <= num_tokens <= seq.num_tokens:
+            raise ValueError(
+                f"seq {seq_id!r}: cannot truncate {seq.num_tokens} tokens to {num_tokens} "
+                f"(its first {seq.num_hashed * self.block_size} are final and cached)"
+            )
+        keep = -(-num_tokens // self.block_size)
+        for b in reversed(seq.table[keep:]):
+            self._release(b)
+        self._rows.clear(seq.row, keep, len(seq.table))
+        del seq.table[keep:]
+        seq.num_tokens = num_tokens
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, token_ids)
+
+    def _release(self, b: int) -> None:
+        block = self._blocks[b]
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            if block.hash is not None:
+                self._free.push_tail(b)  # may be hit again: evict last
+            else:
+                self._free.push_head(b)  # nobody can hit it: reuse first
+
+    # -- queries --------------------------------------------------------------------------
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """A copy of seq_id's block table (empty for an unknown sequence)."""
+        seq = self._seqs.get(seq_id)
+        return list(seq.table) if seq else []
+
+    def table_rows(self, seq_ids: Sequence[Hashable]) -> TableRefs:
+        """Where `seq_ids`' tables are in `table_array` (row 0, always zero, for unknown ids)
+        and their lengths. The runner's per-step path: it reads only the entries it needs on
+        the host, and gathers the step's tables from its copy on the device."""
+        states = [self._seqs.get(s) for s in seq_ids]
+        rows = np.fromiter((st.row if st else 0 for st in states), np.int64, len(states))
+        lens = np.fromiter((len(st.table) if st else 0 for st in states), np.int64, len(states))
+        return TableRefs(rows, lens)
+
+    @property
+    def table_array(self) -> np.ndarray:
+        """Every table as a zero-padded row (engine/table_rows.py); read only."""
+        return self._rows.array
+
+    def take_table_changes(self) -> TableChanges:
+        """The entries of `table_array` changed since the last call (one reader: the runner,
+        which keeps a copy on the device, engine/device_tables.py)."""
+        return self._rows.take_changes()
+
+    def num_computed_tokens(self, seq_id: Hashable) -> int:
+        """Tokens covered by seq_id's table so far (cached + allocated)."""
+        seq = self._seqs.get(seq_id)
+        return seq.num_tokens if seq else 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def stats(self) -> KVCacheStats:
+        free = len(self._free)
+        return KVCacheStats(
+            num_blocks=self.num_blocks,
+            num_free_blocks=free,
+            usage=(self.num_blocks - free) / self.num_blocks,
+            prefix_queries=self._prefix_queries,
+            prefix_hits=self._prefix_hits,
+        )
+
+    def check_integrity(self) -> None:
+        """Verify every invariant; raises RuntimeError naming the first violation."""
+        free_ids = self._free.check(self.num_blocks)
+        in_free = [False] * self.num_blocks
+        for b in free_ids:
+            if in_free[b]:
+                raise RuntimeError(f"block {b} is in the free list twice")
+            in_free[b] = True
+        refs = [0] * self.num_blocks
+        for seq_id, seq in self._seqs.items():
+            if len(set(seq.table)) != len(seq.table):
+                raise RuntimeError(f"seq {seq_id!r} holds a block twice: {seq.table}")
+            if len(seq.table) != -(-seq.num_tokens // self.block_size):
+                raise RuntimeError(
+                    f"seq {seq_id!r}: {len(seq.table)} blocks for {seq.num_tokens} tokens"
+                )
+            for b in seq.table:
+                if not 0 <= b < self.num_blocks:
+                    raise RuntimeError(f"seq {seq_id!r} holds invalid block id {b}")
+                refs[b] += 1
+            row = self._rows.array[seq.row]
+            if row[: len(seq.table)].tolist() != seq.table or row[len(seq.table) :].any():
+                raise RuntimeError(f"seq {seq_id!r}: its mirrored table row differs")
+        rows = [seq.row for seq in self._seqs.values()]
+        if 0 in rows or len(set(rows)) != len(rows) or set(rows) & set(self._rows.free_rows):
+            raise RuntimeError(f"table rows are shared or also free: {sorted(rows)}")
+        for block in self._blocks:
+            b = block.block_id
+            if block.ref_cnt != refs[b]:
+                raise RuntimeError(f"block {b}: ref_cnt {block.ref_cnt}, held by {refs[b]} tables")
+            if (block.ref_cnt == 0) != in_free[b]:
+                state = "in" if in_free[b] else "not in"
+                raise RuntimeError(f"block {b}: ref_cnt {block.ref_cnt} but {state} free list")
+            if block.hash is not None and self._cached.get(block.hash) != b:
+                raise RuntimeError(f"block {b} has hash {block.hash} but the map disagrees")
+            if block.hash is not None and (
+                block.tokens is None or len(block.tokens) != self.block_size
+            ):
+                raise RuntimeError(f"cached block {b} does not hold a full block of tokens")
+        for h, b in self._cached.items():
+            if self._blocks[b].hash != h:
+                raise RuntimeError(
+                    f"hash map entry {h} -> block {b} with hash {self._blocks[b].hash}"
+                )
+        if not self.enable_prefix_caching and self._cached:
+            raise RuntimeError("prefix caching is off but blocks are cached")
+        num_used = sum(1 for r in refs if r)
+        if num_used + len(free_ids) != self.num_blocks:
+            raise RuntimeError(f"{num_used} used + {len(free_ids)} free != {self.num_blocks}")
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _num_blocks_to_take(
+        self, seq_id: Hashable, num_new_tokens: int, computed: ComputedBlocks | None
+    ) -> int:
+        """Free-list blocks an allocation needs: fresh ones plus revived cached ones."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            if computed is not None and computed.block_ids:
+                raise ValueError(f"seq {seq_id!r} already has blocks; computed is for a new seq")
+            have, covered = len(seq.table), seq.num_tokens
+            revived = 0
+        elif computed is not None:
+            if computed.num_tokens != len(computed.block_ids) * self.block_size:
+                raise ValueError("computed.num_tokens must be len(block_ids) * block_size")
+            have, covered = len(computed.block_ids), computed.num_tokens
+            revived = sum(1 for b in computed.block_ids if self._blocks[b].ref_cnt == 0)
+        else:
+            have = covered = revived = 0
+        need = -(-(covered + num_new_tokens) // self.block_size)
+        return max(0, need - have) + revived
+
+    def _start_seq(
+        self, seq_id: Hashable, token_ids: Sequence[int], computed: ComputedBlocks | None
+    ) -> _SeqState:
+        seq = _SeqState(table=[], num_tokens=0, row=self._rows.acquire())
+        if self.enable_prefix_caching:
+            # Counted when a sequence starts, not per lookup: a request that waits for blocks
+            # looks up its prefix every step but is admitted (and counted) once.
+            self._prefix_queries += len(token_ids)
+            self._prefix_hits += computed.num_tokens if computed is not None else 0
+        if computed is not None and computed.block_ids:
+            self._check_computed(token_ids, computed)
+            for b in computed.block_ids:
+                block = self._blocks[b]
+                if block.ref_cnt == 0:
+                    self._free.remove(b)  # O(1): revive a cached block from the LRU list
+                block.ref_cnt += 1
+                seq.table.append(b)
+            self._rows.write(seq.row, 0, seq.table)
+            last = self._blocks[computed.block_ids[-1]]
+            seq.num_tokens = computed.num_tokens
+            seq.num_hashed = len(computed.block_ids)
+            seq.last_hash = last.hash
+            seq.parent = (last.block_id, last.gen)
+        self._seqs[seq_id] = seq
+        return seq
+
+    def _check_computed(self, token_ids: Sequence[int], computed: ComputedBlocks) -> None:
+        """Reject blocks evicted or re-registered since get_computed_blocks returned them."""
+        bs = self.block_size
+        parent: tuple[int, int] | None = None
+        for i, b in enumerate(computed.block_ids):
+            block = self._blocks[b]
+            if (
+                block.hash is None
+                or block.parent != parent
+                or block.tokens != tuple(token_ids[i * bs : (i + 1) * bs])
+            ):
+                raise ValueError(
+                    "computed blocks are stale: call get_computed_blocks right before "
+                    "allocate_slots, with no allocation in between"
+                )
+            parent = (b, block.gen)
+
+    def _register_full_blocks(self, seq: _SeqState, token_ids: Sequence[int]) -> None:
+        """Hash and register the seq's newly filled blocks, continuing its hash chain."""
+        bs = self.block_size
+        num_full = min(seq.num_tokens, len(token_ids)) // bs
+        while seq.num_hashed < num_full and not seq.chain_broken:
+            if seq.parent is not None and self._blocks[seq.parent[0]].gen != seq.parent[1]:
+                # The cached block standing for our prefix (a twin we do not hold) was evicted:
+                # anything registered under it now would be unreachable.
+                seq.chain_broken = True
+                return
+            i = seq.num_hashed
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = self._hash_fn(seq.last_hash, tokens)
+            b = self._cached.get(h)
+            if b is not None and self._is_stale(self._blocks[b]):
+                self._uncache(self._blocks[b])  # unreachable entry: make room
+                b = None
+            if b is None:
+                block = self._blocks[seq.table[i]]
+                block.hash, block.tokens, block.parent = h, tokens, seq.parent
+                self._cached[h] = block.block_id
+            else:
+                block = self._blocks[b]
+                if block.tokens != tokens or block.parent != seq.parent:
+                    # True collision: keep the existing entry; this block stays private, and
+                    # so do the later ones, since no lookup can get past this position.
+                    seq.chain_broken = True
+                    return
+                # Same contents computed twice (e.g. two prefills racing): ours stays private,
+                # and the seq's later blocks chain onto the cached twin so they can be shared.
+            seq.parent = (block.block_id, block.gen)
+            seq.last_hash = h
+            seq.num_hashed += 1
+
+    def _is_stale(self, block: _Block) -> bool:
+        """A cached block whose parent has since been evicted can never be reached."""
+        p = block.parent
+        return p is not None and self._blocks[p[0]].gen != p[1]
+
+    def _uncache(self, block: _Block) -> None:
+        del self._cached[block.hash]  # type: ignore[arg-type]
+        block.hash = block.tokens = block.parent = None
+        block.gen += 1

@@ -1,0 +1,1 @@
+"""The transformer forward, its fused layers, rotary embeddings and the checkpoint loader."""

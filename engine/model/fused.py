@@ -1,0 +1,100 @@
+"""The GPU forward: the same Llama layers as engine/model.py with fused kernels and GEMMs.
+
+    embed -> [ norm(+add) -> qkv GEMM -> rotary (in place) -> attention -> o GEMM
+               norm(+add) -> gate|up GEMM -> silu*mul -> down GEMM ] x layers -> norm -> lm head
+
+What it changes against the plain forward, and why:
+- q, k, v come from one GEMM over a [q; k; v] weight, and gate and up from one over
+  [gate; up]: fewer, larger GEMMs (a decode step is launch- and bandwidth-bound). The original
+  parameters become views into the fused weights, so memory is not doubled and state-dict
+  names are unchanged.
+- The residual add is fused into the next RMSNorm (kvkernels/rms_norm.py), rotary is applied in
+  place from positions (kvkernels/rotary.py), SiLU-and-mul is one kernel (kvkernels/activation.py).
+The arithmetic is the plain forward's (same order of the residual sums, RMSNorm in float32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def model_forward(model, fused: bool):
+    """The forward a runner calls, `(input_ids, positions, kv_caches, meta, backend,
+    logits_indices=None) -> logits`: the fused one (after fusing the projections) or the plain
+    module."""
+    if not fused:
+        return model
+    fuse_projections(model)
+    return functools.partial(fused_forward, model)
+
+
+def fuse_projections(model) -> None:
+    """Concatenate each layer's q/k/v and gate/up weights and make the originals views."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_weight, attn.qkv_bias = _concat(attn.q_proj, attn.k_proj, attn.v_proj)
+        mlp.gate_up_weight, _ = _concat(mlp.gate_proj, mlp.up_proj)
+
+
+def _concat(*linears):
+    weight = torch.cat([lin.weight.data for lin in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([lin.bias.data for lin in linears]) if has_bias else None
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = weight[row : row + n]
+        if has_bias:
+            lin.bias.data = bias[row : row + n]
+        row += n
+    return weight, bias
+
+
+@torch.inference_mode()
+def fused_forward(
+    model,
+    input_ids: torch.Tensor,  # [T]
+    positions: torch.Tensor,  # [T]
+    kv_caches: list[torch.Tensor],
+    meta,
+    backend,
+    logits_indices: torch.Tensor | None = None,
+) -> torch.Tensor:  # [rows, vocab] float32
+    from kvbatch.kernels.activation import silu_and_mul
+    from kvbatch.kernels.rms_norm import fused_add_rms_norm, rms_norm
+    from kvbatch.kernels.rotary import apply_rotary_
+
+    cfg = model.config
+    eps = cfg.rms_norm_eps
+    inv_freq = model.rotary.inv_freq
+    t = input_ids.shape[0]
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    residual = model.model.embed_tokens(input_ids)  # this forward's own tensor: safe in place
+    pending = None  # the last sublayer's output, not yet added to the residual stream
+    for layer, kv_cache in zip(model.model.layers, kv_caches):
+        attn, mlp = layer.self_attn, layer.mlp
+        if pending is None:
+            h = rms_norm(residual, layer.input_layernorm.weight, eps)
+        else:
+            h, residual = fused_add_rms_norm(pending, residual, layer.input_layernorm.weight, eps)
+        qkv = F.linear(h, attn.qkv_weight, attn.qkv_bias)  # [T, q + 2 kv]
+        q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+        apply_rotary_(q, k, positions, inv_freq)
+        out = backend.forward(q, k, v, kv_cache, meta)
+        pending = attn.o_proj(out.reshape(t, q_size))
+        h, residual = fused_add_rms_norm(
+            pending, residual, layer.post_attention_layernorm.weight, eps
+        )
+        gate_up = F.linear(h, mlp.gate_up_weight)  # [T, 2 ffn]
+        ffn = cfg.intermediate_size
+        pending = mlp.down_proj(silu_and_mul(gate_up[:, :ffn], gate_up[:, ffn:]))
+    residual += pending
+    if logits_indices is not None:
+        residual = residual[logits_indices]
+    x = rms_norm(residual, model.model.norm.weight, eps)
+    return F.linear(x, model.output_embedding).float()

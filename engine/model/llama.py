@@ -1,0 +1,216 @@
+"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2) in one file.
+
+It runs over a flat batch: every scheduled token of every sequence in one [num_tokens, hidden]
+tensor, with positions per token, and attention reading and writing the paged KV cache. Only
+the rows that will be sampled go through the vocabulary projection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvbatch.engine.attention.metadata import AttentionMetadata
+from kvbatch.engine.model.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family model; derived fields are filled in __post_init__."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    rope: RopeConfig | None = None
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.rope is None:
+            object.__setattr__(self, "rope", RopeConfig(head_dim=self.head_dim))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def attention_break_even_context(self) -> int:
+        """The context length at which one token's attention FLOPs (QK and PV: 4 x heads x
+        head_dim per context token per layer) equal its matmul FLOPs (2 x a layer's weights):
+        about 14.8k tokens for Llama-3.2-1B. Sizes long-prompt chunks (SchedulerConfig)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        weights = (
+            self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+        )
+        return max(1, round(weights / (2 * q)))
+
+    @classmethod
+    def from_hf(cls, hf_config) -> ModelConfig:
+        """Read a transformers config; unsupported architectures are named in the error."""
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        model_type = getattr(hf_config, "model_type", "")
+        by_type = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+        }
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = arch or (by_type.get(model_type) if not archs else None)
+        if arch is None:
+            found = ", ".join(archs) or model_type or "unknown"
+            raise ValueError(
+                f"architecture {found} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        sliding = getattr(hf_config, "sliding_window", None)
+        if arch == "Qwen2ForCausalLM" and not getattr(hf_config, "use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            head_dim=head_dim,
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf_config, "attention_bias", 0)),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            rope=rope_config_from_hf(hf_config, head_dim),
+            sliding_window=sliding,
+            eos_token_ids=eos_ids,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as transformers does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
+        out = backend.forward(q, k, v, kv_cache, meta)  # [T, heads, head_dim]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = F.silu(self.gate_proj(x), inplace=True)  # in place: one [T, ffn] buffer less
+        return self.down_proj(gate.mul_(self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
+        # In-place residual adds: x is this forward's own activation (never a weight or input).
+        x += self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
+        x += self.mlp(self.post_attention_layernorm(x))
+        return x
+
+
+class Backbone(nn.Module):
+    """`model.*` in Hugging Face checkpoints: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names match Hugging Face's, so a checkpoint's state dict loads as it is."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.rotary = RotaryEmbedding(cfg.rope)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def output_embedding(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # one [2, blocks, block_size, kv_heads, head_dim] a layer
+        meta: AttentionMetadata,
+        backend,
+        logits_indices: torch.Tensor | None = None,  # rows to project to the vocabulary
+    ) -> torch.Tensor:  # [len(logits_indices) or T, vocab] float32
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta, backend)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = self.model.norm(x)
+        return F.linear(x, self.output_embedding).float()

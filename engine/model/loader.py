@@ -1,0 +1,134 @@
+"""Load a checkpoint into the engine's own modules.
+
+Two sources: a Hugging Face folder (config.json, safetensors, sharded or not, tokenizer files)
+or a single GGUF file, read and dequantised by transformers' GGUF reader. transformers provides
+configs, tokenizers and the GGUF reader; the forward pass is always ours (engine/model.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvbatch.engine.model.llama import LlamaForCausalLM, ModelConfig
+from kvbatch.engine.model.rope import RotaryEmbedding
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: object | None  # a transformers tokenizer, or None for token-id-only checkpoints
+    eos_token_ids: tuple[int, ...]
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Load a Hugging Face folder or a .gguf file; errors say what is missing."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {path} does not exist (pass a Hugging Face folder "
+            "with config.json and safetensors, or a .gguf file)"
+        )
+    if path.is_file() and path.suffix == ".gguf":
+        hf_config, state_dict, tokenizer = _read_gguf(path)
+        generation_eos: list[int] = []
+    elif path.is_dir():
+        hf_config, state_dict, tokenizer = _read_hf_folder(path)
+        generation_eos = _generation_eos(path)
+    else:
+        raise ValueError(f"model path {path} is neither a folder nor a .gguf file")
+    cfg = ModelConfig.from_hf(hf_config)
+    model = _build(cfg, state_dict, dtype, device)
+    eos = list(cfg.eos_token_ids) + generation_eos
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.append(tokenizer.eos_token_id)
+    return LoadedModel(cfg, model, tokenizer, tuple(dict.fromkeys(eos)))
+
+
+def _build(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device) -> LlamaForCausalLM:
+    """Create the modules without initialising them, then adopt the checkpoint's tensors."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    expected = set(model.state_dict())
+    if cfg.tie_word_embeddings:
+        state_dict.pop("lm_head.weight", None)
+    missing = sorted(expected - set(state_dict))
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
+    weights = {k: state_dict[k].to(device=device, dtype=dtype) for k in expected}
+    model.load_state_dict(weights, assign=True, strict=True)
+    model.rotary = RotaryEmbedding(cfg.rope).to(device)  # its buffer was built on meta
+    return model.eval()
+
+
+def _read_hf_folder(path: Path):
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    ModelConfig.from_hf(hf_config)  # fail on an unsupported architecture before reading weights
+    state_dict = _read_weights(path)
+    tokenizer = None
+    if any((path / name).is_file() for name in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return hf_config, state_dict, tokenizer
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / s for s in shards]
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no .safetensors weights")
+    state_dict: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"weight shard {f} listed in the index is missing")
+        state_dict.update(load_file(str(f)))
+    return state_dict
+
+
+def _generation_eos(path: Path) -> list[int]:
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return []
+    eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [eos]
+
+
+def _read_gguf(path: Path):
+    """GGUF through transformers: config, dequantised tensors with HF names, tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = str(path.parent), path.name
+    hf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    ModelConfig.from_hf(hf_config)
+    with torch.device("meta"):  # only its parameter names are used, to map GGUF tensor names
+        shell = AutoModelForCausalLM.from_config(hf_config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=shell)["tensors"]
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    state_dict = {k: torch.as_tensor(v) for k, v in tensors.items()}
+    return hf_config, state_dict, tokenizer

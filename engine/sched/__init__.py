@@ -1,0 +1,1 @@
+"""Scheduling: which sequences run each step, and how many prompt tokens a step may take."""

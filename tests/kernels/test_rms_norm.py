@@ -1,0 +1,106 @@
+"""kvkernels/rms_norm.py: RMSNorm and fused add + RMSNorm against their references and the engine's
+RMSNorm module. On the CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbatch.engine.model.llama import RMSNorm
+from kvbatch.kernels.rms_norm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+SHAPES = [(1, 64), (7, 576), (5, 2048), (3, 8192)]
+EPS = 1e-6
+
+
+def _close(actual, expected, dtype) -> None:
+    torch.testing.assert_close(actual, expected, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def _inputs(num_tokens: int, hidden: int, dtype):
+    torch.manual_seed(num_tokens * 7 + hidden)
+    x = torch.randn(num_tokens, hidden, dtype=dtype, device=_device()) * 3
+    weight = torch.randn(hidden, dtype=dtype, device=_device())
+    return x, weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens, hidden", SHAPES)
+def test_rms_norm_matches_reference(dtype, num_tokens, hidden, rows_per_program):
+    x, weight = _inputs(num_tokens, hidden, dtype)
+    x_before = x.clone()
+    out = torch.full_like(x, float("nan"))
+
+    result = rms_norm(x, weight, EPS, out=out)
+
+    assert result is out
+    _close(out, rms_norm_ref(x, weight, EPS), dtype)
+    assert torch.equal(x, x_before)
+    _close(rms_norm(x, weight, EPS), out, dtype)  # without out=
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_in_place_and_strided_rows(dtype):
+    """out may be x itself; x may be a column slice of a wider tensor (row stride != hidden)."""
+    torch.manual_seed(3)
+    wide = torch.randn(5, 640, dtype=dtype, device=_device())
+    x = wide[:, 32:608]  # [5, 576], row stride 640
+    weight = torch.randn(576, dtype=dtype, device=_device())
+    expected = rms_norm_ref(x, weight, EPS)
+    untouched = wide.clone()
+
+    rms_norm(x, weight, EPS, out=x)
+
+    _close(x, expected, dtype)
+    assert torch.equal(wide[:, :32], untouched[:, :32])
+    assert torch.equal(wide[:, 608:], untouched[:, 608:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens, hidden", SHAPES)
+def test_fused_add_rms_norm_matches_reference(dtype, num_tokens, hidden, rows_per_program):
+    x, weight = _inputs(num_tokens, hidden, dtype)
+    residual = torch.randn_like(x)
+    ref_residual = residual.clone()
+
+    out, new_residual = fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, _ = fused_add_rms_norm_ref(x, ref_residual, weight, 1e-5)
+
+    assert new_residual is residual  # updated in place
+    torch.testing.assert_close(residual, ref_residual, rtol=0, atol=0)  # one rounding, same
+    assert not out.isnan().any()
+    _close(out, ref_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_references_match_engine_rmsnorm(dtype):
+    """The references are the engine's module to the bit, so they can vouch for the kernel."""
+    x, weight = _inputs(7, 576, dtype)
+    module = RMSNorm(576, EPS).to(device=_device(), dtype=dtype)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        assert torch.equal(rms_norm_ref(x, weight, EPS), module(x))
+        residual = torch.randn_like(x)
+        out, new_residual = fused_add_rms_norm_ref(x, residual.clone(), weight, EPS)
+        assert torch.equal(new_residual, residual + x)
+        assert torch.equal(out, module(residual + x))
+
+
+def test_bad_shapes_are_named():
+    x = torch.zeros(2, 64, device=_device())
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(32, device=_device()), EPS)
+    with pytest.raises(ValueError, match="out must be"):
+        rms_norm(x, torch.ones(64, device=_device()), EPS, out=torch.empty(2, 32))
