@@ -12,13 +12,13 @@
 #
 # Steps, in order (a failing step is recorded and the next one still runs):
 #   versions      python, torch, triton, transformers, the device; nvidia-smi
-#   kernels       pytest -q tests/kvkernels (CUDA when present; the Triton interpreter otherwise),
+#   kernels       pytest -q tests/kernels (CUDA when present; the Triton interpreter otherwise),
 #                 on KERNELS_WORKERS pytest-xdist workers when xdist is there (the H200 image
 #                 has it): cold, Triton's compiles are most of the step, and they use the CPU
 #   prefill-splits  scripts/prefill_split_bench.py: the prefill kernel on one short chunk after a
 #                 32k context at 1..32 key splits and the automatic choice (ms each), every
 #                 split checked against the unsplit output (--cpu: a tiny shape)
-#   triton-test   pytest -q tests/engine/test_triton_backend.py tests/engine/test_cuda_graphs.py
+#   triton-test   pytest -q tests/engine/attention/test_triton_backend.py tests/engine/exec/test_cuda_graphs.py
 #   greedy        scripts/greedy_check.py: kvbatch (triton backend, float32) vs transformers on
 #                 a tiny random model and on the rag-shape model (--cpu: the tiny one, with
 #                 the Triton interpreter)
@@ -227,11 +227,11 @@ if [ "$KERNELS_WORKERS" -gt 1 ] && "$PY" -c "import xdist" 2> /dev/null; then
   KERNELS_PARALLEL=(-n "$KERNELS_WORKERS")
 fi
 step kernels "$KERNELS_TIMEOUT" "${PYTEST[@]}" ${KERNELS_PARALLEL[@]+"${KERNELS_PARALLEL[@]}"} \
-  tests/kvkernels
+  tests/kernels
 step prefill-splits "$PREFILL_SPLITS_TIMEOUT" "$PY" scripts/prefill_split_bench.py \
   ${SPLITS[@]+"${SPLITS[@]}"}
-step triton-test "$TRITON_TEST_TIMEOUT" "${PYTEST[@]}" tests/engine/test_triton_backend.py \
-  tests/engine/test_cuda_graphs.py
+step triton-test "$TRITON_TEST_TIMEOUT" "${PYTEST[@]}" tests/engine/attention/test_triton_backend.py \
+  tests/engine/exec/test_cuda_graphs.py
 step greedy "$GREEDY_TIMEOUT" "${GREEDY[@]}"
 step rag "$RAG_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} \
   --peers "${RAG_PEERS:-hf-static,kvbatch-sync}" --repeat "${RAG_REPEAT:-2}" --kernel-profile \

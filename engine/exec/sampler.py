@@ -213,7 +213,7 @@ def _apply_top_k_top_p(logits: Tensor, t: SamplingTensors) -> Tensor:
     return logits.masked_fill(mask, float("-inf"))
 
 
-def _mix32(x: Tensor) -> Tensor:
+def mix32(x: Tensor) -> Tensor:
     """lowbias32 (Chris Wellons' hash prospector): a 32-bit bijection with strong avalanche.
 
     `x` is int64 holding values in [0, 2**32). Each multiplier is below 2**31 in magnitude
@@ -238,12 +238,12 @@ def seeded_exponential(seeds: Tensor, offsets: Tensor, vocab_size: int) -> Tenso
     u = (x + 0.5) / 2**32 lies strictly inside (0, 1) in float64, so E = -log(u) is finite > 0.
     """
     seeds = seeds.to(torch.int64)
-    key = _mix32((seeds & _M32) ^ 0x9E3779B9)
-    key = _mix32(key ^ ((seeds >> 32) & _M32))
-    key = _mix32(key ^ (offsets.to(torch.int64) & _M32))
-    key2 = _mix32(key ^ 0x85EBCA6B)
+    key = mix32((seeds & _M32) ^ 0x9E3779B9)
+    key = mix32(key ^ ((seeds >> 32) & _M32))
+    key = mix32(key ^ (offsets.to(torch.int64) & _M32))
+    key2 = mix32(key ^ 0x85EBCA6B)
     token = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    x = _mix32(token[None, :] ^ key[:, None])  # [S, V]
-    x = _mix32(x ^ key2[:, None])
+    x = mix32(token[None, :] ^ key[:, None])  # [S, V]
+    x = mix32(x ^ key2[:, None])
     u = (x.to(torch.float64) + 0.5) / 2.0**32
     return (-torch.log(u)).to(torch.float32)

@@ -30,7 +30,7 @@ from kvbatch.engine.exec.sampler import (
     Sampler,
     SamplerOutput,
     SamplingTensors,
-    _mix32,
+    mix32,
     seeded_exponential,
 )
 
@@ -94,10 +94,10 @@ def seeded_uniform(seeds: Tensor, offsets: Tensor) -> Tensor:
     """U(0, 1) float64, a pure function of (seed, offset), independent of the sampler's
     token noise for the same pair (other mixing constants)."""
     seeds = seeds.to(torch.int64)
-    key = _mix32((seeds & _M32) ^ 0x2545F491)
-    key = _mix32(key ^ ((seeds >> 32) & _M32))
-    key = _mix32(key ^ (offsets.to(torch.int64) & _M32))
-    x = _mix32(key ^ 0x68E31DA4)
+    key = mix32((seeds & _M32) ^ 0x2545F491)
+    key = mix32(key ^ ((seeds >> 32) & _M32))
+    key = mix32(key ^ (offsets.to(torch.int64) & _M32))
+    x = mix32(key ^ 0x68E31DA4)
     return (x.to(torch.float64) + 0.5) / 2.0**32
 
 

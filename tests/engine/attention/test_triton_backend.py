@@ -1,7 +1,7 @@
 """The triton attention backend gives the torch backend's greedy tokens (on the CPU under
 TRITON_INTERPRET=1, on CUDA when there is one), with shared prefixes and chunked prefill; chunks
 timed from steps; async steps that never wait for the device; and the largest-step profile
-runs. CUDA graphs of steps: tests/engine/test_cuda_graphs.py."""
+runs. CUDA graphs of steps: tests/engine/exec/test_cuda_graphs.py."""
 
 from __future__ import annotations
 

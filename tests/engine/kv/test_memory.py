@@ -1,5 +1,5 @@
 """The KV pool's size: a default budget is capped at what requests can put to use; an explicit
-one is not. (The CUDA profile itself runs in tests/engine/test_triton_backend.py and on the GPU
+one is not. (The CUDA profile itself runs in tests/engine/attention/test_triton_backend.py and on the GPU
 check.)"""
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def noisy_draft(tiny_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny_models):
     """The engine's own greedy tokens without speculation (it matches transformers:
-    tests/engine/test_llm.py)."""
+    tests/engine/core/test_llm.py)."""
     llm = LLM(model=str(tiny_models("llama-gqa")), **BASE)
     return tokens(llm.generate(copy_prompts(), GREEDY, use_tqdm=False))
 
