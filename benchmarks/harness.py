@@ -31,7 +31,14 @@ import torch
 from kvbatch.bench.kernel_profile import format_kernel_profile, profile_engine_run
 from kvbatch.bench.long_prefill import reference_and_prefill_text
 from kvbatch.bench.machine import machine_info
-from kvbatch.bench.peers import EngineOptions, Peer, PeerUnavailable, RunResult, make_peer
+from kvbatch.bench.peers import (
+    PEERS,
+    EngineOptions,
+    Peer,
+    PeerUnavailable,
+    RunResult,
+    make_peer,
+)
 from kvbatch.bench.step_profile import format_step_profile
 from kvbatch.bench.text_table import format_rows
 from kvbatch.bench.workloads import (
@@ -361,8 +368,6 @@ def check_engines_support(workload: Workload, engines: Sequence[str]) -> None:
     """long-prefill needs engines that accept a prompt mid-run: kvbatch alone, so far."""
     if not workload.has_long_prompt:
         return
-    from kvbatch.bench.peers import PEERS
-
     unable = [n for n in engines if n in PEERS and not PEERS[n].supports_long_prefill]
     if unable:
         raise BenchError(
