@@ -241,7 +241,7 @@ def latency_cells(s: Any) -> list[str]:
 
 
 LONG_PREFILL_TARGET = 3.0
-"""Issue 5: while the long prompt is prefilled, no decoder waits more than 3 decode steps."""
+"""While the long prompt is prefilled, no decoder waits more than 3 decode steps."""
 
 
 def format_long_prefill(engine: str, f: dict[str, Any]) -> str:
@@ -338,9 +338,8 @@ def warm_up(peer: Peer, config: BenchConfig, vocab_size: int) -> None:
 WARMUP_SEED_OFFSET = 1_000_000
 PROFILE_SEED_OFFSET = 2_000_000
 """The full warm-up's and the profiled run's draws: far from the timed draws' seeds (seed + r),
-so they share no prompt, and therefore no prefix-cache block, with them or each other. (The
-first H200 profile re-ran the first timed draw: every prompt was still cached, and it took
-0.55 s against the timed run's 0.82 s.)"""
+so they share no prompt, and therefore no prefix-cache block, with them or each other: a
+run over a draw already cached would measure the prefix cache, not the engine."""
 
 
 def fresh_draw(workload: Workload, vocab_size: int, seed_offset: int) -> tuple[Workload, Draw]:

@@ -3,7 +3,7 @@
     python -m studies gc-freeze [--decoders 128] [--output-len 400] [--kv-blocks 250000] [--json F]
 
 A full collector pass examines every tracked object that is not frozen: right after an
-engine starts that is its whole startup heap (engine/startup_heap.py). This runs the same
+engine starts that is its whole startup heap (engine/core/startup_heap.py). This runs the same
 decode job on the tiny random model twice in one process, the startup heap first left in
 the passes (`freeze_gc=False`, as before the freeze) and then frozen, and reports for each:
 tracked objects after the start, the run's passes per generation with the longest pause,

@@ -90,7 +90,7 @@ class LLMEngine:
         scheduler_config = dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
         self.async_scheduling = self._async_scheduling()
         backend = get_backend(config.attention_backend, self.device)
-        # The triton backend comes with the fused kernels and GEMMs (engine/fused.py).
+        # The triton backend comes with the fused kernels and GEMMs (engine/model/fused.py).
         self.forward = model_forward(self.model, fused=backend.name == "triton")
         # A draft model keeps a KV pool of as many blocks as the target's: load it first, so
         # that its weights are counted in free memory and its blocks in the KV budget.
@@ -108,7 +108,9 @@ class LLMEngine:
                 "kv_cache_memory_fraction on CUDA) or lower max_model_len"
             )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.step_cost = None  # times steps to size long prompts' chunks (engine/step_cost.py)
+        self.step_cost = (
+            None  # times steps to size long prompts' chunks (engine/sched/step_cost.py)
+        )
         if (
             scheduler_config.long_prefill_step_ratio
             and scheduler_config.long_prefill_token_threshold
@@ -310,10 +312,10 @@ class LLMEngine:
 
     def _check_ids(self, ids) -> list[int]:
         """The ids as a list of ints in [0, vocab). A request added mid-run is checked between
-        two steps, on the decoders' time: for a 32k-token prompt a generator over the ids took
-        2-4 ms on the 2-core CPU machine (on a host as fast, about two H200 decode steps) in
-        the decoders' gap at the long prompt's arrival. Plain ints (the usual case) are checked in three C-level
-        passes instead (~1.2 ms there); anything else goes through the generator, which
+        two steps, on the decoders' time: for a 32k-token prompt a Python generator over the
+        ids costs about two GPU decode steps in the decoders' gap at the long prompt's
+        arrival. Plain ints (the usual case) are checked in three C-level passes instead, a
+        few times faster; anything else goes through the generator, which
         names the offending id (by position: a None id is an offender too)."""
         vocab = self.model_config.vocab_size
         ids = list(ids)
@@ -341,7 +343,7 @@ class LLMEngine:
     def capture_chunk_graphs(self) -> int:
         """Capture now, rather than in a later step that would wait for it, every CUDA graph of
         a step with a prompt chunk that the decode batch sizes met so far may still need (CUDA,
-        triton, mixed-step graphs on; else 0): engine/cuda_graphs.py
+        triton, mixed-step graphs on; else 0): engine/exec/cuda_graphs.py
         `StepGraphs.capture_chunk_buckets`. Returns how many; only between jobs."""
         if self.has_unfinished():
             raise RuntimeError("capture_chunk_graphs: requests are still running; call it idle")

@@ -31,7 +31,7 @@ from kvbatch.engine.sched.scheduler import SchedulerOutput
 from kvbatch.engine.spec.rejection import verify
 
 # Decode steps whose longest context exceeds this replay "wide" graphs, captured on first use
-# (engine/cuda_graphs.py): a graph's block-table width is fixed, and the decode kernel cuts
+# (engine/exec/cuda_graphs.py): a graph's block-table width is fixed, and the decode kernel cuts
 # contexts into splits by that width (kvkernels/), so the graphs of ordinary steps keep it short.
 GRAPH_MAX_CONTEXT = 8192
 # Decode steps with more shared-prefix groups than this run eagerly (`rag` at 256 running
@@ -57,13 +57,13 @@ class ModelRunner:
         backend,
         seed: int = 0,
         cascade: bool = True,
-        forward=None,  # the model's forward (engine/fused.py model_forward); default: model
+        forward=None,  # the model's forward (engine/model/fused.py model_forward); default: model
     ) -> None:
         cfg = model.config
         self.model, self.kv, self.device, self.backend = model, kv, device, backend
         self.forward = forward or model
         self.block_size = block_size
-        self.cascade = cascade  # shared-prefix attention for decodes (engine/cascade.py)
+        self.cascade = cascade  # shared-prefix attention for decodes (engine/attention/cascade.py)
         # One tensor per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim]. Zeroed, so
         # masked-out padding positions never hold NaN (0 * NaN would poison attention).
         self.kv_caches = [
@@ -91,13 +91,13 @@ class ModelRunner:
 
     def launch(self, out: SchedulerOutput, started=None) -> LaunchedStep:
         """Queue a step's forward and sampling; on CUDA this returns before they have run.
-        `started`: the step's start_clock (engine/launched_step.py), to time it."""
+        `started`: the step's start_clock (engine/exec/launched_step.py), to time it."""
         input_ids, meta, logits_rows, sampling_seqs = self._prepare(out)
         captured = self._graphs_captured()
         key = self._graph_key(input_ids, meta, logits_rows)
         logits = self._forward(key, input_ids, meta, logits_rows)
         if self._graphs_captured() != captured:  # the step waited for a graph's capture: its
-            started = None  # time is no measure of a step's (engine/step_cost.py)
+            started = None  # time is no measure of a step's (engine/sched/step_cost.py)
         launched = self._sample(logits, sampling_seqs, started)
         launched.padded_chunk = key.chunk if key is not None else 0
         return launched
@@ -155,7 +155,7 @@ class ModelRunner:
         self, max_batch: int, max_model_len: int, max_chunk: int = 0, capture: bool = True
     ):
         """Decode steps of up to max_batch sequences, and those with one prompt chunk of up
-        to max_chunk tokens, replay CUDA graphs from now on (engine/cuda_graphs.py);
+        to max_chunk tokens, replay CUDA graphs from now on (engine/exec/cuda_graphs.py);
         capture=False runs the same padded path eagerly (CPU tests)."""
         from kvbatch.engine.exec.cuda_graphs import StepGraphs
 
@@ -180,7 +180,7 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput):
         """Host side of a step, vectorised with numpy (at 512 decodes, Python per sequence
         would cost more than the GPU's step), then one host-to-device copy. The block tables
-        themselves stay on the device (engine/device_tables.py): the copy carries the
+        themselves stay on the device (engine/kv/device_tables.py): the copy carries the
         entries that changed since the last step and the step's rows, and the step's tables
         are gathered there."""
         bs = self.block_size
