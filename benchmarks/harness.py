@@ -12,7 +12,7 @@ cache warmed by one repeat cannot serve the next. Seconds are the median over th
 Latency per engine: time to first token (TTFT, from the run's start, when every request
 arrives) and time per output token (TPOT, the mean gap after the first token), p50 and p99
 over all requests of all repeats; '-' where the engine cannot tell. The floor fraction is the
-workload's hardware floor (../shared/BENCHMARKS.md) / seconds, shown only on the device the
+workload's hardware floor (docs/BENCHMARKS.md) / seconds, shown only on the device the
 floor was worked out for.
 """
 
@@ -206,7 +206,7 @@ class BenchReport:
             w = c.workload
             lines.append(
                 f"of floor = {w.floor_seconds:g} s (the {w.floor_device} floor of {w.name}, "
-                "../shared/BENCHMARKS.md) / seconds"
+                "docs/BENCHMARKS.md) / seconds"
             )
         for s in self.engines:
             if s.long_prefill is not None:

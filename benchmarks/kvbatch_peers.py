@@ -100,8 +100,9 @@ class KvbatchPeer(Peer):
 
     def after_warmup(self) -> None:
         """The mixed-step graphs the timed runs' chunks may pick and the warm-up did not:
-        captured now, so no timed step waits for a capture (engine/exec/cuda_graphs.py), and launched
-        once, so none waits for a graph's upload; what those launches cost, first and again."""
+        captured now, so no timed step waits for a capture (engine/exec/cuda_graphs.py), and
+        launched once, so none waits for a graph's upload; what those launches cost, first and
+        again."""
         self.graphs_captured_after_warmup = self.llm.engine.capture_chunk_graphs()
         graphs = self.llm.engine.runner.step_graphs
         launches = graphs.first_launches if self.graphs_captured_after_warmup else None

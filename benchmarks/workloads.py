@@ -71,7 +71,7 @@ class Workload:
     long_prompt_len: int = 0
     long_prompt_after: int = 0
     long_output_len: int = 1
-    # the hardware floor of this job (../shared/BENCHMARKS.md), on a device whose name
+    # the hardware floor of this job (docs/BENCHMARKS.md), on a device whose name
     # contains `floor_device`; None where no floor was worked out
     floor_seconds: float | None = None
     floor_device: str = "H200"

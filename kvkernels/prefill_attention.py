@@ -312,7 +312,7 @@ def choose_prefill_splits(programs: int, max_context_len: int | None, device: to
 
     Rounded down, not up: one program past the slots starts a second, mostly idle wave, which
     costs about half as much again as the full first one (scripts/prefill_split_bench.py
-    times every split count on the device; docs/BENCHMARKS.md has its figures)."""
+    times every split count on the device; docs/archive/BENCHMARKS-history.md has its figures)."""
     if not max_context_len:
         return 1
     wanted = 2 * num_sms(device) // max(1, programs)

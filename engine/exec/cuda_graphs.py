@@ -34,15 +34,15 @@ decode rows and its shared blocks; unused groups have 0 rows (their programs exi
     group_tables  [max_groups, max_blocks]   each group's shared blocks
     group_ranges  [3, max_groups]            first row, rows (0 = unused), shared tokens
 
-Decode contexts longer than the tables hold (`max_blocks`: kept short because the decode
-kernel cuts a context into splits by the table's width, and a short context in a wide table
-gets too few) use a third kind, "wide" graphs, whose tables (`wide_tables`) hold the longest
-context (`max_wide_blocks`). They too are captured on first use: a long prompt that has
-finished prefilling decodes beside the short ones in a replay, not eagerly: an eager step
-costs far more than a replay, and such steps were the longest token gaps of `long-prefill`
-whatever the chunk size (docs/BENCHMARKS.md). Steps with more prompt chunks, longer chunks, more groups or contexts
-longer than `max_wide_blocks` run eagerly. Needs the triton backend, whose kernels skip
-negative slots and never read device values on the host.
+Decode contexts longer than the tables hold (`max_blocks`: kept short because the decode kernel
+cuts a context into splits by the table's width, and a short context in a wide table gets too
+few) use a third kind, "wide" graphs, whose tables (`wide_tables`) hold the longest context
+(`max_wide_blocks`). They too are captured on first use: a long prompt that has finished
+prefilling decodes beside the short ones in a replay, not eagerly: an eager step costs far more
+than a replay, and such steps were the longest token gaps of `long-prefill` whatever the chunk
+size (docs/BENCHMARKS.md). Steps with more prompt chunks, longer chunks, more groups or contexts
+longer than `max_wide_blocks` run eagerly. Needs the triton backend, whose kernels skip negative
+slots and never read device values on the host.
 
 Without CUDA, `capture=False` runs the same static-buffer path eagerly: the padding and
 bucketing logic is then testable on the CPU.

@@ -15,17 +15,18 @@ times its steps and sizes each chunk so that a step with decodes and the chunk t
     cost = moving average over mixed steps of (mixed step - plain step) / work
     next chunk: the largest n with cost x work(n, context) <= budget
 
-Why a feedback loop and not a fitted cost model: the steps it learns from are the ones it
-sized, all built to cost the same, so a fit of separate costs (a mixed step's fixed cost, per
-token, per attention pair) cannot tell them apart: the fitted fixed cost wanders between
-runs, and a chunk sized from a bad fit overshoots the budget many times over. The loop needs none of them: if a mixed step costs e + s x work, the average
-settles where e + s x work = budget, for any e under the budget, and it follows the context
-as the prompt goes on (work's FLOP shape carries the chunk from one context to the next; an
-attention slower than its FLOPs only moves the average, slowly).
+Why a feedback loop and not a fitted cost model: the steps it learns from are the ones it sized,
+all built to cost the same, so a fit of separate costs (a mixed step's fixed cost, per token,
+per attention pair) cannot tell them apart: the fitted fixed cost wanders between runs, and a
+chunk sized from a bad fit overshoots the budget many times over. The loop needs none of them:
+if a mixed step costs e + s x work, the average settles where e + s x work = budget, for any e
+under the budget, and it follows the context as the prompt goes on (work's FLOP shape carries
+the chunk from one context to the next; an attention slower than its FLOPs only moves the
+average, slowly).
 
 Padded chunks: with CUDA graphs, a step with one prompt chunk replays the graph of the next
-chunk bucket up (engine/exec/cuda_graphs.py: 16, 32, 48, ..., 512 tokens), so a 300-token chunk
-costs the matmuls of 384 (the attention skips the padding rows). Counted as 300 tokens, the
+chunk bucket up (engine/exec/cuda_graphs.py: 16, 32, 48, ..., 512 tokens), so a 300-token
+chunk costs the matmuls of 384 (the attention skips the padding rows). Counted as 300 tokens, the
 loop would read that as a dearer token and swing between buckets, every swing up a step over
 the budget (tests/engine/sched/simulated_prefill.py simulates it). So the work counts
 the rows the step computed (`StepShape.prefill_rows`), and a chunk is sized against its

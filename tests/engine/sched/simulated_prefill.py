@@ -7,8 +7,8 @@ tokens, while the step cost loop (kvbatch.engine.sched.step_cost) sizes the next
 the times of the last ones. No CPU can time a graph, so the steps are simulated: a mixed step
 costs a fixed part, a part per computed row and a part per attention pair (attention at half
 the matmuls' rate per FLOP), and the real StepCostModel sizes every chunk from those times.
-docs/BENCHMARKS.md ("chunks sized against the graphs' buckets") has the table this simulation
-gave over more cost cases.
+docs/archive/BENCHMARKS-history.md ("chunks sized against the graphs' buckets") has the
+table this simulation gave over more cost cases.
 """
 
 from __future__ import annotations
