@@ -4,7 +4,9 @@ Runs kvbatch and each peer on the workload's prompts in this one process, prints
 seconds, output tokens/s, latency (TTFT/TPOT p50/p99), ratios to kvbatch and the fraction of
 the hardware floor, and optionally writes the same as JSON. `--tiny` runs a GPU workload's
 tiny variant (same structure, tiny model, CPU); `--sweep` runs kvbatch alone over a grid of
-max_num_seqs x max_num_batched_tokens x kv_cache_memory_fraction (benchmarks/sweep.py).
+max_num_seqs x max_num_batched_tokens x kv_cache_memory_fraction (kvbatch.bench.sweep).
+`kvbatch bench WORKLOAD --help` describes that workload; a benchmark with its own options and
+table (`TOOLS`, e.g. spec-copy) takes the rest of the command line.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import argparse
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from kvbatch.bench import spec_copy
 from kvbatch.bench.harness import (
     BenchConfig,
     BenchError,
@@ -31,20 +35,47 @@ from kvbatch.bench.sweep import (
     parse_list,
     run_sweep,
 )
-from kvbatch.bench.workloads import TINY_WORKLOADS, WORKLOADS, get_workload
+from kvbatch.bench.workloads import TINY_WORKLOADS, WORKLOADS, Workload, get_workload
 from kvbatch.engine_args import add_gpu_tuning_args
 
+TOOLS: dict[str, Callable[[list[str] | None], int]] = {
+    "spec-copy": spec_copy.main,  # speculative decoding on and off, its own table
+}
+"""Benchmarks with their own options: `kvbatch bench NAME ...` hands them the rest of argv."""
 
-def build_parser() -> argparse.ArgumentParser:
+DESCRIPTION = "Benchmark kvbatch against its peers on a named workload, side by side."
+
+
+def describe_workload(name: str) -> str:
+    """What `kvbatch bench NAME --help` says of the workload before the options: its shape,
+    its defaults (which --model/--device/--dtype/--seed override) and its tiny variant."""
+    workload = WORKLOADS[name]
+    lines = [f"{name}: {workload.description}" if workload.description else name, ""]
+    lines.append(workload.summary())
+    lines.append(
+        f"defaults: device {workload.device}, dtype {workload.dtype}, seed {workload.seed}, "
+        f"model {workload.model}"
+    )
+    if workload.has_long_prompt:
+        lines.append("kvbatch only: a prompt arrives mid-run, which the peers cannot take")
+    tiny: Workload | None = TINY_WORKLOADS.get(name)
+    if tiny is not None:
+        lines.append(f"--tiny: {tiny.summary()}")
+    return "\n".join(lines)
+
+
+def build_parser(workload: str | None = None) -> argparse.ArgumentParser:
+    """The options of `kvbatch bench`; with a known `workload`, its help describes it."""
     p = argparse.ArgumentParser(
         prog="kvbatch bench",
-        description="Benchmark kvbatch against its peers on a named workload, side by side.",
+        description=DESCRIPTION if workload not in WORKLOADS else describe_workload(workload),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "workload",
         nargs="?",
-        help=f"one of: {', '.join(WORKLOADS)}, or spec-copy / host-overhead / step-plan / "
-        "gc-freeze / chunk-padding (each has its own -h)",
+        help=f"one of: {', '.join(WORKLOADS)} (`kvbatch bench WORKLOAD -h` describes one), "
+        f"or {' / '.join(TOOLS)} (each has its own -h)",
     )
     p.add_argument("--list", action="store_true", help="list the workloads and engines, then exit")
     p.add_argument(
@@ -199,27 +230,10 @@ def sweep_grid_from_args(args: argparse.Namespace) -> SweepGrid:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: `argv` is what follows `kvbatch bench`. Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["spec-copy"]:  # speculative decoding on/off, its own table
-        from kvbatch.bench.spec_copy import main as spec_copy_main
-
-        return spec_copy_main(argv[1:])
-    if argv[:1] == ["host-overhead"]:  # host time per decode step, phase by phase
-        from kvbatch.bench.host_overhead import main as host_overhead_main
-
-        return host_overhead_main(argv[1:])
-    if argv[:1] == ["gc-freeze"]:  # the collector's pauses, startup heap frozen or not
-        from kvbatch.bench.gc_freeze import main as gc_freeze_main
-
-        return gc_freeze_main(argv[1:])
-    if argv[:1] == ["chunk-padding"]:  # timed chunks against graph buckets, simulated
-        from kvbatch.bench.chunk_padding import main as chunk_padding_main
-
-        return chunk_padding_main(argv[1:])
-    if argv[:1] == ["step-plan"]:  # the scheduler's steps of a workload, model stubbed
-        from kvbatch.bench.step_plan import main as step_plan_main
-
-        return step_plan_main(argv[1:])
-    parser = build_parser()
+    if argv[:1] and argv[0] in TOOLS:
+        return TOOLS[argv[0]](argv[1:])
+    named = next((a for a in argv if not a.startswith("-")), None)  # for --help's description
+    parser = build_parser(named)
     args = parser.parse_args(argv)
     if args.list:
         for w in WORKLOADS.values():

@@ -2,7 +2,7 @@
 
 A full (generation-2) pass examines every tracked object that is not frozen and holds the
 host meanwhile; on a GPU whose decode step is a millisecond or two, one pass shows as a token
-gap many steps long (engine/startup_heap.py). Recording each pass's start, end and generation
+gap many steps long (engine/core/startup_heap.py). Recording each pass's start, end and generation
 lets a run say whether its longest gap was a collection: the long-prefill figures name the
 longest pause inside the prefill window, the step profile counts the run's passes.
 """

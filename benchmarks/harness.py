@@ -12,7 +12,7 @@ cache warmed by one repeat cannot serve the next. Seconds are the median over th
 Latency per engine: time to first token (TTFT, from the run's start, when every request
 arrives) and time per output token (TPOT, the mean gap after the first token), p50 and p99
 over all requests of all repeats; '-' where the engine cannot tell. The floor fraction is the
-workload's hardware floor (../shared/BENCHMARKS.md) / seconds, shown only on the device the
+workload's hardware floor (docs/BENCHMARKS.md) / seconds, shown only on the device the
 floor was worked out for.
 """
 
@@ -31,7 +31,14 @@ import torch
 from kvbatch.bench.kernel_profile import format_kernel_profile, profile_engine_run
 from kvbatch.bench.long_prefill import reference_and_prefill_text
 from kvbatch.bench.machine import machine_info
-from kvbatch.bench.peers import EngineOptions, Peer, PeerUnavailable, RunResult, make_peer
+from kvbatch.bench.peers import (
+    PEERS,
+    EngineOptions,
+    Peer,
+    PeerUnavailable,
+    RunResult,
+    make_peer,
+)
 from kvbatch.bench.step_profile import format_step_profile
 from kvbatch.bench.text_table import format_rows
 from kvbatch.bench.workloads import (
@@ -199,7 +206,7 @@ class BenchReport:
             w = c.workload
             lines.append(
                 f"of floor = {w.floor_seconds:g} s (the {w.floor_device} floor of {w.name}, "
-                "../shared/BENCHMARKS.md) / seconds"
+                "docs/BENCHMARKS.md) / seconds"
             )
         for s in self.engines:
             if s.long_prefill is not None:
@@ -234,7 +241,7 @@ def latency_cells(s: Any) -> list[str]:
 
 
 LONG_PREFILL_TARGET = 3.0
-"""Issue 5: while the long prompt is prefilled, no decoder waits more than 3 decode steps."""
+"""While the long prompt is prefilled, no decoder waits more than 3 decode steps."""
 
 
 def format_long_prefill(engine: str, f: dict[str, Any]) -> str:
@@ -331,9 +338,8 @@ def warm_up(peer: Peer, config: BenchConfig, vocab_size: int) -> None:
 WARMUP_SEED_OFFSET = 1_000_000
 PROFILE_SEED_OFFSET = 2_000_000
 """The full warm-up's and the profiled run's draws: far from the timed draws' seeds (seed + r),
-so they share no prompt, and therefore no prefix-cache block, with them or each other. (The
-first H200 profile re-ran the first timed draw: every prompt was still cached, and it took
-0.55 s against the timed run's 0.82 s.)"""
+so they share no prompt, and therefore no prefix-cache block, with them or each other: a
+run over a draw already cached would measure the prefix cache, not the engine."""
 
 
 def fresh_draw(workload: Workload, vocab_size: int, seed_offset: int) -> tuple[Workload, Draw]:
@@ -361,8 +367,6 @@ def check_engines_support(workload: Workload, engines: Sequence[str]) -> None:
     """long-prefill needs engines that accept a prompt mid-run: kvbatch alone, so far."""
     if not workload.has_long_prompt:
         return
-    from kvbatch.bench.peers import PEERS
-
     unable = [n for n in engines if n in PEERS and not PEERS[n].supports_long_prefill]
     if unable:
         raise BenchError(

@@ -1,8 +1,8 @@
 """The transformers peers: `hf-static` (generate in static batches, the baseline) and
 `hf-cb` (transformers' own continuous batching, generate_batch).
 
-They register themselves with kvbatch.bench.peers on import; peers.py imports this module at
-its end, so `make_peer("hf-static", ...)` works wherever peers.py is imported.
+Both are listed in kvbatch.bench.peers' registry; the contract they implement is in
+kvbatch.bench.peer.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
-from kvbatch.bench.peers import Peer, PeerUnavailable, Timings, register_peer
+from kvbatch.bench.peer import Peer, PeerUnavailable, Timings
 
 
-@register_peer
 class HFStaticPeer(Peer):
     """transformers `generate` (SDPA attention) in static batches: the baseline to beat.
 
@@ -90,7 +89,6 @@ class HFStaticPeer(Peer):
         return new
 
 
-@register_peer
 class HFContinuousBatchingPeer(Peer):
     """transformers' own paged continuous batching, `model.generate_batch(...)`.
 

@@ -5,12 +5,12 @@
     steps:        plain | plain | mixed (chunk + decodes) ... mixed | plain | plain
                                   \\__ prefill steps: the long prompt has no token yet __/
 
-The target (issue 5): no decoder waits more than three decode steps' time for its next
+The target: no decoder waits more than three decode steps' time for its next
 token. The longest wait is the engine's own figure (RequestMetrics.max_token_gap); the
 decode step it is compared with is the median wall time of the *plain* decode steps, those
 with no prefill work in them. (The median of all token gaps would not do: with a small
-chunk cap most steps are mixed, and that median grows with the gap it should measure; the
-first H200 run reported "met" that way for gaps ten plain steps long.)
+chunk cap most steps are mixed, and that median grows with the gap it should measure, so
+it would call a gap of ten plain steps "met".)
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def drive_long_prefill(
             | ({"detail": steps[i][2]} if steps[i][2] else {})
             for i in sorted(range(len(steps)), key=lambda i: -steps[i][0])[:LONGEST_STEPS]
         ],
-        # what the engine's step cost model learned (engine/step_cost.py), when it timed steps
+        # what the engine's step cost model learned (engine/sched/step_cost.py), when it timed steps
         "step_cost": cost.describe() if (cost := getattr(engine, "step_cost", None)) else None,
         # the cycle collector's passes (benchmarks/gc_pauses.py): was the longest gap one?
         "gc": pauses.summary()

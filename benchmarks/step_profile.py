@@ -89,7 +89,7 @@ class StepProfile:
             replay = graphs.run
 
             def counted(key, *args, **kwargs):
-                # a graph's first replay also uploads it (engine/cuda_graphs.py _launch_new)
+                # a graph's first replay also uploads it (engine/exec/cuda_graphs.py _launch_new)
                 first = key in graphs.graphs and not graphs.launches[key]
                 self._step["graph"] = graph_label(key, first_launch=first)
                 self.graph_first_launches += first

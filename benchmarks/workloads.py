@@ -71,7 +71,7 @@ class Workload:
     long_prompt_len: int = 0
     long_prompt_after: int = 0
     long_output_len: int = 1
-    # the hardware floor of this job (../shared/BENCHMARKS.md), on a device whose name
+    # the hardware floor of this job (docs/BENCHMARKS.md), on a device whose name
     # contains `floor_device`; None where no floor was worked out
     floor_seconds: float | None = None
     floor_device: str = "H200"
@@ -218,8 +218,8 @@ _LONG_PREFILL = Workload(
     document_len=0,
     chunk_len=128,
     instruction_len=0,
-    # the decoders outlast the long prompt's prefill: in chunks sized to ~2.5 plain steps it
-    # takes a few hundred steps on an H200 (by estimate; 35 with the 2,048 cap)
+    # the decoders outlast the long prompt's prefill: in chunks sized to ~2.5 plain steps a
+    # 32k prompt takes a few hundred steps
     output_len=512,
     shared=False,
     dtype="bfloat16",

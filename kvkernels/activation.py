@@ -1,6 +1,6 @@
 """SiLU-and-mul, the gate of a SwiGLU MLP: out = silu(gate) * up.
 
-Semantics are engine/model.py's MLP (`F.silu(gate, inplace=True).mul_(up)`): silu is computed
+Semantics are engine/model/llama.py's MLP (`F.silu(gate, inplace=True).mul_(up)`): silu is computed
 in float32 as g / (1 + exp(-g)) and rounded to the input's dtype, then the product is rounded
 once more, so float16 results match the eager ops.
 

@@ -242,8 +242,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, device: to
     A wide table usually means one long context beside many short ones (a 32k prompt that
     finished prefilling decodes with 64 chat requests): the batch alone fills the GPU, but the
     long row's few programs then read all of its keys serially while the rest of the GPU idles,
-    and the step takes as long as they do (one split: 12.7 ms per step instead of 1.6 on an
-    H200 in the long-prefill check of 2026-12-04). So a wide table gets a split per
+    and the step takes as long as they do (several times a plain step; docs/BENCHMARKS.md has
+    the long-prefill figures). So a wide table gets a split per
     LONG_TOKENS_PER_SPLIT tokens; the short rows' extra splits are empty and write only their
     lse (-inf), but they are still programs to launch: hence no splits of a few hundred keys."""
     programs = max(1, batch * num_kv_heads)

@@ -32,7 +32,7 @@ def interpreting() -> bool:
 
 def rows_per_program() -> int:
     """Rows one program of an elementwise kernel handles: 1 when compiled (one program per
-    token, as the kernels were tuned and measured on the H200), a block under the interpreter
+    token, as the kernels were tuned for the GPU), a block under the interpreter
     (see the module docstring)."""
     return INTERPRETED_ROWS_PER_PROGRAM if interpreting() else 1
 

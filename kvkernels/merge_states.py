@@ -8,7 +8,7 @@ over the union of the keys is
 
 A side with lse -inf saw no keys: its out is ignored (even if it holds garbage) and the other
 side is returned as is; both -inf gives zeros and lse -inf. Cascade attention merges a
-group's shared-prefix part with each row's private part this way (engine/cascade.py).
+group's shared-prefix part with each row's private part this way (engine/attention/cascade.py).
 """
 
 from __future__ import annotations

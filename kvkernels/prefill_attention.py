@@ -310,11 +310,9 @@ def choose_prefill_splits(programs: int, max_context_len: int | None, device: to
     1 when the longest context is not known on the host (cascade groups inside a CUDA graph)
     or the row tiles already fill the GPU.
 
-    Rounded down, not up: one program past the slots starts a second, mostly idle wave. On the
-    H200 (132 SMs, bfloat16, 32k context; scripts/prefill_split_bench.py) a 128-token chunk
-    (32 row-tile programs) took 0.134 ms at 8 splits (256 programs) and 0.206 ms at 9 (288),
-    a 256-token one 0.242 ms at 4 and 0.351 ms at 5, a 512-token one 0.454 ms at 2 and 0.565
-    ms at 3; unsplit they took 0.86-0.90 ms."""
+    Rounded down, not up: one program past the slots starts a second, mostly idle wave, which
+    costs about half as much again as the full first one (scripts/prefill_split_bench.py
+    times every split count on the device; docs/archive/BENCHMARKS-history.md has its figures)."""
     if not max_context_len:
         return 1
     wanted = 2 * num_sms(device) // max(1, programs)

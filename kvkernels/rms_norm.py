@@ -1,6 +1,6 @@
 """RMSNorm, alone and fused with the residual add that precedes it in every decoder layer.
 
-Semantics are engine/model.py's RMSNorm (and transformers'): normalise in float32, cast back
+Semantics are engine/model/llama.py's RMSNorm (and transformers'): normalise in float32, cast back
 to the input's dtype, and only then multiply by the weight:
 
     y = weight * (x32 * rsqrt(mean(x32 ** 2) + eps)).to(x.dtype)

@@ -1,6 +1,6 @@
 """Rotary position embedding applied in place to q and k, in one launch.
 
-Semantics are engine/rope.py's (and transformers'): the rotate-half layout, not the
+Semantics are engine/model/rope.py's (and transformers'): the rotate-half layout, not the
 interleaved one. For a head x = [x1 | x2] (two halves of head_dim / 2) at position p:
 
     freqs = float32(p) * inv_freq                      # [head_dim / 2], float32

@@ -4,11 +4,11 @@ Triton compiles a kernel once per specialization of its arguments: besides the c
 an int equal to 1 becomes a constant, an int divisible by 16 gets a divisibility hint, and a
 pointer that is 16-byte aligned gets an alignment hint. An argument that moves between those
 classes from one step to the next makes a new compile in the middle of a run, hundreds of ms
-each on the H200's host (eager mixed steps of 868 ms and 1.6 s in the GPU check of
-2026-12-04). The engine's per-step metadata does exactly that:
+each, a stall of hundreds of decode steps for every running request. The engine's per-step
+metadata does exactly that:
 
     block tables, lengths, positions   views at step-dependent offsets of the one packed
-                                       buffer of engine/runner.py `to_device_at_once`: their
+                                       buffer of engine/exec/runner.py `to_device_at_once`: their
                                        alignment flips with the step's sizes
     table widths, split counts         follow the longest context and the batch
 

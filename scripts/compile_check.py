@@ -6,7 +6,7 @@ a GPU: compile errors, shared memory and register spills show up before any GPU 
 Triton ships ptxas, so the whole chain (Python -> TTIR -> TTGIR -> LLVM -> PTX -> cubin) runs on
 the CPU once the runtime is told the target instead of asking a driver. This script puts a
 compile-only driver in place and turns every launch into a compile (`warmup`), then drives the
-engine's own GPU path on the CPU: the fused forward (engine/fused.py) and the triton attention
+engine's own GPU path on the CPU: the fused forward (engine/model/fused.py) and the triton attention
 backend of a one-layer model of `rag`'s shape (hidden 2048, 32 heads, 8 KV heads, head dim 64,
 ffn 8192, llama3 rope), through a scheduler and the model runner over shared-prefix requests,
 chunked prefill and the padded decode-graph path, so each kernel is compiled with exactly the
@@ -35,8 +35,6 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -87,7 +85,7 @@ def record_compiles(arch: int) -> list[tuple[str, object, object]]:
 
 def rag_shaped_model(dtype: torch.dtype):
     """One layer of Llama-3.2-1B's shape (benchmarks/models.py), uninitialised, built like
-    engine/loader.py builds a model. The vocabulary is cut to 2048: it only sizes GEMMs and
+    engine/model/loader.py builds a model. The vocabulary is cut to 2048: it only sizes GEMMs and
     the sampler, no kernel."""
     import dataclasses
 

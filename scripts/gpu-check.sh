@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 5: about 5 minutes on one H200 (torch 2.11, triton 3.6,
+# The GPU check: about 5 minutes on the GPU machine (one H200; torch 2.11, triton 3.6,
 # transformers 5.17, no network), every step time-boxed so a hang cannot eat the budget.
 #
 #   scripts/gpu-check.sh            # on the GPU machine
@@ -18,7 +18,8 @@
 #   prefill-splits  scripts/prefill_split_bench.py: the prefill kernel on one short chunk after a
 #                 32k context at 1..32 key splits and the automatic choice (ms each), every
 #                 split checked against the unsplit output (--cpu: a tiny shape)
-#   triton-test   pytest -q tests/engine/attention/test_triton_backend.py tests/engine/exec/test_cuda_graphs.py
+#   triton-test   pytest -q tests/engine/attention/test_triton_backend.py
+#                 tests/engine/exec/test_cuda_graphs.py
 #   greedy        scripts/greedy_check.py: kvbatch (triton backend, float32) vs transformers on
 #                 a tiny random model and on the rag-shape model (--cpu: the tiny one, with
 #                 the Triton interpreter)
@@ -33,7 +34,7 @@
 #                 gain; LONG_PREFILL_EAGER=0 skips it; skipped past BUDGET_S like the caps)
 #   long-prefill-gc  the same with --no-freeze-gc into long-prefill-gc.json: the heap the
 #                 engine starts with left in the cycle collector's full passes, as before
-#                 engine/startup_heap.py (whether a full pass was the longest gap: each run
+#                 engine/core/startup_heap.py (whether a full pass was the longest gap: each run
 #                 names its longest GC pause while prefilling; LONG_PREFILL_GC=0 skips it;
 #                 skipped past BUDGET_S like the caps)
 #   long-prefill-CAP  the same with --long-prefill-token-threshold CAP
@@ -85,7 +86,13 @@ if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 else PY=python3
 fi
-export PY PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The GPU image runs a plain checkout: no `pip install`, no network. scripts/kvbatch_path.py
+# links the folders into the installed layout (kvbatch.engine, kvbatch.kernels, ...) in a
+# folder of its own, first on the path; PYTHONSAFEPATH keeps `python -m`'s working directory
+# (whose kvbatch/ is the CLI folder alone) off the front of sys.path.
+NAMESPACE="$(mktemp -d)"
+"$PY" scripts/kvbatch_path.py "$NAMESPACE" > /dev/null || exit 2
+export PY PYTHONSAFEPATH=1 PYTHONPATH="$NAMESPACE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 if [ "$CPU" = 1 ]; then
@@ -99,11 +106,10 @@ if [ "$CPU" = 1 ]; then
           --models tiny)
   KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-150}
   KERNELS_WORKERS=${KERNELS_WORKERS:-0}  # the interpreter on 2 cores: no gain
-  # ~130 s on a usual day here; 2026-12-02's slower host (the whole suite 935 s, not ~480)
-  # ran past 240
+  # the interpreter's step takes minutes, and a busy shared host can double it
   TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-480}
   BUDGET_S=${BUDGET_S:-900}  # the optional steps' test: the CPU's limits are longer
-  PER_TEST_TIMEOUT=${PER_TEST_TIMEOUT:-120}  # the slowest interpreter test: ~15 s here
+  PER_TEST_TIMEOUT=${PER_TEST_TIMEOUT:-120}  # the interpreter: slower than CUDA per test
   GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-180}
   SPLITS=(--device cpu --context 1100 --chunks 4 --splits 1,3 --kv-heads 1 --group 2 --head-dim 16
           --cascade-groups 2 --cascade-rows 3 --cascade-keys 600)
@@ -121,12 +127,12 @@ fi
 # GPU limits add up to 1065 s (first Triton compiles included); a run takes about 5 to 6
 # minutes, and the optional steps (caps, sweep) keep it inside BUDGET_S.
 VERSIONS_TIMEOUT=${VERSIONS_TIMEOUT:-20}
-# 2026-12-04, one process, a cold Triton cache: 163 of the 314 tests in 120 s (the limit), all
-# 314 in 23 s once compiled
+# with a cold Triton cache the compiles are most of this step (hence the workers below); once
+# compiled the tests themselves take seconds
 KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-120}
 KERNELS_WORKERS=${KERNELS_WORKERS:-8}  # the H200 machine has 16 cores
 PREFILL_SPLITS_TIMEOUT=${PREFILL_SPLITS_TIMEOUT:-60}
-TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-150}  # 81 s on the H200 (2026-11-30)
+TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-150}  # room for a cold Triton cache
 # Each test of the two pytest steps (pytest-timeout, on the H200 image): a test stuck in Python
 # fails with its stack and the rest still run and report, instead of the step's limit cutting
 # off the whole summary. (A wait inside a CUDA call is only cut by the step's limit.)
@@ -146,7 +152,7 @@ LOG="$OUT_DIR/gpu-check.log"
 STEPS="$OUT_DIR/steps.tsv"
 rm -f "$OUT_DIR"/rag*.json "$OUT_DIR"/long-prefill*.json "$OUT_DIR/summary.txt"
 STEP_LOG="$(mktemp)"
-trap 'rm -f "$STEP_LOG"' EXIT
+trap 'rm -rf "$STEP_LOG" "$NAMESPACE"' EXIT
 printf 'step\tstatus\trc\tseconds\tlimit\tlast line\n' > "$STEPS"
 echo "gpu-check ($MODE) $(date -u +%Y-%m-%dT%H:%M:%SZ) in $PWD with $PY" | tee "$LOG"
 
@@ -220,7 +226,8 @@ EOF
 export -f versions
 step versions "$VERSIONS_TIMEOUT" bash -c versions
 # --durations: the log names the slowest tests, should a step come near its limit
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider --durations=8)
+# pytest's own path options would put the checkout's root (and its kvbatch/) first again
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider --durations=8 -o pythonpath= --import-mode=append)
 if "$PY" -c "import pytest_timeout" 2> /dev/null; then PYTEST+=(--timeout="$PER_TEST_TIMEOUT"); fi
 KERNELS_PARALLEL=()
 if [ "$KERNELS_WORKERS" -gt 1 ] && "$PY" -c "import xdist" 2> /dev/null; then

@@ -5,7 +5,7 @@
 Reads steps.tsv (each step's status), rag.json, long-prefill.json, long-prefill-CAP.json
 (other chunk caps), rag-hf-cb.json and rag-sweep.json (all `kvbatch bench --json`) and prints
 the steps, the rag tables (seconds, tokens/s, latency, ratio, fraction of the floor)
-and issue 5's two targets: `rag` in at most 1.5 s on an H200, and in `long-prefill` no decoding
+and the two GPU targets: `rag` in at most 1.5 s on an H200, and in `long-prefill` no decoding
 request waiting more than 3 decode steps. Runs with the standard library alone.
 """
 
@@ -23,7 +23,7 @@ from kvbatch.bench.long_prefill import longest_steps_text, reference_and_prefill
 from kvbatch.bench.step_profile import format_step_profile
 from kvbatch.bench.text_table import format_rows
 
-RAG_TARGET_S = 1.5  # issue 5: at most 1.5 s on an H200 (8x transformers' static generate)
+RAG_TARGET_S = 1.5  # at most 1.5 s on an H200 (8x transformers' static generate)
 RAG_GOAL_S = 1.0
 GAP_TARGET = 3.0  # decode steps
 
@@ -113,7 +113,7 @@ def rag_lines(data: dict[str, Any] | None, *, verdict: bool = True) -> list[str]
 
 
 def rag_target_line(kv: dict[str, Any] | None, workload: str, on_h200: bool) -> str:
-    """Issue 5's verdict on kvbatch's rag seconds (only the full rag on an H200 counts)."""
+    """The verdict on kvbatch's rag seconds (only the full rag on an H200 counts)."""
     head = f"target (<= {RAG_TARGET_S} s on an H200)"
     if kv is None:
         return f"{head}: kvbatch did not run"
@@ -176,7 +176,7 @@ def long_prefill_lines(data: dict[str, Any] | None) -> list[str]:
 
 
 def _launches_text(t: dict[str, Any] | None) -> str:
-    """What launching the graphs captured after the warm-up cost (engine/cuda_graphs.py
+    """What launching the graphs captured after the warm-up cost (engine/exec/cuda_graphs.py
     FirstLaunches): the first launch uploads a graph, so first against again is that upload."""
     if not t:
         return ""

@@ -34,8 +34,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-
 from kvbatch.bench.models import LLAMA_3_2_1B, TINY_LLAMA, ModelSpec, random_model_dir  # noqa: E402
 
 MODELS: dict[str, ModelSpec] = {"tiny": TINY_LLAMA, "rag": LLAMA_3_2_1B}

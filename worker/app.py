@@ -1,6 +1,6 @@
 """The Celery app, configured for long GPU tasks (one shard = one task, minutes long).
 
-Why each setting (see docs in /work/shared/NOTES.md, "Queue"):
+Why each setting (docs/DISTRIBUTED.md, "Guarantees", tells the whole story):
 
 - JSON only: a message is data (a shard pointer); no serializer that can carry code is accepted.
 - acks_late + prefetch 1: a worker acknowledges a shard only when it is done and holds no

@@ -1,6 +1,6 @@
 """SQS specifics: the queue with its dead-letter queue, and the visibility heartbeat.
 
-kombu's SQS transport never extends a message's visibility by itself (NOTES.md, "Queue"): a
+kombu's SQS transport never extends a message's visibility by itself (docs/DISTRIBUTED.md): a
 shard that runs longer than the queue's visibility timeout is handed to a second worker while
 the first still runs it. `visibility_heartbeat` runs a thread beside the shard that calls
 ChangeMessageVisibility every third of the timeout, setting it back to the full timeout, until

@@ -41,7 +41,7 @@ log = logging.getLogger("kvbatch.worker")
 DEFAULT_MAX_ATTEMPTS = 3
 # Seconds before a shard that raised runs again. Far below the visibility timeout: a Redis
 # countdown message waits unacknowledged in the worker, and one longer than the visibility
-# timeout would be handed out again and again (NOTES.md, "Queue").
+# timeout would be handed out again and again (docs/DISTRIBUTED.md).
 RETRY_COUNTDOWN = 2
 # Retries of a failure outside the shard's run (storage, finalize), backing off 2, 4, ... s up
 # to MAX_RETRY_COUNTDOWN: about two minutes in all before the shard is failed.
@@ -262,7 +262,7 @@ def _exists(target) -> bool | None:
 
 def _max_countdown() -> int:
     """Backoff stays well below the visibility timeout: on Redis a countdown message waits
-    unacknowledged in the worker and would be handed out again past it (NOTES.md)."""
+    unacknowledged in the worker and would be handed out again past it."""
     from kvbatch.worker.app import visibility_timeout
 
     try:

@@ -42,7 +42,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64 (padding rows: 0)
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, context including the new token
     prefills: list[PrefillSpan]
-    # Shared-prefix groups among the decodes (engine/cascade.py). When present, the decode
+    # Shared-prefix groups among the decodes (engine/attention/cascade.py). When present, the decode
     # tables and lengths above cover only each row's blocks after its group's shared prefix.
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     # [num_prefills, width]: the prefills' block tables in one tensor (each span's block_ids is

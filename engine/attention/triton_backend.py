@@ -104,7 +104,7 @@ class TritonAttentionBackend:
             elif meta.decode_groups:
                 raise ValueError(
                     "decode_groups need decode_group_tables and decode_group_ranges for the "
-                    "triton backend (engine/runner.py packs them)"
+                    "triton backend (engine/exec/runner.py packs them)"
                 )
             self._step = StepTensors(pack_prefills(meta), shared)
             self._step_meta = meta

@@ -48,7 +48,7 @@ class SchedulerConfig:
     attention_break_even_context: int | None = None
     # While other sequences decode, a step that carries a chunk of a prompt longer than the
     # threshold above takes at most this many plain decode steps' time: the engine times its
-    # steps and sizes such chunks to fit (engine/step_cost.py). None = auto: 2.5 on CUDA, off
+    # steps and sizes such chunks to fit (engine/sched/step_cost.py). None = auto: 2.5 on CUDA, off
     # on the CPU; 0 = off (chunks by the token cap alone, the same on every run: with timing,
     # chunk boundaries follow the measured times, so in half precision a rerun may break a
     # near tie differently).
@@ -177,12 +177,12 @@ class SpecConfig:
 
 
 def default_batched_tokens(device: torch.device) -> int:
-    """Tokens per step when the user sets none. On the CPU, 4096-token steps ran ~8% faster
-    than 8192 on SmolLM2 (activations stay in cache); GPUs want big steps."""
+    """Tokens per step when the user sets none. On the CPU smaller steps keep the activations
+    in cache (4096 beat 8192 on SmolLM2); GPUs want big steps."""
     return 8192 if device.type == "cuda" else 4096
 
 
-CUDA_LONG_PREFILL_STEP_RATIO = 2.5  # under issue 5's 3, for the gaps' jitter
+CUDA_LONG_PREFILL_STEP_RATIO = 2.5  # under the target of 3 decode steps, for the gaps' jitter
 
 
 def default_long_prefill_step_ratio(device: torch.device) -> float:
@@ -202,11 +202,11 @@ class EngineConfig:
     # ... and so do decode steps with one prompt chunk of up to this many tokens (a long
     # prompt's short chunks beside running decodes); 0: decode steps only
     cuda_graph_max_chunk: int = 512
-    # Queue each step before the previous one's tokens reach the host (engine/llm_engine.py);
+    # Queue each step before the previous one's tokens reach the host (engine/core/llm_engine.py);
     # None = on for CUDA (off with speculative decoding), off on the CPU, where it gains nothing.
     async_scheduling: bool | None = None
     # Freeze the heap the engine starts with, out of the cycle collector's full passes
-    # (engine/startup_heap.py); None = on CUDA, where one pass stalls many steps.
+    # (engine/core/startup_heap.py); None = on CUDA, where one pass stalls many steps.
     freeze_gc: bool | None = None
     seed: int = 0
     cache: CacheConfig = CacheConfig()

@@ -26,6 +26,7 @@ from kvbatch.engine.core.config import (
     DEFAULT_CPU_KV_BYTES,
     CacheConfig,
     EngineConfig,
+    SchedulerConfig,
     default_batched_tokens,
     default_long_prefill_step_ratio,
 )
@@ -62,6 +63,9 @@ PromptType = str | list[int] | dict
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        """Load the model, size and build the KV pool, then the scheduler and runner; on CUDA
+        capture the decode graphs, and freeze the startup heap last (engine/core/
+        startup_heap.py), so that what it freezes is everything the engine starts with."""
         self.config = config
         # an earlier engine's freeze: a dropped engine's cycles go before this one allocates
         thaw_startup_heap()
@@ -71,53 +75,18 @@ class LLMEngine:
         self.model, self.model_config = loaded.model, loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = self._max_model_len()
-        cache = config.cache
-        scheduler_config = config.scheduler
-        if scheduler_config.max_num_batched_tokens is None:
-            scheduler_config = dataclasses.replace(
-                scheduler_config, max_num_batched_tokens=default_batched_tokens(self.device)
-            )
-        if scheduler_config.attention_break_even_context is None:
-            scheduler_config = dataclasses.replace(
-                scheduler_config,
-                attention_break_even_context=self.model_config.attention_break_even_context,
-            )
-        if scheduler_config.long_prefill_step_ratio is None:
-            scheduler_config = dataclasses.replace(
-                scheduler_config,
-                long_prefill_step_ratio=default_long_prefill_step_ratio(self.device),
-            )
-        scheduler_config = dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
+        scheduler_config = self._resolved_scheduler_config()
         self.async_scheduling = self._async_scheduling()
         backend = get_backend(config.attention_backend, self.device)
-        # The triton backend comes with the fused kernels and GEMMs (engine/fused.py).
+        # The triton backend comes with the fused kernels and GEMMs (engine/model/fused.py).
         self.forward = model_forward(self.model, fused=backend.name == "triton")
         # A draft model keeps a KV pool of as many blocks as the target's: load it first, so
         # that its weights are counted in free memory and its blocks in the KV budget.
-        spec = config.speculative
-        draft = None
-        if spec is not None and spec.method == "draft":
-            draft = load_model(spec.draft_model, self.dtype, self.device)
-        num_blocks = self._num_blocks(backend, scheduler_config, draft)
-        if num_blocks * cache.block_size < self.max_model_len:
-            shared = " (the budget pays for the draft model's KV too)" if draft else ""
-            raise ValueError(
-                f"the KV cache holds {num_blocks * cache.block_size} tokens ({num_blocks} blocks "
-                f"of {cache.block_size}){shared} but one request may need max_model_len="
-                f"{self.max_model_len}: raise kv_cache_bytes (or num_kv_blocks, or "
-                "kv_cache_memory_fraction on CUDA) or lower max_model_len"
-            )
+        draft = self._load_draft_model()
+        num_blocks = self._checked_num_blocks(backend, scheduler_config, draft)
+        cache = config.cache
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.step_cost = None  # times steps to size long prompts' chunks (engine/step_cost.py)
-        if (
-            scheduler_config.long_prefill_step_ratio
-            and scheduler_config.long_prefill_token_threshold
-        ):
-            self.step_cost = StepCostModel(
-                scheduler_config.long_prefill_step_ratio,
-                scheduler_config.attention_break_even_context,
-                chunk_buckets=lambda: self.runner.graph_chunk_buckets(),
-            )
+        self.step_cost = self._step_cost_model(scheduler_config)
         self.scheduler = Scheduler(scheduler_config, self.kv, self.step_cost)
         self.runner = ModelRunner(
             self.model,
@@ -142,25 +111,90 @@ class LLMEngine:
         self._num_steps = self._computed = self._generated = self._prompt_tokens = 0
         self._num_finished = 0
         self._in_flight: LaunchedStep | None = None  # async scheduling: not yet finished
-        if config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
-            self.runner.capture_step_graphs(
-                min(scheduler_config.max_num_seqs, CUDA_GRAPH_MAX_BATCH),
-                self.max_model_len,
-                max_chunk=config.cuda_graph_max_chunk,
-            )
-        log.info(
-            "KV cache: %d blocks of %d tokens = %d tokens at most in flight (%.1f requests "
-            "of max_model_len %d at once)",
-            num_blocks,
-            cache.block_size,
-            num_blocks * cache.block_size,
-            num_blocks * cache.block_size / self.max_model_len,
-            self.max_model_len,
-        )
+        self._capture_decode_graphs(backend, scheduler_config)
+        self._log_kv_pool(num_blocks)
         self.frozen_gc_objects = 0  # objects the startup freeze took out of GC passes
         if self._freeze_gc():
             self.frozen_gc_objects = freeze_startup_heap()
             log.info("froze %d objects out of the cycle collector's passes", self.frozen_gc_objects)
+
+    def _resolved_scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's config with every default that depends on the device or the model
+        filled in: tokens per step, the attention break-even context, the long-prefill step
+        ratio, and max_model_len."""
+        scheduler_config = self.config.scheduler
+        if scheduler_config.max_num_batched_tokens is None:
+            scheduler_config = dataclasses.replace(
+                scheduler_config, max_num_batched_tokens=default_batched_tokens(self.device)
+            )
+        if scheduler_config.attention_break_even_context is None:
+            scheduler_config = dataclasses.replace(
+                scheduler_config,
+                attention_break_even_context=self.model_config.attention_break_even_context,
+            )
+        if scheduler_config.long_prefill_step_ratio is None:
+            scheduler_config = dataclasses.replace(
+                scheduler_config,
+                long_prefill_step_ratio=default_long_prefill_step_ratio(self.device),
+            )
+        return dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
+
+    def _load_draft_model(self):
+        """The draft model of `speculative="draft:..."`, or None."""
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft":
+            return load_model(spec.draft_model, self.dtype, self.device)
+        return None
+
+    def _checked_num_blocks(self, backend, scheduler_config: SchedulerConfig, draft) -> int:
+        """The KV pool's blocks; refused when one request of max_model_len would not fit."""
+        cache = self.config.cache
+        num_blocks = self._num_blocks(backend, scheduler_config, draft)
+        if num_blocks * cache.block_size < self.max_model_len:
+            shared = " (the budget pays for the draft model's KV too)" if draft else ""
+            raise ValueError(
+                f"the KV cache holds {num_blocks * cache.block_size} tokens ({num_blocks} blocks "
+                f"of {cache.block_size}){shared} but one request may need max_model_len="
+                f"{self.max_model_len}: raise kv_cache_bytes (or num_kv_blocks, or "
+                "kv_cache_memory_fraction on CUDA) or lower max_model_len"
+            )
+        return num_blocks
+
+    def _step_cost_model(self, scheduler_config: SchedulerConfig) -> StepCostModel | None:
+        """What times steps to size long prompts' chunks (engine/sched/step_cost.py), when a
+        step ratio and a token threshold are both set; it sizes chunks against the runner's
+        graph buckets, asked afresh each time (the runner is built after it)."""
+        if not (
+            scheduler_config.long_prefill_step_ratio
+            and scheduler_config.long_prefill_token_threshold
+        ):
+            return None
+        return StepCostModel(
+            scheduler_config.long_prefill_step_ratio,
+            scheduler_config.attention_break_even_context,
+            chunk_buckets=lambda: self.runner.graph_chunk_buckets(),
+        )
+
+    def _capture_decode_graphs(self, backend, scheduler_config: SchedulerConfig) -> None:
+        """On CUDA with the triton backend, decode steps replay graphs from now on."""
+        if self.config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
+            self.runner.capture_step_graphs(
+                min(scheduler_config.max_num_seqs, CUDA_GRAPH_MAX_BATCH),
+                self.max_model_len,
+                max_chunk=self.config.cuda_graph_max_chunk,
+            )
+
+    def _log_kv_pool(self, num_blocks: int) -> None:
+        block_size = self.config.cache.block_size
+        log.info(
+            "KV cache: %d blocks of %d tokens = %d tokens at most in flight (%.1f requests "
+            "of max_model_len %d at once)",
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
+            num_blocks * block_size / self.max_model_len,
+            self.max_model_len,
+        )
 
     def _freeze_gc(self) -> bool:
         asked = self.config.freeze_gc
@@ -310,10 +344,10 @@ class LLMEngine:
 
     def _check_ids(self, ids) -> list[int]:
         """The ids as a list of ints in [0, vocab). A request added mid-run is checked between
-        two steps, on the decoders' time: for a 32k-token prompt a generator over the ids took
-        2-4 ms on the 2-core CPU machine (on a host as fast, about two H200 decode steps) in
-        the decoders' gap at the long prompt's arrival. Plain ints (the usual case) are checked in three C-level
-        passes instead (~1.2 ms there); anything else goes through the generator, which
+        two steps, on the decoders' time: for a 32k-token prompt a Python generator over the
+        ids costs about two GPU decode steps in the decoders' gap at the long prompt's
+        arrival. Plain ints (the usual case) are checked in three C-level passes instead, a
+        few times faster; anything else goes through the generator, which
         names the offending id (by position: a None id is an offender too)."""
         vocab = self.model_config.vocab_size
         ids = list(ids)
@@ -341,7 +375,7 @@ class LLMEngine:
     def capture_chunk_graphs(self) -> int:
         """Capture now, rather than in a later step that would wait for it, every CUDA graph of
         a step with a prompt chunk that the decode batch sizes met so far may still need (CUDA,
-        triton, mixed-step graphs on; else 0): engine/cuda_graphs.py
+        triton, mixed-step graphs on; else 0): engine/exec/cuda_graphs.py
         `StepGraphs.capture_chunk_buckets`. Returns how many; only between jobs."""
         if self.has_unfinished():
             raise RuntimeError("capture_chunk_graphs: requests are still running; call it idle")

@@ -31,7 +31,7 @@ class Sequence:
     """One request. `token_ids` is prompt + outputs; the KV of the first `num_computed_tokens`
     is in the cache (or is being written by the step that scheduled them).
 
-    With async scheduling (engine/llm_engine.py) a sampled token reaches the host one step
+    With async scheduling (engine/core/llm_engine.py) a sampled token reaches the host one step
     after the step that sampled it: until then it is *pending*, counted in `num_tokens` (so
     the scheduler runs it as this sequence's next decode) but not yet in `token_ids`, and the
     next step reads it on the device from row `pending_row` of the last launched step's

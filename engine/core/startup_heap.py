@@ -3,12 +3,12 @@
 CPython's cycle collector now and then examines every tracked object (a generation-2 pass),
 triggered by allocation counts wherever a step happens to allocate. What an engine starts with
 is a large, long-lived heap: torch's and transformers' modules, the model's modules and
-parameters, one `_Block` per KV block (engine/kv_cache.py; the rag model on an H200 has 250k).
-On the 2-core CPU machine a full pass over the heap after one SmolLM2 engine (364k objects)
-took 150 ms, and 28 ms over 250k KV blocks alone: on a GPU whose plain decode step takes
-1.4 ms, one such pass is a stall of ten steps or more for every running request, the kind of
-outlier that can set the long-prefill benchmark's longest token gap (benchmarks/gc_pauses.py
-records the passes, so a run can tell).
+parameters, one `_Block` per KV block (engine/kv/kv_cache.py; a 1B model on a large GPU has
+hundreds of thousands). A full pass over such a heap takes tens to hundreds of milliseconds,
+while a GPU decode step takes one or two: one pass is a stall of ten steps or more for every
+running request, the kind of outlier that can set the long-prefill benchmark's longest token
+gap (benchmarks/gc_pauses.py records the passes, so a run can tell; docs/BENCHMARKS.md has
+the figures).
 
 `gc.freeze()` moves every object alive now into a permanent generation that no pass examines
 (a full pass over what is created later stays short); reference counting still frees them.

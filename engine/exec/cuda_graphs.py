@@ -13,7 +13,7 @@ bucket, and a step runs the graph of the smallest bucket that holds it:
                         the chunk's real length from the device, so its programs skip them
 
 Mixed steps are why this is more than decode graphs: while a long prompt is prefilled in
-short chunks beside the decodes (engine/step_cost.py sizes them to a few plain steps), an
+short chunks beside the decodes (engine/sched/step_cost.py sizes them to a few plain steps), an
 eager step pays the host's launches for every layer (~200 on a 16-layer model), which can be
 more than the whole budget a chunk has. A graph of (decode bucket, chunk bucket) replays it
 with the chunk's length, context and block table in static buffers; its key split count is
@@ -22,8 +22,9 @@ empty. The logits come out only for the rows that sample: a static index buffer 
 rows (the decodes and the chunk's last token) feeds the LM head, not all b + c rows.
 
 Decode graphs (plain, and with shared-prefix groups) are captured at start, largest first,
-in one memory pool (NOTES.md), and launched once on the all-padding buffers: a graph's first
-launch also uploads it to the device, which no step should wait for (`_launch_new`). Mixed
+in one memory pool (each smaller graph reuses the largest one's memory), and launched once
+on the all-padding buffers: a graph's first launch also uploads it to the device, which no
+step should wait for (`_launch_new`). Mixed
 graphs are captured on first use (up to 2 x decode buckets x chunk buckets of them; a run
 sees a handful): that step runs eagerly through the static buffers and its graph is captured
 after it, for the next. Decode steps with shared-prefix (cascade) groups use a second set of
@@ -33,16 +34,15 @@ decode rows and its shared blocks; unused groups have 0 rows (their programs exi
     group_tables  [max_groups, max_blocks]   each group's shared blocks
     group_ranges  [3, max_groups]            first row, rows (0 = unused), shared tokens
 
-Decode contexts longer than the tables hold (`max_blocks`: kept short because the decode
-kernel cuts a context into splits by the table's width, and a short context in a wide table
-gets too few) use a third kind, "wide" graphs, whose tables (`wide_tables`) hold the longest
-context (`max_wide_blocks`). They too are captured on first use: a long prompt that has
-finished prefilling decodes beside the short ones in a replay, not eagerly. (In the H200
-check of 2026-12-04 an eager step cost ~22 ms more than a replayed one, and the longest token
-gap of `long-prefill`, 24-30 ms whatever the chunk size, matched its eager steps: the 32k
-prompt's decodes.) Steps with more prompt chunks, longer chunks, more groups or contexts
-longer than `max_wide_blocks` run eagerly. Needs the triton backend, whose kernels skip
-negative slots and never read device values on the host.
+Decode contexts longer than the tables hold (`max_blocks`: kept short because the decode kernel
+cuts a context into splits by the table's width, and a short context in a wide table gets too
+few) use a third kind, "wide" graphs, whose tables (`wide_tables`) hold the longest context
+(`max_wide_blocks`). They too are captured on first use: a long prompt that has finished
+prefilling decodes beside the short ones in a replay, not eagerly: an eager step costs far more
+than a replay, and such steps were the longest token gaps of `long-prefill` whatever the chunk
+size (docs/BENCHMARKS.md). Steps with more prompt chunks, longer chunks, more groups or contexts
+longer than `max_wide_blocks` run eagerly. Needs the triton backend, whose kernels skip negative
+slots and never read device values on the host.
 
 Without CUDA, `capture=False` runs the same static-buffer path eagerly: the padding and
 bucketing logic is then testable on the CPU.
@@ -64,10 +64,9 @@ from kvbatch.engine.attention.metadata import AttentionMetadata, PrefillSpan
 log = logging.getLogger(__name__)
 
 # Steps of about 1.5x: a chunk pays its bucket's matmuls, and the step cost model sizes chunks
-# against the buckets (engine/step_cost.py), so with doubling buckets a chunk that just missed
-# one ran in a bucket up to half empty (in a simulation at the H200's rates, steps used 86-95%
-# of their time budget; 97-98% with these). Each pair of buckets is one more graph, captured
-# on first use.
+# against the buckets (engine/sched/step_cost.py), so with doubling buckets a chunk that just
+# missed one would run in a bucket up to half empty; 1.5x steps waste at most a third. Each
+# pair of buckets is one more graph, captured on first use.
 CHUNK_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
@@ -255,11 +254,10 @@ class StepGraphs:
         torch instantiates a graph when its capture ends, but the driver uploads it to the
         device at its first launch (cudaGraphUpload would do it ahead; torch does not expose
         it). Without this, the first step that replays a graph pays that, and a graph captured
-        between jobs (`capture_chunk_buckets`) meets its first step in a timed run. In the
-        H200 check of 2026-12-04 one long-prefill step per run, the one with the long prompt's
-        last chunk (a remainder, so possibly a bucket the warm-up never replayed), took 5-10 ms
-        against a median of 3 while prefilling. `first_launches` keeps the times, for the
-        benchmark to report whether a first launch costs more."""
+        between jobs (`capture_chunk_buckets`) meets its first step in a timed run: the long
+        prompt's last chunk is a remainder, so possibly a bucket the warm-up never replayed.
+        `first_launches` keeps the times, for the benchmark to report whether a first launch
+        costs more."""
         if not keys:
             return
         stream = torch.cuda.current_stream(self.device)

@@ -3,11 +3,11 @@
 On CUDA, `launch` returns as soon as the kernels are queued; the sampled tokens (and any
 logprobs) start their copy into pinned host memory at once, and an event marks the copy's end.
 `result()` waits for that event only, so the host can queue the *next* step first (async
-scheduling, engine/llm_engine.py) without `.tolist()` waiting for that next step as well: a
+scheduling, engine/core/llm_engine.py) without `.tolist()` waiting for that next step as well: a
 plain `.tolist()` on a CUDA tensor waits for everything queued on the stream.
 
 A step may also be timed (`start_clock` before its work is queued, `seconds` once its
-tokens are back), for the step cost model (engine/step_cost.py). On CUDA the clock is a pair
+tokens are back), for the step cost model (engine/sched/step_cost.py). On CUDA the clock is a pair
 of events on the stream, so with async scheduling a step's time is the device's: its start
 event completes only when the step before has finished, not when the host queued it.
 """

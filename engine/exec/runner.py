@@ -27,11 +27,11 @@ from kvbatch.engine.kv.device_tables import (
 )
 from kvbatch.engine.kv.kv_cache import KVCacheManager
 from kvbatch.engine.model.llama import LlamaForCausalLM
-from kvbatch.engine.sched.scheduler import SchedulerOutput
+from kvbatch.engine.sched.scheduler import ScheduledChunk, SchedulerOutput
 from kvbatch.engine.spec.rejection import verify
 
 # Decode steps whose longest context exceeds this replay "wide" graphs, captured on first use
-# (engine/cuda_graphs.py): a graph's block-table width is fixed, and the decode kernel cuts
+# (engine/exec/cuda_graphs.py): a graph's block-table width is fixed, and the decode kernel cuts
 # contexts into splits by that width (kvkernels/), so the graphs of ordinary steps keep it short.
 GRAPH_MAX_CONTEXT = 8192
 # Decode steps with more shared-prefix groups than this run eagerly (`rag` at 256 running
@@ -57,13 +57,13 @@ class ModelRunner:
         backend,
         seed: int = 0,
         cascade: bool = True,
-        forward=None,  # the model's forward (engine/fused.py model_forward); default: model
+        forward=None,  # the model's forward (engine/model/fused.py model_forward); default: model
     ) -> None:
         cfg = model.config
         self.model, self.kv, self.device, self.backend = model, kv, device, backend
         self.forward = forward or model
         self.block_size = block_size
-        self.cascade = cascade  # shared-prefix attention for decodes (engine/cascade.py)
+        self.cascade = cascade  # shared-prefix attention for decodes (engine/attention/cascade.py)
         # One tensor per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim]. Zeroed, so
         # masked-out padding positions never hold NaN (0 * NaN would poison attention).
         self.kv_caches = [
@@ -91,13 +91,13 @@ class ModelRunner:
 
     def launch(self, out: SchedulerOutput, started=None) -> LaunchedStep:
         """Queue a step's forward and sampling; on CUDA this returns before they have run.
-        `started`: the step's start_clock (engine/launched_step.py), to time it."""
+        `started`: the step's start_clock (engine/exec/launched_step.py), to time it."""
         input_ids, meta, logits_rows, sampling_seqs = self._prepare(out)
         captured = self._graphs_captured()
         key = self._graph_key(input_ids, meta, logits_rows)
         logits = self._forward(key, input_ids, meta, logits_rows)
         if self._graphs_captured() != captured:  # the step waited for a graph's capture: its
-            started = None  # time is no measure of a step's (engine/step_cost.py)
+            started = None  # time is no measure of a step's (engine/sched/step_cost.py)
         launched = self._sample(logits, sampling_seqs, started)
         launched.padded_chunk = key.chunk if key is not None else 0
         return launched
@@ -155,7 +155,7 @@ class ModelRunner:
         self, max_batch: int, max_model_len: int, max_chunk: int = 0, capture: bool = True
     ):
         """Decode steps of up to max_batch sequences, and those with one prompt chunk of up
-        to max_chunk tokens, replay CUDA graphs from now on (engine/cuda_graphs.py);
+        to max_chunk tokens, replay CUDA graphs from now on (engine/exec/cuda_graphs.py);
         capture=False runs the same padded path eagerly (CPU tests)."""
         from kvbatch.engine.exec.cuda_graphs import StepGraphs
 
@@ -180,60 +180,23 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput):
         """Host side of a step, vectorised with numpy (at 512 decodes, Python per sequence
         would cost more than the GPU's step), then one host-to-device copy. The block tables
-        themselves stay on the device (engine/device_tables.py): the copy carries the
+        themselves stay on the device (engine/kv/device_tables.py): the copy carries the
         entries that changed since the last step and the step's rows, and the step's tables
         are gathered there."""
-        bs = self.block_size
-        chunks = out.chunks
-        num_decodes = sum(1 for c in chunks if c.num_new_tokens == 1)  # decodes come first
-        rows, num_blocks = self.kv.table_rows([id(c.seq) for c in chunks])
+        batch = self._order_chunks(out)
         host_tables = self.kv.table_array  # [all rows, width] (read only)
         changes = self.kv.take_table_changes()
-        starts = np.fromiter((c.seq.num_computed_tokens for c in chunks), np.int64, len(chunks))
-        groups: list[tuple[int, int, int]] = []
-        if self.cascade and num_decodes >= 2:
-            order, groups = find_shared_prefixes(
-                host_tables, starts[:num_decodes] + 1, bs, rows=rows[:num_decodes]
-            )
-            if groups:  # sharers adjacent; prefill chunks stay where they are
-                perm = np.concatenate([order, np.arange(num_decodes, len(chunks))])
-                chunks = [chunks[i] for i in perm]
-                rows, num_blocks, starts = rows[perm], num_blocks[perm], starts[perm]
-        lens = np.fromiter((c.num_new_tokens for c in chunks), np.int64, len(chunks))
-        ids: list[int] = []
-        pending_at: list[int] = []  # ids still on the device: index in ids, row in _last_sampled
-        pending_rows: list[int] = []
-        for (seq, n), start in zip(chunks, starts.tolist()):
-            part = seq.token_ids[start : start + n]
-            if len(part) < n:
-                if seq.num_pending:  # a decode of a token the host has not seen yet
-                    pending_at.append(len(ids))
-                    pending_rows.append(seq.pending_row)
-                    part = [0]
-                else:  # a speculative chunk: the last token, then the drafts
-                    part = part + list(seq.draft_token_ids[: n - len(part)])
-            ids.extend(part)
-
-        # Positions and slots for every token.
-        query_start = np.cumsum(lens) - lens
-        seq_of_token = np.repeat(np.arange(len(chunks)), lens)
-        positions = starts[seq_of_token] + np.arange(len(ids)) - query_start[seq_of_token]
-        slots = host_tables[rows[seq_of_token], positions // bs] * bs + positions % bs
-        context_lens = starts + lens
-
-        # not every 1-token chunk samples: it may be a prompt's chunk cut by the token budget
-        sample_idx = [i for i, c in enumerate(chunks) if c.samples]
-        logits_rows = (query_start + lens - 1)[sample_idx]
-        num_rows = [1 + len(chunks[i].seq.draft_token_ids) for i in sample_idx]
-        if any(r > 1 for r in num_rows):  # speculative chunks are scored at every position
-            logits_rows = np.concatenate(
-                [np.arange(e - r + 1, e + 1) for e, r in zip(logits_rows, num_rows)]
-            )
-
+        tokens = token_layout(batch, host_tables, self.block_size)
+        sample_idx, logits_rows = logits_rows_of(batch.chunks, tokens.query_start, batch.lens)
         plan = plan_decode_tables(
-            rows[:num_decodes], num_blocks[:num_decodes], context_lens[:num_decodes], groups, bs
+            batch.rows[: batch.num_decodes],
+            batch.num_blocks[: batch.num_decodes],
+            tokens.context_lens[: batch.num_decodes],
+            batch.groups,
+            self.block_size,
         )
-        prefill_ranges = np.stack([query_start, lens, context_lens])[:, num_decodes:]
+        prefill_ranges = np.stack([tokens.query_start, batch.lens, tokens.context_lens])
+        prefill_ranges = prefill_ranges[:, batch.num_decodes :]
         (
             ids_d,
             positions_d,
@@ -245,46 +208,86 @@ class ModelRunner:
             *rest,
         ) = to_device_at_once(
             [
-                np.array(ids, dtype=np.int64),
-                positions,
-                slots,
+                tokens.ids,
+                tokens.positions,
+                tokens.slots,
                 logits_rows,
-                rows,
-                num_blocks,
+                batch.rows,
+                batch.num_blocks,
                 prefill_ranges,
                 *plan.arrays(),
                 changes.rows,
                 changes.cols,
                 changes.values,
-                np.array(pending_at, dtype=np.int64),
-                np.array(pending_rows, dtype=np.int64),
+                tokens.pending_at,
+                tokens.pending_rows,
             ],
             self.device,
         )
         *plan_d, change_rows, change_cols, change_values, pending_at_d, pending_rows_d = rest
-        if pending_at:
+        if len(tokens.pending_at):
             ids_d[pending_at_d] = self._last_sampled[pending_rows_d]
         self.tables.apply(changes.shape, change_rows, change_cols, change_values)
-        private, private_lens, group_tables, group_ranges = gather_decode_tables(
-            self.tables, plan, rows_d[:num_decodes], num_blocks_d[:num_decodes], *plan_d
+        attention = self._attention_metadata(
+            batch, tokens, plan, slots_d, rows_d, num_blocks_d, prefill_ranges_d, plan_d
         )
+        meta = _StepMeta(positions_d, attention)
+        return ids_d, meta, logits_rows_d, [batch.chunks[i].seq for i in sample_idx]
+
+    def _order_chunks(self, out: SchedulerOutput) -> _Batch:
+        """The step's chunks in launch order with their table rows: decodes first (as the
+        scheduler gives them), and with cascade attention the decodes that share a prefix
+        made adjacent, each run of them a group (engine/attention/cascade.py)."""
+        chunks = out.chunks
+        num_decodes = sum(1 for c in chunks if c.num_new_tokens == 1)  # decodes come first
+        rows, num_blocks = self.kv.table_rows([id(c.seq) for c in chunks])
+        starts = np.fromiter((c.seq.num_computed_tokens for c in chunks), np.int64, len(chunks))
+        groups: list[tuple[int, int, int]] = []
+        if self.cascade and num_decodes >= 2:
+            order, groups = find_shared_prefixes(
+                self.kv.table_array,
+                starts[:num_decodes] + 1,
+                self.block_size,
+                rows=rows[:num_decodes],
+            )
+            if groups:  # sharers adjacent; prefill chunks stay where they are
+                perm = np.concatenate([order, np.arange(num_decodes, len(chunks))])
+                chunks = [chunks[i] for i in perm]
+                rows, num_blocks, starts = rows[perm], num_blocks[perm], starts[perm]
+        lens = np.fromiter((c.num_new_tokens for c in chunks), np.int64, len(chunks))
+        return _Batch(chunks, num_decodes, rows, num_blocks, starts, lens, groups)
+
+    def _attention_metadata(
+        self, batch: _Batch, tokens: _TokenLayout, plan, slots_d, rows_d, num_blocks_d,
+        prefill_ranges_d, plan_d,
+    ) -> AttentionMetadata:  # fmt: skip
+        """The step's AttentionMetadata from its device arrays: the decodes' tables gathered
+        on the device (private parts and shared groups), every prefill chunk's table in one
+        tensor."""
+        d, bs = batch.num_decodes, self.block_size
+        private, private_lens, group_tables, group_ranges = gather_decode_tables(
+            self.tables, plan, rows_d[:d], num_blocks_d[:d], *plan_d
+        )
+        num_chunks = len(batch.chunks)
         prefill_tables = (  # every prefill chunk's table in one tensor
-            self.tables.gather(rows_d[num_decodes:], int(num_blocks[num_decodes:].max()))
-            if len(chunks) > num_decodes
+            self.tables.gather(rows_d[d:], int(batch.num_blocks[d:].max()))
+            if num_chunks > d
             else self.tables.empty
         )
+        query_start, context_lens = tokens.query_start, tokens.context_lens
         prefills = [
             PrefillSpan(
                 int(query_start[i]),
-                int(lens[i]),
+                int(batch.lens[i]),
                 int(context_lens[i]),
-                prefill_tables[i - num_decodes, : -(-int(context_lens[i]) // bs)],
+                prefill_tables[i - d, : -(-int(context_lens[i]) // bs)],
             )
-            for i in range(num_decodes, len(chunks))
+            for i in range(d, num_chunks)
         ]
-        attention = AttentionMetadata(
+        groups = batch.groups
+        return AttentionMetadata(
             slot_mapping=slots_d,
-            num_decode_tokens=num_decodes,
+            num_decode_tokens=d,
             decode_block_tables=private,
             decode_seq_lens=private_lens,
             prefills=prefills,
@@ -298,8 +301,85 @@ class ModelRunner:
             decode_group_ranges=group_ranges if groups else None,
             decode_group_max_rows=max((end - start for start, end, _ in groups), default=0),
         )
-        meta = _StepMeta(positions_d, attention)
-        return ids_d, meta, logits_rows_d, [chunks[i].seq for i in sample_idx]
+
+
+@dataclass
+class _Batch:
+    """A step's chunks in launch order and, per chunk, its table row and token counts."""
+
+    chunks: list[ScheduledChunk]
+    num_decodes: int  # the first num_decodes chunks are decodes (1 token each)
+    rows: np.ndarray  # [chunks] each chunk's row in the KV manager's table array
+    num_blocks: np.ndarray  # [chunks] blocks in that row's table
+    starts: np.ndarray  # [chunks] tokens already computed (the chunk's first position)
+    lens: np.ndarray  # [chunks] tokens computed this step
+    groups: list[tuple[int, int, int]]  # shared-prefix decode groups: first, end, shared blocks
+
+
+@dataclass
+class _TokenLayout:
+    """Every token of a step, flat: its id, position and KV slot, and where each chunk's
+    tokens start."""
+
+    ids: np.ndarray  # [tokens] int64
+    pending_at: np.ndarray  # indices in ids of tokens still on the device (async scheduling)
+    pending_rows: np.ndarray  # their rows in the last step's sampled tokens
+    query_start: np.ndarray  # [chunks] each chunk's first token in ids
+    positions: np.ndarray  # [tokens]
+    slots: np.ndarray  # [tokens] table[pos // block_size] * block_size + pos % block_size
+    context_lens: np.ndarray  # [chunks] tokens in the KV after this step
+
+
+def token_layout(batch: _Batch, host_tables: np.ndarray, block_size: int) -> _TokenLayout:
+    """Token ids, positions and slots for every token of the step. A decode whose token the
+    host has not seen yet (async scheduling) gets a placeholder, filled on the device from
+    the last step's sampled tokens; a speculative chunk is the last token, then the drafts."""
+    ids: list[int] = []
+    pending_at: list[int] = []  # ids still on the device: index in ids, row in _last_sampled
+    pending_rows: list[int] = []
+    for (seq, n), start in zip(batch.chunks, batch.starts.tolist()):
+        part = seq.token_ids[start : start + n]
+        if len(part) < n:
+            if seq.num_pending:  # a decode of a token the host has not seen yet
+                pending_at.append(len(ids))
+                pending_rows.append(seq.pending_row)
+                part = [0]
+            else:  # a speculative chunk: the last token, then the drafts
+                part = part + list(seq.draft_token_ids[: n - len(part)])
+        ids.extend(part)
+    lens, starts, rows = batch.lens, batch.starts, batch.rows
+    query_start = np.cumsum(lens) - lens
+    seq_of_token = np.repeat(np.arange(len(batch.chunks)), lens)
+    positions = starts[seq_of_token] + np.arange(len(ids)) - query_start[seq_of_token]
+    slots = (
+        host_tables[rows[seq_of_token], positions // block_size] * block_size
+        + positions % block_size
+    )
+    return _TokenLayout(
+        ids=np.array(ids, dtype=np.int64),
+        pending_at=np.array(pending_at, dtype=np.int64),
+        pending_rows=np.array(pending_rows, dtype=np.int64),
+        query_start=query_start,
+        positions=positions,
+        slots=slots,
+        context_lens=starts + lens,
+    )
+
+
+def logits_rows_of(
+    chunks: list[ScheduledChunk], query_start: np.ndarray, lens: np.ndarray
+) -> tuple[list[int], np.ndarray]:
+    """(the chunks that sample, the rows of the flat tokens whose logits are computed): each
+    sampling chunk's last token, and for a speculative chunk all of its 1 + k tokens. Not
+    every 1-token chunk samples: it may be a prompt's chunk cut by the token budget."""
+    sample_idx = [i for i, c in enumerate(chunks) if c.samples]
+    logits_rows = (query_start + lens - 1)[sample_idx]
+    num_rows = [1 + len(chunks[i].seq.draft_token_ids) for i in sample_idx]
+    if any(r > 1 for r in num_rows):  # speculative chunks are scored at every position
+        logits_rows = np.concatenate(
+            [np.arange(e - r + 1, e + 1) for e, r in zip(logits_rows, num_rows)]
+        )
+    return sample_idx, logits_rows
 
 
 def to_device_at_once(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

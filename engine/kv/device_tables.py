@@ -4,11 +4,11 @@ A step needs its sequences' tables on the device: the decodes' (for their attent
 [rows, width] tensor) and the prompt chunks'. Gathered on the host and copied each step, that
 is the width of the longest context for every row: once a 32k prompt decodes beside 64 short
 ones, 65 x 2,049 entries (~1 MB) gathered, packed, pinned and copied per step, for a table in
-which only a few entries changed (a decode adds a block every 16 tokens). On the H200 the
-host's step preparation then took 4-13 ms against 0.6 for a plain step, and the decoders'
-token gaps followed it.
+which only a few entries changed (a decode adds a block every 16 tokens). The host's step
+preparation then grows several times over a plain step's, and the decoders' token gaps
+follow it.
 
-So the tables live on the device as a copy of the host's mirror (engine/table_rows.py), and
+So the tables live on the device as a copy of the host's mirror (engine/kv/table_rows.py), and
 each step sends only the entries that changed and the step's row numbers; the step's tables
 are then gathered on the device (vLLM v1 keeps a persistent block table on the GPU likewise):
 
@@ -41,7 +41,7 @@ class DeviceBlockTables:
         cols: torch.Tensor,
         values: torch.Tensor,
     ) -> None:
-        """Take the host's changes (engine/table_rows.py TableChanges: the host array's shape,
+        """Take the host's changes (engine/kv/table_rows.py TableChanges: the host array's shape,
         and its rows, cols and values already on the device)."""
         have_rows, have_width = self.array.shape
         if shape[0] > have_rows or shape[1] > have_width:  # the host's array grew: zeros

@@ -184,7 +184,7 @@ class _SeqState:
     last_hash: int | None = None  # chain hash of block num_hashed - 1
     parent: tuple[int, int] | None = None  # identity of the cached block for that prefix
     chain_broken: bool = False  # a true collision: later blocks cannot be shared
-    row: int = 0  # its row in KVCacheManager._rows (engine/table_rows.py)
+    row: int = 0  # its row in KVCacheManager._rows (engine/kv/table_rows.py)
 
 
 class TableRefs(NamedTuple):
@@ -367,12 +367,12 @@ class KVCacheManager:
 
     @property
     def table_array(self) -> np.ndarray:
-        """Every table as a zero-padded row (engine/table_rows.py); read only."""
+        """Every table as a zero-padded row (engine/kv/table_rows.py); read only."""
         return self._rows.array
 
     def take_table_changes(self) -> TableChanges:
         """The entries of `table_array` changed since the last call (one reader: the runner,
-        which keeps a copy on the device, engine/device_tables.py)."""
+        which keeps a copy on the device, engine/kv/device_tables.py)."""
         return self._rows.take_changes()
 
     def num_computed_tokens(self, seq_id: Hashable) -> int:

@@ -13,10 +13,10 @@ device's copy of this array, below):
 Rows are reused after a sequence is freed; the array grows (doubling) in rows and width.
 
 Every entry written or zeroed is also logged, so that a copy of the array kept on the device
-(engine/device_tables.py) can follow it with the few entries that changed each step instead
+(engine/kv/device_tables.py) can follow it with the few entries that changed each step instead
 of taking whole tables: a 32k context's row is 2,049 entries, and copying it every step of
-its decoding (with 64 short rows padded to its width, ~1 MB) took milliseconds of host time
-on the H200's host. Growth needs no entry: new rows and columns are zero in both copies.
+its decoding (with 64 short rows padded to its width, ~1 MB) costs milliseconds of host time
+per step. Growth needs no entry: new rows and columns are zero in both copies.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GPU forward: the same Llama layers as engine/model.py with fused kernels and GEMMs.
+"""The GPU forward: the same Llama layers as engine/model/llama.py with fused kernels and GEMMs.
 
     embed -> [ norm(+add) -> qkv GEMM -> rotary (in place) -> attention -> o GEMM
                norm(+add) -> gate|up GEMM -> silu*mul -> down GEMM ] x layers -> norm -> lm head

@@ -11,7 +11,7 @@ When blocks run out, the newest running sequence is preempted: its blocks are fr
 prefix usually stays in the prefix cache) and it goes back to the front of the queue to be
 recomputed. Older sequences always finish first, so nobody starves.
 
-Async scheduling (engine/llm_engine.py): a step may be scheduled while the previous one is
+Async scheduling (engine/core/llm_engine.py): a step may be scheduled while the previous one is
 still running, so a sequence's newest token may be *pending* (sampled on the device, not yet
 on the host). It still counts in `num_tokens`, so the sequence decodes it next; a sequence
 whose pending token is its last (max_tokens or the context limit) is not scheduled again, and
@@ -64,7 +64,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.kv = kv
-        self.cost = cost  # times steps: sizes long prompts' chunks (engine/step_cost.py)
+        self.cost = cost  # times steps: sizes long prompts' chunks (engine/sched/step_cost.py)
         # Every running sequence must get at least one token a step, or it could starve.
         self.max_running = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.waiting: deque[Sequence] = deque()

@@ -4,7 +4,7 @@ The long-prefill target is about time, not tokens: while a 32k prompt is prefill
 decoding request should wait more than a few plain decode steps for its next token. How many
 prompt tokens fit in that time depends on the GPU, the model and how deep into the prompt the
 chunk is (its attention reads every earlier token), and a fixed token cap is right for one
-of them at most: on the H200 the 2,048-token cap gave gaps of ~13 plain steps. So the engine
+of them at most (a cap sized for a short context is far too long deep into 32k). So the engine
 times its steps and sizes each chunk so that a step with decodes and the chunk takes
 `ratio` plain decode steps:
 
@@ -15,21 +15,20 @@ times its steps and sizes each chunk so that a step with decodes and the chunk t
     cost = moving average over mixed steps of (mixed step - plain step) / work
     next chunk: the largest n with cost x work(n, context) <= budget
 
-Why a feedback loop and not a fitted cost model: the steps it learns from are the ones it
-sized, all built to cost the same, so a fit of separate costs (a mixed step's fixed cost, per
-token, per attention pair) cannot tell them apart (tried first: on the CPU the fits put the
-fixed cost anywhere from 0 to 5 ms between runs, and a chunk sized from a bad one took 10
-plain steps). The loop needs none of them: if a mixed step costs e + s x work, the average
-settles where e + s x work = budget, for any e under the budget, and it follows the context
-as the prompt goes on (work's FLOP shape carries the chunk from one context to the next; an
-attention slower than its FLOPs only moves the average, slowly).
+Why a feedback loop and not a fitted cost model: the steps it learns from are the ones it sized,
+all built to cost the same, so a fit of separate costs (a mixed step's fixed cost, per token,
+per attention pair) cannot tell them apart: the fitted fixed cost wanders between runs, and a
+chunk sized from a bad fit overshoots the budget many times over. The loop needs none of them:
+if a mixed step costs e + s x work, the average settles where e + s x work = budget, for any e
+under the budget, and it follows the context as the prompt goes on (work's FLOP shape carries
+the chunk from one context to the next; an attention slower than its FLOPs only moves the
+average, slowly).
 
 Padded chunks: with CUDA graphs, a step with one prompt chunk replays the graph of the next
-chunk bucket up (engine/cuda_graphs.py: 16, 32, ..., 512 tokens), so a 300-token chunk costs
-the matmuls of 512 (the attention skips the padding rows). Counted as 300 tokens, the loop
-would read that as a dearer token and swing between buckets, every swing up a step over the
-budget (simulated at the H200's rates, `kvbatch bench chunk-padding`: steps up to 1.2-1.5x
-the budget, gaps of 2.7-3.2 plain decode steps at ratio 2.5). So the work counts
+chunk bucket up (engine/exec/cuda_graphs.py: 16, 32, 48, ..., 512 tokens), so a 300-token
+chunk costs the matmuls of 384 (the attention skips the padding rows). Counted as 300 tokens, the
+loop would read that as a dearer token and swing between buckets, every swing up a step over
+the budget (tests/engine/sched/simulated_prefill.py simulates it). So the work counts
 the rows the step computed (`StepShape.prefill_rows`), and a chunk is sized against its
 bucket: the largest n whose bucket's rows plus its own attention fit, which fills buckets
 whole when they fit, and never past the last one (an eager step: `chunk_buckets`).
@@ -39,8 +38,8 @@ largest measured; none is under MIN_CHUNK. If steps with floor-sized chunks keep
 than the budget, no chunk size meets the ratio (the fixed cost of a mixed step is over it):
 a warning says so and long prompts go back to the token cap, rather than crawl. With CUDA
 graphs the chunks still stay within the last bucket: a larger one runs eagerly, far dearer
-than a replay (on the H200 at ratio 1.5, where a 16-token chunk at a 32k context was already
-over budget, the token cap's eager chunks made one decoder wait 868 ms).
+than a replay (where even a floor-sized chunk is over budget, the token cap's eager chunks
+would make a decoder wait for a whole long chunk).
 """
 
 from __future__ import annotations
@@ -217,8 +216,8 @@ class StepCostModel:
         Never past the last bucket: such a chunk runs eagerly and pays the host's launches
         (~200 a step on a 16-layer model) that a graph replay does not, a fixed cost the
         average does not model, so chunks would swing across the boundary with every step
-        past it over the budget (at 2 us a row and 1 ms of launches, a simulated 32k prefill
-        ran gaps of 3.15 plain steps). A user who wants longer chunks raises the last bucket
+        past it over the budget (tests/engine/sched/simulated_prefill.py shows the swing). A
+        user who wants longer chunks raises the last bucket
         (cuda_graph_max_chunk)."""
         n = self._tokens_within(target, context)
         if not buckets:

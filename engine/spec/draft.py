@@ -1,6 +1,6 @@
 """A draft model proposes k tokens per sequence, with its own paged KV cache kept in step.
 
-The draft is any checkpoint with the target's vocabulary (engine/loader.py). It has its own
+The draft is any checkpoint with the target's vocabulary (engine/model/loader.py). It has its own
 KVCacheManager and cache tensors (a ModelRunner of its own), and per target sequence the
 list of tokens whose KV it holds. Each step, for the sequences that speculate:
 

@@ -5,7 +5,7 @@ the 15 minutes of device time, when the GPU path starts importing one of them.
 Put this folder first on PYTHONPATH (`gpu-check.sh --cpu` does). The image has torch, triton,
 transformers, numpy, safetensors, tokenizers, accelerate, tqdm, rich, prometheus-client,
 pytest, pytest-timeout and scipy, and nothing can be installed there without carrying wheels.
-Missing, from the image's package list (/work/.library/device/KINDS.md, read 2026-11-17):
+Missing, from the image's package list:
 """
 
 from __future__ import annotations

@@ -17,16 +17,16 @@ from kvbatch.bench.workloads import make_prompts
 from tests.bench.tiny_llama import EOS, TINY, VOCAB
 
 
-def test_the_peers_module_alone_registers_the_transformers_peers():
-    """cli.py and harness.py import kvbatch.bench.peers only: its last line must bring in
-    hf_peers, or `--peers hf-static` is an unknown engine. (A fresh interpreter: in this one
-    the import above has registered them already.)"""
-    code = "from kvbatch.bench.peers import PEERS; print(' '.join(sorted(PEERS)))"
+def test_the_peers_registry_alone_lists_every_engine_kvbatch_first():
+    """cli.py and harness.py import kvbatch.bench.peers only: its registry must name the
+    transformers peers too, or `--peers hf-static` is an unknown engine. (A fresh interpreter,
+    so that nothing imported here brings them in.)"""
+    code = "from kvbatch.bench.peers import PEERS; print(' '.join(PEERS))"
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
     )
-    assert {"hf-static", "hf-cb", "kvbatch"} <= set(out.stdout.split())
+    assert out.stdout.split() == ["kvbatch", "kvbatch-sync", "hf-static", "hf-cb"]
 
 
 # --- hf-static -----------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def test_llama_3_2_1b_shape_and_parameter_count():
     assert (s.num_attention_heads, s.num_key_value_heads, s.head_dim) == (32, 8, 64)
     assert (s.vocab_size, s.tie_word_embeddings, s.dtype) == (128256, True, "bfloat16")
     assert s.rope_scaling["rope_type"] == "llama3"
-    # ../shared/BENCHMARKS.md: 1.24 B parameters; checked against transformers' own module tree
+    # docs/BENCHMARKS.md: 1.24 B parameters; checked against transformers' own module tree
     # (on the meta device: nothing is allocated)
     from transformers import LlamaForCausalLM
 

@@ -15,13 +15,22 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = ROOT / "scripts" / "h200_image"
 
 
-def run_as_image(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+@pytest.fixture(scope="module")
+def namespace(tmp_path_factory) -> Path:
+    """The checkout linked into the installed layout, as gpu-check.sh does on the device."""
+    return load_script("kvbatch_path").build(tmp_path_factory.mktemp("namespace"))
+
+
+def run_as_image(namespace: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = os.environ | {
-        "PYTHONPATH": os.pathsep.join([str(IMAGE), str(ROOT)]),
+        "PYTHONPATH": os.pathsep.join([str(IMAGE), str(namespace), str(ROOT)]),
+        "PYTHONSAFEPATH": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
@@ -30,12 +39,13 @@ def run_as_image(*args: str, timeout: float) -> subprocess.CompletedProcess[str]
     )
 
 
-def test_the_image_hides_the_packages_it_lacks():
+def test_the_image_hides_the_packages_it_lacks(namespace):
     r = run_as_image(
+        namespace,
         "-c",
         "import importlib.util, sys\n"
         "assert importlib.util.find_spec('boto3') is None\n"
-        "import engine, kvkernels, transformers\n"
+        "import kvbatch.engine, kvbatch.kernels, transformers\n"
         "assert 'pydantic' not in sys.modules\n"
         "import kvbatch.jobs.schemas\n",  # jobs/ needs pydantic: this must fail
         timeout=120,
@@ -44,10 +54,13 @@ def test_the_image_hides_the_packages_it_lacks():
     assert "No module named 'pydantic'" in r.stderr, r.stderr
 
 
-def test_the_gpu_tests_collect_without_them():
+def test_the_gpu_tests_collect_without_them(namespace):
     r = run_as_image(
+        namespace,
         "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-        "tests/kernels", "tests/engine/attention/test_triton_backend.py", "tests/engine/exec/test_cuda_graphs.py",
+        "-o", "pythonpath=", "--import-mode=append",  # as gpu-check.sh runs them
+        "tests/kernels", "tests/engine/attention/test_triton_backend.py",
+        "tests/engine/exec/test_cuda_graphs.py",
         timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -55,9 +68,10 @@ def test_the_gpu_tests_collect_without_them():
 
 
 @pytest.mark.slow
-def test_the_greedy_check_runs_without_them():
+def test_the_greedy_check_runs_without_them(namespace):
     """(The benchmark runs without them in the script's own test below: --cpu hides them.)"""
     greedy = run_as_image(
+        namespace,
         "scripts/greedy_check.py", "--device", "cpu", "--backend", "torch", "--models", "tiny",
         timeout=300,
     )  # fmt: skip

@@ -126,7 +126,8 @@ def test_the_graphs_line_counts_those_captured_after_the_warm_up():
     assert graphs.endswith(
         "0 launched for the first time (last run); 7 more captured after the warm-up"
     )
-    # and launched once then (engine/cuda_graphs.py FirstLaunches): the first time against again
+    # and launched once then (engine/exec/cuda_graphs.py FirstLaunches): the first time against
+    # again
     launches = dict(graphs=7, first_host_ms=1.2, first_device_ms=9.5)
     launches |= dict(again_host_ms=0.3, again_device_ms=4.31)
     data["engines"][0]["extra"]["graph_launches_after_warmup"] = launches

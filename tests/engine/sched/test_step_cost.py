@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from kvbatch.bench.chunk_padding import DOUBLING, padded, simulate_prefill
 from kvbatch.engine import SamplingParams
 from kvbatch.engine.exec.cuda_graphs import CHUNK_BUCKETS
 from kvbatch.engine.sched.step_cost import (
@@ -18,6 +17,7 @@ from kvbatch.engine.sched.step_cost import (
     StepShape,
     chunk_pairs,
 )
+from tests.engine.sched.simulated_prefill import DOUBLING, padded, simulate_prefill
 
 PLAIN = 2e-3  # seconds of a plain decode step
 C = 15000  # break-even context (Llama-3.2-1B: 14,848): a token at 15k context costs 2 by FLOPs
@@ -180,7 +180,7 @@ def test_padded_chunks_are_sized_by_their_buckets_and_stay_within_the_budget(per
     512 rows, the loop swings between buckets and steps run over the budget (checked here, as
     the reason); sized against the buckets, every step stays within it. With doubling buckets
     the chunks that just miss one leave much of the budget unused; 1.5x steps use most of it.
-    (`kvbatch bench chunk-padding` prints the same simulation over more cases.)"""
+    (docs/archive/BENCHMARKS-history.md has the same simulation over more cases.)"""
     blind = simulate_prefill(timed_model(), PLAIN, per_token, 5e-4, DOUBLING, charge_rows=False)
     assert max(extra for _, _, extra in blind[8:-1]) > 1.2 * BUDGET
     for buckets, least_mean in ((DOUBLING, 0.8), (BUCKETS, 0.95)):

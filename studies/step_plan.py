@@ -1,6 +1,6 @@
 """`step-plan`: the steps the scheduler makes of a workload, without running a model.
 
-    kvbatch bench step-plan [WORKLOAD] [--max-num-seqs 256,512] [--max-num-batched-tokens 8192]
+    python -m studies step-plan [WORKLOAD] [--max-num-seqs 256,512] [--max-num-batched-tokens 8192]
 
 How many steps a job takes, and of which kind, depends on the scheduler alone: max_num_seqs
 decides whether `rag`'s 512 requests decode in one wave or two, max_num_batched_tokens how
@@ -115,7 +115,7 @@ def format_plans(plans: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvbatch bench step-plan", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m studies step-plan", description=__doc__)
     ap.add_argument("workload", nargs="?", default="rag")
     ap.add_argument("--tiny", action="store_true", help="the workload's tiny variant")
     ap.add_argument("--max-num-seqs", default="256,512", metavar="N,N")

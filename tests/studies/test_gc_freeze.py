@@ -1,4 +1,4 @@
-"""`kvbatch bench gc-freeze` on a few decoders: the same run with the startup heap in the
+"""`python -m studies gc-freeze` on a few decoders: the same run with the startup heap in the
 collector's passes and frozen, and a full pass over KV blocks alone."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import gc
 import json
 
-from kvbatch.bench.cli import main
-from kvbatch.bench.gc_freeze import measure
+from studies.gc_freeze import measure
+from studies.registry import run
 
 
 def test_the_frozen_run_leaves_its_startup_heap_out_and_the_process_thawed():
@@ -26,7 +26,7 @@ def test_the_frozen_run_leaves_its_startup_heap_out_and_the_process_thawed():
 def test_cli_prints_both_rows_and_writes_json(tmp_path, capsys):
     out = tmp_path / "gc.json"
     argv = ["gc-freeze", "--decoders", "2", "--output-len", "3", "--json", str(out)]
-    assert main(argv) == 0
+    assert run(argv) == 0
     printed = capsys.readouterr().out
     assert "| in the passes |" in printed and "| frozen |" in printed
     assert "KV blocks alone" not in printed  # --kv-blocks 0: not timed

@@ -1,11 +1,11 @@
-"""`kvbatch bench host-overhead` on a handful of requests."""
+"""`python -m studies host-overhead` on a handful of requests."""
 
 from __future__ import annotations
 
 import json
 
-from kvbatch.bench.cli import main
-from kvbatch.bench.host_overhead import PHASES, measure
+from studies.host_overhead import PHASES, measure
+from studies.registry import run
 
 
 def test_every_decode_step_is_split_into_phases():
@@ -21,7 +21,7 @@ def test_every_decode_step_is_split_into_phases():
 
 def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "host.json"
-    assert main(["host-overhead", "--requests", "4", "--output-len", "3", "--json", str(out)]) == 0
+    assert run(["host-overhead", "--requests", "4", "--output-len", "3", "--json", str(out)]) == 0
     assert "| prepare |" in capsys.readouterr().out
     assert json.loads(out.read_text())["decode_steps"] == 2
 
@@ -29,7 +29,7 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
 def test_a_long_prompt_s_steps_are_profiled_apart_from_plain_ones(tmp_path, capsys):
     out = tmp_path / "long.json"
     argv = ["host-overhead", "--long-prompt", "600", "--requests", "3", "--chunk-tokens", "64"]
-    assert main([*argv, "--long-decode-steps", "5", "--json", str(out)]) == 0
+    assert run([*argv, "--long-decode-steps", "5", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| phase | plain step (median ms) | with a chunk (median ms) |" in printed
     assert "| long decoding (median ms) | long decoding (max ms) |" in printed

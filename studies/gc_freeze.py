@@ -1,9 +1,9 @@
 """`gc-freeze`: what the cycle collector costs an engine's run, with and without the freeze.
 
-    kvbatch bench gc-freeze [--decoders 128] [--output-len 400] [--kv-blocks 250000] [--json F]
+    python -m studies gc-freeze [--decoders 128] [--output-len 400] [--kv-blocks 250000] [--json F]
 
 A full collector pass examines every tracked object that is not frozen: right after an
-engine starts that is its whole startup heap (engine/startup_heap.py). This runs the same
+engine starts that is its whole startup heap (engine/core/startup_heap.py). This runs the same
 decode job on the tiny random model twice in one process, the startup heap first left in
 the passes (`freeze_gc=False`, as before the freeze) and then frozen, and reports for each:
 tracked objects after the start, the run's passes per generation with the longest pause,
@@ -122,7 +122,7 @@ def format_result(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvbatch bench gc-freeze", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m studies gc-freeze", description=__doc__)
     ap.add_argument("--decoders", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=400)
     ap.add_argument("--kv-blocks", type=int, default=0, help="also time N KV blocks alone")

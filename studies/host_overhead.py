@@ -1,8 +1,8 @@
 """`host-overhead`: the engine's host (Python) time per decode step, phase by phase.
 
-    kvbatch bench host-overhead [--requests 512] [--backend torch] [--no-cascade]
+    python -m studies host-overhead [--requests 512] [--backend torch] [--no-cascade]
                                 [--async-scheduling] [--json F]
-    kvbatch bench host-overhead --long-prompt 32768 [--requests 64] [--chunk-tokens 256]
+    python -m studies host-overhead --long-prompt 32768 [--requests 64] [--chunk-tokens 256]
                                 [--long-decode-steps 32]
 
 On a GPU a decode step of the `rag` workload takes a few milliseconds, and the host builds
@@ -237,7 +237,7 @@ def format_result(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvbatch bench host-overhead", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m studies host-overhead", description=__doc__)
     ap.add_argument(
         "--requests", type=int, help="requests (default 512; with --long-prompt, 64 decoders)"
     )

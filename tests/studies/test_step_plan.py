@@ -1,10 +1,10 @@
-"""`kvbatch bench step-plan`: the scheduler's steps of a workload, with the model stubbed."""
+"""`python -m studies step-plan`: the scheduler's steps of a workload, with the model stubbed."""
 
 from __future__ import annotations
 
-from kvbatch.bench import cli
-from kvbatch.bench.step_plan import plan
 from kvbatch.bench.workloads import get_workload
+from studies.registry import run
+from studies.step_plan import plan
 
 
 def test_more_sequences_fewer_decode_steps_and_shared_documents_computed_once():
@@ -31,7 +31,7 @@ def test_cli_prints_one_row_per_cell(capsys):
         "--max-num-batched-tokens",
         "64",
     ]
-    assert cli.main(argv) == 0
+    assert run(argv) == 0
     out = capsys.readouterr().out
     assert "rag-tiny: the scheduler's steps (model stubbed)" in out
     assert len([line for line in out.splitlines() if line.startswith(("4 ", "16 "))]) == 2
