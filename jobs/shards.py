@@ -25,6 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.jobs.cancelled import cancelled_line
+from kvbatch.jobs.grouping import feed_in_order
+from kvbatch.jobs.responses import success_line
 from kvbatch.jobs.storage import Storage, open_storage, validate_key_part
 from kvbatch.jobs.validate import JobRequest
 
@@ -176,10 +179,6 @@ def run_shard(
     `should_stop` (the job's cancel check) is asked between engine steps; once it is True the
     shard's requests in the engine are aborted, and every request without an answer gets a
     batch_cancelled error line: the result still holds one line per request."""
-    from kvbatch.jobs.finalize import cancelled_line
-    from kvbatch.jobs.grouping import feed_in_order
-    from kvbatch.jobs.responses import success_line
-
     engine = llm.engine
     requests = read_shard(msg)
     by_id = {str(r.index): r for r in requests}

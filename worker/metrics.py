@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from kvbatch.jobs.cancelled import CANCELLED
+
 log = logging.getLogger("kvbatch.worker")
 
 DEFAULT_PORT = 9400
@@ -172,8 +174,6 @@ class WorkerMetrics:
 def lines_by_status(records) -> dict[str, int]:
     """{completed, failed, cancelled: count} of a shard's [(index, line)] (a cancelled line
     counts as cancelled only, not also as failed)."""
-    from kvbatch.jobs.finalize import CANCELLED
-
     counts = dict.fromkeys(LINE_STATUSES, 0)
     for _, line in records:
         error = line.get("error")

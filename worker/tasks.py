@@ -34,7 +34,23 @@ from typing import Any
 from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry
 
-from kvbatch.worker.app import TASK_NAME
+from kvbatch.jobs.cancel import CancelCheck
+from kvbatch.jobs.cancelled import cancel_requested
+from kvbatch.jobs.finalize import (
+    cancel_shard,
+    fail_shard,
+    has_result,
+    read_manifest,
+    read_shard_result,
+    record_attempt,
+    try_finalize,
+    write_shard_result,
+)
+from kvbatch.jobs.shards import ShardMessage, job_dir, run_shard
+from kvbatch.jobs.storage import StorageError
+from kvbatch.worker import metrics
+from kvbatch.worker.settings import TASK_NAME, visibility_timeout
+from kvbatch.worker.sqs import visibility_heartbeat
 
 log = logging.getLogger("kvbatch.worker")
 
@@ -108,8 +124,6 @@ def handle_shard(task, output: str, shard: dict) -> dict:
     the shard is failed (fail_shard) so the job still finalizes. Only when even that cannot be
     written is the message given up, with the reason in the log (and in
     `<job>/failures/<shard_id>.json` when that can be written)."""
-    from kvbatch.worker.sqs import visibility_heartbeat
-
     msg, job = _parse(output, shard)
     if _model is None:
         raise RuntimeError("this process has no model: start workers with `kvbatch worker`")
@@ -130,20 +144,6 @@ class _Step:
 
 
 def _handle(task, msg, job, step: _Step) -> dict:
-    from kvbatch.jobs.cancel import CancelCheck
-    from kvbatch.jobs.finalize import (
-        cancel_requested,
-        cancel_shard,
-        fail_shard,
-        has_result,
-        read_manifest,
-        record_attempt,
-        try_finalize,
-        write_shard_result,
-    )
-    from kvbatch.jobs.shards import run_shard
-    from kvbatch.worker import metrics
-
     step.name = "reading job.json"
     manifest = read_manifest(job)
     max_attempts = int(manifest.get("max_attempts") or DEFAULT_MAX_ATTEMPTS)
@@ -224,8 +224,6 @@ def _handle(task, msg, job, step: _Step) -> dict:
 
 def _failed_outside_run(task, msg, job, step: str, error: Exception) -> dict:
     """An exception outside the shard's run: retry with backoff, then fail the shard."""
-    from kvbatch.jobs.finalize import fail_shard, try_finalize
-
     where = f"{msg.job_id}/{msg.shard_id}"
     if step == "reading job.json" and _exists(job.join("job.json")) is False:
         log.error("%s: the job has no job.json (deleted?); dropping the shard", where)
@@ -263,8 +261,6 @@ def _exists(target) -> bool | None:
 def _max_countdown() -> int:
     """Backoff stays well below the visibility timeout: on Redis a countdown message waits
     unacknowledged in the worker and would be handed out again past it (NOTES.md)."""
-    from kvbatch.worker.app import visibility_timeout
-
     try:
         return max(1, min(MAX_RETRY_COUNTDOWN, visibility_timeout() // 4))
     except ValueError:
@@ -306,16 +302,10 @@ def _slowed(should_stop):
 def _count_written(msg, status: str, job) -> None:
     """Count a shard given up on (cancelled, poisoned, failed); its lines only when this
     delivery wrote its result (`job` is None otherwise). Metrics never fail a shard."""
-    from kvbatch.worker import metrics
-
     lines = None
     if job is not None:
         try:
-            from kvbatch.jobs.finalize import _read_lines, _result
-
-            records = [
-                (0, json.loads(raw)["record"]) for raw in _read_lines(_result(job, msg.shard_id))
-            ]
+            records = [(0, line) for line in read_shard_result(job, msg.shard_id)]
             lines = metrics.lines_by_status(records)
         except Exception:
             log.debug("counting the lines of %s/%s failed", msg.job_id, msg.shard_id, exc_info=True)
@@ -324,9 +314,6 @@ def _count_written(msg, status: str, job) -> None:
 
 def _parse(output: str, shard: dict):
     """The checked message and its job folder; a malformed message is rejected for good."""
-    from kvbatch.jobs.shards import ShardMessage, job_dir
-    from kvbatch.jobs.storage import StorageError
-
     try:
         if not isinstance(output, str) or not output:
             raise ValueError(f"output prefix {output!r} is not a URI")
