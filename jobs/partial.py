@@ -120,8 +120,11 @@ class PartialOutput:
         """Commit what is buffered (write, flush, fsync)."""
         with self._lock:
             if self._buffer and self._file is not None:
-                self._write_now(self._buffer)
-                self._buffer.clear()
+                # Taken out first: a KeyboardInterrupt between the write and the clear would
+                # otherwise write the batch twice (at close). Lost before the write, the lines
+                # are only answered again by --resume.
+                pending, self._buffer = self._buffer, []
+                self._write_now(pending)
 
     def close(self) -> None:
         """Commit what is buffered and stop the timer; safe to call on any way out."""

@@ -127,8 +127,8 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
     except StorageError as e:
         raise JobError(f"{e}; {_kept(paths)}") from e
     except OSError as e:
-        where = f" {e.filename}" if e.filename else ""
-        raise JobError(f"cannot write{where}: {e.strerror}; {_kept(paths)}") from e
+        where = e.filename or f"the partial output {paths.partial}"
+        raise JobError(f"cannot write {where}: {e.strerror}; {_kept(paths)}") from e
 
 
 def _kept(paths: JobPaths) -> str:
@@ -215,7 +215,11 @@ def _run_locked(opts: RunOptions, paths: JobPaths, source, llm) -> BatchRecord:
         shutil.rmtree(spill, ignore_errors=True)
     _log_speculation(engine)
     record.mark_finalizing()
-    _finalize(paths, partial, job, record)
+    try:
+        _finalize(paths, partial, job, record)
+    except OSError as e:
+        where = e.filename or f"the output {paths.output}"
+        raise JobError(f"cannot write {where}: {e.strerror}; {_kept(paths)}") from e
     partial.remove()
     return record
 
