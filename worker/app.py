@@ -29,6 +29,7 @@ from kvbatch.worker.settings import (
     TASK_NAME,
     BrokerError,
     broker_url,
+    redact_url,
     visibility_timeout,
 )
 from kvbatch.worker.tasks import register
@@ -46,7 +47,9 @@ __all__ = [
 def make_app(broker: str, *, visibility: int | None = None) -> Celery:
     """A Celery app on `broker` with the shard task registered."""
     if not broker.startswith(SCHEMES):
-        raise BrokerError(f"broker URL {broker!r}: expected one of {', '.join(SCHEMES)}")
+        raise BrokerError(
+            f"broker URL {redact_url(broker)!r}: expected one of {', '.join(SCHEMES)}"
+        )
     vt = visibility if visibility is not None else visibility_timeout()
     app = Celery("kvbatch", broker=broker, set_as_current=False)
     app.conf.update(

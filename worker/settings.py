@@ -6,6 +6,7 @@ the task module and the app module both build on it without importing each other
 from __future__ import annotations
 
 import os
+import re
 
 TASK_NAME = "kvbatch.run_shard"
 DEFAULT_QUEUE = "kvbatch"
@@ -25,7 +26,7 @@ def broker_url(flag: str | None = None) -> str:
     if not url:
         raise BrokerError("no broker: give --broker URL or set KVBATCH_BROKER_URL")
     if not url.startswith(SCHEMES):
-        raise BrokerError(f"broker URL {url!r}: expected one of {', '.join(SCHEMES)}")
+        raise BrokerError(f"broker URL {redact_url(url)!r}: expected one of {', '.join(SCHEMES)}")
     return url
 
 
@@ -41,3 +42,19 @@ def visibility_timeout() -> int:
     if value <= 0:
         raise BrokerError(f"KVBATCH_VISIBILITY_TIMEOUT={raw!r}: must be positive")
     return value
+
+
+_SCHEME_PREFIX = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/*")
+
+
+def redact_url(url: str) -> str:
+    """`url` with the password (or token) before its '@' hidden, typos included
+    ('amqp://admin:***@host//', 'redis:/admin:***@host'): error messages never echo it."""
+    at = url.rfind("@")
+    if at < 0:
+        return url
+    scheme = _SCHEME_PREFIX.match(url)
+    start = scheme.end() if scheme else 0
+    userinfo = url[start:at]
+    user = userinfo.split(":", 1)[0] + ":" if ":" in userinfo else ""
+    return f"{url[:start]}{user}***{url[at:]}"
