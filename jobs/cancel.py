@@ -25,13 +25,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvbatch.jobs.finalize import (
-    CANCEL_MARKER,
-    cancel_requested,
-    cancel_shard,
-    read_manifest,
-    try_finalize,
-)
+from kvbatch.jobs.cancelled import CANCEL_MARKER, cancel_requested
+from kvbatch.jobs.finalize import cancel_shard, read_manifest, try_finalize
 from kvbatch.jobs.shards import ShardMessage
 from kvbatch.jobs.storage import Storage, StorageError
 

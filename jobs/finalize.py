@@ -22,6 +22,12 @@ import time
 from collections.abc import Iterator
 
 from kvbatch.jobs.batch_record import BatchRecord
+from kvbatch.jobs.cancelled import (
+    CANCEL_MARKER,
+    CANCELLED,
+    cancel_requested,
+    cancelled_message,
+)
 from kvbatch.jobs.responses import error_line
 from kvbatch.jobs.shards import ShardMessage, read_shard, read_shard_lines
 from kvbatch.jobs.storage import Storage, StorageError, validate_key_part
@@ -70,21 +76,6 @@ def fail_shard(job: Storage, msg: ShardMessage, reason: str) -> bool:
     )
 
 
-CANCEL_MARKER = "cancel"
-CANCELLED = "batch_cancelled"  # the error code of a line a cancel left unanswered
-
-
-def cancel_requested(job: Storage) -> bool:
-    """Whether `kvbatch cancel` was asked for this job (its marker exists)."""
-    return job.join(CANCEL_MARKER).exists()
-
-
-def cancelled_line(line: int, custom_id: str, *, batch_id: str) -> dict:
-    """The error line of a request that a cancel left unanswered."""
-    message = f"line {line}: the batch was cancelled before this request was answered"
-    return error_line(LineError(line, custom_id, CANCELLED, message), batch_id=batch_id)
-
-
 def cancel_shard(job: Storage, msg: ShardMessage) -> bool:
     """Skip a shard of a cancelled job: each of its requests becomes a batch_cancelled error
     line, written as the shard's result. False if a result was already written."""
@@ -92,7 +83,7 @@ def cancel_shard(job: Storage, msg: ShardMessage) -> bool:
         job,
         msg,
         CANCELLED,
-        lambda line: f"line {line}: the batch was cancelled before this request was answered",
+        cancelled_message,
     )
 
 
@@ -122,6 +113,11 @@ def _read_lines(target: Storage) -> Iterator[bytes]:
         for line in f:
             if line.strip():
                 yield line
+
+
+def read_shard_result(job: Storage, shard_id: str) -> list[dict]:
+    """The output or error lines a shard's result holds (raises StorageError if unwritten)."""
+    return [json.loads(raw)["record"] for raw in _read_lines(_result(job, shard_id))]
 
 
 def try_finalize(job: Storage) -> BatchRecord | None:

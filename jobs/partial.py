@@ -1,18 +1,35 @@
 """The answers of a running job, committed in flushed batches so a crash loses no whole line.
 
 While a job runs, each finished request's output line is buffered and written here in batches
-(write, flush, fsync). A SIGKILL can tear at most the last line of a batch; `recover()` cuts
-that torn tail, and `--resume` then skips every custom_id already here. At the end the lines
-are copied to the real output in input order.
+(write, flush, fsync): when `flush_lines` are waiting, and on a timer every `flush_seconds`
+whatever has finished (a long request still running never holds back the short ones that
+finished before it), and on every way out (`close`). A SIGKILL can tear at most the last line
+of a batch; `recover()` cuts that torn tail, and `--resume` then skips every line already
+answered here.
+
+    {"kvbatch_partial": 1, "identity": {...}}     first line: what the answers belong to
+    {"digest": <sha256 of the input line>, "record": <output or error line>}   one per answer
+
+The identity (model, model name) and the per-line digests make `--resume` safe: answers of
+another model are refused, and an answer whose input line changed (or is gone) is not reused.
+
+The file is created with O_EXCL | O_NOFOLLOW and reopened with O_NOFOLLOW: a link planted at
+its name is never followed (its target is never truncated or written).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+FORMAT = 1
+
+
+class PartialError(Exception):
+    """The partial output cannot be used (another job's, unreadable, or not a plain file)."""
 
 
 class PartialOutput:
@@ -20,68 +37,155 @@ class PartialOutput:
         self.path = path
         self.flush_lines, self.flush_seconds = flush_lines, flush_seconds
         self._buffer: list[bytes] = []
-        self._last_flush = time.monotonic()
+        self._lock = threading.Lock()
         self._file = None
+        self._stop = threading.Event()
+        self._timer: threading.Thread | None = None
 
-    def reset(self) -> None:
-        """Start empty (a fresh run)."""
+    # -- opening -----------------------------------------------------------------------------
+
+    def reset(self, identity: dict) -> dict[str, str]:
+        """Start empty (a fresh run): an old file (or a link planted at its name) is removed,
+        never followed."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_bytes(b"")
+        self.path.unlink(missing_ok=True)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise PartialError(
+                f"cannot create the partial output {self.path}: {e.strerror}"
+            ) from None
+        self._file = os.fdopen(fd, "ab")
+        self._write_now([_header(identity)])
+        return {}
 
-    def recover(self) -> set[str]:
-        """custom_ids already committed; a torn last line (no newline) is cut off."""
-        if not self.path.exists():
-            self.reset()
-            return set()
-        data = self.path.read_bytes()
+    def recover(self, identity: dict) -> dict[str, str]:
+        """{custom_id: digest of its input line} of the answers already committed; a torn last
+        line (no newline) is cut off. Raises PartialError when the file belongs to another
+        model or is not a partial output."""
+        if not self.path.exists() and not self.path.is_symlink():
+            return self.reset(identity)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as e:
+            raise PartialError(
+                f"cannot open the partial output {self.path}: {e.strerror} (a link or special "
+                "file is never followed): remove it and run without --resume"
+            ) from None
+        f = os.fdopen(fd, "r+b")
+        data = f.read()
         keep = data.rfind(b"\n") + 1
+        lines = data[:keep].splitlines()
+        try:
+            header = json.loads(lines[0]) if lines else None
+            found = header.get("identity") if isinstance(header, dict) else None
+        except ValueError:
+            found = None
+        if not lines or found is None or header.get("kvbatch_partial") != FORMAT:
+            f.close()
+            raise PartialError(
+                f"{self.path} is not a partial output this version of kvbatch wrote: remove it "
+                "or run without --resume to start over"
+            )
+        if found != identity:
+            f.close()
+            raise PartialError(
+                f"--resume: the answers in {self.path} were made by {_describe(found)}, not by "
+                f"{_describe(identity)}: run with the same model, or without --resume to start "
+                "over"
+            )
         if keep != len(data):
-            with open(self.path, "r+b") as f:
-                f.truncate(keep)
-        return {json.loads(line)["custom_id"] for line in data[:keep].splitlines() if line}
+            f.truncate(keep)
+        f.seek(0, os.SEEK_END)
+        self._file = f
+        done = {}
+        for raw in lines[1:]:
+            item = json.loads(raw)
+            done[item["record"]["custom_id"]] = item["digest"]
+        return done
 
-    def add(self, record: dict) -> None:
-        self._buffer.append(json.dumps(record, ensure_ascii=False).encode() + b"\n")
-        if (
-            len(self._buffer) >= self.flush_lines
-            or time.monotonic() - self._last_flush >= self.flush_seconds
-        ):
+    # -- writing -----------------------------------------------------------------------------
+
+    def add(self, record: dict, digest: str) -> None:
+        """Buffer one answer (output or error line) of the input line whose digest is given."""
+        line = json.dumps({"digest": digest, "record": record}, ensure_ascii=False).encode()
+        with self._lock:
+            self._buffer.append(line + b"\n")
+            full = len(self._buffer) >= self.flush_lines
+        if full:
             self.flush()
+        self._start_timer()
 
     def flush(self) -> None:
-        if self._buffer:
-            if self._file is None:
-                self._file = open(self.path, "ab")  # noqa: SIM115 - kept open across batches
-            self._file.write(b"".join(self._buffer))
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._buffer.clear()
-        self._last_flush = time.monotonic()
+        """Commit what is buffered (write, flush, fsync)."""
+        with self._lock:
+            if self._buffer and self._file is not None:
+                # Taken out first: a KeyboardInterrupt between the write and the clear would
+                # otherwise write the batch twice (at close). Lost before the write, the lines
+                # are only answered again by --resume.
+                pending, self._buffer = self._buffer, []
+                self._write_now(pending)
 
     def close(self) -> None:
+        """Commit what is buffered and stop the timer; safe to call on any way out."""
+        self._stop.set()
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.join()
+        self._timer = None
         self.flush()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
-    def records(self) -> Iterator[tuple[dict, int, int]]:
-        """Every committed line, parsed, with its byte offset and length (see `read_at`)."""
+    def _write_now(self, lines: list[bytes]) -> None:
+        self._file.write(b"".join(lines))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def _start_timer(self) -> None:
+        if self._timer is None and not self._stop.is_set():
+            self._timer = threading.Thread(target=self._flush_every, daemon=True)
+            self._timer.start()
+
+    def _flush_every(self) -> None:
+        while not self._stop.wait(self.flush_seconds):
+            try:
+                self.flush()
+            except OSError:
+                return  # the next flush on the main path reports it
+
+    # -- reading at the end ------------------------------------------------------------------
+
+    def records(self) -> Iterator[tuple[dict, str, int, int]]:
+        """Every committed answer (record, digest) with its byte offset and length (see
+        `read_at`)."""
         self.close()
         offset = 0
         with open(self.path, "rb") as f:
-            for raw in f:
-                if raw.strip():
-                    yield json.loads(raw), offset, len(raw)
+            for n, raw in enumerate(f):
+                if n and raw.strip():
+                    item = json.loads(raw)
+                    yield item["record"], item["digest"], offset, len(raw)
                 offset += len(raw)
 
     def read_at(self, spans: Iterable[tuple[int, int]]) -> Iterator[bytes]:
-        """The raw lines at (offset, length) spans, in the order given: the answers are
+        """The output lines at (offset, length) spans, in the order given: the answers are
         reordered by seeking, so finalizing a huge job holds offsets, not lines."""
         with open(self.path, "rb") as f:
             for offset, length in spans:
                 f.seek(offset)
-                yield f.read(length)
+                record = json.loads(f.read(length))["record"]
+                yield json.dumps(record, ensure_ascii=False).encode() + b"\n"
 
     def remove(self) -> None:
         self.close()
         self.path.unlink(missing_ok=True)
+
+
+def _header(identity: dict) -> bytes:
+    return json.dumps({"kvbatch_partial": FORMAT, "identity": identity}).encode() + b"\n"
+
+
+def _describe(identity: dict) -> str:
+    return ", ".join(f"{k} {v!r}" for k, v in sorted(identity.items()))

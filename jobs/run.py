@@ -19,12 +19,14 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbatch.jobs.batch_record import BatchRecord
 from kvbatch.jobs.grouping import feed_in_order, group_by_prefix
-from kvbatch.jobs.partial import PartialOutput
+from kvbatch.jobs.output_lock import OutputBusy, output_lock
+from kvbatch.jobs.partial import PartialError, PartialOutput
 from kvbatch.jobs.progress import Progress
 from kvbatch.jobs.prompts import PromptError, prompt_token_ids, sampling_params_for
 from kvbatch.jobs.responses import error_line, success_line
@@ -98,18 +100,80 @@ def _sibling(uri: str, suffix: str) -> str:
 
 
 def run_job(opts: RunOptions, llm=None) -> BatchRecord:
-    """Run a whole job; returns the final batch record (also written as batch.json)."""
+    """Run a whole job; returns the final batch record (also written as batch.json).
+
+    The output is locked for the run (a second run on it raises JobError naming the holder).
+    On every way out, KeyboardInterrupt included, the answers finished so far are committed to
+    the partial output, so `--resume` continues from them."""
     paths = resolve_paths(opts)
-    source = open_storage(opts.input)
-    targets = [
-        open_storage(u) for u in (paths.output, paths.errors, paths.batch) if not u.startswith("-")
-    ]
     try:
+        source = open_storage(opts.input)
+        targets = [
+            open_storage(u)
+            for u in (paths.output, paths.errors, paths.batch)
+            if not u.startswith("-")
+        ]
+        _refuse_overwriting_the_input(opts.input, [paths.output, paths.errors, paths.batch])
         source.check_readable()
         for t in targets:
             t.check_writable()
     except StorageError as e:
         raise JobError(str(e)) from e
+    try:
+        with output_lock(paths.output, opts.input):
+            return _run_locked(opts, paths, source, llm)
+    except OutputBusy as e:
+        raise JobError(str(e)) from e
+    except StorageError as e:
+        raise JobError(f"{e}; {_kept(paths)}") from e
+    except OSError as e:
+        where = e.filename or f"the partial output {paths.partial}"
+        raise JobError(f"cannot write {where}: {e.strerror}; {_kept(paths)}") from e
+
+
+def _kept(paths: JobPaths) -> str:
+    return (
+        f"the answers finished so far are kept in {paths.partial}: fix that, then run the "
+        "same command with --resume"
+    )
+
+
+def _refuse_overwriting_the_input(input_uri: str, outputs: list[str]) -> None:
+    if input_uri == "-" or input_uri.startswith("s3://"):
+        same = [o for o in outputs if o == input_uri]
+    else:
+        src = Path(input_uri).expanduser()
+        same = [
+            o
+            for o in outputs
+            if not o.startswith(("-", "s3://")) and _same_file(src, Path(o).expanduser())
+        ]
+    if same:
+        raise StorageError(
+            f"{same[0]} is the input file: the run would replace it; choose another -o/--errors"
+        )
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def job_identity(opts: RunOptions) -> dict:
+    """What a run's answers depend on besides the input lines (those are digested one by one):
+    the model and the settings that change its outputs. `--resume` refuses a partial output
+    whose identity differs."""
+    engine = {k: opts.engine[k] for k in _OUTPUT_SETTINGS if opts.engine.get(k) is not None}
+    return {"model": opts.model, "model_name": opts.model_name, **engine}
+
+
+# Engine settings that change the answers (the rest change only speed).
+_OUTPUT_SETTINGS = ("dtype", "quantization", "kv_cache_dtype", "max_model_len", "speculative")
+
+
+def _run_locked(opts: RunOptions, paths: JobPaths, source, llm) -> BatchRecord:
     record = BatchRecord.start(
         batch_id=_batch_id(opts.input, paths.output),
         input_uri=opts.input,
@@ -126,7 +190,11 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
             raise JobError(f"cannot load the model: {e}") from e
     engine = llm.engine
     partial = PartialOutput(paths.partial)
-    done = partial.recover() if opts.resume else (partial.reset() or set())
+    identity = json.loads(json.dumps(job_identity(opts), default=str))
+    try:
+        done = partial.recover(identity) if opts.resume else partial.reset(identity)
+    except PartialError as e:
+        raise JobError(str(e)) from e
     if done:
         log.info("resuming: %d requests already answered", len(done))
 
@@ -134,74 +202,101 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
     # run's spill is then found and removed by the next run instead of lingering (mkstemp names
     # differ per run) in the output's folder.
     spill = paths.partial.with_name(paths.partial.name + ".tokens")
-    shutil.rmtree(spill, ignore_errors=True)
-    spill.mkdir(parents=True)
-    with TokenStore(spill) as store:
-        job = prepare_requests(source, opts, engine.tokenizer, engine.max_model_len, store, done)
-        record.mark_in_progress()
-        order = group_by_prefix(
-            (store[i] for i in range(len(store))), engine.config.cache.block_size
-        )
-        log.info(
-            "%d requests to run, %d invalid lines; prefix grouping: %d of %d prompt tokens "
-            "shareable",
-            len(store),
-            len(job.errors),
-            order.ideal_cached_tokens,
-            order.prompt_tokens,
-        )
-        window = opts.window or 4 * engine.config.scheduler.max_num_seqs
-        feed = ((str(i), store[i], job.requests[i].params) for i in order.order)
-        progress = Progress(total=len(store), engine=engine)
-        for out in feed_in_order(engine, feed, window):
-            req = job.requests[int(out.request_id)]
-            partial.add(
-                success_line(
-                    req,
-                    out,
-                    model=job.model_name,
-                    tokenizer=engine.tokenizer,
-                    batch_id=record.id,
-                    created=record.created_at,
-                )
+    _fresh_private_folder(spill)
+    try:
+        with TokenStore(spill) as store:
+            job = prepare_requests(
+                source, opts, engine.tokenizer, engine.max_model_len, store, done
             )
-            progress.update(out)
+            record.mark_in_progress()
+            _answer(opts, engine, store, job, partial, record)
+    finally:
         partial.close()
-        progress.close()
+        shutil.rmtree(spill, ignore_errors=True)
     _log_speculation(engine)
-    spill.rmdir()
     record.mark_finalizing()
-    _finalize(paths, partial, job, record)
+    try:
+        _finalize(paths, partial, job, record)
+    except OSError as e:
+        where = e.filename or f"the output {paths.output}"
+        raise JobError(f"cannot write {where}: {e.strerror}; {_kept(paths)}") from e
     partial.remove()
     return record
+
+
+def _fresh_private_folder(folder: Path) -> None:
+    """An empty folder of our own at `folder`: a link planted there is removed, not followed."""
+    if folder.is_symlink() or folder.is_file():
+        folder.unlink()
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(mode=0o700, parents=True)
+
+
+def _answer(opts: RunOptions, engine, store: TokenStore, job: PreparedJob, partial, record):
+    order = group_by_prefix((store[i] for i in range(len(store))), engine.config.cache.block_size)
+    log.info(
+        "%d requests to run, %d invalid lines; prefix grouping: %d of %d prompt tokens shareable",
+        len(store),
+        len(job.errors),
+        order.ideal_cached_tokens,
+        order.prompt_tokens,
+    )
+    window = opts.window or 4 * engine.config.scheduler.max_num_seqs
+    feed = ((str(i), store[i], job.requests[i].params) for i in order.order)
+    progress = Progress(total=len(store), engine=engine)
+    try:
+        for out in feed_in_order(engine, feed, window):
+            req = job.requests[int(out.request_id)]
+            line = success_line(
+                req,
+                out,
+                model=job.model_name,
+                tokenizer=engine.tokenizer,
+                batch_id=record.id,
+                created=record.created_at,
+            )
+            partial.add(line, job.digest_of[req.custom_id])
+            progress.update(out)
+    finally:
+        progress.close()
 
 
 @dataclass
 class PreparedJob:
     requests: list[JobRequest]  # indexed like the token store; messages dropped
     line_of: dict[str, int]  # custom_id -> input line, for ordering the output
+    digest_of: dict[str, str]  # custom_id -> digest of its input line (what an answer is of)
     errors: list[LineError]
     model_name: str
     urls: set[str]  # of every valid line, answered in an earlier run (--resume) or not
 
 
 def prepare_requests(
-    source, opts: RunOptions, tokenizer, max_len: int, store: TokenStore, done: set[str]
+    source,
+    opts: RunOptions,
+    tokenizer,
+    max_len: int,
+    store: TokenStore,
+    done: Mapping[str, str],
 ) -> PreparedJob:
     """Validation pass: stream the input once, tokenize, spill tokens, collect errors.
 
-    Shared by `kvbatch run` and `kvbatch submit`, so both judge lines the same way."""
+    `done` ({custom_id: line digest}, from --resume) names the lines answered already: a line
+    whose digest still matches is skipped; one that changed is answered again. Shared by
+    `kvbatch run` and `kvbatch submit`, so both judge lines the same way."""
     if tokenizer is None:
         raise JobError(f"the model {opts.model} has no tokenizer: jobs need one")
     requests: list[JobRequest] = []
     line_of: dict[str, int] = {}
+    digest_of: dict[str, str] = {}
     errors: list[LineError] = []
     job_model = opts.model_name
     urls: set[str] = set()
     params_seen: dict = {}  # identical SamplingParams are shared: millions of lines, few kinds
     try:
         with source.open_read() as f:
-            for item in validate_lines(f, model=opts.model_name):
+            lines = _LastLine(f)
+            for item in validate_lines(lines, model=opts.model_name):
                 if isinstance(item, LineError):
                     errors.append(item)
                     continue
@@ -220,7 +315,9 @@ def prepare_requests(
                     )
                     continue
                 urls.add(item.url)
-                if item.custom_id in done:
+                digest = line_digest(lines.last)
+                digest_of[item.custom_id] = digest
+                if done.get(item.custom_id) == digest:
                     continue
                 try:
                     ids = prompt_token_ids(item, tokenizer, max_len)
@@ -238,7 +335,26 @@ def prepare_requests(
     except StorageError as e:
         raise JobError(str(e)) from e
     name = job_model or Path(opts.model.rstrip("/")).name
-    return PreparedJob(requests, line_of, errors, name, urls)
+    return PreparedJob(requests, line_of, digest_of, errors, name, urls)
+
+
+def line_digest(raw: bytes) -> str:
+    """What an answer is an answer to: the input line's bytes, outer whitespace aside."""
+    return hashlib.sha256(raw.strip()).hexdigest()[:32]
+
+
+class _LastLine:
+    """Iterates a file's lines and remembers the last one: validate_lines is lazy (one record
+    per line, yielded before the next line is read), so it is the line of the record in hand."""
+
+    def __init__(self, lines) -> None:
+        self._lines = lines
+        self.last = b""
+
+    def __iter__(self):
+        for raw in self._lines:
+            self.last = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
+            yield raw
 
 
 def _finalize(
@@ -247,8 +363,15 @@ def _finalize(
     """Write answers in input order and errors by line number; count and sum usage."""
     answered: list[tuple[int, int, int]] = []  # (input line, offset, length) in the partial
     failed: list[tuple[int, int, int]] = []
-    for line, offset, length in partial.records():
-        n = job.line_of.get(line["custom_id"], 0)
+    seen: set[str] = set()
+    for line, digest, offset, length in partial.records():
+        custom_id = line["custom_id"]
+        # Only answers to the input as it is now: a line edited or removed since an
+        # interrupted run (or another job's answers) is not reused.
+        if job.digest_of.get(custom_id) != digest or custom_id in seen:
+            continue
+        seen.add(custom_id)
+        n = job.line_of[custom_id]
         if line.get("error"):
             failed.append((n, offset, length))
         else:

@@ -25,6 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.jobs.cancelled import cancelled_line
+from kvbatch.jobs.grouping import feed_in_order
+from kvbatch.jobs.responses import success_line
 from kvbatch.jobs.storage import Storage, open_storage, validate_key_part
 from kvbatch.jobs.validate import JobRequest
 
@@ -144,15 +147,36 @@ def read_shard_lines(job: Storage, shard_id: str) -> list[tuple[int, int, str]]:
         return [tuple(json.loads(line)) for line in f if line.strip()]
 
 
+class PayloadMismatch(ValueError):
+    """A shard's payload does not match its sha256: no delivery of it can succeed."""
+
+
+def manifest_mismatch(manifest: dict, msg: ShardMessage) -> str | None:
+    """Why `msg` is not a message of the job `manifest` (job.json) describes, or None: a
+    tampered or stale message names a shard the job lacks, or another uri or sha256."""
+    if manifest.get("job_id") not in (None, msg.job_id):
+        return f"job id {msg.job_id} is not the job's ({manifest.get('job_id')})"
+    entry = next((s for s in manifest.get("shards", []) if s["shard_id"] == msg.shard_id), None)
+    if entry is None:
+        return f"the job has no shard {msg.shard_id}"
+    if entry.get("sha256") != msg.sha256:
+        return (
+            f"sha256 {msg.sha256[:12]}... is not the manifest's {entry.get('sha256', '')[:12]}..."
+        )
+    if entry.get("uri") not in (None, msg.uri):
+        return f"uri {msg.uri} is not the manifest's {entry.get('uri')}"
+    return None
+
+
 def read_shard(msg: ShardMessage, *, verify: bool = True) -> list[ShardRequest]:
-    """The requests of a shard, in the order to run them. Raises ValueError when the payload
-    does not match the message's sha256 (tampered, truncated or overwritten)."""
+    """The requests of a shard, in the order to run them. Raises PayloadMismatch when the
+    payload does not match the message's sha256 (tampered, truncated or overwritten)."""
     with open_storage(msg.uri).open_read() as f:
         data = f.read()
     if verify:
         got = hashlib.sha256(data).hexdigest()
         if got != msg.sha256:
-            raise ValueError(
+            raise PayloadMismatch(
                 f"shard payload {msg.uri} does not match its sha256 (expected {msg.sha256}, "
                 f"got {got}): the payload changed after submit; resubmit the job"
             )
@@ -176,10 +200,6 @@ def run_shard(
     `should_stop` (the job's cancel check) is asked between engine steps; once it is True the
     shard's requests in the engine are aborted, and every request without an answer gets a
     batch_cancelled error line: the result still holds one line per request."""
-    from kvbatch.jobs.finalize import cancelled_line
-    from kvbatch.jobs.grouping import feed_in_order
-    from kvbatch.jobs.responses import success_line
-
     engine = llm.engine
     requests = read_shard(msg)
     by_id = {str(r.index): r for r in requests}

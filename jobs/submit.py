@@ -141,7 +141,7 @@ def prepare_job(
     try:
         with TokenStore(spill) as store:
             opts = RunOptions(input=input_uri, model=model, model_name=model_name)
-            prepared = prepare_requests(source, opts, tokenizer, max_len, store, set())
+            prepared = prepare_requests(source, opts, tokenizer, max_len, store, {})
             errors = sorted(prepared.errors, key=lambda e: e.line)
             job.join("validation_errors.jsonl").write_bytes(
                 b"".join(

@@ -9,9 +9,10 @@ the job. When a line has several problems the message lists them all ("; "-separ
 ==========================  ===============================================================
 code                        the line ...
 ==========================  ===============================================================
-invalid_encoding            is not UTF-8
+invalid_encoding            is not UTF-8, or holds a lone surrogate escape ("\ud800")
 line_too_long               is longer than MAX_LINE_BYTES (16 MiB)
-invalid_json                is not JSON (NaN and Infinity are not JSON either)
+invalid_json                is not JSON (NaN and Infinity are not JSON either), or nests
+                            arrays/objects deeper than Python's JSON reader can follow
 not_an_object               is JSON but not an object
 missing_custom_id           has no custom_id
 invalid_custom_id           has a custom_id that is not a non-empty string of <= 512 chars
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -205,8 +207,27 @@ def _check_line(
             "invalid_json",
             f"not valid JSON ({exc}): write each request as one JSON object on one line",
         )
+    except RecursionError:
+        return fail(
+            "invalid_json",
+            "arrays or objects nest too deeply to read: a request needs only a few levels",
+        )
     if not isinstance(obj, dict):
         return fail("not_an_object", f"a line must be a JSON object, got a JSON {_json_type(obj)}")
+    surrogate = (
+        _lone_surrogate_path(obj)
+        if _SURROGATE_ESCAPE.search(text) or not isinstance(raw, bytes)
+        else None
+    )
+    if surrogate is not None:
+        custom_id = obj.get("custom_id")
+        if isinstance(custom_id, str) and not _has_lone_surrogate(custom_id):
+            problems.custom_id = custom_id if 0 < len(custom_id) <= MAX_CUSTOM_ID_LEN else None
+        return fail(
+            "invalid_encoding",
+            f"{surrogate} holds a lone surrogate escape (\\ud800-\\udfff), which is not text: "
+            "remove it, or write the character itself or a full surrogate pair",
+        )
 
     custom_id = obj.get("custom_id")
     if isinstance(custom_id, str) and 0 < len(custom_id) <= MAX_CUSTOM_ID_LEN:
@@ -281,7 +302,7 @@ def _describe_line_error(err: dict[str, Any], obj: dict, problems: _Problems) ->
         if field == "custom_id":
             problems.add("missing_custom_id", f"no 'custom_id': give each line a unique id, {rule}")
         else:
-            problems.add(_LINE_FIELD_CODES[field], f"no '{field}': it must be {rule}")
+            problems.add(_line_field_code(field), f"no '{field}': it must be {rule}")
     elif kind == "extra_forbidden":
         problems.add(
             "unknown_parameter",
@@ -289,8 +310,14 @@ def _describe_line_error(err: dict[str, Any], obj: dict, problems: _Problems) ->
         )
     else:
         problems.add(
-            _LINE_FIELD_CODES[field], f"'{field}' must be {rule}, got {_show(obj.get(field))}"
+            _line_field_code(field), f"'{field}' must be {rule}, got {_show(obj.get(field))}"
         )
+
+
+def _line_field_code(field: object) -> str:
+    """The code of a problem with a top-level field; an odd key pydantic reports oddly is
+    still one record, never a crash."""
+    return _LINE_FIELD_CODES.get(str(field), "unknown_parameter")
 
 
 def _describe_body_error(
@@ -360,6 +387,39 @@ def _too_long(size: int) -> str:
         f"the line is {size} bytes, over the limit of {MAX_LINE_BYTES} bytes: shorten the "
         "prompt (or split the request)"
     )
+
+
+# A JSON escape of a UTF-16 surrogate. Raw UTF-8 cannot hold one (the decoder refuses it), so
+# a line without this pattern needs no walk.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _lone_surrogate_path(obj: object) -> str | None:
+    """Where the first string (key or value) with a lone surrogate is, as 'body.stop[0]', or
+    None. Iterative: a line may nest as deep as the JSON reader allows."""
+    stack: list[tuple[str, object]] = [("", obj)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _has_lone_surrogate(value):
+                return f"'{path}'" if path else "the line"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _has_lone_surrogate(key):
+                    where = f"'{path}'" if path else "the line"
+                    return f"a key of {where} ({ascii(key)})"
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
 
 
 def _reject_constant(name: str) -> None:

@@ -136,12 +136,19 @@ def _run(args: argparse.Namespace) -> int:
         work_dir=args.work_dir,
         engine=engine_kwargs(args),
     )
+    paths = resolve_paths(opts)
     try:
         record = run_job(opts)
     except JobError as e:
         print(f"kvbatch run: {e}", file=sys.stderr)
         return 1
-    paths = resolve_paths(opts)
+    except KeyboardInterrupt:
+        print(
+            f"kvbatch run: interrupted; the answers finished so far are kept in {paths.partial}: "
+            "run the same command with --resume to continue",
+            file=sys.stderr,
+        )
+        return 130
     share = record.cached_tokens / record.prompt_tokens if record.prompt_tokens else 0.0
     print(
         f"kvbatch run: {record.completed} answered, {record.failed} failed; "

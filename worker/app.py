@@ -23,46 +23,33 @@ import os
 
 from celery import Celery
 
-TASK_NAME = "kvbatch.run_shard"
-DEFAULT_QUEUE = "kvbatch"
-# Redis' kombu default is 1 h. A shard of 200k tokens takes minutes on a GPU; 2 h leaves a
-# wide margin. A killed worker's shard waits this long before another worker gets it.
-DEFAULT_VISIBILITY_TIMEOUT = 2 * 3600
-SCHEMES = ("redis://", "rediss://", "sqs://")
+from kvbatch.worker.settings import (
+    DEFAULT_QUEUE,
+    SCHEMES,
+    TASK_NAME,
+    BrokerError,
+    broker_url,
+    redact_url,
+    visibility_timeout,
+)
+from kvbatch.worker.tasks import register
 
-
-class BrokerError(ValueError):
-    """No usable broker URL was given."""
-
-
-def broker_url(flag: str | None = None) -> str:
-    """The broker URL from `--broker` or else KVBATCH_BROKER_URL; the scheme is checked."""
-    url = flag or os.environ.get("KVBATCH_BROKER_URL")
-    if not url:
-        raise BrokerError("no broker: give --broker URL or set KVBATCH_BROKER_URL")
-    if not url.startswith(SCHEMES):
-        raise BrokerError(f"broker URL {url!r}: expected one of {', '.join(SCHEMES)}")
-    return url
-
-
-def visibility_timeout() -> int:
-    """Seconds before an unacknowledged shard is handed out again (KVBATCH_VISIBILITY_TIMEOUT)."""
-    raw = os.environ.get("KVBATCH_VISIBILITY_TIMEOUT")
-    if raw is None:
-        return DEFAULT_VISIBILITY_TIMEOUT
-    try:
-        value = int(raw)
-    except ValueError:
-        raise BrokerError(f"KVBATCH_VISIBILITY_TIMEOUT={raw!r}: expected whole seconds") from None
-    if value <= 0:
-        raise BrokerError(f"KVBATCH_VISIBILITY_TIMEOUT={raw!r}: must be positive")
-    return value
+__all__ = [
+    "DEFAULT_QUEUE",
+    "TASK_NAME",
+    "BrokerError",
+    "broker_url",
+    "make_app",
+    "visibility_timeout",
+]
 
 
 def make_app(broker: str, *, visibility: int | None = None) -> Celery:
     """A Celery app on `broker` with the shard task registered."""
     if not broker.startswith(SCHEMES):
-        raise BrokerError(f"broker URL {broker!r}: expected one of {', '.join(SCHEMES)}")
+        raise BrokerError(
+            f"broker URL {redact_url(broker)!r}: expected one of {', '.join(SCHEMES)}"
+        )
     vt = visibility if visibility is not None else visibility_timeout()
     app = Celery("kvbatch", broker=broker, set_as_current=False)
     app.conf.update(
@@ -98,8 +85,6 @@ def make_app(broker: str, *, visibility: int | None = None) -> Celery:
         )
     else:
         app.conf.update(task_ignore_result=True)  # SQS has no result backend
-    from kvbatch.worker.tasks import register
-
     register(app)
     return app
 

@@ -4,6 +4,7 @@ kvbatch submit INPUT --output URI --model PATH [--broker URL] [--shard-tokens N]
     validate, tokenize and shard the input into <URI>/<job_id>/, send one message per
     shard; the job id is the last line printed
 kvbatch worker --model PATH [--broker URL] [--queue Q] [--device ...] [--metrics-port N]
+               [--metrics-host ADDR]
         [--speculative ngram|draft:PATH] [--num-speculative-tokens K]
     load the model once, then run shards until stopped (solo pool: one process per GPU);
     Prometheus metrics on port N (default 9400, 0: off; worker/metrics.py)
@@ -28,8 +29,7 @@ import os
 import socket
 import sys
 
-DEFAULT_QUEUE = "kvbatch"  # kvbatch.worker.app.DEFAULT_QUEUE; not imported, so that `kvbatch run`
-# does not import Celery just to build its argument parser
+from kvbatch.worker.settings import DEFAULT_QUEUE  # plain Python: no Celery to parse arguments
 
 log = logging.getLogger("kvbatch.worker")
 
@@ -59,6 +59,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=9400,
         help="serve Prometheus metrics on this port (0: off)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="0.0.0.0",
+        help="address the metrics port binds (default 0.0.0.0: reachable by a Prometheus "
+        "scraping the container or host from outside; 127.0.0.1 keeps it local)",
     )
 
 
@@ -208,16 +214,22 @@ def worker(args: argparse.Namespace, engine: dict) -> int:
         print(f"kvbatch worker: cannot create the queue {args.queue}: {e}", file=sys.stderr)
         return 1
     port = getattr(args, "metrics_port", 0)
+    host = getattr(args, "metrics_host", "0.0.0.0")
     if port:
         from kvbatch.worker.metrics import observe_engine, start_metrics_server
 
         try:  # a busy port (two workers on one host) costs the metrics, not the worker
-            start_metrics_server(port)
+            start_metrics_server(port, host)
         except OSError as e:
-            log.warning("no metrics: cannot serve port %d (%s); give --metrics-port", port, e)
+            log.warning(
+                "no metrics: cannot serve %s:%d (%s); give --metrics-host/--metrics-port",
+                host,
+                port,
+                e,
+            )
         else:
             observe_engine(model.llm())
-            log.info("metrics on :%d/metrics", port)
+            log.info("metrics on %s:%d/metrics", host, port)
     hostname = f"kvbatch-{os.getpid()}@{socket.gethostname()}"
     app.worker_main(
         [

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from kvbatch.jobs.cancelled import CANCELLED
+
 log = logging.getLogger("kvbatch.worker")
 
 DEFAULT_PORT = 9400
@@ -111,6 +113,18 @@ class WorkerMetrics:
             ["job_id", "status"],
             registry=r,
         )
+        self.messages_dropped = Counter(
+            "kvbatch_messages_dropped",
+            "Shard messages dropped unrun: they do not match their job's manifest (tampered "
+            "or stale), by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.messages_deferred = Counter(
+            "kvbatch_messages_deferred",
+            "Deliveries of a shard that was running elsewhere, sent again later",
+            registry=r,
+        )
         self.shard_seconds = Histogram(
             "kvbatch_shard_seconds",
             "Seconds a shard ran on the engine",
@@ -172,8 +186,6 @@ class WorkerMetrics:
 def lines_by_status(records) -> dict[str, int]:
     """{completed, failed, cancelled: count} of a shard's [(index, line)] (a cancelled line
     counts as cancelled only, not also as failed)."""
-    from kvbatch.jobs.finalize import CANCELLED
-
     counts = dict.fromkeys(LINE_STATUSES, 0)
     for _, line in records:
         error = line.get("error")
@@ -236,6 +248,15 @@ def shard_finished(
     metrics: WorkerMetrics | None = None,
 ) -> None:
     (metrics or METRICS).shard_finished(job_id, status, lines_by_status, seconds)
+
+
+def message_dropped(reason: str, metrics: WorkerMetrics | None = None) -> None:
+    """Count a shard message dropped unrun (reason: a short fixed word, e.g. "mismatch")."""
+    (metrics or METRICS).messages_dropped.labels(reason=reason).inc()
+
+
+def message_deferred(metrics: WorkerMetrics | None = None) -> None:
+    (metrics or METRICS).messages_deferred.inc()
 
 
 def start_metrics_server(port: int, addr: str = "0.0.0.0", metrics: WorkerMetrics | None = None):

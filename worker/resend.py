@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from kvbatch.jobs.shards import ShardMessage
 from kvbatch.jobs.storage import Storage
-from kvbatch.worker.app import TASK_NAME
+from kvbatch.worker.settings import TASK_NAME
 
 log = logging.getLogger("kvbatch.worker")
 

@@ -4,11 +4,16 @@ A message is a claim check, `{"output": prefix, "shard": ShardMessage dict}`: th
 finds the job's folder from the prefix and the job id, and the payload from the shard's uri.
 
     validate the message  -> bad: reject (acknowledged, never retried)
+    compare with job.json -> another sha256/uri, or no such shard (tampered or stale): dropped,
+                             logged and counted; no attempt claimed, no result written
     result already there  -> a duplicate delivery: nothing to run
     job cancelled         -> the shard's lines become batch_cancelled records (jobs/cancel.py)
+    running elsewhere     -> a fresh heartbeat (jobs/running.py): a redelivery of a shard that
+                             still runs; sent again later, no attempt claimed
     record_attempt        -> None (the cap is reached): the shard's lines become error records
-    run_shard on the model (stopping between engine steps if the job is cancelled meanwhile),
-    write_shard_result (written once), try_finalize
+    run_shard on the model, beating its heartbeat (stopping between engine steps if the job is
+    cancelled meanwhile); a payload that does not match its sha256 fails the shard at once
+    (no attempt could succeed); write_shard_result (written once), try_finalize
 
 Each outcome is counted in worker/metrics.py (shards by status, lines by status per job), and
 the engine is observed between its steps (at most once a second) and after the shard.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +40,30 @@ from typing import Any
 from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry
 
-from kvbatch.worker.app import TASK_NAME
+from kvbatch.jobs.cancel import CancelCheck
+from kvbatch.jobs.cancelled import cancel_requested
+from kvbatch.jobs.finalize import (
+    cancel_shard,
+    fail_shard,
+    has_result,
+    read_manifest,
+    read_shard_result,
+    record_attempt,
+    try_finalize,
+    write_shard_result,
+)
+from kvbatch.jobs.running import running, running_elsewhere
+from kvbatch.jobs.shards import (
+    PayloadMismatch,
+    ShardMessage,
+    job_dir,
+    manifest_mismatch,
+    run_shard,
+)
+from kvbatch.jobs.storage import StorageError
+from kvbatch.worker import metrics
+from kvbatch.worker.settings import TASK_NAME, visibility_timeout
+from kvbatch.worker.sqs import visibility_heartbeat
 
 log = logging.getLogger("kvbatch.worker")
 
@@ -47,6 +76,10 @@ RETRY_COUNTDOWN = 2
 # to MAX_RETRY_COUNTDOWN: about two minutes in all before the shard is failed.
 INFRA_RETRIES = 6
 MAX_RETRY_COUNTDOWN = 60
+# Seconds before a delivery of a shard that runs elsewhere is tried again.
+RUNNING_RECHECK = 5
+# Names this process in the running heartbeat of the shard it runs.
+WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 
 @dataclass
@@ -108,8 +141,6 @@ def handle_shard(task, output: str, shard: dict) -> dict:
     the shard is failed (fail_shard) so the job still finalizes. Only when even that cannot be
     written is the message given up, with the reason in the log (and in
     `<job>/failures/<shard_id>.json` when that can be written)."""
-    from kvbatch.worker.sqs import visibility_heartbeat
-
     msg, job = _parse(output, shard)
     if _model is None:
         raise RuntimeError("this process has no model: start workers with `kvbatch worker`")
@@ -130,24 +161,18 @@ class _Step:
 
 
 def _handle(task, msg, job, step: _Step) -> dict:
-    from kvbatch.jobs.cancel import CancelCheck
-    from kvbatch.jobs.finalize import (
-        cancel_requested,
-        cancel_shard,
-        fail_shard,
-        has_result,
-        read_manifest,
-        record_attempt,
-        try_finalize,
-        write_shard_result,
-    )
-    from kvbatch.jobs.shards import run_shard
-    from kvbatch.worker import metrics
-
     step.name = "reading job.json"
     manifest = read_manifest(job)
     max_attempts = int(manifest.get("max_attempts") or DEFAULT_MAX_ATTEMPTS)
     summary = {"job_id": msg.job_id, "shard_id": msg.shard_id}
+    mismatch = manifest_mismatch(manifest, msg)
+    if mismatch is not None:
+        # A tampered or stale message: it claims no attempt and writes no result, so the
+        # real message (or `kvbatch resend`) still runs the shard.
+        log.warning("%s/%s: dropping a message that does not match job.json: %s",
+                    msg.job_id, msg.shard_id, mismatch)  # fmt: skip
+        metrics.message_dropped("mismatch")
+        return {**summary, "dropped": True}
     step.name = "checking for a result"
     if has_result(job, msg.shard_id):
         log.info("%s/%s: already written (a duplicate delivery)", msg.job_id, msg.shard_id)
@@ -164,6 +189,16 @@ def _handle(task, msg, job, step: _Step) -> dict:
         step.name = "finalizing the job"
         try_finalize(job)
         return {**summary, "cancelled": True}
+    step.name = "checking whether the shard runs elsewhere"
+    owner = running_elsewhere(job, msg.shard_id)
+    if owner is not None:
+        # A redelivery (visibility timeout) of a shard that still runs: claiming an attempt
+        # here would use up its attempts. Come back later; by then it has a result, or its
+        # heartbeat went stale because its worker died.
+        log.info("%s/%s: running on %s; delivering again in %d s",
+                 msg.job_id, msg.shard_id, owner, RUNNING_RECHECK)  # fmt: skip
+        metrics.message_deferred()
+        raise task.retry(countdown=RUNNING_RECHECK, max_retries=None)
     step.name = "claiming an attempt"
     attempt = record_attempt(job, msg.shard_id, max_attempts)
     if attempt is None:
@@ -184,14 +219,23 @@ def _handle(task, msg, job, step: _Step) -> dict:
     step.name = "running the shard"
     try:
         llm = _model.llm()
-        records = run_shard(
-            llm,
-            msg,
-            model_name=manifest.get("model_name") or Path(_model.path.rstrip("/")).name,
-            batch_id=manifest.get("batch_id") or msg.job_id,
-            created=manifest.get("created_at"),
-            should_stop=_slowed(metrics.StepObserver(llm, CancelCheck(job))),
-        )
+        with running(job, msg.shard_id, WORKER_ID):
+            records = run_shard(
+                llm,
+                msg,
+                model_name=manifest.get("model_name") or Path(_model.path.rstrip("/")).name,
+                batch_id=manifest.get("batch_id") or msg.job_id,
+                created=manifest.get("created_at"),
+                should_stop=_slowed(metrics.StepObserver(llm, CancelCheck(job))),
+            )
+    except PayloadMismatch as e:  # no attempt can succeed: fail it now, never retry
+        log.error("%s/%s: %s", msg.job_id, msg.shard_id, e)
+        step.name = "writing the failed result"
+        written = fail_shard(job, msg, str(e))
+        _count_written(msg, "failed", job if written else None)
+        step.name = "finalizing the job"
+        try_finalize(job)
+        return {**summary, "failed": True}
     except Exception as e:
         if llm is not None:
             metrics.safe_observe(llm)
@@ -224,8 +268,6 @@ def _handle(task, msg, job, step: _Step) -> dict:
 
 def _failed_outside_run(task, msg, job, step: str, error: Exception) -> dict:
     """An exception outside the shard's run: retry with backoff, then fail the shard."""
-    from kvbatch.jobs.finalize import fail_shard, try_finalize
-
     where = f"{msg.job_id}/{msg.shard_id}"
     if step == "reading job.json" and _exists(job.join("job.json")) is False:
         log.error("%s: the job has no job.json (deleted?); dropping the shard", where)
@@ -263,8 +305,6 @@ def _exists(target) -> bool | None:
 def _max_countdown() -> int:
     """Backoff stays well below the visibility timeout: on Redis a countdown message waits
     unacknowledged in the worker and would be handed out again past it."""
-    from kvbatch.worker.app import visibility_timeout
-
     try:
         return max(1, min(MAX_RETRY_COUNTDOWN, visibility_timeout() // 4))
     except ValueError:
@@ -306,16 +346,10 @@ def _slowed(should_stop):
 def _count_written(msg, status: str, job) -> None:
     """Count a shard given up on (cancelled, poisoned, failed); its lines only when this
     delivery wrote its result (`job` is None otherwise). Metrics never fail a shard."""
-    from kvbatch.worker import metrics
-
     lines = None
     if job is not None:
         try:
-            from kvbatch.jobs.finalize import _read_lines, _result
-
-            records = [
-                (0, json.loads(raw)["record"]) for raw in _read_lines(_result(job, msg.shard_id))
-            ]
+            records = [(0, line) for line in read_shard_result(job, msg.shard_id)]
             lines = metrics.lines_by_status(records)
         except Exception:
             log.debug("counting the lines of %s/%s failed", msg.job_id, msg.shard_id, exc_info=True)
@@ -324,9 +358,6 @@ def _count_written(msg, status: str, job) -> None:
 
 def _parse(output: str, shard: dict):
     """The checked message and its job folder; a malformed message is rejected for good."""
-    from kvbatch.jobs.shards import ShardMessage, job_dir
-    from kvbatch.jobs.storage import StorageError
-
     try:
         if not isinstance(output, str) or not output:
             raise ValueError(f"output prefix {output!r} is not a URI")

@@ -125,6 +125,10 @@ class Storage(ABC):
         exception (an exception discards everything written). With `if_absent`, the exit
         raises AlreadyExists if another writer got there first."""
 
+    def delete(self) -> None:
+        """Remove the object if it exists (used for leases; job files are never deleted)."""
+        raise StorageError(f"cannot delete {self.uri}: this storage does not delete")
+
     @abstractmethod
     def open_append(self) -> AbstractContextManager[BinaryIO]:
         """An appending writer (local files only: resume appends batches as they finish)."""

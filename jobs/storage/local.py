@@ -51,6 +51,11 @@ class LocalStorage(Storage):
     def check_writable(self) -> None:
         if self.path.is_dir():
             raise StorageError(f"cannot write {self.uri}: it is a directory; name a file in it")
+        if self.path.exists() and not self.path.is_file():
+            raise StorageError(
+                f"cannot write {self.uri}: it exists and is not a regular file (a device, pipe "
+                "or socket would be replaced); name a file, or '-' for stdout"
+            )
         fd, tmp = self._create_temp()
         os.close(fd)
         os.unlink(tmp)
@@ -67,6 +72,12 @@ class LocalStorage(Storage):
         finally:
             with suppress(FileNotFoundError):
                 os.unlink(tmp)  # still there after an exception or after os.link
+
+    def delete(self) -> None:
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot delete {self.uri}: {e.strerror}") from None
 
     def open_append(self) -> BinaryIO:
         self._make_parent()

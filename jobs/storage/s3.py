@@ -167,6 +167,10 @@ class S3Storage(Storage):
             raise
         upload.finish()
 
+    def delete(self) -> None:
+        self._require_object("delete")
+        self._call("deleting", "delete_object", Key=self.key)
+
     def open_append(self) -> NoReturn:
         raise StorageError(
             f"cannot append to {self.uri}: resume appends to a local output; "

@@ -12,7 +12,8 @@ from openai import BaseModel as OpenAIModel
 from openai.types import Batch, Completion
 from openai.types.chat import ChatCompletion
 
-from kvbatch.jobs.run import RunOptions, resolve_paths, run_job
+from kvbatch.jobs.partial import PartialOutput
+from kvbatch.jobs.run import RunOptions, job_identity, line_digest, resolve_paths, run_job
 from tests.s3_server import S3Server
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -64,6 +65,21 @@ def write_jsonl(path: Path, lines: list[dict | str | bytes]) -> Path:
             line = json.dumps(line)
         raw.append(line if isinstance(line, bytes) else line.encode())
     path.write_bytes(b"\n".join(raw) + b"\n")
+    return path
+
+
+def plant_partial(opts: RunOptions, lines: list, answers: list[dict], tail: bytes = b"") -> Path:
+    """The partial output an interrupted run of `opts` leaves: `answers` committed (each the
+    answer to the input line of its custom_id in `lines`), then `tail` (a line torn by a kill)."""
+    raw = {d["custom_id"]: json.dumps(d).encode() for d in lines if isinstance(d, dict)}
+    path = resolve_paths(opts).partial
+    partial = PartialOutput(path)
+    partial.reset(job_identity(opts))
+    for answer in answers:
+        partial.add(answer, line_digest(raw[answer["custom_id"]]))
+    partial.close()
+    with open(path, "ab") as f:
+        f.write(tail)
     return path
 
 
@@ -438,15 +454,12 @@ def test_resume_skips_committed_answers_and_cuts_a_torn_line(llm, tmp_path: Path
     # An interrupted run: 10 answers committed (one of them planted, to show it is kept and
     # not recomputed), then the first half of an 11th line torn by the kill.
     opts.resume = True
-    partial = resolve_paths(opts).partial
     committed = [dict(line) for line in reference[5:15]]
     planted = json.loads(json.dumps(committed[3]))
     planted["response"]["body"]["choices"][0]["message"]["content"] = "PLANTED"
     committed[3] = planted
     torn = json.dumps(reference[15]).encode()
-    partial.write_bytes(
-        b"".join(json.dumps(line).encode() + b"\n" for line in committed) + torn[: len(torn) // 2]
-    )
+    partial = plant_partial(opts, lines, committed, torn[: len(torn) // 2])
     run_job(opts, llm=llm)
 
     out = read_jsonl(tmp_path / "out.jsonl")
@@ -516,7 +529,7 @@ def test_resume_after_a_kill_while_finalizing(llm, tmp_path: Path):
     reference = Path(paths.output).read_bytes()
     reference_batch = batch_json(paths.batch)
     Path(paths.output).unlink()
-    paths.partial.write_bytes(reference)  # the partial lines are the output lines
+    plant_partial(opts, lines, read_jsonl(reference))  # every answer committed
 
     opts.resume = True
     record = run_job(opts, llm=llm)

@@ -109,3 +109,30 @@ def test_pickled_message_is_refused(redis_server):  # noqa: F811
             "binary",
             accept=app.conf.accept_content,
         )
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "amqp://admin:PASSWORD@host//",  # an unsupported scheme
+        "redis:/admin:PASSWORD@host:6379/0",  # a typo
+        "redis//:PASSWORD@host",  # another
+    ],
+)
+def test_a_bad_broker_url_is_named_without_its_password(url, monkeypatch):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "kvbatch.cli", "worker", "--model", "unused", "--broker", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "PASSWORD" not in result.stderr + result.stdout
+    assert "***@host" in result.stderr and "expected one of" in result.stderr
+    monkeypatch.setenv("KVBATCH_BROKER_URL", url)
+    with pytest.raises(BrokerError) as caught:
+        broker_url(None)
+    assert "PASSWORD" not in str(caught.value)

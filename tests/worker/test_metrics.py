@@ -8,6 +8,9 @@ import argparse
 import json
 import re
 import socket
+import subprocess
+import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvbatch.worker import metrics as metrics_mod
 from kvbatch.worker.metrics import WorkerMetrics, lines_by_status, start_metrics_server
+from tests.redis_server import redis_server  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "kvbatch.json"
@@ -231,6 +235,42 @@ def test_worker_metrics_port_option():
     add_worker_args(p)
     assert p.parse_args(["--model", "m"]).metrics_port == 9400
     assert p.parse_args(["--model", "m", "--metrics-port", "0"]).metrics_port == 0
+    assert p.parse_args(["--model", "m"]).metrics_host == "0.0.0.0"  # scraped from outside
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp writes them) listening on `port`."""
+    found = set()
+    for row in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = row.split()[1], row.split()[3]
+        address, hex_port = local.split(":")
+        if int(hex_port, 16) == port and state == "0A":  # LISTEN
+            found.add(address)
+    return found
+
+
+@pytest.mark.slow
+def test_worker_binds_metrics_to_the_host_given(tmp_path, redis_server, tiny_chat_model):  # noqa: F811
+    port = _free_port()
+    log = tmp_path / "worker.log"
+    args = ["worker", "--model", str(tiny_chat_model), "--broker", redis_server.url,
+            "--device", "cpu", "--metrics-port", str(port), "--metrics-host", "127.0.0.1"]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbatch.cli", *args],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not _listening(port):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert _listening(port) == {"0100007F"}  # 127.0.0.1 only, not 0.0.0.0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert "kvbatch_messages_dropped" in r.read().decode()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_dashboard_uses_only_exported_metrics():

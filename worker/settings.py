@@ -1,0 +1,60 @@
+"""Names and settings that the Celery app, the shard task and `kvbatch resend` share: the task's
+name, the default queue, the broker URL and the visibility timeout. Plain Python, no Celery, so
+the task module and the app module both build on it without importing each other.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+TASK_NAME = "kvbatch.run_shard"
+DEFAULT_QUEUE = "kvbatch"
+# Redis' kombu default is 1 h. A shard of 200k tokens takes minutes on a GPU; 2 h leaves a
+# wide margin. A killed worker's shard waits this long before another worker gets it.
+DEFAULT_VISIBILITY_TIMEOUT = 2 * 3600
+SCHEMES = ("redis://", "rediss://", "sqs://")
+
+
+class BrokerError(ValueError):
+    """No usable broker URL was given."""
+
+
+def broker_url(flag: str | None = None) -> str:
+    """The broker URL from `--broker` or else KVBATCH_BROKER_URL; the scheme is checked."""
+    url = flag or os.environ.get("KVBATCH_BROKER_URL")
+    if not url:
+        raise BrokerError("no broker: give --broker URL or set KVBATCH_BROKER_URL")
+    if not url.startswith(SCHEMES):
+        raise BrokerError(f"broker URL {redact_url(url)!r}: expected one of {', '.join(SCHEMES)}")
+    return url
+
+
+def visibility_timeout() -> int:
+    """Seconds before an unacknowledged shard is handed out again (KVBATCH_VISIBILITY_TIMEOUT)."""
+    raw = os.environ.get("KVBATCH_VISIBILITY_TIMEOUT")
+    if raw is None:
+        return DEFAULT_VISIBILITY_TIMEOUT
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BrokerError(f"KVBATCH_VISIBILITY_TIMEOUT={raw!r}: expected whole seconds") from None
+    if value <= 0:
+        raise BrokerError(f"KVBATCH_VISIBILITY_TIMEOUT={raw!r}: must be positive")
+    return value
+
+
+_SCHEME_PREFIX = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/*")
+
+
+def redact_url(url: str) -> str:
+    """`url` with the password (or token) before its '@' hidden, typos included
+    ('amqp://admin:***@host//', 'redis:/admin:***@host'): error messages never echo it."""
+    at = url.rfind("@")
+    if at < 0:
+        return url
+    scheme = _SCHEME_PREFIX.match(url)
+    start = scheme.end() if scheme else 0
+    userinfo = url[start:at]
+    user = userinfo.split(":", 1)[0] + ":" if ":" in userinfo else ""
+    return f"{url[:start]}{user}***{url[at:]}"
