@@ -8,6 +8,7 @@ import sys
 import time
 
 from kvbatch.engine_args import add_engine_args, engine_args_conflict, engine_kwargs
+from kvbatch.threads import apply_threads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     conflict = engine_args_conflict(args)
     if conflict:
         parser.error(conflict)
+    if args.command in ("generate", "run", "worker"):
+        try:  # before any model loads: torch sizes its thread pool once
+            apply_threads(args.threads)
+        except ValueError as e:
+            parser.error(str(e))
     if args.command == "fetch-model":
         from kvbatch.fetch import smollm2_dir, smollm2_gguf
 
