@@ -7,8 +7,19 @@ import json
 import sys
 import time
 
-from kvbatch.engine_args import add_engine_args, engine_args_conflict, engine_kwargs
+from kvbatch.engine_args import (
+    add_engine_args,
+    add_revision_arg,
+    engine_args_conflict,
+    engine_kwargs,
+)
 from kvbatch.threads import apply_threads
+
+MODEL_HELP = (
+    "a Hugging Face folder, a .gguf file, or a Hub id (owner/name, or owner/name/FILE.gguf) "
+    "fetched into the Hugging Face cache (HF_TOKEN, HF_HUB_OFFLINE and HF_ENDPOINT apply)"
+)
+MODEL_COMMANDS = ("generate", "run", "worker", "submit")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     fetch.add_argument("--gguf", action="store_true", help="print the .gguf file instead")
 
     gen = sub.add_parser("generate", help="generate answers for a few prompts")
-    gen.add_argument("--model", required=True, help="Hugging Face folder or .gguf file")
+    gen.add_argument("--model", required=True, help=MODEL_HELP)
     gen.add_argument("--prompt", action="append", default=[], help="a completion prompt")
     gen.add_argument("--chat-file", help='JSONL with one {"messages": [...]} per line')
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -37,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("input", help="JSONL file, s3://bucket/key, or - for stdin")
     run.add_argument("-o", "--output", help="answers (default: INPUT.output.jsonl); - = stdout")
     run.add_argument("--errors", help="error records (default: beside the output)")
-    run.add_argument("--model", required=True, help="Hugging Face folder or .gguf file")
+    run.add_argument("--model", required=True, help=MODEL_HELP)
     run.add_argument("--model-name", help="the job's model name (default: the first line's)")
     run.add_argument(
         "--resume",
@@ -64,6 +75,17 @@ def main(argv: list[str] | None = None) -> int:
             apply_threads(args.threads)
         except ValueError as e:
             parser.error(str(e))
+    if args.command in MODEL_COMMANDS:
+        from kvbatch.hub import ModelNotFoundError, is_hub_id, resolve_model
+
+        # A Hub id becomes its local snapshot here, once (a worker before it takes shards); a
+        # path is left to the command, which checks it in its own order.
+        try:
+            if is_hub_id(args.model) or args.revision:
+                args.model = resolve_model(args.model, args.revision)
+        except ModelNotFoundError as e:
+            print(f"kvbatch {args.command}: {e}", file=sys.stderr)
+            return 2
     if args.command == "fetch-model":
         from kvbatch.fetch import smollm2_dir, smollm2_gguf
 
@@ -99,9 +121,9 @@ def _add_distributed(sub) -> None:
     workers (worker/cli.py)."""
     from kvbatch.worker import cli as worker_cli
 
-    worker_cli.add_submit_args(
-        sub.add_parser("submit", help="shard a job and enqueue it; prints the job id last")
-    )
+    submit = sub.add_parser("submit", help="shard a job and enqueue it; prints the job id last")
+    worker_cli.add_submit_args(submit)
+    add_revision_arg(submit)
     w = sub.add_parser("worker", help="run shards from the queue on one device")
     worker_cli.add_worker_args(w)
     add_engine_args(w)

@@ -115,8 +115,19 @@ def add_gpu_tuning_args(group) -> None:
     )
 
 
+def add_revision_arg(parser: argparse.ArgumentParser) -> None:
+    """`--revision` of a Hub id given as --model (kvbatch.hub)."""
+    parser.add_argument(
+        "--revision",
+        default=None,
+        metavar="REV",
+        help="with a Hub id as --model: the branch, tag or commit to fetch (default: main)",
+    )
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by the commands that run a model."""
+    add_revision_arg(parser)
     parser.add_argument(
         "--device",
         default="auto",

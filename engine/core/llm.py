@@ -8,19 +8,22 @@ from kvbatch.engine.core.config import CacheConfig, EngineConfig, SchedulerConfi
 from kvbatch.engine.core.llm_engine import LLMEngine, PromptType
 from kvbatch.engine.core.outputs import CompletionOutput, EngineStats, RequestOutput
 from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.hub import resolve_model
 
 
 class LLM:
     """Load a model once, then generate for many prompts at a time.
 
-    >>> llm = LLM(model="path/to/hf-folder-or-file.gguf")
-    >>> outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    >>> llm = LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct")  # or a folder, or a .gguf
+    >>> outs = llm.chat([{"role": "user", "content": "Name three primary colours."}],
+    ...                 SamplingParams(max_tokens=32, temperature=0))
     """
 
     def __init__(
         self,
         model: str,
         *,
+        revision: str | None = None,
         device: str = "auto",
         dtype: str = "auto",
         max_num_seqs: int = 256,
@@ -43,10 +46,12 @@ class LLM:
         speculative: str | SpecConfig | None = None,
         num_speculative_tokens: int | None = None,
     ) -> None:
-        """`speculative`: None (off), "ngram" (prompt lookup), "draft:PATH" (a draft model
-        with the target's vocabulary) or a SpecConfig; `num_speculative_tokens` = k (4)."""
+        """`model`: a Hugging Face folder, a .gguf file or a Hub id (kvbatch.hub; `revision`
+        picks its branch, tag or commit). `speculative`: None (off), "ngram" (prompt lookup),
+        "draft:PATH" (a draft model with the target's vocabulary) or a SpecConfig;
+        `num_speculative_tokens` = k (4)."""
         config = EngineConfig(
-            model=str(model),
+            model=resolve_model(model, revision),
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
