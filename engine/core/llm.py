@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from kvbatch.engine.core.chat import (
+    Conversation,
+    as_conversations,
+    render_chat,
+    require_chat_template,
+)
 from kvbatch.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from kvbatch.engine.core.llm_engine import LLMEngine, PromptType
 from kvbatch.engine.core.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -109,6 +116,9 @@ class LLM:
         results: dict[int, RequestOutput] = {}
         index_of: dict[str, int] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if isinstance(prompt, _Rejected):
+                results[i] = _error_output(str(i), None, prompt.reason)
+                continue
             try:
                 index_of[engine.add_request(prompt, p, request_id=f"generate-{id(self)}-{i}")] = i
             except ValueError as e:
@@ -123,8 +133,49 @@ class LLM:
             bar.close()
         return [results[i] for i in range(len(prompts))]
 
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation ([{"role": ..., "content": ...}, ...]) or a list of them,
+        through the model's chat template (or `chat_template`), as vLLM's `LLM.chat`; one
+        output per conversation, in input order. A conversation the template rejects gets an
+        output with `error` set; the others still run."""
+        conversations = as_conversations(messages)
+        require_chat_template(self.tokenizer, chat_template)
+        prompts: list = []
+        for conversation in conversations:
+            try:
+                prompts.append(
+                    render_chat(
+                        self.tokenizer,
+                        conversation,
+                        chat_template=chat_template,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        chat_template_kwargs=chat_template_kwargs,
+                    )
+                )
+            except Exception as e:  # jinja errors, raise_exception() in a template
+                prompts.append(_Rejected(f"the chat template rejects this conversation: {e}"))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+
+@dataclass(frozen=True)
+class _Rejected:
+    """A prompt that never reaches the engine (its chat template failed), and why."""
+
+    reason: str
 
 
 def _error_output(request_id: str, prompt, message: str) -> RequestOutput:
