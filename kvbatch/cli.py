@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 import time
@@ -22,13 +23,12 @@ MODEL_HELP = (
 MODEL_COMMANDS = ("generate", "run", "worker", "submit")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench":  # the benchmark harness owns its own options
-        from kvbatch.bench.cli import main as bench_main
-
-        return bench_main(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """`kvbatch` and its subcommands' flags (bench parses its own)."""
     parser = argparse.ArgumentParser(prog="kvbatch", description="Batch LLM inference.")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     fetch = sub.add_parser(
@@ -40,9 +40,18 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--model", required=True, help=MODEL_HELP)
     gen.add_argument("--prompt", action="append", default=[], help="a completion prompt")
     gen.add_argument("--chat-file", help='JSONL with one {"messages": [...]} per line')
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--max-tokens", type=int, default=64, help="most tokens per answer (default 64)"
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (default 0: greedy, the same answer every time)",
+    )
+    gen.add_argument(
+        "--seed", type=int, default=None, help="seed for sampling with a temperature above 0"
+    )
     add_engine_args(gen)
     run = sub.add_parser("run", help="run an OpenAI Batch JSONL job on this machine")
     run.add_argument("input", help="JSONL file, s3://bucket/key, or - for stdin")
@@ -65,7 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(run)
     sub.add_parser("bench", help="benchmarks: kvbatch bench --help")
     _add_distributed(sub)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":  # the benchmark harness owns its own options
+        from kvbatch.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    parser = build_parser()
     args = parser.parse_args(argv)
     conflict = engine_args_conflict(args)
     if conflict:
@@ -144,6 +162,13 @@ def _add_distributed(sub) -> None:
     )
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kvbatch")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown (not installed: pip install -e .)"
+
+
 def _run(args: argparse.Namespace) -> int:
     import logging
 
@@ -184,6 +209,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from kvbatch.engine import LLM, SamplingParams
+    from kvbatch.engine.core.chat import render_chat
 
     try:
         chats = _read_chats(args.chat_file) if args.chat_file else []
@@ -197,9 +223,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = list(args.prompt)
     shown = list(args.prompt)
     for messages in chats:
-        prompts.append(
-            llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        )
+        prompts.append(render_chat(llm.tokenizer, messages))
         shown.append(messages[-1]["content"])
     if not prompts:
         print("kvbatch generate: give --prompt or --chat-file", file=sys.stderr)

@@ -37,23 +37,48 @@ log = logging.getLogger("kvbatch.worker")
 def add_submit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="JSONL file or s3://bucket/key")
     p.add_argument("--output", required=True, help="prefix (folder or s3://) for the job folder")
-    p.add_argument("--model", required=True, help="Hugging Face folder or .gguf (tokenizer)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="the workers' model, for its tokenizer: a Hugging Face folder, a .gguf file or a "
+        "Hub id (owner/name)",
+    )
     p.add_argument("--model-name", help="the job's model name (default: the first line's)")
     p.add_argument("--broker", help="redis://, rediss:// or sqs:// (default: KVBATCH_BROKER_URL)")
-    p.add_argument("--queue", default=DEFAULT_QUEUE)
+    p.add_argument(
+        "--queue",
+        default=DEFAULT_QUEUE,
+        help=f"the queue the workers read (default {DEFAULT_QUEUE})",
+    )
     p.add_argument("--shard-tokens", type=int, default=200_000, help="prompt tokens per shard")
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the workers' --max-model-len: longer requests are errors (default: the model's)",
+    )
     p.add_argument("--max-attempts", type=int, default=3, help="deliveries of a shard at most")
     p.add_argument("--job-id", help="default: job-<UTC time>-<random>")
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face folder or .gguf file")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a Hugging Face folder, a .gguf file or a Hub id (owner/name), fetched once per "
+        "machine into the Hugging Face cache",
+    )
     p.add_argument("--broker", help="redis://, rediss:// or sqs:// (default: KVBATCH_BROKER_URL)")
-    p.add_argument("--queue", default=DEFAULT_QUEUE)
+    p.add_argument(
+        "--queue",
+        default=DEFAULT_QUEUE,
+        help=f"the queue to take shards from (default {DEFAULT_QUEUE})",
+    )
     p.add_argument("--concurrency", type=int, help="ignored: always one process (solo pool)")
-    p.add_argument("--loglevel", default="INFO")
+    p.add_argument(
+        "--loglevel", default="INFO", help="Celery's log level: DEBUG, INFO, WARNING (default INFO)"
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
