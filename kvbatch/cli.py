@@ -113,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "run":
         return _run(args)
+    if args.command == "results":
+        from kvbatch.results import results
+
+        return results(args)
     if args.command == "beat":
         from kvbatch.worker.scheduled import beat
 
@@ -151,6 +155,11 @@ def _add_distributed(sub) -> None:
     worker_cli.add_status_args(
         sub.add_parser("status", help="a job's counts, tokens/s and ETA (--watch to follow)")
     )
+    _add_results_args(
+        sub.add_parser(
+            "results", help="a finished job's merged answers (or --errors), to a file or stdout"
+        )
+    )
     worker_cli.add_cancel_args(sub.add_parser("cancel", help="stop a job; finished lines are kept"))
     worker_cli.add_resend_args(
         sub.add_parser("resend", help="send again the shards of a job that the broker lost")
@@ -167,6 +176,23 @@ def _version() -> str:
         return importlib.metadata.version("kvbatch")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
         return "unknown (not installed: pip install -e .)"
+
+
+def _add_results_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job_id", help="the job id `kvbatch submit` printed last")
+    p.add_argument("--output", required=True, help="the prefix the job was submitted to")
+    p.add_argument(
+        "-o",
+        "--to",
+        default="-",
+        metavar="FILE",
+        help="where to write the answers: a path, an s3:// URI or - for stdout (default -)",
+    )
+    p.add_argument(
+        "--errors",
+        action="store_true",
+        help="the job's error records (errors.jsonl) instead of its answers",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
