@@ -88,12 +88,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_finalize_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job_id")
+    p.add_argument("job_id", help="the job id `kvbatch submit` printed last")
     p.add_argument("--output", required=True, help="the prefix the job was submitted to")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
 
 
 def add_status_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job_id")
+    p.add_argument("job_id", help="the job id `kvbatch submit` printed last")
     p.add_argument("--output", required=True, help="the prefix the job was submitted to")
     p.add_argument("--json", action="store_true", help="print the status as JSON")
     p.add_argument("--watch", action="store_true", help="refresh until the job is finished")
@@ -274,7 +275,11 @@ def finalize(args: argparse.Namespace) -> int:
     except (ValueError, StorageError) as e:
         print(f"kvbatch finalize: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(_jsonable(status), indent=2))
+    status.update(_locations(job, status))
+    if args.json:
+        print(json.dumps(_jsonable(status), indent=2))
+    else:
+        print(format_status(status))
     return 0
 
 
@@ -288,6 +293,8 @@ def status(args: argparse.Namespace) -> int:
         print("kvbatch status: --interval must be positive", file=sys.stderr)
         return 2
     refreshes = 0
+    shown = 0  # lines of the block on screen, rewritten in place on a terminal
+    in_place = args.watch and not args.json and sys.stdout.isatty()
     try:
         while True:
             current = _read_status(args.output, args.job_id)
@@ -296,7 +303,11 @@ def status(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(current, indent=None if args.watch else 2), flush=True)
             else:
-                print(format_status(current), flush=True)
+                block = format_status(current)
+                if in_place and shown:
+                    print(f"\x1b[{shown}F\x1b[J", end="")  # up to the block's start, clear
+                print(block, flush=True)
+                shown = block.count("\n") + 1
             refreshes += 1
             if not args.watch or current["status"] in FINAL or refreshes >= args.max_refreshes:
                 return 0
@@ -315,10 +326,21 @@ def _read_status(output: str, job_id: str) -> dict | None:
         if not job.join("job.json").exists():
             print(f"kvbatch status: no job {job_id!r} under {output}", file=sys.stderr)
             return None
-        return job_status(job)
+        status = job_status(job)
+        status.update(_locations(job, status))
+        return status
     except (ValueError, StorageError) as e:
         print(f"kvbatch status: {e}", file=sys.stderr)
         return None
+
+
+def _locations(job, status: dict) -> dict:
+    """Where the job's files are: its folder, and the merged answers once there are some."""
+    where = {"job_dir": job.uri}
+    if status["status"] in ("completed", "cancelled"):
+        where["output_file"] = job.join("output.jsonl").uri
+        where["errors_file"] = job.join("errors.jsonl").uri
+    return where
 
 
 def format_status(s: dict) -> str:
@@ -347,6 +369,12 @@ def format_status(s: dict) -> str:
         ("elapsed", seconds(s["elapsed_s"])),
         ("eta", seconds(s["eta_s"])),
     ]
+    if s.get("job_dir"):
+        rows.append(("folder", s["job_dir"]))
+    if s.get("output_file"):
+        rows += [("answers", s["output_file"]), ("errors", s["errors_file"])]
+        prefix = s["job_dir"].removesuffix("/").rsplit("/", 1)[0]
+        rows.append(("fetch", f"kvbatch results {s['job_id']} --output {prefix} -o FILE"))
     failures = s.get("shard_failures") or {}
     rows += [(f"shard {k}", f"last failure: {v}") for k, v in failures.items()]
     rows += [("error", e) for e in s.get("errors") or []]

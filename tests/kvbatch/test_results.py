@@ -72,3 +72,64 @@ def test_results_to_s3_and_a_missing_job(tmp_path, make_llm, tiny_chat_model, s3
 
     missing = _results("job-nope", "--output", prefix)
     assert missing.returncode == 1 and "kvbatch results:" in missing.stderr
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvbatch.cli", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_status_and_finalize_say_where_the_answers_are(tmp_path, make_llm, tiny_chat_model):  # noqa: F811
+    sub = prepare(tmp_path, tiny_chat_model, rag_lines(), shard_tokens=100_000)
+    prefix = str(tmp_path / "out")
+    job = job_dir(prefix, sub.job_id)
+    running = _cli("status", sub.job_id, "--output", prefix)
+    assert running.returncode == 0 and f"folder         {job.uri}" in running.stdout
+    assert "answers" not in running.stdout
+    run_shards(make_llm(), job, sub.messages)
+
+    table = _cli("finalize", sub.job_id, "--output", prefix)  # the same table as status
+    assert table.returncode == 0, table.stderr
+    output_file = job.join("output.jsonl").uri
+    assert f"answers        {output_file}" in table.stdout
+    assert f"kvbatch results {sub.job_id} --output {prefix} -o FILE" in table.stdout
+    as_json = json.loads(_cli("finalize", sub.job_id, "--output", prefix, "--json").stdout)
+    assert as_json["status"] == "completed" and as_json["output_file"] == output_file
+    status = json.loads(_cli("status", sub.job_id, "--output", prefix, "--json").stdout)
+    assert status["output_file"] == output_file and status["job_dir"] == job.uri
+    assert Path(output_file).is_file()
+
+
+def test_watch_rewrites_its_block_on_a_terminal(tmp_path, tiny_chat_model):
+    """Under a pseudo-terminal `--watch` moves the cursor back over its block and clears it
+    before each refresh, instead of printing the block again below."""
+    import os
+    import pty
+
+    sub = prepare(tmp_path, tiny_chat_model, rag_lines(), shard_tokens=100_000)
+    argv = ["status", sub.job_id, "--output", str(tmp_path / "out"), "--watch"]
+    argv += ["--interval", "0.05", "--max-refreshes", "3"]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: kvbatch with the terminal as its stdout
+        os.chdir(ROOT)
+        os.execv(sys.executable, [sys.executable, "-m", "kvbatch.cli", *argv])
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    _, code = os.waitpid(pid, 0)
+    out = b"".join(chunks).decode()
+    assert os.waitstatus_to_exitcode(code) == 0, out
+    lines = len([r for r in out.split("\x1b[")[0].splitlines() if r.strip()])
+    assert out.count(f"\x1b[{lines}F\x1b[J") == 2, out  # two refreshes after the first block
+    assert out.count("job            " + sub.job_id) == 3
