@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         # path is left to the command, which checks it in its own order.
         try:
             if is_hub_id(args.model) or args.revision:
-                args.model = resolve_model(args.model, args.revision)
+                tokenizer_only = args.command == "submit"  # the workers load the weights
+                args.model = resolve_model(args.model, args.revision, tokenizer_only=tokenizer_only)
         except ModelNotFoundError as e:
             print(f"kvbatch {args.command}: {e}", file=sys.stderr)
             return 2

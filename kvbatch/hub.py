@@ -45,14 +45,21 @@ ALLOW_PATTERNS = [
 ]
 
 
+# `kvbatch submit` reads only the tokenizer (and the config for the context length).
+TOKENIZER_PATTERNS = [p for p in ALLOW_PATTERNS if p != "*.safetensors"]
+
+
 class ModelNotFoundError(ValueError):
     """`--model` is neither a local path nor a Hub repository that can be fetched; the
     message says which and what to do."""
 
 
-def resolve_model(model: str | os.PathLike, revision: str | None = None) -> str:
+def resolve_model(
+    model: str | os.PathLike, revision: str | None = None, *, tokenizer_only: bool = False
+) -> str:
     """The local path of `model`: itself when it exists, else a Hub id's download (or cached
-    copy); raises ModelNotFoundError saying what to fix."""
+    copy); raises ModelNotFoundError saying what to fix. `tokenizer_only`: a repository's
+    configs and tokenizer without its weights (a GGUF file is fetched whole: it holds both)."""
     text = str(model)
     local = Path(text).expanduser()
     if local.exists():
@@ -64,7 +71,7 @@ def resolve_model(model: str | os.PathLike, revision: str | None = None) -> str:
         return str(local)
     repo_id, filename = split_hub_id(text)
     with FileLock(_lock_path(repo_id)):
-        return _download(repo_id, filename, revision)
+        return _download(repo_id, filename, revision, tokenizer_only)
 
 
 def is_hub_id(model: str | os.PathLike) -> bool:
@@ -102,7 +109,9 @@ def split_hub_id(text: str) -> tuple[str, str | None]:
     return repo_id, filename
 
 
-def _download(repo_id: str, filename: str | None, revision: str | None) -> str:
+def _download(
+    repo_id: str, filename: str | None, revision: str | None, tokenizer_only: bool = False
+) -> str:
     name = repo_id + (f"/{filename}" if filename else "")
     where = f"no local path {name!r}; as a Hub id, {repo_id}" + (
         f" (revision {revision})" if revision else ""
@@ -110,7 +119,8 @@ def _download(repo_id: str, filename: str | None, revision: str | None) -> str:
     try:
         if filename is not None:
             return hf_hub_download(repo_id, filename, revision=revision)
-        folder = snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS)
+        patterns = TOKENIZER_PATTERNS if tokenizer_only else ALLOW_PATTERNS
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except GatedRepoError as e:
         raise ModelNotFoundError(
             f"{where} is gated: accept its terms on the Hub, then set HF_TOKEN to a token "
@@ -136,7 +146,7 @@ def _download(repo_id: str, filename: str | None, revision: str | None) -> str:
             f"{where}: {reason} ({constants.HF_HUB_CACHE}); fetch it once online (without "
             "HF_HUB_OFFLINE), or give a local path"
         ) from e
-    if not any(Path(folder).glob("*.safetensors")):
+    if not tokenizer_only and not any(Path(folder).glob("*.safetensors")):
         raise ModelNotFoundError(
             f"{repo_id} has no safetensors weights at its top level; for a GGUF checkpoint "
             f"name the file: {repo_id}/FILE.gguf"

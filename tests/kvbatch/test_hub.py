@@ -89,6 +89,27 @@ def test_hub_id_downloads_only_what_the_engine_reads(hub, tiny_chat_model, tmp_p
     assert not any((folder / name).exists() for name in NOT_NEEDED)
 
 
+def test_submit_fetches_the_tokenizer_and_a_worker_the_rest(hub, tmp_path):
+    env, home = _env(hub, tmp_path / "hf"), tmp_path / "hf"
+    script = (
+        "import sys; from kvbatch.hub import resolve_model; "
+        "print(resolve_model(sys.argv[1], tokenizer_only=True))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, REPO], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert {"config.json", "tokenizer.json"} <= hub.fetched(REPO)
+    assert "model.safetensors" not in hub.fetched(REPO)
+    worker = _resolve(env, REPO)  # the same snapshot, now with the weights
+    assert worker.returncode == 0, worker.stderr
+    assert worker.stdout == proc.stdout
+    assert "model.safetensors" in hub.fetched(REPO)
+    assert (
+        _snapshot(home, REPO, hub.repos[REPO].revisions["main"]) / "model.safetensors"
+    ).is_file()
+
+
 def test_revision_picks_the_commit_and_a_missing_one_is_named(hub, tmp_path):
     home = tmp_path / "hf"
     proc = _resolve(_env(hub, home), REPO, "v1")
