@@ -30,7 +30,7 @@ def results(args: argparse.Namespace) -> int:
         source = job.join(name)
         if not source.exists():
             status = job_status(job)
-            done = status.get("completed", 0) + status.get("failed", 0)
+            done = status["completed"] + status["failed"] + status.get("running_finished", 0)
             print(
                 f"kvbatch results: job {args.job_id} is {status['status']}: {done} of "
                 f"{status['requests']} requests answered, no {name} yet; follow it with "

@@ -356,12 +356,17 @@ def format_status(s: dict) -> str:
             else (f"{x // 60}m{x % 60:02d}s" if x >= 60 else f"{x}s")
         )
 
-    done = s["completed"] + s["failed"]
+    running = s.get("running_finished", 0)
+    done = s["completed"] + s["failed"] + running
     rows = [
         ("job", s["job_id"]),
         ("status", s["status"]),
         ("shards", f"{s['shards_done']} / {s['shards_total']} written"),
-        ("requests", f"{done} / {s['requests']} done ({s['invalid']} invalid lines)"),
+        (
+            "requests",
+            f"{done} / {s['requests']} done ({running} in running shards, {s['invalid']} "
+            "invalid lines)",
+        ),
         ("completed", str(s["completed"])),
         ("failed", f"{s['failed']} ({s['cancelled']} cancelled)"),
         ("output tokens", str(s["output_tokens"])),

@@ -141,6 +141,7 @@ def _handle(task, msg, job, step: _Step) -> dict:
         try_finalize,
         write_shard_result,
     )
+    from kvbatch.jobs.shard_progress import ProgressWriter
     from kvbatch.jobs.shards import run_shard
     from kvbatch.worker import metrics
 
@@ -190,7 +191,9 @@ def _handle(task, msg, job, step: _Step) -> dict:
             model_name=manifest.get("model_name") or Path(_model.path.rstrip("/")).name,
             batch_id=manifest.get("batch_id") or msg.job_id,
             created=manifest.get("created_at"),
-            should_stop=_slowed(metrics.StepObserver(llm, CancelCheck(job))),
+            should_stop=_slowed(
+                ProgressWriter(job, msg.shard_id, llm, metrics.StepObserver(llm, CancelCheck(job)))
+            ),
         )
     except Exception as e:
         if llm is not None:
