@@ -28,8 +28,10 @@ def _run(llm, job, msg, should_stop):
 
 
 def test_status_counts_a_running_shard_then_its_result_once(
-    tmp_path: Path, make_llm, tiny_chat_model
-):  # noqa: F811
+    tmp_path: Path,
+    make_llm,  # noqa: F811
+    tiny_chat_model,
+):
     sub = prepare(tmp_path, tiny_chat_model, rag_lines(), shard_tokens=400)
     job = job_dir(str(tmp_path / "out"), sub.job_id)
     first = sub.messages[0]
@@ -58,8 +60,11 @@ def test_status_counts_a_running_shard_then_its_result_once(
 
 
 def test_unwritable_progress_never_stops_the_shard(
-    tmp_path: Path, make_llm, tiny_chat_model, caplog
-):  # noqa: F811
+    tmp_path: Path,
+    make_llm,  # noqa: F811
+    tiny_chat_model,
+    caplog,
+):
     sub = prepare(tmp_path, tiny_chat_model, rag_lines(), shard_tokens=400)
     job = job_dir(str(tmp_path / "out"), sub.job_id)
     folder, _ = progress_key(sub.messages[0].shard_id)
