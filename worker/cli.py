@@ -37,23 +37,48 @@ log = logging.getLogger("kvbatch.worker")
 def add_submit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="JSONL file or s3://bucket/key")
     p.add_argument("--output", required=True, help="prefix (folder or s3://) for the job folder")
-    p.add_argument("--model", required=True, help="Hugging Face folder or .gguf (tokenizer)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="the workers' model, for its tokenizer: a Hugging Face folder, a .gguf file or a "
+        "Hub id (owner/name)",
+    )
     p.add_argument("--model-name", help="the job's model name (default: the first line's)")
     p.add_argument("--broker", help="redis://, rediss:// or sqs:// (default: KVBATCH_BROKER_URL)")
-    p.add_argument("--queue", default=DEFAULT_QUEUE)
+    p.add_argument(
+        "--queue",
+        default=DEFAULT_QUEUE,
+        help=f"the queue the workers read (default {DEFAULT_QUEUE})",
+    )
     p.add_argument("--shard-tokens", type=int, default=200_000, help="prompt tokens per shard")
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the workers' --max-model-len: longer requests are errors (default: the model's)",
+    )
     p.add_argument("--max-attempts", type=int, default=3, help="deliveries of a shard at most")
     p.add_argument("--job-id", help="default: job-<UTC time>-<random>")
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face folder or .gguf file")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a Hugging Face folder, a .gguf file or a Hub id (owner/name), fetched once per "
+        "machine into the Hugging Face cache",
+    )
     p.add_argument("--broker", help="redis://, rediss:// or sqs:// (default: KVBATCH_BROKER_URL)")
-    p.add_argument("--queue", default=DEFAULT_QUEUE)
+    p.add_argument(
+        "--queue",
+        default=DEFAULT_QUEUE,
+        help=f"the queue to take shards from (default {DEFAULT_QUEUE})",
+    )
     p.add_argument("--concurrency", type=int, help="ignored: always one process (solo pool)")
-    p.add_argument("--loglevel", default="INFO")
+    p.add_argument(
+        "--loglevel", default="INFO", help="Celery's log level: DEBUG, INFO, WARNING (default INFO)"
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -69,12 +94,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_finalize_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job_id")
+    p.add_argument("job_id", help="the job id `kvbatch submit` printed last")
     p.add_argument("--output", required=True, help="the prefix the job was submitted to")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
 
 
 def add_status_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job_id")
+    p.add_argument("job_id", help="the job id `kvbatch submit` printed last")
     p.add_argument("--output", required=True, help="the prefix the job was submitted to")
     p.add_argument("--json", action="store_true", help="print the status as JSON")
     p.add_argument("--watch", action="store_true", help="refresh until the job is finished")
@@ -261,7 +287,11 @@ def finalize(args: argparse.Namespace) -> int:
     except (ValueError, StorageError) as e:
         print(f"kvbatch finalize: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(_jsonable(status), indent=2))
+    status.update(_locations(job, status))
+    if args.json:
+        print(json.dumps(_jsonable(status), indent=2))
+    else:
+        print(format_status(status))
     return 0
 
 
@@ -275,6 +305,8 @@ def status(args: argparse.Namespace) -> int:
         print("kvbatch status: --interval must be positive", file=sys.stderr)
         return 2
     refreshes = 0
+    shown = 0  # lines of the block on screen, rewritten in place on a terminal
+    in_place = args.watch and not args.json and sys.stdout.isatty()
     try:
         while True:
             current = _read_status(args.output, args.job_id)
@@ -283,7 +315,11 @@ def status(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(current, indent=None if args.watch else 2), flush=True)
             else:
-                print(format_status(current), flush=True)
+                block = format_status(current)
+                if in_place and shown:
+                    print(f"\x1b[{shown}F\x1b[J", end="")  # up to the block's start, clear
+                print(block, flush=True)
+                shown = block.count("\n") + 1
             refreshes += 1
             if not args.watch or current["status"] in FINAL or refreshes >= args.max_refreshes:
                 return 0
@@ -302,10 +338,21 @@ def _read_status(output: str, job_id: str) -> dict | None:
         if not job.join("job.json").exists():
             print(f"kvbatch status: no job {job_id!r} under {output}", file=sys.stderr)
             return None
-        return job_status(job)
+        status = job_status(job)
+        status.update(_locations(job, status))
+        return status
     except (ValueError, StorageError) as e:
         print(f"kvbatch status: {e}", file=sys.stderr)
         return None
+
+
+def _locations(job, status: dict) -> dict:
+    """Where the job's files are: its folder, and the merged answers once there are some."""
+    where = {"job_dir": job.uri}
+    if status["status"] in ("completed", "cancelled"):
+        where["output_file"] = job.join("output.jsonl").uri
+        where["errors_file"] = job.join("errors.jsonl").uri
+    return where
 
 
 def format_status(s: dict) -> str:
@@ -321,12 +368,17 @@ def format_status(s: dict) -> str:
             else (f"{x // 60}m{x % 60:02d}s" if x >= 60 else f"{x}s")
         )
 
-    done = s["completed"] + s["failed"]
+    running = s.get("running_finished", 0)
+    done = s["completed"] + s["failed"] + running
     rows = [
         ("job", s["job_id"]),
         ("status", s["status"]),
         ("shards", f"{s['shards_done']} / {s['shards_total']} written"),
-        ("requests", f"{done} / {s['requests']} done ({s['invalid']} invalid lines)"),
+        (
+            "requests",
+            f"{done} / {s['requests']} done ({running} in running shards, {s['invalid']} "
+            "invalid lines)",
+        ),
         ("completed", str(s["completed"])),
         ("failed", f"{s['failed']} ({s['cancelled']} cancelled)"),
         ("output tokens", str(s["output_tokens"])),
@@ -334,6 +386,12 @@ def format_status(s: dict) -> str:
         ("elapsed", seconds(s["elapsed_s"])),
         ("eta", seconds(s["eta_s"])),
     ]
+    if s.get("job_dir"):
+        rows.append(("folder", s["job_dir"]))
+    if s.get("output_file"):
+        rows += [("answers", s["output_file"]), ("errors", s["errors_file"])]
+        prefix = s["job_dir"].removesuffix("/").rsplit("/", 1)[0]
+        rows.append(("fetch", f"kvbatch results {s['job_id']} --output {prefix} -o FILE"))
     failures = s.get("shard_failures") or {}
     rows += [(f"shard {k}", f"last failure: {v}") for k, v in failures.items()]
     rows += [("error", e) for e in s.get("errors") or []]

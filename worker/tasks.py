@@ -53,6 +53,7 @@ from kvbatch.jobs.finalize import (
     write_shard_result,
 )
 from kvbatch.jobs.running import running, running_elsewhere
+from kvbatch.jobs.shard_progress import ProgressWriter
 from kvbatch.jobs.shards import (
     PayloadMismatch,
     ShardMessage,
@@ -226,7 +227,11 @@ def _handle(task, msg, job, step: _Step) -> dict:
                 model_name=manifest.get("model_name") or Path(_model.path.rstrip("/")).name,
                 batch_id=manifest.get("batch_id") or msg.job_id,
                 created=manifest.get("created_at"),
-                should_stop=_slowed(metrics.StepObserver(llm, CancelCheck(job))),
+                should_stop=_slowed(
+                    ProgressWriter(
+                        job, msg.shard_id, llm, metrics.StepObserver(llm, CancelCheck(job))
+                    )
+                ),
             )
     except PayloadMismatch as e:  # no attempt can succeed: fail it now, never retry
         log.error("%s/%s: %s", msg.job_id, msg.shard_id, e)

@@ -224,9 +224,16 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
-            return torch.device(self.device)
+            device = torch.device(self.device)
         except RuntimeError as e:
             raise ValueError(f"device {self.device!r} is not valid (try 'cpu' or 'cuda')") from e
+        if device.type == "cuda" and not torch.cuda.is_available():
+            why = "a CPU-only build" if torch.version.cuda is None else "no GPU visible to it"
+            raise ValueError(
+                f"device {self.device!r}: torch {torch.__version__} is {why}; use --device cpu, "
+                "or install torch's CUDA build (docs/GETTING_STARTED.md)"
+            )
+        return device
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         """float32 on the CPU; bfloat16 on CUDA unless asked otherwise."""

@@ -3,24 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from kvbatch.engine.core.chat import (
+    Conversation,
+    as_conversations,
+    render_chat,
+    require_chat_template,
+)
 from kvbatch.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from kvbatch.engine.core.llm_engine import LLMEngine, PromptType
 from kvbatch.engine.core.outputs import CompletionOutput, EngineStats, RequestOutput
 from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.hub import resolve_model
 
 
 class LLM:
     """Load a model once, then generate for many prompts at a time.
 
-    >>> llm = LLM(model="path/to/hf-folder-or-file.gguf")
-    >>> outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    >>> llm = LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct")  # or a folder, or a .gguf
+    >>> outs = llm.chat([{"role": "user", "content": "Name three primary colours."}],
+    ...                 SamplingParams(max_tokens=32, temperature=0))
     """
 
     def __init__(
         self,
         model: str,
         *,
+        revision: str | None = None,
         device: str = "auto",
         dtype: str = "auto",
         max_num_seqs: int = 256,
@@ -43,10 +53,12 @@ class LLM:
         speculative: str | SpecConfig | None = None,
         num_speculative_tokens: int | None = None,
     ) -> None:
-        """`speculative`: None (off), "ngram" (prompt lookup), "draft:PATH" (a draft model
-        with the target's vocabulary) or a SpecConfig; `num_speculative_tokens` = k (4)."""
+        """`model`: a Hugging Face folder, a .gguf file or a Hub id (kvbatch.hub; `revision`
+        picks its branch, tag or commit). `speculative`: None (off), "ngram" (prompt lookup),
+        "draft:PATH" (a draft model with the target's vocabulary) or a SpecConfig;
+        `num_speculative_tokens` = k (4)."""
         config = EngineConfig(
-            model=str(model),
+            model=resolve_model(model, revision),
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
@@ -104,6 +116,9 @@ class LLM:
         results: dict[int, RequestOutput] = {}
         index_of: dict[str, int] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if isinstance(prompt, _Rejected):
+                results[i] = _error_output(str(i), None, prompt.reason)
+                continue
             try:
                 index_of[engine.add_request(prompt, p, request_id=f"generate-{id(self)}-{i}")] = i
             except ValueError as e:
@@ -118,8 +133,49 @@ class LLM:
             bar.close()
         return [results[i] for i in range(len(prompts))]
 
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation ([{"role": ..., "content": ...}, ...]) or a list of them,
+        through the model's chat template (or `chat_template`), as vLLM's `LLM.chat`; one
+        output per conversation, in input order. A conversation the template rejects gets an
+        output with `error` set; the others still run."""
+        conversations = as_conversations(messages)
+        require_chat_template(self.tokenizer, chat_template)
+        prompts: list = []
+        for conversation in conversations:
+            try:
+                prompts.append(
+                    render_chat(
+                        self.tokenizer,
+                        conversation,
+                        chat_template=chat_template,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        chat_template_kwargs=chat_template_kwargs,
+                    )
+                )
+            except Exception as e:  # jinja errors, raise_exception() in a template
+                prompts.append(_Rejected(f"the chat template rejects this conversation: {e}"))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+
+@dataclass(frozen=True)
+class _Rejected:
+    """A prompt that never reaches the engine (its chat template failed), and why."""
+
+    reason: str
 
 
 def _error_output(request_id: str, prompt, message: str) -> RequestOutput:

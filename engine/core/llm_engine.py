@@ -186,13 +186,18 @@ class LLMEngine:
 
     def _log_kv_pool(self, num_blocks: int) -> None:
         block_size = self.config.cache.block_size
+        kv_tokens = num_blocks * block_size
+        max_num_seqs = self.scheduler.config.max_num_seqs
         log.info(
-            "KV cache: %d blocks of %d tokens = %d tokens at most in flight (%.1f requests "
-            "of max_model_len %d at once)",
+            "KV cache: %d tokens (%d blocks of %d), shared by the requests running at once: "
+            "prompt + answer tokens of all of them must fit, so about %d requests of 1,000 "
+            "tokens run together, and at least %.1f even if each used the whole max_model_len "
+            "(%d); requests beyond that wait their turn (shared prefixes are stored once)",
+            kv_tokens,
             num_blocks,
             block_size,
-            num_blocks * block_size,
-            num_blocks * block_size / self.max_model_len,
+            min(kv_tokens // 1000, max_num_seqs),
+            kv_tokens / self.max_model_len,
             self.max_model_len,
         )
 

@@ -202,7 +202,7 @@ def test_kvbatch_run_builds_its_engine_from_the_flags(
     (built,) = engines
     blocks = (3 << 20) // kv_bytes_per_block(built.model, 16, built.dtype)
     assert built.kv.num_blocks == blocks
-    assert f"KV cache: {blocks} blocks of 16 tokens" in caplog.text
+    assert f"KV cache: {blocks * 16} tokens ({blocks} blocks of 16)" in caplog.text
     # --kv-cache-bytes sets the pool: the fraction asked for beside it is named as unused
     assert "kv_cache_memory_fraction=0.5 is not used: kv_cache_bytes sets the pool" in caplog.text
     config = built.config

@@ -205,3 +205,17 @@ def test_main_prints_the_folder_last(smollm2_dir, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == str(smollm2_dir)
     fetch.main(["--cache-dir", str(smollm2_dir.parent), "--gguf"])
     assert capsys.readouterr().out.strip().endswith(".gguf")
+
+
+def test_converted_folder_is_readable_by_other_users(tmp_path, smollm2_dir):
+    """A container running as another uid reads the cache: every file 0644, including a
+    folder converted while safetensors still wrote its weights 0600."""
+    old = tmp_path / fetch.SMOLLM2_DIR_NAME
+    old.mkdir()
+    for name in fetch.HF_DIR_FILES:
+        (old / name).write_text("{}")
+        (old / name).chmod(0o600)
+    assert fetch.smollm2_dir(tmp_path) == old
+    assert {oct((old / n).stat().st_mode & 0o777) for n in fetch.HF_DIR_FILES} == {"0o644"}
+    for f in fetch.smollm2_dir(smollm2_dir.parent).iterdir():
+        assert f.stat().st_mode & 0o044 == 0o044, f"{f} is not readable by other users"

@@ -1,0 +1,135 @@
+"""`kvbatch results`: a distributed job's merged answers to a file, stdout or S3, merging the
+job when its shards are all written; a job still running says how far it is (exit 3). The job
+is prepared and its shards run in process on the tiny engine (tests/jobs/test_finalize.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kvbatch.jobs.finalize import read_manifest
+from kvbatch.jobs.shards import job_dir
+from tests.jobs.test_finalize import make_llm, run_shards  # noqa: F401
+from tests.jobs.test_submit import prepare, rag_lines
+from tests.s3_server import S3Server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _results(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvbatch.cli", "results", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def test_results_of_a_running_then_finished_job(tmp_path, make_llm, tiny_chat_model):  # noqa: F811
+    sub = prepare(tmp_path, tiny_chat_model, rag_lines(), shard_tokens=400)
+    prefix = str(tmp_path / "out")
+    job = job_dir(prefix, sub.job_id)
+    llm = make_llm()
+    run_shards(llm, job, sub.messages[:1])
+
+    running = _results(sub.job_id, "--output", prefix)
+    assert running.returncode == 3 and running.stdout == ""
+    assert "in_progress" in running.stderr and f"kvbatch status {sub.job_id}" in running.stderr
+    assert not (Path(prefix) / sub.job_id / "output.jsonl").exists()
+
+    run_shards(llm, job, sub.messages[1:])  # the last shard's finalizer "lost": results merges
+    stdout = _results(sub.job_id, "--output", prefix)
+    assert stdout.returncode == 0, stdout.stderr
+    answers = [json.loads(line) for line in stdout.stdout.splitlines()]
+    manifest = read_manifest(job)
+    assert answers and all(a["response"]["status_code"] == 200 for a in answers)
+
+    to_file = _results(sub.job_id, "--output", prefix, "-o", str(tmp_path / "answers.jsonl"))
+    assert to_file.returncode == 0, to_file.stderr
+    assert (tmp_path / "answers.jsonl").read_text() == stdout.stdout
+    assert str(tmp_path / "answers.jsonl") in to_file.stderr
+
+    errors = _results(sub.job_id, "--output", prefix, "--errors")
+    assert errors.returncode == 0
+    failed = len(errors.stdout.splitlines())
+    assert failed >= manifest["num_invalid"] > 0
+    assert len(answers) + failed == manifest["num_requests"] + manifest["num_invalid"]
+
+
+def test_results_to_s3_and_a_missing_job(tmp_path, make_llm, tiny_chat_model, s3_server: S3Server):  # noqa: F811
+    sub = prepare(tmp_path, tiny_chat_model, rag_lines(), shard_tokens=100_000)
+    prefix = str(tmp_path / "out")
+    run_shards(make_llm(), job_dir(prefix, sub.job_id), sub.messages)
+    bucket = s3_server.make_bucket()
+    proc = _results(sub.job_id, "--output", prefix, "-o", f"s3://{bucket}/a.jsonl")  # env: moto
+    assert proc.returncode == 0, proc.stderr
+    body = s3_server.client().get_object(Bucket=bucket, Key="a.jsonl")["Body"].read()
+    assert body == (Path(prefix) / sub.job_id / "output.jsonl").read_bytes()
+
+    missing = _results("job-nope", "--output", prefix)
+    assert missing.returncode == 1 and "kvbatch results:" in missing.stderr
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvbatch.cli", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_status_and_finalize_say_where_the_answers_are(tmp_path, make_llm, tiny_chat_model):  # noqa: F811
+    sub = prepare(tmp_path, tiny_chat_model, rag_lines(), shard_tokens=100_000)
+    prefix = str(tmp_path / "out")
+    job = job_dir(prefix, sub.job_id)
+    running = _cli("status", sub.job_id, "--output", prefix)
+    assert running.returncode == 0 and f"folder         {job.uri}" in running.stdout
+    assert "answers" not in running.stdout
+    run_shards(make_llm(), job, sub.messages)
+
+    table = _cli("finalize", sub.job_id, "--output", prefix)  # the same table as status
+    assert table.returncode == 0, table.stderr
+    output_file = job.join("output.jsonl").uri
+    assert f"answers        {output_file}" in table.stdout
+    assert f"kvbatch results {sub.job_id} --output {prefix} -o FILE" in table.stdout
+    as_json = json.loads(_cli("finalize", sub.job_id, "--output", prefix, "--json").stdout)
+    assert as_json["status"] == "completed" and as_json["output_file"] == output_file
+    status = json.loads(_cli("status", sub.job_id, "--output", prefix, "--json").stdout)
+    assert status["output_file"] == output_file and status["job_dir"] == job.uri
+    assert Path(output_file).is_file()
+
+
+def test_watch_rewrites_its_block_on_a_terminal(tmp_path, tiny_chat_model):
+    """Under a pseudo-terminal `--watch` moves the cursor back over its block and clears it
+    before each refresh, instead of printing the block again below."""
+    import os
+    import pty
+
+    sub = prepare(tmp_path, tiny_chat_model, rag_lines(), shard_tokens=100_000)
+    argv = ["status", sub.job_id, "--output", str(tmp_path / "out"), "--watch"]
+    argv += ["--interval", "0.05", "--max-refreshes", "3"]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: kvbatch with the terminal as its stdout
+        os.chdir(ROOT)
+        os.execv(sys.executable, [sys.executable, "-m", "kvbatch.cli", *argv])
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    _, code = os.waitpid(pid, 0)
+    out = b"".join(chunks).decode()
+    assert os.waitstatus_to_exitcode(code) == 0, out
+    lines = len([r for r in out.split("\x1b[")[0].splitlines() if r.strip()])
+    assert out.count(f"\x1b[{lines}F\x1b[J") == 2, out  # two refreshes after the first block
+    assert out.count("job            " + sub.job_id) == 3
