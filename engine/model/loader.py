@@ -82,13 +82,13 @@ def _build(
         state_dict.pop("lm_head.weight", None)
     if quant is not None:
         quantize_linears(model, state_dict, quant, dtype, device)
+    reject_quantized_leftovers(state_dict, quant)  # before "missing": it names the cause
     owned = model.state_dict()
     expected = {k for k, v in owned.items() if v.is_meta}
     missing = sorted(expected - set(state_dict))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
-    reject_quantized_leftovers(state_dict, quant)
     weights = {k: state_dict[k].to(device=device, dtype=dtype) for k in expected}
     weights.update((k, v) for k, v in owned.items() if k not in expected)
     model.load_state_dict(weights, assign=True, strict=True)

@@ -4,12 +4,14 @@ Per linear layer: `qweight` int32 [K / pack, N], values packed along K, value j 
 bits [bits*j, bits*(j+1)) (already the canonical order); `qzeros` int32 [G, N / pack] packed
 the same way along N; `scales` float16 [G, N]; `g_idx` int32 [K], the group of each input row
 (act-order checkpoints permute it). checkpoint_format "gptq" (v1, every writer before
-GPTQModel's v2) stores each zero point minus one, so 4-bit symmetric zeros read 7 for 8;
+GPTQModel's v2) stores each zero point minus one (wrapping: a zero of 0 reads all ones), so
+4-bit symmetric zeros read 7 for 8;
 "gptq_v2" stores them as they are. Symmetric or not, the stored zeros are used as written.
 
-The unpacking follows the dequantization of GPTQModel's and vLLM's torch reference code
-(shift each int32 right by bits*j, mask, add one to v1 zero points); the tests check it
-against a transcription of that code on the same random bytes.
+The unpacking follows the torch dequantization of AutoGPTQ's and GPTQModel's QuantLinear
+(shift each int32 right by bits*j, mask; v1 zero points plus one, masked again; then
+scales[g_idx] * (q - zeros[g_idx])); the tests check it against a transcription of that code
+on the same random bytes.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ def gptq_weights(
     qzeros = t.get("qzeros", (torch.int32,))
     t.check_shape("qzeros", (groups, n // pack), qzeros)
     zeros = unpack_columns(qzeros, bits)
-    if zeros_minus_one:
-        zeros = zeros + 1
+    if zeros_minus_one:  # a true zero of 0 was stored as -1: all ones, back to 0 here
+        zeros = (zeros + 1) & ((1 << bits) - 1)
     g_idx = t.optional("g_idx")
     if g_idx is not None:
         t.check_shape("g_idx", (k,), g_idx)
