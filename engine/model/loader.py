@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from kvbatch.engine.quant.scheme import QuantConfig
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")  # a quantized KV cache's, kept for the KV cache
 
 
 @dataclass
@@ -33,6 +34,9 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     quantization: QuantConfig | None = None  # the checkpoint's, or the online one asked for
     weight_bytes: int = 0  # the weights as the forward pass holds them (quantized or not)
+    # A quantized KV cache's scales as the checkpoint stores them ("model.layers.0.self_attn.
+    # k_scale" -> float32 tensor), with quantization.kv_cache_scheme saying how they were made.
+    kv_cache_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def quantization_method(self) -> str | None:
@@ -64,11 +68,14 @@ def load_model(
     else:
         raise ValueError(f"model path {path} is neither a folder nor a .gguf file")
     cfg = ModelConfig.from_hf(hf_config)
+    kv_scales = {k: state_dict.pop(k) for k in list(state_dict) if k.endswith(KV_SCALE_SUFFIXES)}
     model = _build(cfg, state_dict, dtype, device, quant)
     eos = list(cfg.eos_token_ids) + generation_eos
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.append(tokenizer.eos_token_id)
-    return LoadedModel(cfg, model, tokenizer, tuple(dict.fromkeys(eos)), quant, weight_bytes(model))
+    return LoadedModel(
+        cfg, model, tokenizer, tuple(dict.fromkeys(eos)), quant, weight_bytes(model), kv_scales
+    )
 
 
 def _build(

@@ -37,15 +37,15 @@ def fp8_linear(
             x_scale = absmax_scale(x, FP8_MAX, dim=-1)  # [M, 1]
         else:
             x_scale = input_scale.expand(x.shape[0], 1).contiguous()
-        w_scale = weight_scale.expand(weight.shape[0], 1).t()  # [1, N]
-        return torch._scaled_mm(
+        w_scale = weight_scale.expand(weight.shape[0], 1).t().contiguous()  # [1, N]
+        out = torch._scaled_mm(
             quantize_fp8(x, x_scale),
-            weight.t(),
+            weight.t(),  # [K, N] column-major, as cuBLASLt wants b
             scale_a=x_scale,
             scale_b=w_scale,
-            bias=bias,
             out_dtype=x.dtype,
         )
+        return out if bias is None else out + bias
     return F.linear(fake_quantize_fp8(x, input_scale), float_weight, bias)
 
 
