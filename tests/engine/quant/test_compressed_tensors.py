@@ -83,3 +83,10 @@ def test_quantized_weights_are_counted_at_their_size(ct_checkpoints, tiny_models
     # llama-gqa: 2 layers of 40,960 linear weights, 2 x 32,768 embedding/lm_head, norms
     linear_bytes = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128) * 4
     assert fp.weight_bytes - w4.weight_bytes > 0.7 * linear_bytes
+
+
+def test_the_startup_log_names_the_method_and_weight_size(ct_checkpoints, caplog):
+    with caplog.at_level("INFO", logger="kvbatch.engine.core.llm_engine"):
+        llm = LLM(model=str(ct_checkpoints("fp8-dynamic")), device="cpu", num_kv_blocks=64)
+    mib = llm.stats().weight_bytes / (1 << 20)
+    assert f"weights: {mib:.1f} MiB (quantized: compressed-tensors)" in caplog.text
