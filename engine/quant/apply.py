@@ -12,6 +12,7 @@ from torch import nn
 
 from kvbatch.engine.quant.awq import load_awq_linear
 from kvbatch.engine.quant.compressed_tensors import load_ct_linear
+from kvbatch.engine.quant.detect import UnsupportedQuantization
 from kvbatch.engine.quant.fp8_checkpoint import load_fp8_linear, quantize_linear_fp8
 from kvbatch.engine.quant.gptq import load_gptq_linear
 from kvbatch.engine.quant.layer_tensors import CheckpointFormatError, LayerTensors
@@ -49,7 +50,10 @@ def quantize_linears(
     replaced = []
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, module in linears:
-        scheme = None if name in KEPT_IN_FLOAT else quant.scheme_for(name)
+        if name in KEPT_IN_FLOAT:
+            _check_kept_in_float(name, state_dict, quant)
+            continue
+        scheme = quant.scheme_for(name)
         if scheme is None:
             continue
         prefix = name + "."
@@ -91,6 +95,16 @@ def reject_quantized_leftovers(
         f"the checkpoint holds quantized tensors that its quantization_config "
         f"({quant.method}) does not assign to any layer: {shown}{more}"
     )
+
+
+def _check_kept_in_float(name: str, state_dict: dict, quant: QuantConfig) -> None:
+    quantized = [k for k in state_dict if k.startswith(name + ".") and k.endswith(QUANT_SUFFIXES)]
+    if quantized:
+        raise UnsupportedQuantization(
+            f"the checkpoint's {name} is quantized ({', '.join(sorted(quantized))}); "
+            f"supported: {name} in float (list it in `ignore` when quantizing with "
+            f"{quant.method})"
+        )
 
 
 def _load_layer(t: LayerTensors, quant: QuantConfig, scheme, dtype, device) -> QuantLinear:

@@ -54,14 +54,16 @@ SCHEMES: dict[str, dict] = {
 }
 
 
-def build_ct_checkpoint(scheme: str, path: Path, seed: int = 0) -> Path:
+def build_ct_checkpoint(
+    scheme: str, path: Path, seed: int = 0, ignore: tuple[str, ...] = ("lm_head",)
+) -> Path:
     """Save a tiny random Llama (llama-gqa's shape) quantized with `scheme` (see SCHEMES) as
-    compressed-tensors writes it; lm_head stays in float (`ignore`)."""
+    compressed-tensors writes it; the layers in `ignore` stay in float."""
     model = AutoModelForCausalLM.from_config(tiny_config("llama-gqa"), dtype=torch.float32)
     randomize_weights(model, seed)
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
     group = QuantizationScheme(targets=["Linear"], **SCHEMES[scheme])
-    config = QuantizationConfig(config_groups={"group_0": group}, ignore=["lm_head"])
+    config = QuantizationConfig(config_groups={"group_0": group}, ignore=list(ignore))
     apply_quantization_config(model, config)
     _calibrate(model, seed)
     for module in model.modules():

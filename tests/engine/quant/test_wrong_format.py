@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from kvbatch.engine.model.loader import load_model
+from kvbatch.engine.quant.detect import UnsupportedQuantization
 from kvbatch.engine.quant.layer_tensors import CheckpointFormatError
+from tests.engine.quant.ct_checkpoints import build_ct_checkpoint
 from tests.engine.quant.wna16_checkpoints import build_wna16_checkpoint
 
 CT = "compressed-tensors"
@@ -119,4 +121,10 @@ def test_awq_tensors_without_g_idx_read_as_gptq_by_shape_fail(gptq_and_awq, tmp_
     """AWQ's qweight [K, N/8] read as GPTQ's [K/8, N]: the scales' shape gives it away."""
     path = with_config(gptq_and_awq["awq"], tmp_path / "ckpt", GPTQ)
     with pytest.raises(CheckpointFormatError, match="not a gptq layer: scales has shape"):
+        load(path)
+
+
+def test_a_quantized_lm_head_is_refused(tmp_path):
+    path = build_ct_checkpoint("w8a16", tmp_path / "ckpt", ignore=())
+    with pytest.raises(UnsupportedQuantization, match="lm_head is quantized .*weight_packed"):
         load(path)
