@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import re
 
+QUANTIZATION_CHOICES = ("fp8",)  # engine/quant/detect.py's ONLINE_METHODS (no torch here)
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -207,6 +209,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="tokens proposed per step with --speculative (default 4)",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_CHOICES,
+        default=None,
+        help="quantize a float checkpoint at load: fp8 (FP8 weights with per-channel scales, "
+        "activations per token; embeddings and lm_head kept). Quantized checkpoints "
+        "(compressed-tensors, fp8, GPTQ, AWQ) are detected from their config.json without it",
+    )
     memory = parser.add_argument_group("KV cache and GPU tuning (defaults: the engine's)")
     memory.add_argument(
         "--kv-cache-bytes",
@@ -254,6 +264,7 @@ _OPTIONAL = (
     "cuda_graphs",
     "async_scheduling",
     "cascade_attention",
+    "quantization",
 )
 
 

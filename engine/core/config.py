@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbatch.engine.quant.detect import ONLINE_METHODS as ONLINE_QUANTIZATION
+
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
 
 
@@ -209,11 +211,20 @@ class EngineConfig:
     # (engine/core/startup_heap.py); None = on CUDA, where one pass stalls many steps.
     freeze_gc: bool | None = None
     seed: int = 0
+    # Online quantization of a float checkpoint at load ("fp8", vLLM's name); None: the
+    # checkpoint's own (config.json's quantization_config) or none. engine/quant/detect.py.
+    quantization: str | None = None
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpecConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in ONLINE_QUANTIZATION:
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported; choose "
+                f"{', '.join(ONLINE_QUANTIZATION)} or None (pre-quantized checkpoints need no "
+                "option: their config.json says how they are quantized)"
+            )
         if self.cuda_graph_max_chunk < 0:
             raise ValueError(
                 f"cuda_graph_max_chunk must be >= 0 (0: no graphs for steps with a prompt "

@@ -52,11 +52,14 @@ class LLM:
         seed: int = 0,
         speculative: str | SpecConfig | None = None,
         num_speculative_tokens: int | None = None,
+        quantization: str | None = None,
     ) -> None:
         """`model`: a Hugging Face folder, a .gguf file or a Hub id (kvbatch.hub; `revision`
         picks its branch, tag or commit). `speculative`: None (off), "ngram" (prompt lookup),
         "draft:PATH" (a draft model with the target's vocabulary) or a SpecConfig;
-        `num_speculative_tokens` = k (4)."""
+        `num_speculative_tokens` = k (4).
+        `quantization`: "fp8" quantizes a float checkpoint at load (FP8 weights with
+        per-channel scales, activations per token); quantized checkpoints need nothing."""
         config = EngineConfig(
             model=resolve_model(model, revision),
             device=device,
@@ -68,6 +71,7 @@ class LLM:
             async_scheduling=async_scheduling,
             freeze_gc=freeze_gc,
             seed=seed,
+            quantization=quantization,
             cache=CacheConfig(
                 block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,

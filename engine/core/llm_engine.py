@@ -71,8 +71,14 @@ class LLMEngine:
         thaw_startup_heap()
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        loaded = load_model(config.model, self.dtype, self.device)
+        loaded = load_model(config.model, self.dtype, self.device, config.quantization)
         self.model, self.model_config = loaded.model, loaded.config
+        self.quantization, self.weight_bytes = loaded.quantization_method, loaded.weight_bytes
+        log.info(
+            "weights: %.1f MiB (%s)",
+            self.weight_bytes / (1 << 20),
+            f"quantized: {self.quantization}" if self.quantization else f"{self.dtype}",
+        )
         self.tokenizer = loaded.tokenizer
         self.max_model_len = self._max_model_len()
         scheduler_config = self._resolved_scheduler_config()
@@ -514,6 +520,8 @@ class LLMEngine:
             kv_usage=kv.usage,
             num_kv_blocks=kv.num_blocks,
             block_size=self.config.cache.block_size,
+            weight_bytes=self.weight_bytes,
+            quantization=self.quantization,
             **self._spec_stats(),
         )
 

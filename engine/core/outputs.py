@@ -64,6 +64,8 @@ class EngineStats:
     kv_usage: float
     num_kv_blocks: int
     block_size: int
+    weight_bytes: int = 0  # the model's weights as loaded (quantized ones at their own size)
+    quantization: str | None = None  # the quantization method, None for a float model
     # Speculative decoding: draft tokens proposed and accepted, and acceptance by position in
     # the draft (accepted / proposed at that position).
     spec_draft_tokens: int = 0

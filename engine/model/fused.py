@@ -32,7 +32,9 @@ def model_forward(model, fused: bool):
 
 
 def fuse_projections(model) -> None:
-    """Concatenate each layer's q/k/v and gate/up weights and make the originals views."""
+    """Concatenate each layer's q/k/v and gate/up weights and make the originals views.
+    Quantized projections (engine/quant) stay apart: qkv_weight / gate_up_weight is None and
+    the forward runs each one's own GEMM."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_weight, attn.qkv_bias = _concat(attn.q_proj, attn.k_proj, attn.v_proj)
@@ -40,6 +42,8 @@ def fuse_projections(model) -> None:
 
 
 def _concat(*linears):
+    if any(type(lin) is not torch.nn.Linear for lin in linears):
+        return None, None
     weight = torch.cat([lin.weight.data for lin in linears])
     has_bias = linears[0].bias is not None
     bias = torch.cat([lin.bias.data for lin in linears]) if has_bias else None
@@ -80,7 +84,10 @@ def fused_forward(
             h = rms_norm(residual, layer.input_layernorm.weight, eps)
         else:
             h, residual = fused_add_rms_norm(pending, residual, layer.input_layernorm.weight, eps)
-        qkv = F.linear(h, attn.qkv_weight, attn.qkv_bias)  # [T, q + 2 kv]
+        if attn.qkv_weight is not None:
+            qkv = F.linear(h, attn.qkv_weight, attn.qkv_bias)  # [T, q + 2 kv]
+        else:
+            qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
         q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -90,7 +97,10 @@ def fused_forward(
         h, residual = fused_add_rms_norm(
             pending, residual, layer.post_attention_layernorm.weight, eps
         )
-        gate_up = F.linear(h, mlp.gate_up_weight)  # [T, 2 ffn]
+        if mlp.gate_up_weight is not None:
+            gate_up = F.linear(h, mlp.gate_up_weight)  # [T, 2 ffn]
+        else:
+            gate_up = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1)
         ffn = cfg.intermediate_size
         pending = mlp.down_proj(silu_and_mul(gate_up[:, :ffn], gate_up[:, ffn:]))
     residual += pending

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kvbatch.engine.model.llama import LlamaForCausalLM, ModelConfig
 from kvbatch.engine.model.rope import RotaryEmbedding
+from kvbatch.engine.quant.apply import quantize_linears, reject_quantized_leftovers, weight_bytes
+from kvbatch.engine.quant.detect import detect_quantization
+from kvbatch.engine.quant.scheme import QuantConfig
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")  # a quantized KV cache's, kept for the KV cache
 
 
 @dataclass
@@ -28,10 +32,25 @@ class LoadedModel:
     model: LlamaForCausalLM
     tokenizer: object | None  # a transformers tokenizer, or None for token-id-only checkpoints
     eos_token_ids: tuple[int, ...]
+    quantization: QuantConfig | None = None  # the checkpoint's, or the online one asked for
+    weight_bytes: int = 0  # the weights as the forward pass holds them (quantized or not)
+    # A quantized KV cache's scales as the checkpoint stores them ("model.layers.0.self_attn.
+    # k_scale" -> float32 tensor), with quantization.kv_cache_scheme saying how they were made.
+    kv_cache_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def quantization_method(self) -> str | None:
+        return None if self.quantization is None else self.quantization.method
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Load a Hugging Face folder or a .gguf file; errors say what is missing."""
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None
+) -> LoadedModel:
+    """Load a Hugging Face folder or a .gguf file; errors say what is missing.
+
+    A checkpoint's config.json `quantization_config` is read before any weight and picks each
+    layer's quantized module (engine/quant); `quantization="fp8"` quantizes a float checkpoint
+    at load. Formats the engine cannot run fail here, never at the first answer."""
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -39,36 +58,55 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> Lo
             "with config.json and safetensors, or a .gguf file)"
         )
     if path.is_file() and path.suffix == ".gguf":
+        quant = detect_quantization(None, quantization)
         hf_config, state_dict, tokenizer = _read_gguf(path)
         generation_eos: list[int] = []
     elif path.is_dir():
+        quant = detect_quantization(_config_dict(path), quantization)
         hf_config, state_dict, tokenizer = _read_hf_folder(path)
         generation_eos = _generation_eos(path)
     else:
         raise ValueError(f"model path {path} is neither a folder nor a .gguf file")
     cfg = ModelConfig.from_hf(hf_config)
-    model = _build(cfg, state_dict, dtype, device)
+    kv_scales = {k: state_dict.pop(k) for k in list(state_dict) if k.endswith(KV_SCALE_SUFFIXES)}
+    model = _build(cfg, state_dict, dtype, device, quant)
     eos = list(cfg.eos_token_ids) + generation_eos
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.append(tokenizer.eos_token_id)
-    return LoadedModel(cfg, model, tokenizer, tuple(dict.fromkeys(eos)))
+    return LoadedModel(
+        cfg, model, tokenizer, tuple(dict.fromkeys(eos)), quant, weight_bytes(model), kv_scales
+    )
 
 
-def _build(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device) -> LlamaForCausalLM:
-    """Create the modules without initialising them, then adopt the checkpoint's tensors."""
+def _build(
+    cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device, quant: QuantConfig | None
+) -> LlamaForCausalLM:
+    """Create the modules without initialising them, swap in the quantized layers (which
+    arrive with their tensors), then adopt the checkpoint's remaining tensors."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    expected = set(model.state_dict())
     if cfg.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)
+    if quant is not None:
+        quantize_linears(model, state_dict, quant, dtype, device)
+    reject_quantized_leftovers(state_dict, quant)  # before "missing": it names the cause
+    owned = model.state_dict()
+    expected = {k for k, v in owned.items() if v.is_meta}
     missing = sorted(expected - set(state_dict))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
     weights = {k: state_dict[k].to(device=device, dtype=dtype) for k in expected}
+    weights.update((k, v) for k, v in owned.items() if k not in expected)
     model.load_state_dict(weights, assign=True, strict=True)
     model.rotary = RotaryEmbedding(cfg.rope).to(device)  # its buffer was built on meta
     return model.eval()
+
+
+def _config_dict(path: Path) -> dict | None:
+    """config.json as written (None when absent: _read_hf_folder names that error)."""
+    config = path / "config.json"
+    return json.loads(config.read_text()) if config.is_file() else None
 
 
 def _read_hf_folder(path: Path):

@@ -37,6 +37,7 @@ EVERY_FLAG = [
     "--enforce-eager",
     "--no-async-scheduling",
     "--no-cascade-attention",
+    "--quantization", "fp8",
 ]  # fmt: skip
 
 
@@ -108,6 +109,7 @@ def test_each_flag_becomes_its_engine_keyword():
         cuda_graphs=False,
         async_scheduling=False,
         cascade_attention=False,
+        quantization="fp8",
     )
     assert engine_kwargs(parse("--async-scheduling"))["async_scheduling"] is True
 
@@ -126,6 +128,7 @@ def test_each_flag_becomes_its_engine_keyword():
         ("--max-model-len", "0", ">= 1"),
         ("--block-size", "24", "power of two"),
         ("--num-speculative-tokens", "0", ">= 1"),
+        ("--quantization", "int4", "invalid choice"),
     ],
 )
 def test_a_bad_value_stops_each_command_naming_the_flag(tmp_path: Path, flag, value, why):

@@ -1,0 +1,116 @@
+"""config.json's quantization_config -> a scheme per layer, or one error naming the method
+and what is supported, before any weight is read."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbatch.engine.quant.detect import UnsupportedQuantization, detect_quantization
+from kvbatch.engine.quant.scheme import WNA16, Fp8W8A8, Int8W8A8
+
+
+def ct_config(fmt: str, weights: dict, inputs: dict | None = None, **extra) -> dict:
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs}
+    qc = {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"g": group}}
+    return {"quantization_config": {**qc, **extra}}
+
+
+FP8_W = {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True}
+FP8_TOKEN = {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}
+INT8_W = {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True}
+INT8_TOKEN = {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}
+W4 = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": False}
+
+
+def test_a_float_checkpoint_has_no_quantization():
+    assert detect_quantization({"architectures": ["LlamaForCausalLM"]}) is None
+    assert detect_quantization(None) is None
+
+
+@pytest.mark.parametrize(
+    "config, scheme",
+    [
+        (ct_config("float-quantized", FP8_W, FP8_TOKEN), Fp8W8A8(True, False)),
+        (
+            ct_config(
+                "float-quantized",
+                {**FP8_W, "strategy": "tensor"},
+                {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False},
+            ),
+            Fp8W8A8(False, True),
+        ),
+        (ct_config("int-quantized", INT8_W, INT8_TOKEN), Int8W8A8()),
+        (ct_config("pack-quantized", W4), WNA16(4, 128, symmetric=False)),
+        (
+            {"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}},
+            Fp8W8A8(False, True),
+        ),
+        (
+            {"quantization_config": {"quant_method": "gptq", "bits": 8, "group_size": 32,
+                                     "desc_act": True, "sym": True}},
+            WNA16(8, 32, symmetric=True, act_order=True),
+        ),
+        (
+            {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 64,
+                                     "zero_point": True, "version": "gemm"}},
+            WNA16(4, 64, symmetric=False),
+        ),
+    ],
+)  # fmt: skip
+def test_supported_configs_give_each_linear_its_scheme(config, scheme):
+    quant = detect_quantization(config)
+    assert quant.scheme_for("model.layers.3.mlp.down_proj") == scheme
+    assert quant.scheme_for("lm_head") is None or quant.method == "compressed-tensors"
+
+
+def test_ignore_keeps_layers_in_float():
+    quant = detect_quantization(
+        ct_config("pack-quantized", W4, ignore=["lm_head", "re:.*mlp.gate_proj$"])
+    )
+    assert quant.scheme_for("lm_head") is None
+    assert quant.scheme_for("model.layers.0.mlp.gate_proj") is None
+    assert quant.scheme_for("model.layers.0.mlp.up_proj") == WNA16(4, 128, symmetric=False)
+
+
+def test_the_kv_cache_scheme_is_kept_for_the_kv_cache():
+    kv = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False}
+    quant = detect_quantization(ct_config("float-quantized", FP8_W, FP8_TOKEN, kv_cache_scheme=kv))
+    assert quant.kv_cache_scheme == kv
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"quantization_config": {"quant_method": "bitsandbytes"}}, "'bitsandbytes' is not supp"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 3}}, "3-bit"),
+        ({"quantization_config": {"quant_method": "awq", "bits": 4, "version": "gemv"}}, "gemv"),
+        (
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+            "block-wise",
+        ),
+        (ct_config("nvfp4-pack-quantized", W4), "format 'nvfp4-pack-quantized'"),
+        (ct_config("float-quantized", FP8_W), "FP8 weight-only"),
+        (ct_config("float-quantized", {**FP8_W, "strategy": "block"}, FP8_TOKEN), "by block"),
+        (ct_config("int-quantized", INT8_W, None), "int weights without"),
+        (ct_config("pack-quantized", {**W4, "num_bits": 2}), "2-bit int"),
+        (ct_config("pack-quantized", W4, FP8_TOKEN), "activation quantization with packed"),
+    ],
+)
+def test_unsupported_formats_fail_naming_what_is_supported(config, message):
+    with pytest.raises(UnsupportedQuantization, match="supported") as info:
+        detect_quantization(config)
+    assert message in str(info.value)
+
+
+def test_online_fp8_quantizes_every_linear_but_the_lm_head():
+    quant = detect_quantization({}, "fp8")
+    assert quant.format == "online-fp8"
+    assert quant.scheme_for("model.layers.0.self_attn.q_proj") == Fp8W8A8(True, False)
+    assert quant.scheme_for("lm_head") is None
+
+
+def test_online_quantization_of_a_quantized_checkpoint_is_refused():
+    with pytest.raises(UnsupportedQuantization, match="already quantized with 'awq'"):
+        detect_quantization({"quantization_config": {"quant_method": "awq", "bits": 4}}, "fp8")
+    with pytest.raises(UnsupportedQuantization, match="'int4' is not supported.*fp8"):
+        detect_quantization({}, "int4")

@@ -1,0 +1,36 @@
+"""The GPU forward (fused projections and kernels; TRITON_INTERPRET=1 on the CPU) with
+quantized layers: their projections stay apart and run their own GEMMs, and the greedy tokens
+are those of the plain forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbatch.engine import LLM, SamplingParams
+from kvbatch.engine.quant.linear import QuantLinear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "w4a16-asym"])
+def test_fused_forward_runs_quantized_layers(ct_checkpoints, scheme):
+    path = str(ct_checkpoints(scheme))
+    prompts = [[5, 9, 14, 200, 31], list(range(40, 73))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            path,
+            device=DEVICE,
+            dtype="float32",
+            attention_backend=backend,
+            num_kv_blocks=64,
+            cuda_graphs=False,
+        )
+        runs[backend] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+    layer = llm.engine.model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, QuantLinear) and layer.self_attn.qkv_weight is None
+    assert runs["triton"] == runs["torch"]

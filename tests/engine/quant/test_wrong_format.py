@@ -1,0 +1,130 @@
+"""Never silent garbage: each format's tensors fed to the wrong path (no quantization_config, or
+config.json naming another format) fail at load with a message naming the layer, the format
+and what was found."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbatch.engine.model.loader import load_model
+from kvbatch.engine.quant.detect import UnsupportedQuantization
+from kvbatch.engine.quant.layer_tensors import CheckpointFormatError
+from tests.engine.quant.ct_checkpoints import build_ct_checkpoint
+from tests.engine.quant.wna16_checkpoints import build_wna16_checkpoint
+
+CT = "compressed-tensors"
+
+
+def with_config(src: Path, dst: Path, quantization_config: dict | None) -> Path:
+    """A copy of checkpoint `src` whose config.json says `quantization_config` (None: none)."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.pop("quantization_config", None)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def ct_config(fmt: str, weights: dict, inputs: dict | None = None) -> dict:
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs}
+    return {"quant_method": CT, "format": fmt, "config_groups": {"g": group}, "ignore": ["lm_head"]}
+
+
+INT8 = ct_config(
+    "int-quantized",
+    {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True},
+    {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True},
+)
+FP8 = ct_config(
+    "float-quantized",
+    {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True},
+    {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True},
+)
+W4 = ct_config(
+    "pack-quantized", {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32}
+)
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+FP8_STATIC = {"quant_method": "fp8", "activation_scheme": "static"}
+
+
+def load(path: Path):
+    return load_model(path, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "fp8-static", "int8-w8a8", "w4a16"])
+def test_quantized_tensors_without_a_quantization_config_fail(ct_checkpoints, tmp_path, scheme):
+    """The old silent-garbage path: FP8/int8 weights cast to float, scales ignored."""
+    path = with_config(ct_checkpoints(scheme), tmp_path / "ckpt", None)
+    with pytest.raises(CheckpointFormatError, match="no quantization_config") as info:
+        load(path)
+    assert "weight_scale" in str(info.value) or "weight_packed" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "scheme, claimed, message",
+    [
+        ("fp8-dynamic", INT8, "weight is float8_e4m3fn, not int8"),
+        ("int8-w8a8", FP8, "weight is int8, not float8_e4m3fn"),
+        ("fp8-dynamic", W4, "missing weight_packed, weight_shape"),
+        ("w4a16", FP8, "missing weight; unexpected weight_packed, weight_shape"),
+        ("w4a16", GPTQ, "missing qweight, qzeros, scales"),
+        ("fp8-dynamic", FP8_STATIC, "missing input_scale"),
+        ("int8-w8a8", AWQ, "missing qweight"),
+    ],
+)
+def test_compressed_tensors_layers_read_as_another_format_fail(
+    ct_checkpoints, tmp_path, scheme, claimed, message
+):
+    path = with_config(ct_checkpoints(scheme), tmp_path / "ckpt", claimed)
+    with pytest.raises(
+        CheckpointFormatError, match="layer model.layers.0.self_attn.q_proj"
+    ) as info:
+        load(path)
+    assert message in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def gptq_and_awq(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wrong_wna16")
+    gptq, _ = build_wna16_checkpoint("gptq", 4, False, root / "gptq")
+    awq, _ = build_wna16_checkpoint("awq", 4, False, root / "awq")
+    return {"gptq": gptq, "awq": awq}
+
+
+@pytest.mark.parametrize(
+    "source, claimed, message",
+    [
+        ("gptq", AWQ, "unexpected g_idx"),
+        ("awq", GPTQ, "scales has shape (2, 64), expected (16, 8)"),
+        ("gptq", W4, "missing weight_packed"),
+        ("awq", None, "no quantization_config"),
+        ("gptq", {**GPTQ, "bits": 8}, "scales has shape"),
+    ],
+)
+def test_gptq_and_awq_layers_read_as_another_format_fail(
+    gptq_and_awq, tmp_path, source, claimed, message
+):
+    path = with_config(gptq_and_awq[source], tmp_path / "ckpt", claimed)
+    with pytest.raises(CheckpointFormatError) as info:
+        load(path)
+    assert message in str(info.value)
+
+
+def test_awq_tensors_without_g_idx_read_as_gptq_by_shape_fail(gptq_and_awq, tmp_path):
+    """AWQ's qweight [K, N/8] read as GPTQ's [K/8, N]: the scales' shape gives it away."""
+    path = with_config(gptq_and_awq["awq"], tmp_path / "ckpt", GPTQ)
+    with pytest.raises(CheckpointFormatError, match="not a gptq layer: scales has shape"):
+        load(path)
+
+
+def test_a_quantized_lm_head_is_refused(tmp_path):
+    path = build_ct_checkpoint("w8a16", tmp_path / "ckpt", ignore=())
+    with pytest.raises(UnsupportedQuantization, match="lm_head is quantized .*weight_packed"):
+        load(path)
