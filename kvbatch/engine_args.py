@@ -152,6 +152,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="the KV pool's size, e.g. 4GiB: the CPU's budget (default 1GiB); on CUDA it "
         "replaces --kv-cache-memory-fraction",
     )
+    memory.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8", "fp8_e4m3"),
+        default=None,
+        help="auto: K/V in the model's dtype; fp8: E4M3 with per-layer scales (the "
+        "checkpoint's kv_cache_scheme, else 1.0), about twice the tokens in the same memory",
+    )
     add_gpu_tuning_args(memory)
     memory.add_argument(
         "--async-scheduling",
@@ -185,6 +192,7 @@ def engine_args_conflict(args: argparse.Namespace) -> str | None:
 _OPTIONAL = (
     "kv_cache_bytes",
     "kv_cache_memory_fraction",
+    "kv_cache_dtype",
     "long_prefill_token_threshold",
     "long_prefill_step_ratio",
     "cuda_graph_max_chunk",

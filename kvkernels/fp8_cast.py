@@ -14,8 +14,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-E4M3_MAX = 448.0
-
 
 @triton.jit
 def round_to_e4m3_precision(v):

@@ -67,6 +67,7 @@ class LLMEngine:
         thaw_startup_heap()
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
+        self.kv_dtype = config.cache.kv_torch_dtype(self.dtype)  # kv_cache_dtype
         loaded = load_model(config.model, self.dtype, self.device)
         self.model, self.model_config = loaded.model, loaded.config
         self.tokenizer = loaded.tokenizer
@@ -130,6 +131,7 @@ class LLMEngine:
             seed=config.seed,
             cascade=config.cascade_attention,
             forward=self.forward,
+            kv_dtype=self.kv_dtype,
         )
         self.stop_checker = StopChecker(loaded.eos_token_ids, self.max_model_len, self.tokenizer)
         self.spec = None  # speculative decoding (engine/spec/), when config.speculative is set
@@ -149,8 +151,9 @@ class LLMEngine:
                 max_chunk=config.cuda_graph_max_chunk,
             )
         log.info(
-            "KV cache: %d blocks of %d tokens = %d tokens at most in flight (%.1f requests "
-            "of max_model_len %d at once)",
+            "KV cache (%s): %d blocks of %d tokens = %d tokens at most in flight (%.1f "
+            "requests of max_model_len %d at once)",
+            str(self.kv_dtype).removeprefix("torch."),
             num_blocks,
             cache.block_size,
             num_blocks * cache.block_size,
@@ -194,7 +197,7 @@ class LLMEngine:
         self._warn_unused_fraction()
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = kv_bytes_per_block(self.model, cache.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model, cache.block_size, self.kv_dtype)
         if draft is not None:
             per_block += kv_bytes_per_block(draft.model, cache.block_size, self.dtype)
         if cache.kv_cache_bytes is not None:
@@ -208,7 +211,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 max_num_seqs=scheduler_config.max_num_seqs,
                 block_size=cache.block_size,
-                dtype=self.dtype,
+                dtype=self.kv_dtype,
                 device=self.device,
             )
             budget = cuda_kv_budget(peak, cache.kv_cache_memory_fraction, self.device)
@@ -475,6 +478,7 @@ class LLMEngine:
             kv_usage=kv.usage,
             num_kv_blocks=kv.num_blocks,
             block_size=self.config.cache.block_size,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             **self._spec_stats(),
         )
 

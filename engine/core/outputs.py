@@ -64,6 +64,7 @@ class EngineStats:
     kv_usage: float
     num_kv_blocks: int
     block_size: int
+    kv_cache_dtype: str = ""  # the pool's element dtype: the model's, or float8_e4m3fn
     # Speculative decoding: draft tokens proposed and accepted, and acceptance by position in
     # the draft (accepted / proposed at that position).
     spec_draft_tokens: int = 0
