@@ -22,6 +22,12 @@ no g_idx and a group that spans whole K tiles, one scale row per tile is loaded 
 
 The dequantized tile is rounded to x's dtype before the dot (what a dequantize-then-GEMM would
 compute) and products accumulate in float32.
+
+Split-K: at batch 1 to 16 the output is a few tiles wide (N / BLOCK_N programs: 64 for N 4096,
+half the H200's SMs), so each program would stream its whole column of weights alone. The K
+range is then cut into `split_k` slices, one program per (tile, slice) writes a float32
+partial, and the partials are summed in slice order (a fixed order: the same sums whatever
+else the GPU runs).
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kvbatch.kernels.decode_attention import num_sms
 from kvbatch.kernels.specialize import step_varying
 
 SUPPORTED_BITS = (4, 8)
+MAX_SPLIT_K = 16
+MIN_K_PER_SPLIT = 512  # a slice must amortise its partial's write
 
 
 @step_varying(ints=("M",))
@@ -42,10 +51,11 @@ def _wna16_gemm_kernel(
     scales_ptr,  # [G, N]
     zeros_ptr,  # [G, N]
     g_idx_ptr,  # [K] int32 (read only when HAS_G_IDX)
-    out_ptr,  # [M, N]
+    out_ptr,  # [M, N], or float32 partials [SPLIT_K, M, N]
     M,
     N,
     K,
+    k_per_split,  # K rows per slice, a multiple of BLOCK_K (K when SPLIT_K is 1)
     group_size,
     stride_xm,
     stride_xk,
@@ -55,6 +65,7 @@ def _wna16_gemm_kernel(
     stride_sn,
     stride_zg,
     stride_zn,
+    stride_os,
     stride_om,
     stride_on,
     BITS: tl.constexpr,
@@ -68,6 +79,7 @@ def _wna16_gemm_kernel(
     PACK: tl.constexpr = 32 // BITS
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -75,7 +87,8 @@ def _wna16_gemm_kernel(
     x_dtype = x_ptr.dtype.element_ty
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(
@@ -112,7 +125,7 @@ def _wna16_gemm_kernel(
         acc += tl.dot(x, w, input_precision=PRECISION)
 
     tl.store(
-        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+        out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
         acc.to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None] & n_mask[None, :],
     )
@@ -126,6 +139,8 @@ def wna16_gemm(
     g_idx: torch.Tensor | None,  # [K] int32, or None: group k // group_size
     group_size: int,
     bits: int,
+    *,
+    split_k: int | None = None,  # K slices (None: chosen from the shapes)
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """x @ w with w dequantized from the canonical packed layout (see the module docstring)."""
     M, K, N = _check_inputs(x, qweight, scales, zeros, g_idx, group_size, bits)
@@ -139,16 +154,37 @@ def wna16_gemm(
     block_k = 64 if K >= 64 else max(16, triton.next_power_of_2(K))
     group_per_tile = g_idx is None and group_size % block_k == 0
     g_idx_arg = g_idx.contiguous() if g_idx is not None else qweight  # never read without HAS_G_IDX
-    _wna16_gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
-        x, qweight, scales, zeros, g_idx_arg, out,
-        M, N, K, group_size,
-        *x.stride(), *qweight.stride(), *scales.stride(), *zeros.stride(), *out.stride(),
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    if split_k is None:
+        split_k = choose_split_k(tiles, K, x.device)
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)  # no empty slice
+    dest = out
+    if split_k > 1:
+        dest = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
+    dest_strides = dest.stride() if split_k > 1 else (0, *out.stride())
+    _wna16_gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n), split_k)](
+        x, qweight, scales, zeros, g_idx_arg, dest,
+        M, N, K, k_per_split, group_size,
+        *x.stride(), *qweight.stride(), *scales.stride(), *zeros.stride(), *dest_strides,
         BITS=bits, HAS_G_IDX=g_idx is not None, GROUP_PER_TILE=group_per_tile,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=4, num_stages=3,
     )  # fmt: skip
+    if split_k > 1:
+        out.copy_(dest.sum(dim=0))  # slices in order, float32, rounded once
     return out
+
+
+def choose_split_k(tiles: int, K: int, device: torch.device) -> int:
+    """K slices so that about two waves of programs fill the GPU, each slice at least
+    MIN_K_PER_SPLIT rows of K (1 when the output tiles alone fill it)."""
+    wanted = 2 * num_sms(device) // max(1, tiles)
+    useful = max(1, K // MIN_K_PER_SPLIT)
+    return max(1, min(wanted, useful, MAX_SPLIT_K))
 
 
 def unpack_qweight(qweight: torch.Tensor, bits: int, K: int) -> torch.Tensor:

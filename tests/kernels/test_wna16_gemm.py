@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from kvbatch.kernels.wna16_gemm import (
+    MIN_K_PER_SPLIT,
+    choose_split_k,
     pack_qweight,
     unpack_qweight,
     wna16_gemm,
@@ -78,6 +80,33 @@ def test_matches_reference(bits, M, K, N, group_size, act_order, dtype, device):
     assert out.dtype == dtype and out.shape == (M, N)
     assert_close(out, ref, dtype)
     assert_close(ref.cpu(), _by_hand(x, q, scales, zeros, g_idx, group_size), dtype)
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 7])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_split_k_gives_the_unsplit_result(split_k, act_order, device):
+    """K cut into slices (the last short, or fewer slices than asked when K is short), the
+    float32 partials summed in order: the unsplit output, the reference's."""
+    dtype = torch.float16
+    gen = generator(split_k * 10 + act_order)
+    K, N, group_size = 200, 40, 32
+    _, qweight, scales, zeros, g_idx = _quantized(
+        K, N, 4, group_size, act_order=act_order, gen=gen, dtype=dtype, device=device
+    )
+    x = torch.randn(3, K, generator=gen).to(device=device, dtype=dtype)
+    args = (x, qweight, scales, zeros, g_idx, group_size, 4)
+    split = wna16_gemm(*args, split_k=split_k)
+    assert_close(split, wna16_gemm(*args, split_k=1), dtype)
+    assert_close(split, wna16_gemm_reference(*args), dtype)
+
+
+def test_split_k_choice():
+    cpu = torch.device("cpu")  # behaves as a 132-SM GPU
+    assert choose_split_k(tiles=64, K=4096, device=cpu) == 4  # batch 1, N 4096
+    assert choose_split_k(tiles=64, K=14336, device=cpu) == 4
+    assert choose_split_k(tiles=1, K=4096, device=cpu) == 4096 // MIN_K_PER_SPLIT
+    assert choose_split_k(tiles=448, K=4096, device=cpu) == 1  # the tiles fill the GPU
+    assert choose_split_k(tiles=2, K=300, device=cpu) == 1  # too short to slice
 
 
 @pytest.mark.parametrize("bits", BITS)
