@@ -9,8 +9,10 @@ per tensor for weights:
 
 The GEMM is torch._scaled_mm (cuBLASLt) where it serves: a GPU with FP8 tensor cores
 (sm_89+), K and N multiples of 16, and either both scales per tensor or both per row with a
-bfloat16 output (cuBLASLt's row-wise mode). Everything else, the CPU interpreter included,
-runs the Triton kernel of kvkernels/scaled_mm.py.
+bfloat16 output (cuBLASLt's row-wise mode). Other shapes on those GPUs, and the CPU
+interpreter, run the Triton kernel of kvkernels/scaled_mm.py. Older GPUs (Ampere) have no FP8
+in Triton at all: there the operands are widened to float32 and multiplied in torch, and the
+activations are quantized in torch: correct, with none of FP8's speed.
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ def _quantize_fp8_kernel(
 def _quantize(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
+    if x.is_cuda and not has_fp8_tensor_cores(x):  # no FP8 stores in Triton before sm_89
+        if scale is None:
+            return quantize_fp8_per_token_reference(x)
+        return quantize_fp8_static_reference(x, scale.reshape(1, 1)), scale
     num_rows, K = x.shape
     q = torch.empty(num_rows, K, dtype=FP8_DTYPE, device=x.device)
     static = scale is not None
@@ -139,9 +145,9 @@ def fp8_scaled_mm(
     check_scaled_mm_inputs(a, a_scale, b, b_scale, bias, FP8_DTYPE)
     if _cublas_serves(a, a_scale, b, b_scale, out_dtype):
         return _cublas_scaled_mm(a, a_scale, b, b_scale, out_dtype, bias)
-    return launch_scaled_mm(
-        a, a_scale, b, b_scale, out_dtype, bias, widen=a.is_cuda and not has_fp8_tensor_cores(a)
-    )
+    if a.is_cuda and not has_fp8_tensor_cores(a):
+        return _widened_mm(a, a_scale, b, b_scale, out_dtype, bias)
+    return launch_scaled_mm(a, a_scale, b, b_scale, out_dtype, bias)
 
 
 def fp8_scaled_mm_reference(
@@ -169,6 +175,14 @@ def _cublas_serves(a, a_scale, b, b_scale, out_dtype) -> bool:
         return False
     both_per_tensor = a_scale.numel() == 1 and b_scale.numel() == 1
     return both_per_tensor or out_dtype == torch.bfloat16
+
+
+def _widened_mm(a, a_scale, b, b_scale, out_dtype, bias) -> torch.Tensor:
+    """GPUs without FP8 in Triton: float32 operands (float16 would overflow: 448 * 448 alone
+    is past its range), scales and bias applied as the kernel does."""
+    acc = a.float() @ b.float().T
+    out = acc * a_scale * b_scale.reshape(1, -1)
+    return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
 def _cublas_scaled_mm(a, a_scale, b, b_scale, out_dtype, bias) -> torch.Tensor:

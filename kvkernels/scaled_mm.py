@@ -8,9 +8,6 @@ output channel) or [1, 1]. The scales and the bias are applied once to the accum
 float32, and the result is rounded once to out_dtype. kvkernels/fp8_gemm.py and
 kvkernels/int8_gemm.py hold the public functions and their references; this file is the one
 kernel both launch.
-
-GPUs before sm_89 (Ampere) have no FP8 tensor cores: FP8 tiles are widened to float16 (exact:
-every E4M3 value is a float16) before the dot.
 """
 
 from __future__ import annotations
@@ -43,7 +40,6 @@ def _scaled_mm_kernel(
     stride_on,
     HAS_BIAS: tl.constexpr,
     INTEGER: tl.constexpr,  # int8 inputs: int32 accumulator
-    WIDEN: tl.constexpr,  # fp8 without FP8 tensor cores: dot in float16
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -71,9 +67,6 @@ def _scaled_mm_kernel(
             mask=n_mask[None, :] & k_mask[:, None],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]: b transposed by its strides
-        if WIDEN:
-            a = a.to(tl.float16)
-            b = b.to(tl.float16)
         acc += tl.dot(a, b)
     a_scale = tl.load(a_scale_ptr + offs_m * stride_as, mask=m_mask, other=0.0)
     b_scale = tl.load(b_scale_ptr + offs_n * stride_bs, mask=n_mask, other=0.0)
@@ -94,8 +87,6 @@ def launch_scaled_mm(
     b_scale: torch.Tensor,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
-    *,
-    widen: bool = False,
 ) -> torch.Tensor:
     """Run the kernel on checked inputs (the public functions check them)."""
     M, K = a.shape
@@ -114,7 +105,7 @@ def launch_scaled_mm(
         a_scale.stride(0) if a_scale.numel() > 1 else 0,
         b_scale.stride(0) if b_scale.numel() > 1 else 0,
         *out.stride(),
-        HAS_BIAS=bias is not None, INTEGER=a.dtype == torch.int8, WIDEN=widen,
+        HAS_BIAS=bias is not None, INTEGER=a.dtype == torch.int8,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4, num_stages=3,
     )  # fmt: skip

@@ -90,7 +90,7 @@ class LLMEngine:
             )
         scheduler_config = dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
         self.async_scheduling = self._async_scheduling()
-        backend = get_backend(config.attention_backend, self.device)
+        backend = get_backend(config.attention_backend, self.device, self.kv_dtype)
         # The triton backend comes with the fused kernels and GEMMs (engine/fused.py).
         self.forward = model_forward(self.model, fused=backend.name == "triton")
         # A draft model keeps a KV pool of as many blocks as the target's: load it first, so
