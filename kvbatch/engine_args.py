@@ -76,6 +76,13 @@ def _number(text: str, kind: type):
 def add_gpu_tuning_args(group) -> None:
     """The throughput/latency knobs of a GPU run (default None: the engine's default)."""
     group.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8", "fp8_e4m3"),
+        default=None,
+        help="auto: K/V in the model's dtype; fp8: E4M3 with per-layer scales (the "
+        "checkpoint's kv_cache_scheme, else 1.0), twice bfloat16's tokens in the same memory",
+    )
+    group.add_argument(
         "--kv-cache-memory-fraction",
         type=fraction,
         metavar="F",
@@ -151,13 +158,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="the KV pool's size, e.g. 4GiB: the CPU's budget (default 1GiB); on CUDA it "
         "replaces --kv-cache-memory-fraction",
-    )
-    memory.add_argument(
-        "--kv-cache-dtype",
-        choices=("auto", "fp8", "fp8_e4m3"),
-        default=None,
-        help="auto: K/V in the model's dtype; fp8: E4M3 with per-layer scales (the "
-        "checkpoint's kv_cache_scheme, else 1.0), about twice the tokens in the same memory",
     )
     add_gpu_tuning_args(memory)
     memory.add_argument(

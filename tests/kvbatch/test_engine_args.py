@@ -43,6 +43,7 @@ EVERY_FLAG = [
 
 BENCH_FLAGS = {
     "--kv-cache-memory-fraction",
+    "--kv-cache-dtype",
     "--long-prefill-token-threshold",
     "--long-prefill-step-ratio",
     "--cuda-graph-max-chunk",
