@@ -190,6 +190,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         long_prefill_step_ratio=args.long_prefill_step_ratio,

@@ -12,6 +12,7 @@ from kvbatch.bench.step_profile import StepProfile
 # EngineOptions fields passed to kvbatch's engine only when set (None: the engine's default)
 ENGINE_DEFAULTED = (
     "kv_cache_memory_fraction",
+    "kv_cache_dtype",
     "long_prefill_token_threshold",
     "long_prefill_step_ratio",
     "cuda_graph_max_chunk",

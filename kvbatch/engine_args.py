@@ -78,6 +78,13 @@ def _number(text: str, kind: type):
 def add_gpu_tuning_args(group) -> None:
     """The throughput/latency knobs of a GPU run (default None: the engine's default)."""
     group.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8", "fp8_e4m3"),
+        default=None,
+        help="auto: K/V in the model's dtype; fp8: E4M3 with per-layer scales (the "
+        "checkpoint's kv_cache_scheme, else 1.0), twice bfloat16's tokens in the same memory",
+    )
+    group.add_argument(
         "--kv-cache-memory-fraction",
         type=fraction,
         metavar="F",
@@ -258,6 +265,7 @@ def engine_args_conflict(args: argparse.Namespace) -> str | None:
 _OPTIONAL = (
     "kv_cache_bytes",
     "kv_cache_memory_fraction",
+    "kv_cache_dtype",
     "long_prefill_token_threshold",
     "long_prefill_step_ratio",
     "cuda_graph_max_chunk",

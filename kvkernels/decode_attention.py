@@ -10,6 +10,10 @@ suffices and the first kernel writes the output directly.
                           |          |         |            ones may be partial or empty)
                         (o0,lse0) (o1,lse1) (o2,lse2)  -->  merge  -->  out[b], lse[b]
 
+An FP8 cache (E4M3, kv_cache_dtype="fp8") holds k / k_scale and v / v_scale: K/V tiles are
+widened to q's dtype in registers (exact: every E4M3 value is a float16 and a bfloat16),
+k_scale folds into the softmax scale and v_scale multiplies the output once.
+
 GQA packing: one program handles all G query heads of its kv head, so each K/V tile is read
 once for the G heads; the G rows are padded to 16 for tl.dot and masked.
 
@@ -48,7 +52,8 @@ def _decode_split_kernel(
     seq_lens_ptr,  # [B]
     out_ptr,  # [B, H, S, D] float32 partials, or [B, H, D] when FINAL
     lse_ptr,  # [B, H, S] float32 (log2 units), or [B, H] (natural log) when FINAL
-    scale_log2,  # softmax scale * log2(e)
+    scale_log2,  # softmax scale * log2(e) * k_scale
+    v_scale,  # 1.0 unless the cache is FP8
     stride_qb,
     stride_qh,
     stride_qd,
@@ -114,19 +119,19 @@ def _decode_split_kernel(
         slots = blocks * stride_kblk + (offs_n % BLOCK_SIZE) * stride_kpos  # [BLOCK_N]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         kv_offs = slots[:, None] + offs_d[None, :] * stride_kd  # [BLOCK_N, BLOCK_D]
-        k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0)
+        k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # FP8: dequantized
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(k_base + stride_kv + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(k_base + stride_kv + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     empty = l_i == 0.0  # split beyond seq_len (or seq_len 0): zeros, lse -inf
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     o_mask = g_mask[:, None] & d_mask[None, :]
     o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
@@ -289,6 +294,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     num_splits: int | None = None,
+    k_scale: float = 1.0,  # FP8 caches: the stored values times these are K and V
+    v_scale: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query token per sequence over its paged context.
 
@@ -325,7 +332,7 @@ def paged_decode_attention(
 
     def split_kernel(o: torch.Tensor, o_strides, lse_: torch.Tensor, lse_strides, final: bool):
         _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-            q, kv_cache, block_tables, seq_lens, o, lse_, scale * LOG2E,
+            q, kv_cache, block_tables, seq_lens, o, lse_, scale * LOG2E * k_scale, v_scale,
             *q.stride(), *kv_cache.stride(), block_tables.stride(0), *o_strides, *lse_strides,
             tokens_per_split, max_tokens,
             G=g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
@@ -368,6 +375,8 @@ def paged_decode_attention_ref(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     num_splits: int | None = None,  # accepted for the same signature; the reference never splits
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch paged decode attention (float32 math), same contract as the kernel."""
     check_attention_inputs(q, kv_cache, block_tables.shape[0], "B")
@@ -381,8 +390,8 @@ def paged_decode_attention_ref(
     # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, heads, S, head_dim]
     keys = kv_cache[0].index_select(0, ids).view(batch, max_blocks * block_size, num_kv_heads, -1)
     values = kv_cache[1].index_select(0, ids).view(batch, max_blocks * block_size, num_kv_heads, -1)
-    keys = keys.float().repeat_interleave(g, dim=2).transpose(1, 2)
-    values = values.float().repeat_interleave(g, dim=2).transpose(1, 2)
+    keys = (keys.float() * k_scale).repeat_interleave(g, dim=2).transpose(1, 2)
+    values = (values.float() * v_scale).repeat_interleave(g, dim=2).transpose(1, 2)
     scores = torch.einsum("bhd,bhsd->bhs", q.float(), keys) * scale
     valid = torch.arange(max_blocks * block_size, device=q.device)[None, :] < seq_lens[:, None]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))

@@ -6,6 +6,9 @@ t goes to slot `slot_mapping[t] = block * block_size + offset`:
     kv_cache[0, block, offset] = k[t]      # [num_kv_heads, head_dim]
     kv_cache[1, block, offset] = v[t]
 
+An FP8 cache (`torch.float8_e4m3fn`) stores value / scale, one scale for K and one for V per
+layer, clamped to E4M3's +-448 and rounded to nearest even; attention multiplies them back.
+
 A negative slot means "skip this row": CUDA-graph batches are padded to a captured size, and
 the padding rows must not write anywhere. The kernel masks them out on the device, so the
 launch never reads the slots back to the host and can be captured in a graph.
@@ -19,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbatch.kernels.interpreter import rows_per_program
+from kvbatch.kernels.fp8_cast import to_e4m3
+from kvbatch.kernels.interpreter import interpreting, rows_per_program
+from kvbatch.kernels.kv_quant import is_fp8, quantize_kv, scatter_rows
 from kvbatch.kernels.specialize import step_varying
 
 
@@ -33,6 +38,8 @@ def _write_kv_kernel(
     num_kv_heads,
     head_dim,
     block_size,
+    k_scale,  # FP8: stored = k / k_scale (unused otherwise)
+    v_scale,
     stride_c_kv,  # kv_cache strides: K/V, block, offset, head, dim
     stride_c_block,
     stride_c_off,
@@ -47,6 +54,8 @@ def _write_kv_kernel(
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,  # the cache is E4M3: quantize with the scales
+    ROUND_FIRST: tl.constexpr,  # under the interpreter (kvkernels/fp8_cast.py)
 ):
     tokens = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     slot = tl.load(slot_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
@@ -65,6 +74,15 @@ def _write_kv_kernel(
     dst += heads * stride_c_head + dims * stride_c_dim
     k = tl.load(k_ptr + t * stride_k_t + heads * stride_k_head + dims * stride_k_dim, mask=mask)
     v = tl.load(v_ptr + t * stride_v_t + heads * stride_v_head + dims * stride_v_dim, mask=mask)
+    if FP8:
+        k = to_e4m3(
+            tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0), cache_ptr.dtype.element_ty,
+            ROUND_FIRST,
+        )  # fmt: skip
+        v = to_e4m3(
+            tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0), cache_ptr.dtype.element_ty,
+            ROUND_FIRST,
+        )  # fmt: skip
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -74,10 +92,14 @@ def write_kv_cache(
     k: torch.Tensor,  # [T, num_kv_heads, head_dim]
     v: torch.Tensor,  # [T, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [T] int32/int64; negative: skip the row
+    *,
+    k_scale: float = 1.0,  # FP8 caches: stored = k / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     """Write each token's K and V into its cache slot; rows with a negative slot are skipped.
 
-    k and v may be strided views (slices of a fused qkv projection)."""
+    k and v may be strided views (slices of a fused qkv projection). An FP8 cache gets
+    k / k_scale and v / v_scale in E4M3; other caches ignore the scales."""
     _check_shapes(kv_cache, k, v, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -94,12 +116,16 @@ def write_kv_cache(
         num_kv_heads,
         head_dim,
         block_size,
+        k_scale,
+        v_scale,
         *kv_cache.stride(),
         *k.stride(),
         *v.stride(),
         ROWS=rows,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=is_fp8(kv_cache),
+        ROUND_FIRST=interpreting(),
     )
 
 
@@ -108,17 +134,20 @@ def write_kv_cache_ref(
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Plain-torch reference: the engine's index_copy_ write with negative slots dropped.
 
     The boolean filter reads the mask on the host: fine for a reference, not graph-capturable.
     """
     _check_shapes(kv_cache, k, v, slot_mapping)
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[keep].to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[keep].to(kv_cache.dtype))
+    if is_fp8(kv_cache):
+        k, v = quantize_kv(k, k_scale, kv_cache.dtype), quantize_kv(v, v_scale, kv_cache.dtype)
+    scatter_rows(kv_cache, k[keep], v[keep], slots)
 
 
 def _check_shapes(kv_cache, k, v, slot_mapping) -> None:

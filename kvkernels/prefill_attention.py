@@ -19,6 +19,9 @@ Each program runs two loops over key tiles: first the keys every row of the tile
 (no mask at all), then the rest up to the tile's last visible key (masked: diagonal of the
 causal mask, end of the context).
 
+An FP8 cache is read as in kvkernels/decode_attention.py: tiles widened to q's dtype in
+registers, k_scale folded into the softmax scale, v_scale applied to the output.
+
 Split keys (flash-decoding for chunks): a short chunk after a long context gives few programs
 (a 256-token chunk of a 32k prompt, G 4, 8 kv heads: 8 row tiles x 8 = 64 programs on 132
 SMs), each walking all 32k keys alone. Then each sequence's keys are cut into `num_splits`
@@ -101,7 +104,7 @@ def _attend_tile(
         kv_mask = d_mask[None, :] & (offs_n[:, None] >= 0)
     slots = blocks * stride_kblk + (offs_n % BLOCK_SIZE) * stride_kpos
     kv_offs = slots[:, None] + offs_d[None, :] * stride_kd  # [BLOCK_N, BLOCK_D]
-    k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0)
+    k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # FP8: dequantized
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     if MASKED:
         qk = tl.where(visible, qk, float("-inf"))
@@ -112,7 +115,7 @@ def _attend_tile(
     p = tl.exp2(qk - m_sub[:, None])
     alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(k_base + stride_kv + kv_offs, mask=kv_mask, other=0.0)
+    v = tl.load(k_base + stride_kv + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -130,7 +133,8 @@ def _prefill_kernel(
     context_lens_ptr,  # [S]
     out_ptr,  # [T, H, D], or the float32 partials [num_splits, T, H, D] when not FINAL
     lse_ptr,  # [T, H] float32 natural log, or the partials' [num_splits, T, H] log2
-    scale_log2,
+    scale_log2,  # softmax scale * log2(e) * k_scale
+    v_scale,  # 1.0 unless the cache is FP8
     num_splits,
     stride_qt,
     stride_qh,
@@ -232,7 +236,7 @@ def _prefill_kernel(
         )  # fmt: skip
 
     empty = l_i == 0.0  # no key in range: non-causal with context_len 0, or an empty split
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     if FINAL:
         lse = lse * 0.6931471805599453
@@ -352,6 +356,8 @@ def paged_prefill_attention(
     return_lse: bool = False,
     max_context_len: int | None = None,
     num_splits: int | None = None,
+    k_scale: float = 1.0,  # FP8 caches: the stored values times these are K and V
+    v_scale: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Varlen paged attention of several sequences' query chunks (causal or not).
 
@@ -402,7 +408,7 @@ def paged_prefill_attention(
         split_strides = (0, 0) if final else (o.stride(0), lse_.stride(0))
         _prefill_kernel[(row_tiles * num_splits, num_seqs, num_kv_heads)](
             q, kv_cache, block_tables, query_start, query_lens, context_lens, o, lse_,
-            scale * LOG2E, num_splits,
+            scale * LOG2E * k_scale, v_scale, num_splits,
             *q.stride(), *kv_cache.stride(), block_tables.stride(0), *o_strides, *lse_strides,
             *split_strides, G=g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n, BLOCK_D=block_d, CAUSAL=causal,
@@ -440,6 +446,8 @@ def paged_prefill_attention_ref(
     return_lse: bool = False,
     max_context_len: int | None = None,  # accepted for the same signature; the reference
     num_splits: int | None = None,  # never splits
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch varlen paged prefill attention (float32 math, one sequence at a time)."""
     check_attention_inputs(q, kv_cache, q.shape[0], "T")
@@ -459,8 +467,8 @@ def paged_prefill_attention_ref(
         # [ctx, kv_heads, D] -> [heads, ctx, D]
         keys = kv_cache[0].index_select(0, ids).reshape(-1, num_kv_heads, head_dim)[:ctx]
         values = kv_cache[1].index_select(0, ids).reshape(-1, num_kv_heads, head_dim)[:ctx]
-        keys = keys.float().repeat_interleave(g, dim=1).transpose(0, 1)
-        values = values.float().repeat_interleave(g, dim=1).transpose(0, 1)
+        keys = (keys.float() * k_scale).repeat_interleave(g, dim=1).transpose(0, 1)
+        values = (values.float() * v_scale).repeat_interleave(g, dim=1).transpose(0, 1)
         qs = q[start : start + qlen].float().transpose(0, 1)  # [heads, qlen, D]
         scores = torch.matmul(qs, keys.transpose(1, 2)) * scale  # [heads, qlen, ctx]
         if causal:

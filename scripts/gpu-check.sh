@@ -18,8 +18,11 @@
 #   prefill-splits  scripts/prefill_split_bench.py: the prefill kernel on one short chunk after a
 #                 32k context at 1..32 key splits and the automatic choice (ms each), every
 #                 split checked against the unsplit output (--cpu: a tiny shape)
+#   quant-gemm    scripts/quant_gemm_bench.py: dense vs W4A16 (fused, and dequantize-then-GEMM),
+#                 FP8 and INT8 W8A8 on Llama-3.1-8B's linear shapes at batch 1..1024 (ms, speed-up,
+#                 error against the float GEMM of the same weights; --cpu: two tiny shapes)
 #   triton-test   pytest -q tests/engine/attention/test_triton_backend.py
-#                 tests/engine/exec/test_cuda_graphs.py
+#                 tests/engine/attention/test_fp8_kv_cache.py tests/engine/exec/test_cuda_graphs.py
 #   greedy        scripts/greedy_check.py: kvbatch (triton backend, float32) vs transformers on
 #                 a tiny random model and on the rag-shape model (--cpu: the tiny one, with
 #                 the Triton interpreter)
@@ -59,7 +62,7 @@
 # files, so there run it with `--out /tmp/gpu-check` and end the command with
 # `tar -czf $OUT/gpu-check.tgz -C /tmp/gpu-check . ; cp /tmp/gpu-check/summary.txt $OUT/`). Each
 # step's time limit can be changed through the environment (e.g. RAG_TIMEOUT=400); the
-# limits add up to 1065 s, a run
+# limits add up to 1185 s, a run
 # takes about 5 to 6 minutes, and if the run is cut short every finished step's files are there.
 # PER_TEST_TIMEOUT (75 s; 120 with --cpu) bounds each test of the kernels and triton-test steps,
 # whose logs also list their slowest tests.
@@ -111,6 +114,7 @@ if [ "$CPU" = 1 ]; then
   BUDGET_S=${BUDGET_S:-900}  # the optional steps' test: the CPU's limits are longer
   PER_TEST_TIMEOUT=${PER_TEST_TIMEOUT:-120}  # the interpreter: slower than CUDA per test
   GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-180}
+  QUANT_GEMM=(--device cpu --shapes 256x128,200x72 --batches 1,5)
   SPLITS=(--device cpu --context 1100 --chunks 4 --splits 1,3 --kv-heads 1 --group 2 --head-dim 16
           --cascade-groups 2 --cascade-rows 3 --cascade-keys 600)
   # CUDA's timed chunks and startup freeze (off by default on the CPU); the tiny long prompt
@@ -122,9 +126,10 @@ else
   TINY=()
   GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny,rag)
   SPLITS=()
+  QUANT_GEMM=()
   LONG_PREFILL_DEFAULTS=()
 fi
-# GPU limits add up to 1065 s (first Triton compiles included); a run takes about 5 to 6
+# GPU limits add up to 1185 s (first Triton compiles included); a run takes about 5 to 6
 # minutes, and the optional steps (caps, sweep) keep it inside BUDGET_S.
 VERSIONS_TIMEOUT=${VERSIONS_TIMEOUT:-20}
 # with a cold Triton cache the compiles are most of this step (hence the workers below); once
@@ -132,6 +137,7 @@ VERSIONS_TIMEOUT=${VERSIONS_TIMEOUT:-20}
 KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-120}
 KERNELS_WORKERS=${KERNELS_WORKERS:-8}  # the H200 machine has 16 cores
 PREFILL_SPLITS_TIMEOUT=${PREFILL_SPLITS_TIMEOUT:-60}
+QUANT_GEMM_TIMEOUT=${QUANT_GEMM_TIMEOUT:-120}
 TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-150}  # room for a cold Triton cache
 # Each test of the two pytest steps (pytest-timeout, on the H200 image): a test stuck in Python
 # fails with its stack and the rest still run and report, instead of the step's limit cutting
@@ -237,7 +243,10 @@ step kernels "$KERNELS_TIMEOUT" "${PYTEST[@]}" ${KERNELS_PARALLEL[@]+"${KERNELS_
   tests/kernels
 step prefill-splits "$PREFILL_SPLITS_TIMEOUT" "$PY" scripts/prefill_split_bench.py \
   ${SPLITS[@]+"${SPLITS[@]}"}
-step triton-test "$TRITON_TEST_TIMEOUT" "${PYTEST[@]}" tests/engine/attention/test_triton_backend.py \
+step quant-gemm "$QUANT_GEMM_TIMEOUT" "$PY" scripts/quant_gemm_bench.py \
+  ${QUANT_GEMM[@]+"${QUANT_GEMM[@]}"}
+step triton-test "$TRITON_TEST_TIMEOUT" "${PYTEST[@]}" \
+  tests/engine/attention/test_triton_backend.py tests/engine/attention/test_fp8_kv_cache.py \
   tests/engine/exec/test_cuda_graphs.py
 step greedy "$GREEDY_TIMEOUT" "${GREEDY[@]}"
 step rag "$RAG_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} \

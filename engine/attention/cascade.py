@@ -14,6 +14,7 @@ results are merged exactly with their log-sum-exps:
     lse = logaddexp(lse_S, lse_A);  out = out_S * exp(lse_S - lse) + out_A * exp(lse_A - lse)
 
 This is the two-level form of FlashInfer's cascade / Hydragen's shared-prefix attention.
+An FP8 cache's blocks are dequantized as they are gathered (kvkernels/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from kvbatch.engine.attention.kv_scales import UNIT_KV_SCALES, KVScales
+from kvbatch.kernels.kv_quant import dequantize_kv, is_fp8
 
 
 @dataclass
@@ -100,6 +104,7 @@ def cascade_decode(
     private_tables: torch.Tensor,  # [B, P] blocks after each row's shared prefix
     private_lens: torch.Tensor,  # [B] tokens in those blocks (>= 1)
     groups: list[DecodeGroup],
+    scales: KVScales = UNIT_KV_SCALES,  # an FP8 cache's (ignored by a float cache)
 ) -> torch.Tensor:  # [B, heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -111,6 +116,8 @@ def cascade_decode(
 
     def gather(which: int, table: torch.Tensor) -> torch.Tensor:
         flat = torch.index_select(kv_cache[which], 0, table.reshape(-1))
+        if is_fp8(kv_cache):
+            flat = dequantize_kv(flat, (scales.k, scales.v)[which], q.dtype)
         return flat.view(table.shape[0], -1, num_kv_heads, head_dim).transpose(1, 2)
 
     valid = torch.arange(width, device=q.device)[None, :] < private_lens[:, None]

@@ -10,7 +10,9 @@ offset`) before any attention of that layer runs, so a chunk sees its cached pre
 and even blocks that another sequence of the same step fills (prefix hits on a block being
 computed in this very step are therefore safe).
 
-The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V).
+The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V),
+in the model's dtype, or in `torch.float8_e4m3fn` with kv_cache_dtype="fp8": then it holds
+k / k_scale and v / v_scale (`KVScales`, one pair per layer) and attention multiplies them back.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Protocol
 import torch
 
 from kvbatch.engine.attention.cascade import DecodeGroup
+from kvbatch.engine.attention.kv_scales import UNIT_KV_SCALES, KVScales
 
 
 @dataclass
@@ -67,7 +70,9 @@ class AttentionBackend(Protocol):
     `forward` first writes the step's new K and V into `kv_cache` at `meta.slot_mapping`, then
     attends: decode rows to their block tables (and shared-prefix groups when the metadata has
     them), prefill chunks causally to their cached prefix and themselves. It returns one output
-    row per query row and must not change any other slot of the cache.
+    row per query row and must not change any other slot of the cache. An FP8 cache is written
+    quantized with `scales` and read dequantized; every query sees the same (quantized) K and
+    V, its own chunk's included, whichever backend runs.
     """
 
     name: str
@@ -79,4 +84,5 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]

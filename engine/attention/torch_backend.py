@@ -1,4 +1,9 @@
-"""The reference attention backend: gathers each sequence's blocks and calls SDPA (CPU and CUDA)."""
+"""The reference attention backend: gathers each sequence's blocks and calls SDPA (CPU and CUDA).
+
+With an FP8 cache the gathered blocks are dequantized (stored * scale, in q's dtype) before
+SDPA, and a first chunk with nothing cached attends to its own K/V as the cache holds them
+(quantized and back), so that every query sees the K/V the Triton kernels see.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from kvbatch.engine.attention.cascade import cascade_decode
-from kvbatch.engine.attention.metadata import AttentionMetadata, PrefillSpan
+from kvbatch.engine.attention.metadata import (
+    UNIT_KV_SCALES,
+    AttentionMetadata,
+    KVScales,
+    PrefillSpan,
+)
+from kvbatch.kernels.kv_quant import dequantize_kv, is_fp8, quantize_kv, round_trip_kv, scatter_rows
 
 
 class TorchAttentionBackend:
@@ -21,31 +32,41 @@ class TorchAttentionBackend:
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        write_kv(kv_cache, k, v, meta.slot_mapping, scales)
+        if is_fp8(kv_cache):  # the chunks' own K/V as the cache now holds them
+            k, v = round_trip_kv(k, scales.k), round_trip_kv(v, scales.v)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta)
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scales)
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, span)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, span, scales)
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scales: KVScales = UNIT_KV_SCALES,
+    ) -> torch.Tensor:
         """Decodes in one SDPA call per length bucket (length_buckets), each padded to its
         longest: one 2k-token row among 60-token ones would otherwise make every row gather
         and mask 2k keys, ten times the work of the short rows alone."""
         if meta.decode_groups:
             return cascade_decode(
-                q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.decode_groups
-            )
+                q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.decode_groups,
+                scales,
+            )  # fmt: skip
+        kv_cache = KVView(kv_cache, scales, q.dtype)
         lens, tables = meta.decode_seq_lens, meta.decode_block_tables
         buckets = length_buckets(lens)
         if buckets is None:
             return _padded_decode(q, kv_cache, tables, lens)
-        block_size = kv_cache.shape[2]
+        block_size = kv_cache.block_size
         out = torch.empty_like(q)
         for rows in buckets:
             width = -(-int(lens[rows].max()) // block_size)
@@ -54,7 +75,12 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _prefill(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        span: PrefillSpan,
+        scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor:
         """A chunk attends causally to its cached prefix and to itself."""
         cached = span.context_len - span.query_len
@@ -68,9 +94,7 @@ class TorchAttentionBackend:
                 enable_gqa=True,
             )
             return out[0].transpose(0, 1)
-        _, _, _, num_kv_heads, head_dim = kv_cache.shape
-        keys = gather_blocks(kv_cache[0], span.block_ids).view(-1, num_kv_heads, head_dim)
-        values = gather_blocks(kv_cache[1], span.block_ids).view(-1, num_kv_heads, head_dim)
+        keys, values = KVView(kv_cache, scales, q.dtype).gather(span.block_ids)
         keys, values = keys[: span.context_len], values[: span.context_len]
         # Query i sits at absolute position cached + i and sees keys 0 .. cached + i.
         q_pos = torch.arange(cached, span.context_len, device=q.device)
@@ -109,17 +133,42 @@ def length_buckets(lens: torch.Tensor) -> list[torch.Tensor] | None:
     return buckets
 
 
+class KVView:
+    """One layer's cache as attention reads it: gathered blocks in the queries' dtype,
+    dequantized with `scales` when the cache is FP8 (a float cache is returned as it is)."""
+
+    def __init__(self, kv_cache: torch.Tensor, scales: KVScales, dtype: torch.dtype) -> None:
+        self.cache, self.scales, self.dtype = kv_cache, scales, dtype
+        _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
+        self.fp8 = is_fp8(kv_cache)
+
+    def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the listed blocks in order: [blocks * block_size, kv_heads, head_dim]
+        each (a 2-D table gives its rows one after another)."""
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        keys = gather_blocks(self.cache[0], block_ids).view(shape)
+        values = gather_blocks(self.cache[1], block_ids).view(shape)
+        if self.fp8:
+            keys = dequantize_kv(keys, self.scales.k, self.dtype)
+            values = dequantize_kv(values, self.scales.v, self.dtype)
+        return keys, values
+
+
 def _padded_decode(
-    q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor
+    q: torch.Tensor, kv_cache: KVView, tables: torch.Tensor, seq_lens: torch.Tensor
 ) -> torch.Tensor:
     """One SDPA call for decode rows [B, heads, head_dim] over their block tables [B, blocks],
     keys padded to the table's width and masked past each row's length."""
     num_seqs, max_blocks = tables.shape
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    block_size, num_kv_heads, head_dim = (
+        kv_cache.block_size,
+        kv_cache.num_kv_heads,
+        kv_cache.head_dim,
+    )
     # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, kv_heads, S, head_dim]
-    keys = gather_blocks(kv_cache[0], tables).view(num_seqs, -1, num_kv_heads, head_dim)
-    values = gather_blocks(kv_cache[1], tables).view(num_seqs, -1, num_kv_heads, head_dim)
-    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+    keys, values = kv_cache.gather(tables)
+    keys = keys.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = values.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(max_blocks * block_size, device=q.device)
     mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(
@@ -137,8 +186,15 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return torch.index_select(cache, 0, block_ids.reshape(-1))
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
-    """Scatter new K/V rows into their slots (block * block_size + offset)."""
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+def write_kv(
+    kv_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    scales: KVScales = UNIT_KV_SCALES,
+) -> None:
+    """Scatter new K/V rows into their slots (block * block_size + offset), quantized with
+    `scales` when the cache is FP8."""
+    if is_fp8(kv_cache):
+        k, v = quantize_kv(k, scales.k, kv_cache.dtype), quantize_kv(v, scales.v, kv_cache.dtype)
+    scatter_rows(kv_cache, k, v, slots)

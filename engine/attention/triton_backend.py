@@ -8,6 +8,9 @@ Per layer it runs at most four launches, whatever the number of sequences:
     cascade (decodes only)  each shared-prefix group's queries against its shared blocks once
                             (the prefill kernel, non-causal) merged by log-sum-exp
 
+An FP8 cache passes the layer's k_scale and v_scale to every launch: the write quantizes, the
+attention kernels dequantize in registers.
+
 The step's packed tensors (prefill tables and lengths, cascade groups) are built once per step
 on first use and reused by every layer (`StepTensors`), so a layer pays for launches only.
 """
@@ -18,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbatch.engine.attention.metadata import AttentionMetadata
+from kvbatch.engine.attention.metadata import UNIT_KV_SCALES, AttentionMetadata, KVScales
+from kvbatch.kernels.kv_quant import is_fp8
 
 
 @dataclass
@@ -117,13 +121,17 @@ class TritonAttentionBackend:
         v: torch.Tensor,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        self._write(kv_cache, k, v, meta.slot_mapping)
+        if not is_fp8(kv_cache):
+            scales = UNIT_KV_SCALES
+        kv = dict(k_scale=scales.k, v_scale=scales.v)
+        self._write(kv_cache, k, v, meta.slot_mapping, **kv)
         step = self.step_tensors(meta)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            self._decode_rows(q[:nd], kv_cache, meta, step, out[:nd])
+            self._decode_rows(q[:nd], kv_cache, meta, step, out[:nd], kv)
         if step.prefill is not None:
             p = step.prefill
             self._prefill(
@@ -137,17 +145,18 @@ class TritonAttentionBackend:
                 causal=True,
                 out=out,
                 max_context_len=p.max_context_len,
+                **kv,
             )
         return out
 
-    def _decode_rows(self, q, kv_cache, meta, step: StepTensors, out) -> None:
+    def _decode_rows(self, q, kv_cache, meta, step: StepTensors, out, kv: dict) -> None:
+        """`kv`: the cache's k_scale and v_scale, passed to every kernel."""
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         if step.shared is None:
-            self._decode(q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, out=out)
+            self._decode(q, kv_cache, tables, lens, out=out, **kv)
             return
         # Cascade: private blocks per row, shared blocks once per group, merged exactly.
-        private, lse_p = self._decode(
-            q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, return_lse=True
-        )
+        private, lse_p = self._decode(q, kv_cache, tables, lens, return_lse=True, **kv)
         s = step.shared
         # Rows outside every group get lse -inf from the kernel: the merge keeps their private
         # part as it is (whatever their unwritten `shared` rows hold).
@@ -162,5 +171,6 @@ class TritonAttentionBackend:
             causal=False,
             out=torch.empty_like(q),
             return_lse=True,
+            **kv,
         )
         self._merge(private, lse_p, shared, lse_s, out=out)

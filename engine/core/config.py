@@ -11,6 +11,10 @@ from kvbatch.engine.quant.detect import ONLINE_METHODS as ONLINE_QUANTIZATION
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
 
+# kv_cache_dtype values (vLLM's names): "auto" keeps K/V in the model's dtype; "fp8" stores
+# them in E4M3 with a per-layer scale (engine/attention/kv_scales.py), half of bfloat16's bytes.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -19,8 +23,15 @@ class CacheConfig:
     kv_cache_memory_fraction: float = 0.90  # CUDA: share of free memory given to the KV pool
     kv_cache_bytes: int | None = None  # CPU: byte budget (default 1 GiB); CUDA: overrides
     num_kv_blocks: int | None = None  # exact pool size, overrides both budgets
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": E4M3 with scales
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; choose "
+                + ", ".join(KV_CACHE_DTYPES)
+                + " (fp8 is E4M3; fp8_e5m2 is not offered)"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
@@ -31,6 +42,10 @@ class CacheConfig:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's element dtype: the model's for "auto", E4M3 for "fp8"."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
 
 @dataclass(frozen=True)

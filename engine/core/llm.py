@@ -43,6 +43,7 @@ class LLM:
         kv_cache_memory_fraction: float = 0.90,
         kv_cache_bytes: int | None = None,
         num_kv_blocks: int | None = None,
+        kv_cache_dtype: str = "auto",
         attention_backend: str = "auto",
         cascade_attention: bool = True,
         cuda_graphs: bool = True,
@@ -78,6 +79,7 @@ class LLM:
                 kv_cache_memory_fraction=kv_cache_memory_fraction,
                 kv_cache_bytes=kv_cache_bytes,
                 num_kv_blocks=num_kv_blocks,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -71,6 +71,7 @@ class LLMEngine:
         thaw_startup_heap()
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
+        self.kv_dtype = config.cache.kv_torch_dtype(self.dtype)  # kv_cache_dtype
         loaded = load_model(config.model, self.dtype, self.device, config.quantization)
         self.model, self.model_config = loaded.model, loaded.config
         self.quantization, self.weight_bytes = loaded.quantization_method, loaded.weight_bytes
@@ -83,7 +84,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         scheduler_config = self._resolved_scheduler_config()
         self.async_scheduling = self._async_scheduling()
-        backend = get_backend(config.attention_backend, self.device)
+        backend = get_backend(config.attention_backend, self.device, self.kv_dtype)
         # The triton backend comes with the fused kernels and GEMMs (engine/model/fused.py).
         self.forward = model_forward(self.model, fused=backend.name == "triton")
         # A draft model keeps a KV pool of as many blocks as the target's: load it first, so
@@ -105,6 +106,7 @@ class LLMEngine:
             seed=config.seed,
             cascade=config.cascade_attention,
             forward=self.forward,
+            kv_dtype=self.kv_dtype,
         )
         self.stop_checker = StopChecker(loaded.eos_token_ids, self.max_model_len, self.tokenizer)
         self.spec = None  # speculative decoding (engine/spec/), when config.speculative is set
@@ -195,10 +197,11 @@ class LLMEngine:
         kv_tokens = num_blocks * block_size
         max_num_seqs = self.scheduler.config.max_num_seqs
         log.info(
-            "KV cache: %d tokens (%d blocks of %d), shared by the requests running at once: "
+            "KV cache (%s): %d tokens (%d blocks of %d), shared by the requests running at once: "
             "prompt + answer tokens of all of them must fit, so about %d requests of 1,000 "
             "tokens run together, and at least %.1f even if each used the whole max_model_len "
             "(%d); requests beyond that wait their turn (shared prefixes are stored once)",
+            str(self.kv_dtype).removeprefix("torch."),
             kv_tokens,
             num_blocks,
             block_size,
@@ -239,7 +242,7 @@ class LLMEngine:
         self._warn_unused_fraction()
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = kv_bytes_per_block(self.model, cache.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model, cache.block_size, self.kv_dtype)
         if draft is not None:
             per_block += kv_bytes_per_block(draft.model, cache.block_size, self.dtype)
         if cache.kv_cache_bytes is not None:
@@ -253,7 +256,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 max_num_seqs=scheduler_config.max_num_seqs,
                 block_size=cache.block_size,
-                dtype=self.dtype,
+                dtype=self.kv_dtype,
                 device=self.device,
             )
             budget = cuda_kv_budget(peak, cache.kv_cache_memory_fraction, self.device)
@@ -522,6 +525,7 @@ class LLMEngine:
             block_size=self.config.cache.block_size,
             weight_bytes=self.weight_bytes,
             quantization=self.quantization,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             **self._spec_stats(),
         )
 

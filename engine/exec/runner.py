@@ -58,14 +58,16 @@ class ModelRunner:
         seed: int = 0,
         cascade: bool = True,
         forward=None,  # the model's forward (engine/model/fused.py model_forward); default: model
+        kv_dtype: torch.dtype | None = None,  # the pool's (kv_cache_dtype); default: dtype
     ) -> None:
         cfg = model.config
         self.model, self.kv, self.device, self.backend = model, kv, device, backend
         self.forward = forward or model
         self.block_size = block_size
         self.cascade = cascade  # shared-prefix attention for decodes (engine/attention/cascade.py)
-        # One tensor per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim]. Zeroed, so
-        # masked-out padding positions never hold NaN (0 * NaN would poison attention).
+        # One tensor per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim], in the
+        # model's dtype or E4M3 (kv_cache_dtype="fp8"). Zeroed, so masked-out padding
+        # positions never hold NaN (0 * NaN would poison attention).
         self.kv_caches = [
             torch.zeros(
                 2,
@@ -73,7 +75,7 @@ class ModelRunner:
                 block_size,
                 cfg.num_kv_heads,
                 cfg.head_dim,
-                dtype=dtype,
+                dtype=kv_dtype or dtype,
                 device=device,
             )
             for _ in range(cfg.num_layers)

@@ -39,7 +39,7 @@ def largest_step(
     max_model_len: int,
     max_num_seqs: int,
     block_size: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype,  # the KV pool's (kv_cache_dtype)
     device: torch.device,
 ) -> ProfileStep:
     """A full token budget of prefill, in sequences no longer than max_model_len - 1, with

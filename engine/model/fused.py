@@ -92,7 +92,7 @@ def fused_forward(
         k = qkv[:, q_size : q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         apply_rotary_(q, k, positions, inv_freq)
-        out = backend.forward(q, k, v, kv_cache, meta)
+        out = backend.forward(q, k, v, kv_cache, meta, attn.kv_scales)
         pending = attn.o_proj(out.reshape(t, q_size))
         h, residual = fused_add_rms_norm(
             pending, residual, layer.post_attention_layernorm.weight, eps

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbatch.engine.attention.metadata import AttentionMetadata
+from kvbatch.engine.attention.metadata import UNIT_KV_SCALES, AttentionMetadata, KVScales
 from kvbatch.engine.model.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -130,6 +130,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        # An FP8 KV cache's scales for this layer: the loader sets a checkpoint's calibrated
+        # k_scale / v_scale (kv_cache_scheme); float caches ignore them.
+        self.kv_scales: KVScales = UNIT_KV_SCALES
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
         t = x.shape[0]
@@ -138,7 +141,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q = RotaryEmbedding.apply(q, cos, sin)
         k = RotaryEmbedding.apply(k, cos, sin)
-        out = backend.forward(q, k, v, kv_cache, meta)  # [T, heads, head_dim]
+        out = backend.forward(q, k, v, kv_cache, meta, self.kv_scales)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -438,6 +438,7 @@ def test_the_shared_tuning_flags_reach_the_engine(tiny_model):
     argv = ["rag", "--tiny", "--model", str(tiny_model), "--enforce-eager"]
     argv += ["--cuda-graph-max-chunk", "0", "--long-prefill-token-threshold", "64"]
     argv += ["--long-prefill-step-ratio", "3", "--kv-cache-memory-fraction", "0.5"]
+    argv += ["--kv-cache-dtype", "fp8"]
     config = cli.config_from_args(cli.build_parser().parse_args(argv), "test")
     peer = make_peer("kvbatch", config.model_path, config.options)
     peer.load()
@@ -446,5 +447,6 @@ def test_the_shared_tuning_flags_reach_the_engine(tiny_model):
     assert engine.config.scheduler.long_prefill_token_threshold == 64
     assert engine.config.scheduler.long_prefill_step_ratio == 3.0
     assert engine.config.cache.kv_cache_memory_fraction == 0.5
+    assert engine.kv_dtype == torch.float8_e4m3fn
     plain = cli.config_from_args(cli.build_parser().parse_args(argv[:4]), "test").options
     assert plain == dataclasses.replace(EngineOptions(), hf_batch_size=plain.hf_batch_size)

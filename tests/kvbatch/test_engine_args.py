@@ -31,6 +31,7 @@ BASE_KEYS = {
 EVERY_FLAG = [
     "--kv-cache-bytes", "3MiB",
     "--kv-cache-memory-fraction", "0.5",
+    "--kv-cache-dtype", "fp8",
     "--long-prefill-token-threshold", "64",
     "--long-prefill-step-ratio", "3",
     "--cuda-graph-max-chunk", "0",
@@ -43,6 +44,7 @@ EVERY_FLAG = [
 
 BENCH_FLAGS = {
     "--kv-cache-memory-fraction",
+    "--kv-cache-dtype",
     "--long-prefill-token-threshold",
     "--long-prefill-step-ratio",
     "--cuda-graph-max-chunk",
@@ -103,6 +105,7 @@ def test_each_flag_becomes_its_engine_keyword():
     assert {k: v for k, v in kwargs.items() if k not in BASE_KEYS} == dict(
         kv_cache_bytes=3 << 20,
         kv_cache_memory_fraction=0.5,
+        kv_cache_dtype="fp8",
         long_prefill_token_threshold=64,
         long_prefill_step_ratio=3.0,
         cuda_graph_max_chunk=0,
@@ -120,6 +123,7 @@ def test_each_flag_becomes_its_engine_keyword():
         ("--kv-cache-memory-fraction", "1.5", "(0, 1]"),
         ("--kv-cache-memory-fraction", "0", "(0, 1]"),
         ("--kv-cache-bytes", "lots", "not a size"),
+        ("--kv-cache-dtype", "int4", "invalid choice"),
         ("--long-prefill-step-ratio", "0.5", "above 1, or 0"),
         ("--long-prefill-token-threshold", "-1", ">= 0"),
         ("--cuda-graph-max-chunk", "x", "expected int"),
@@ -173,6 +177,8 @@ def test_kvbatch_run_builds_its_engine_from_the_flags(
 ):
     """A job through `kvbatch run` with every flag: answered, and the engine it ran on has
     the pool --kv-cache-bytes asks for (its start line says so) and the settings asked."""
+    import torch
+
     from kvbatch import engine
     from kvbatch.engine import LLM
     from kvbatch.engine.exec.runner import kv_bytes_per_block
@@ -203,9 +209,10 @@ def test_kvbatch_run_builds_its_engine_from_the_flags(
     assert status == 0, err
     assert "3 answered, 0 failed" in err
     (built,) = engines
-    blocks = (3 << 20) // kv_bytes_per_block(built.model, 16, built.dtype)
+    assert built.kv_dtype == torch.float8_e4m3fn  # --kv-cache-dtype fp8
+    blocks = (3 << 20) // kv_bytes_per_block(built.model, 16, built.kv_dtype)
     assert built.kv.num_blocks == blocks
-    assert f"KV cache: {blocks * 16} tokens ({blocks} blocks of 16)" in caplog.text
+    assert f"KV cache (float8_e4m3fn): {blocks * 16} tokens ({blocks} blocks of 16)" in caplog.text
     # --kv-cache-bytes sets the pool: the fraction asked for beside it is named as unused
     assert "kv_cache_memory_fraction=0.5 is not used: kv_cache_bytes sets the pool" in caplog.text
     config = built.config
