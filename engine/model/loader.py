@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kvbatch.engine.model.llama import LlamaForCausalLM, ModelConfig
+from kvbatch.engine.model.moe import stack_expert_weights
 from kvbatch.engine.model.rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> Lo
     else:
         raise ValueError(f"model path {path} is neither a folder nor a .gguf file")
     cfg = ModelConfig.from_hf(hf_config)
+    if cfg.moe is not None:
+        state_dict = stack_expert_weights(state_dict, cfg.moe.num_experts)
     model = _build(cfg, state_dict, dtype, device)
     eos = list(cfg.eos_token_ids) + generation_eos
     if tokenizer is not None and tokenizer.eos_token_id is not None:
