@@ -108,16 +108,22 @@ _PER_EXPERT = re.compile(
     r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
     r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
 )
-_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up"}
-_PROJ["down_proj"] = "down"
+_PROJ = {
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
 
 
 def stack_expert_weights(state_dict: dict[str, torch.Tensor], num_experts: int) -> dict:
     """Checkpoint tensors with one tensor per expert -> the engine's names: each layer's
     experts stacked into `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj`
     [E, H, I], Mixtral's `block_sparse_moe.*` renamed `mlp.*`. Already stacked tensors (as
-    transformers 5 names them) pass through. Tensors are taken out of `state_dict` as they
-    are stacked, so a layer's experts are held twice at most."""
+    transformers 5 names them) pass through. Tensors are taken out of `state_dict` and a
+    layer's pieces dropped once stacked: one layer's experts are held twice at most."""
     out: dict[str, torch.Tensor] = {}
     layers: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
     for name in list(state_dict):
@@ -127,7 +133,8 @@ def stack_expert_weights(state_dict: dict[str, torch.Tensor], num_experts: int) 
             continue
         parts = layers.setdefault(m["layer"], {})
         parts[int(m["expert"]), _PROJ[m["proj"]]] = state_dict.pop(name)
-    for layer, parts in layers.items():
+    while layers:
+        layer, parts = layers.popitem()
         missing = [
             f"{layer} expert {e} {proj}"
             for e in range(num_experts)
