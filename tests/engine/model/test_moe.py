@@ -165,3 +165,47 @@ def test_a_missing_expert_is_named():
     del sd["model.layers.0.block_sparse_moe.experts.1.w3.weight"]
     with pytest.raises(ValueError, match="missing 1 expert weights: model.layers.0 expert 1 up"):
         stack_expert_weights(sd, 3)
+
+
+def test_padded_decode_graph_path_runs_the_experts(tiny_models, monkeypatch):
+    """The static-buffer path of CUDA graphs, run eagerly (on the CPU under the interpreter):
+    padding rows go through the router and the fused kernel beside the real ones and change
+    none of the real rows' tokens."""
+    from tests.engine.attention.test_triton_backend import poison_new_float_tensors
+
+    path = tiny_models("qwen3-moe")
+    prompts = random_prompts(512, (5, 19, 2), seed=3)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = hf_greedy(path, prompts, params.max_tokens, ignore_eos=True)
+    args = dict(device="cpu", dtype="float32", cascade_attention=False)
+    llm = LLM(str(path), attention_backend="triton", **args)
+    llm.engine.runner.capture_step_graphs(max_batch=4, max_model_len=64, capture=False)
+    replays = []
+    graphs = llm.engine.runner.step_graphs
+    real_run = graphs.run
+    graphs.run = lambda key, ids, *a: replays.append(ids.shape[0]) or real_run(key, ids, *a)
+    poison_new_float_tensors(monkeypatch)
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert replays and max(replays) == 3
+    llm.engine.kv.check_integrity()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen3-moe", "mixtral"])
+def test_cuda_graphs_and_the_kernel_on_cuda_match_transformers(tiny_models, kind):
+    """On CUDA (float32): decode steps replayed from CUDA graphs with MoE layers give
+    transformers' greedy tokens, as eager steps do."""
+    path = tiny_models(kind)
+    prompts = shared_prefix_prompts()
+    want = hf_greedy(path, prompts, GREEDY.max_tokens, ignore_eos=True)
+    args = dict(device="cuda", dtype="float32", max_model_len=256)
+    eager = LLM(str(path), cuda_graphs=False, **args)
+    assert tokens(eager.generate(prompts, GREEDY, use_tqdm=False)) == want
+    llm = LLM(str(path), **args)
+    graphs = llm.engine.runner.step_graphs
+    replays = []
+    real_run = graphs.run
+    graphs.run = lambda key, *a: replays.append(key) or real_run(key, *a)
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+    assert replays  # decode steps ran from graphs
+    llm.engine.kv.check_integrity()
