@@ -86,6 +86,21 @@ def test_block_size_does_not_change_the_result(device, block_m):
     assert_close(out, fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_several_ragged_tiles_along_n_and_k(device, dtype):
+    """Hidden 200 and intermediate 136: each GEMM loops over several K tiles and spans several
+    N tiles, the last of each ragged (tiles are at most 128 wide under the interpreter, 64
+    compiled)."""
+    hidden, inter, num_experts = 200, 136, 4
+    g = generator(9)
+    w_gate_up = randn(num_experts, 2 * inter, hidden, gen=g, dtype=dtype, device=device) * 0.1
+    w_down = randn(num_experts, hidden, inter, gen=g, dtype=dtype, device=device) * 0.1
+    x = randn(9, hidden, gen=g, dtype=dtype, device=device)
+    topk_weights, topk_ids = routing(distinct_random_ids(9, 2, num_experts, seed=10), device)
+    out = fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    assert_close(out, fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids), dtype)
+
+
 def test_reference_is_the_dense_loop():
     w_gate_up, w_down = expert_weights(6, torch.float32, "cpu")
     x = randn(9, HIDDEN, gen=generator(6), dtype=torch.float32, device="cpu")
