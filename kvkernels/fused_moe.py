@@ -7,7 +7,7 @@ BLOCK_M rows belongs to exactly one expert:
 
     pairs (t*k + j)   sorted by expert, padded                 blocks of BLOCK_M rows
     t0:e2 t0:e0       [e0 e0 e0 -- | e1 -- -- -- | e2 e2 -- --]  expert of each block:
-    t1:e0 t1:e2   ->   0  2  4  P    5  P  P  P    1  3  P  P    [0, 1, 2, -1, ...]
+    t1:e0 t1:e2   ->   1  2  4  P    5  P  P  P    0  3  P  P    [0, 1, 2, -1, ...]
     t2:e0 t2:e1                                                  (P: padding, skipped)
 
 Then one grouped GEMM computes gate|up for every row (a program loads its block's expert id
