@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from tests.reference import hf_greedy, hf_logits, hf_model
-from tests.tiny_models import KINDS, LLAMA3_ROPE, VOCAB_SIZE, build_tiny_checkpoint
+from tests.tiny_models import LLAMA3_ROPE, LLAMA_KINDS, VOCAB_SIZE, build_tiny_checkpoint
 
 PROMPTS = [[7], [5, 77, 300, 41], list(range(3, 40))]
 
@@ -23,7 +23,7 @@ def tensors(path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", LLAMA_KINDS)
 def test_every_kind_loads_back_and_generates(tiny_models, kind):
     path = tiny_models(kind)
     model = hf_model(path)
@@ -43,7 +43,7 @@ def test_every_kind_loads_back_and_generates(tiny_models, kind):
     assert int(logits[-1].argmax()) == outs[1][0]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", LLAMA_KINDS)
 def test_constant_initialised_tensors_are_randomised(tiny_models, kind):
     """A loader that skips norm weights or biases must change the logits."""
     weights = tensors(tiny_models(kind))

@@ -21,11 +21,21 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
-KINDS = ("llama-gqa", "llama-mha", "llama3-rope", "qwen2", "mistral", "llama-sharded")
+LLAMA_KINDS = ("llama-gqa", "llama-mha", "llama3-rope", "qwen2", "mistral", "llama-sharded")
+"""The dense kinds with Llama's layer (no q/k norm, no experts)."""
+
+MOE_KINDS = ("qwen3-moe", "mixtral", "qwen2-moe")
+"""Mixture-of-experts kinds (see tiny_config for where their experts sit)."""
+
+KINDS = LLAMA_KINDS + ("qwen3",) + MOE_KINDS
 """Every kind build_tiny_checkpoint knows."""
 
 _SEED_SALT = {
@@ -35,6 +45,10 @@ _SEED_SALT = {
     "llama3-rope": 2,
     "qwen2": 3,
     "mistral": 4,
+    "qwen3": 5,
+    "qwen3-moe": 6,
+    "mixtral": 7,
+    "qwen2-moe": 8,
 }
 
 VOCAB_SIZE = 512
@@ -81,6 +95,34 @@ def tiny_config(kind: str) -> PretrainedConfig:
         return Qwen2Config(**{**_SIZES, "tie_word_embeddings": True}, use_sliding_window=False)
     if kind == "mistral":
         return MistralConfig(**_SIZES, sliding_window=None)
+    if kind == "qwen3":
+        # head_dim from the config (32, not hidden / heads = 16), tied embeddings as Qwen3-0.6B.
+        return Qwen3Config(**{**_SIZES, "tie_word_embeddings": True}, head_dim=32)
+    if kind == "qwen3-moe":
+        # 8 experts, top 2, renormalised; layer 1 is listed dense (mlp_only_layers).
+        return Qwen3MoeConfig(
+            **_SIZES,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
+    if kind == "mixtral":
+        # 4 experts of intermediate_size, top 2, always renormalised; every layer sparse.
+        return MixtralConfig(**_SIZES, num_local_experts=4, num_experts_per_tok=2)
+    if kind == "qwen2-moe":
+        # Experts every second layer (decoder_sparse_step 2: layer 1 only), top 3 of 6 without
+        # renormalisation, plus the gated shared expert.
+        return Qwen2MoeConfig(
+            **_SIZES,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=40,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+        )
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(KINDS)}")
 
 

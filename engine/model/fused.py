@@ -20,6 +20,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kvbatch.engine.model.moe import SparseMoeBlock
+
 
 def model_forward(model, fused: bool):
     """The forward a runner calls, `(input_ids, positions, kv_caches, meta, backend,
@@ -38,7 +40,8 @@ def fuse_projections(model) -> None:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_weight, attn.qkv_bias = _concat(attn.q_proj, attn.k_proj, attn.v_proj)
-        mlp.gate_up_weight, _ = _concat(mlp.gate_proj, mlp.up_proj)
+        if not isinstance(mlp, SparseMoeBlock):  # experts are stacked already
+            mlp.gate_up_weight, _ = _concat(mlp.gate_proj, mlp.up_proj)
 
 
 def _concat(*linears):
@@ -68,6 +71,7 @@ def fused_forward(
     logits_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [rows, vocab] float32
     from kvbatch.kernels.activation import silu_and_mul
+    from kvbatch.kernels.fused_moe import fused_moe
     from kvbatch.kernels.rms_norm import fused_add_rms_norm, rms_norm
     from kvbatch.kernels.rotary import apply_rotary_
 
@@ -91,18 +95,22 @@ def fused_forward(
         q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+        q, k = attn.norm_heads(q, k)  # Qwen3's per-head q/k RMSNorm; others unchanged
         apply_rotary_(q, k, positions, inv_freq)
         out = backend.forward(q, k, v, kv_cache, meta, attn.kv_scales)
         pending = attn.o_proj(out.reshape(t, q_size))
         h, residual = fused_add_rms_norm(
             pending, residual, layer.post_attention_layernorm.weight, eps
         )
-        if mlp.gate_up_weight is not None:
-            gate_up = F.linear(h, mlp.gate_up_weight)  # [T, 2 ffn]
+        if isinstance(mlp, SparseMoeBlock):
+            pending = mlp(h, experts_fn=fused_moe)  # router, then the fused experts kernel
         else:
-            gate_up = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1)
-        ffn = cfg.intermediate_size
-        pending = mlp.down_proj(silu_and_mul(gate_up[:, :ffn], gate_up[:, ffn:]))
+            if mlp.gate_up_weight is not None:
+                gate_up = F.linear(h, mlp.gate_up_weight)  # [T, 2 ffn]
+            else:  # quantized gate and up projections run their own GEMMs
+                gate_up = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1)
+            ffn = cfg.intermediate_size
+            pending = mlp.down_proj(silu_and_mul(gate_up[:, :ffn], gate_up[:, ffn:]))
     residual += pending
     if logits_indices is not None:
         residual = residual[logits_indices]

@@ -1,4 +1,5 @@
-"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2) in one file.
+"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in one file.
 
 It runs over a flat batch: every scheduled token of every sequence in one [num_tokens, hidden]
 tensor, with positions per token, and attention reading and writing the paged KV cache. Only
@@ -14,9 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbatch.engine.attention.metadata import UNIT_KV_SCALES, AttentionMetadata, KVScales
+from kvbatch.engine.model.architectures import (
+    ARCHITECTURE_BY_MODEL_TYPE,
+    QK_NORM_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    check_supported_features,
+)
+from kvbatch.engine.model.moe import MoeConfig, SparseMoeBlock
 from kvbatch.engine.model.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,8 @@ class ModelConfig:
     rope: RopeConfig | None = None
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    moe: MoeConfig | None = None  # the experts of mixture-of-experts models
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -56,9 +64,8 @@ class ModelConfig:
         head_dim per context token per layer) equal its matmul FLOPs (2 x a layer's weights):
         about 14.8k tokens for Llama-3.2-1B. Sizes long-prompt chunks (SchedulerConfig)."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        weights = (
-            self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
-        )
+        ffn = self.moe.active_intermediate_size if self.moe else self.intermediate_size
+        weights = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * ffn
         return max(1, round(weights / (2 * q)))
 
     @classmethod
@@ -66,25 +73,21 @@ class ModelConfig:
         """Read a transformers config; unsupported architectures are named in the error."""
         archs = list(getattr(hf_config, "architectures", None) or [])
         model_type = getattr(hf_config, "model_type", "")
-        by_type = {
-            "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-        }
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        arch = arch or (by_type.get(model_type) if not archs else None)
+        arch = arch or (ARCHITECTURE_BY_MODEL_TYPE.get(model_type) if not archs else None)
         if arch is None:
             found = ", ".join(archs) or model_type or "unknown"
             raise ValueError(
                 f"architecture {found} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        check_supported_features(arch, hf_config)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
         sliding = getattr(hf_config, "sliding_window", None)
-        if arch == "Qwen2ForCausalLM" and not getattr(hf_config, "use_sliding_window", False):
+        if arch.startswith("Qwen") and not getattr(hf_config, "use_sliding_window", False):
             sliding = None
         return cls(
             architecture=arch,
@@ -97,11 +100,14 @@ class ModelConfig:
             max_position_embeddings=hf_config.max_position_embeddings,
             rms_norm_eps=hf_config.rms_norm_eps,
             head_dim=head_dim,
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf_config, "attention_bias", 0)),
+            qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+            or bool(getattr(hf_config, "attention_bias", 0)),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             rope=rope_config_from_hf(hf_config, head_dim),
             sliding_window=sliding,
             eos_token_ids=eos_ids,
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
+            moe=MoeConfig.from_hf(arch, hf_config),
         )
 
 
@@ -133,16 +139,26 @@ class Attention(nn.Module):
         # An FP8 KV cache's scales for this layer: the loader sets a checkpoint's calibrated
         # k_scale / v_scale (kv_cache_scheme); float caches ignore them.
         self.kv_scales: KVScales = UNIT_KV_SCALES
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.norm_heads(q, k)
         q = RotaryEmbedding.apply(q, cos, sin)
         k = RotaryEmbedding.apply(k, cos, sin)
         out = backend.forward(q, k, v, kv_cache, meta, self.kv_scales)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head RMSNorm of q and k ([T, heads, head_dim]); others pass through."""
+        if not hasattr(self, "q_norm"):
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
 
 class MLP(nn.Module):
@@ -157,11 +173,19 @@ class MLP(nn.Module):
         return self.down_proj(gate.mul_(self.up_proj(x)))
 
 
+def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Layer `layer`'s feed-forward block: the experts where the config puts them, else the MLP.
+    Both sit at `mlp.*` (the loader maps Mixtral's `block_sparse_moe.*` there)."""
+    if cfg.moe is not None and cfg.moe.is_sparse(layer):
+        return SparseMoeBlock(cfg.hidden_size, cfg.moe)
+    return MLP(cfg)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = feed_forward(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -178,7 +202,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kvbatch.engine.model.llama import LlamaForCausalLM, ModelConfig
+from kvbatch.engine.model.moe import stack_expert_weights
 from kvbatch.engine.model.rope import RotaryEmbedding
 from kvbatch.engine.quant.apply import quantize_linears, reject_quantized_leftovers, weight_bytes
 from kvbatch.engine.quant.detect import detect_quantization
@@ -69,6 +70,14 @@ def load_model(
         raise ValueError(f"model path {path} is neither a folder nor a .gguf file")
     cfg = ModelConfig.from_hf(hf_config)
     kv_scales = {k: state_dict.pop(k) for k in list(state_dict) if k.endswith(KV_SCALE_SUFFIXES)}
+    if cfg.moe is not None:
+        if quant is not None:
+            raise ValueError(
+                f"{path}: quantization {quant.method!r} of a mixture-of-experts model is not "
+                "supported yet (the fused MoE kernel takes float expert weights): load a float "
+                "checkpoint of this model without a quantization option"
+            )
+        state_dict = stack_expert_weights(state_dict, cfg.moe.num_experts)
     model = _build(cfg, state_dict, dtype, device, quant)
     eos = list(cfg.eos_token_ids) + generation_eos
     if tokenizer is not None and tokenizer.eos_token_id is not None:

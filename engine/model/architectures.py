@@ -1,0 +1,77 @@
+"""Which checkpoints the engine runs, and the features of their configs it does not have.
+
+A config names its architecture (`architectures`, or only `model_type` in GGUF-derived
+configs). An architecture outside SUPPORTED_ARCHITECTURES fails with the list; a supported one
+whose config switches on something the forward pass lacks (a vision tower, sliding-window
+layers where they are not capped, an activation other than SiLU) fails naming that feature,
+rather than loading and answering wrongly. RoPE scaling types are checked in rope.py.
+"""
+
+from __future__ import annotations
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+
+ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+"""For configs without `architectures` (those transformers reads from GGUF files)."""
+
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+"""RMSNorm over each head of q and k before RoPE."""
+
+# Qwen2 keeps its old behaviour: a window on every layer caps the context (engine config).
+_NO_SLIDING_WINDOW = ("Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+_MULTIMODAL_KEYS = ("vision_config", "audio_config", "vision_tower", "visual")
+
+
+def check_supported_features(architecture: str, hf_config) -> None:
+    """Raise ValueError naming the first feature of `hf_config` the engine cannot run."""
+    for problem in _unsupported_features(architecture, hf_config):
+        raise ValueError(f"{architecture} checkpoint uses {problem}")
+
+
+def _unsupported_features(architecture: str, hf_config):
+    for key in _MULTIMODAL_KEYS:
+        if getattr(hf_config, key, None):
+            yield (
+                f"a vision or audio tower ({key} in config.json), which is not supported: "
+                "kvbatch runs text-only models; use the text-only checkpoint"
+            )
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        yield (
+            f"hidden_act {act!r}, which is not supported: kvbatch's MLP is SwiGLU (silu); "
+            "set hidden_act to silu only if the checkpoint really uses it"
+        )
+    if bool(getattr(hf_config, "attention_bias", False)):
+        yield (
+            "attention_bias (biases on q/k/v and o_proj), which is not supported for "
+            f"{architecture}"
+        )
+    if architecture in _NO_SLIDING_WINDOW and _has_sliding_layers(hf_config):
+        yield (
+            "sliding-window attention on some layers (use_sliding_window or "
+            "'sliding_attention' in layer_types), which is not supported; set "
+            "use_sliding_window to false if the checkpoint was trained without it"
+        )
+
+
+def _has_sliding_layers(hf_config) -> bool:
+    if getattr(hf_config, "use_sliding_window", False):
+        return True
+    return "sliding_attention" in (getattr(hf_config, "layer_types", None) or ())

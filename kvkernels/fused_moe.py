@@ -1,0 +1,248 @@
+"""Fused mixture-of-experts: every token's top-k experts in two grouped GEMMs.
+
+A router picks k experts per token; each (token, slot) pair is one row of work. Rather than
+one small GEMM per expert (a launch per expert and most of the GPU idle), the pairs are sorted
+by expert and each expert's run is padded to a multiple of BLOCK_M, so that every block of
+BLOCK_M rows belongs to exactly one expert:
+
+    pairs (t*k + j)   sorted by expert, padded                 blocks of BLOCK_M rows
+    t0:e2 t0:e0       [e0 e0 e0 -- | e1 -- -- -- | e2 e2 -- --]  expert of each block:
+    t1:e0 t1:e2   ->   1  2  4  P    5  P  P  P    0  3  P  P    [0, 1, 2, -1, ...]
+    t2:e0 t2:e1                                                  (P: padding, skipped)
+
+Then one grouped GEMM computes gate|up for every row (a program loads its block's expert id
+and multiplies its rows of x by that expert's [2I, H] weight), SiLU-and-mul halves it, and a
+second grouped GEMM applies each row's down projection [H, I] and its routing weight. The k
+weighted rows of a token are summed in a fixed order (slot 0 first), so the result does not
+depend on which tokens share the batch. This is the structure of vLLM's fused_moe and of
+MegaBlocks' block-sparse grouping (Gale et al. 2022, arXiv 2211.15841), written for our needs.
+
+The routing is laid out on the device without reading anything back to the host: the padded
+length is bounded by num_pairs + num_experts * (BLOCK_M - 1), blocks past the used ones carry
+expert -1 and return at once. A step's grid therefore depends only on its token count, as a
+CUDA graph needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kvbatch.kernels.activation import silu_and_mul
+from kvbatch.kernels.interpreter import interpreting
+from kvbatch.kernels.specialize import step_varying
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """The routing of one step sorted by expert and padded to blocks of `block_m` rows."""
+
+    sorted_pairs: torch.Tensor  # [num_blocks * block_m] int32: pair index t*k + j, or num_pairs
+    block_experts: torch.Tensor  # [num_blocks] int32: each block's expert, -1 when unused
+    num_pairs: int  # tokens x top_k
+    block_m: int
+
+
+def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """Sort the (token, slot) pairs of `topk_ids` [T, k] by expert, each expert's run padded to
+    a multiple of `block_m`; sizes are upper bounds, so nothing is read back to the host."""
+    flat = topk_ids.flatten().long()  # [P]
+    num_pairs, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    order = torch.sort(flat, stable=True).indices  # pair ids, grouped by expert
+    expert_of = flat[order]
+    first_of_expert = counts.cumsum(0) - counts  # where each expert's run starts in `order`
+    rank = torch.arange(num_pairs, device=device) - first_of_expert[expert_of]
+    num_blocks = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
+    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs[padded_start[expert_of] + rank] = order.to(torch.int32)
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_experts = torch.searchsorted(padded_end, block_start, right=True)
+    block_experts = torch.where(block_experts < num_experts, block_experts, -1).to(torch.int32)
+    return ExpertBlocks(sorted_pairs, block_experts, num_pairs, block_m)
+
+
+@step_varying(ints=("num_pairs",))
+def _grouped_gemm_kernel(
+    a_ptr,  # [rows of A, K]: row r of pair p is p // A_ROW_DIV
+    w_ptr,  # [E, N, K]
+    out_ptr,  # [P, N]: row p is pair p's output
+    route_w_ptr,  # [P] float32 routing weights (read when MUL_ROUTE_W)
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    num_pairs,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    A_ROW_DIV: tl.constexpr,
+    MUL_ROUTE_W: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = pairs < num_pairs  # [BLOCK_M]
+    a_rows = pairs // A_ROW_DIV
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    w_base = w_ptr + expert * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak,
+            mask=valid[:, None] & (ks[None, :] < K),
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        w = tl.load(
+            w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
+            mask=(ks[:, None] < K) & (cols[None, :] < N),
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if MUL_ROUTE_W:
+        route_w = tl.load(route_w_ptr + pairs, mask=valid, other=0.0)
+        acc = acc * route_w[:, None]
+    out = out_ptr + pairs[:, None] * stride_om + cols[None, :] * stride_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+
+
+def _grouped_gemm(a, w, out, route_w, blocks: ExpertBlocks, a_row_div: int) -> None:
+    """out[p] = a[p // a_row_div] @ w[expert(p)].T (x route_w[p] when given), for every pair."""
+    n, k = w.shape[1], w.shape[2]
+    block_n, block_k = _tile_nk(n, k)
+    num_blocks = blocks.block_experts.numel()
+    _grouped_gemm_kernel[(num_blocks, triton.cdiv(n, block_n))](
+        a,
+        w,
+        out,
+        route_w if route_w is not None else out,
+        blocks.sorted_pairs,
+        blocks.block_experts,
+        blocks.num_pairs,
+        n,
+        k,
+        *a.stride(),
+        *w.stride(),
+        *out.stride(),
+        A_ROW_DIV=a_row_div,
+        MUL_ROUTE_W=route_w is not None,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=blocks.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+
+
+def _tile_nk(n: int, k: int) -> tuple[int, int]:
+    """BLOCK_N, BLOCK_K: wide tiles under the interpreter (each program costs milliseconds
+    whatever its size), GEMM-sized ones when compiled."""
+    if interpreting():
+        return _pow2_between(n, 16, 128), _pow2_between(k, 16, 128)
+    return 64, 64
+
+
+def _pow2_between(n: int, low: int, high: int) -> int:
+    """The power of two at or above n, clamped to [low, high] (tl.dot needs tiles of 16+)."""
+    return max(low, min(high, triton.next_power_of_2(n)))
+
+
+def block_m_for(num_pairs: int, num_experts: int) -> int:
+    """Rows per block: 16 when experts average few rows (decode), 64 when they fill blocks."""
+    return 16 if num_pairs <= 4 * num_experts or interpreting() else 64
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    w_gate_up: torch.Tensor,  # [E, 2I, H]: gate rows first, then up
+    w_down: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k] routing weights
+    topk_ids: torch.Tensor,  # [T, k] expert ids
+    *,
+    block_m: int | None = None,  # rows per expert block; None: block_m_for
+) -> torch.Tensor:  # [T, H], x's dtype
+    """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]."""
+    _check(x, w_gate_up, w_down, topk_weights, topk_ids)
+    t, top_k = topk_ids.shape
+    num_experts, two_i, _ = w_gate_up.shape
+    hidden, inter = w_down.shape[1], two_i // 2
+    if t == 0:
+        return x.new_zeros(0, hidden)
+    num_pairs = t * top_k
+    blocks = align_to_blocks(topk_ids, num_experts, block_m or block_m_for(num_pairs, num_experts))
+    route_w = topk_weights.reshape(num_pairs).float().contiguous()
+    gate_up = x.new_empty(num_pairs, two_i)  # [P, 2I]
+    _grouped_gemm(x, w_gate_up, gate_up, None, blocks, a_row_div=top_k)
+    act = silu_and_mul(gate_up[:, :inter], gate_up[:, inter:], out=gate_up[:, :inter])
+    down = x.new_empty(num_pairs, hidden)  # [P, H], already weighted
+    _grouped_gemm(act, w_down, down, route_w, blocks, a_row_div=1)
+    return down.view(t, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    block_m: int | None = None,  # accepted for the same signature; the reference has no blocks
+) -> torch.Tensor:
+    """Plain-torch reference: one dense SwiGLU per expert over the rows routed to it, each row
+    scaled by its routing weight, then the k rows of a token summed (float32)."""
+    _check(x, w_gate_up, w_down, topk_weights, topk_ids)
+    t, top_k = topk_ids.shape
+    inter, hidden = w_gate_up.shape[1] // 2, w_down.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    route_w = topk_weights.reshape(-1).float()
+    out = torch.zeros(t * top_k, hidden, dtype=torch.float32, device=x.device)
+    for e in flat_ids.unique().tolist():
+        pairs = (flat_ids == e).nonzero().squeeze(1)  # [n]
+        h = F.linear(x[pairs // top_k], w_gate_up[e])  # [n, 2I]
+        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w_down[e])  # [n, H]
+        out[pairs] = y.float() * route_w[pairs, None]
+    return out.view(t, top_k, hidden).sum(1).to(x.dtype)
+
+
+def _check(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
+    if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError(
+            f"expected x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I]; got "
+            f"{tuple(x.shape)}, {tuple(w_gate_up.shape)}, {tuple(w_down.shape)}"
+        )
+    e, two_i, h = w_gate_up.shape
+    if h != x.shape[1] or two_i % 2 or tuple(w_down.shape) != (e, h, two_i // 2):
+        raise ValueError(
+            f"weight shapes disagree: x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)} "
+            f"(want [E, 2I, {x.shape[1]}]), w_down {tuple(w_down.shape)} (want [E, H, I])"
+        )
+    if x.dtype != w_gate_up.dtype or x.dtype != w_down.dtype:
+        raise ValueError(
+            f"x and the expert weights must share a dtype; got {x.dtype}, {w_gate_up.dtype}, "
+            f"{w_down.dtype}"
+        )
+    if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_weights and topk_ids must both be [T, k]; got {tuple(topk_weights.shape)} "
+            f"and {tuple(topk_ids.shape)}"
+        )
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows for {x.shape[0]} tokens")
