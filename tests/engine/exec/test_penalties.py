@@ -230,3 +230,30 @@ def test_logit_bias_outside_the_vocabulary_is_refused(llm) -> None:
     with pytest.raises(ValueError, match="logit_bias names token id"):
         llm.engine.add_request([1, 2, 3], SamplingParams(logit_bias={vocab: 1.0}))
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(presence_penalty=2.5), "presence_penalty must be"),
+        (dict(frequency_penalty=-3), "frequency_penalty must be"),
+        (dict(frequency_penalty="1"), "frequency_penalty must be"),
+        (dict(repetition_penalty=0), "repetition_penalty must be"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty must be"),
+        (dict(logit_bias={1: 101}), r"logit_bias\[1\] must be"),
+        (dict(logit_bias={"x": 1}), "logit_bias keys must be token ids"),
+        (dict(logit_bias={-1: 1}), "logit_bias keys must be token ids"),
+        (dict(logit_bias=[(1, 2)]), "logit_bias must be a mapping"),
+    ],
+)
+def test_bad_options_are_refused_with_the_fix(kw, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw)
+
+
+def test_options_are_normalised() -> None:
+    p = SamplingParams(logit_bias={"50256": -100, 3: 2}, presence_penalty=1, repetition_penalty=2)
+    assert p.logit_bias == {50256: -100.0, 3: 2.0}
+    assert p.presence_penalty == 1.0 and type(p.repetition_penalty) is float
+    assert p.uses_penalties and p.processes_logits and not p.argmax_only
+    assert SamplingParams(logit_bias={}).logit_bias is None
