@@ -15,7 +15,7 @@ from torch import Tensor
 
 from kvbatch.engine.core.sampling_params import SamplingParams
 from kvbatch.engine.exec.penalties import LogitBias, PenaltyTensors, TokenHistory
-from kvbatch.engine.structured.bitmask import apply_token_bitmask
+from kvbatch.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
 
 _M32 = 0xFFFFFFFF
 
@@ -43,7 +43,7 @@ class SamplingTensors:
     any_unseeded: bool  # some sampled row has no seed: the sampler's generator is needed
     max_num_logprobs: int  # -1 when no row asked for logprobs
     # Logits changes, applied in this order before anything else; None where no row asks.
-    token_bitmask: Tensor | None = None  # [B, ceil(V / 32)] int32: the grammars' allowed tokens
+    token_bitmask: TokenBitmask | None = None  # the grammars' allowed tokens
     logit_bias: LogitBias | None = None
     penalties: PenaltyTensors | None = None
 
@@ -63,7 +63,7 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device | str,
         histories: Sequence[TokenHistory] | None = None,
-        token_bitmask: Tensor | None = None,
+        token_bitmask: TokenBitmask | None = None,
     ) -> SamplingTensors:
         """Build the batch's tensors; `output_lens[i]` = tokens request i has generated so far.
 

@@ -10,6 +10,11 @@ Generated JSON is compact but readable, with Python's separators (", " and ": ")
 other whitespace: free whitespace lets a small model loop on newlines until max_tokens.
 Strict mode (OpenAI's `strict: true`): objects take no properties beyond those declared
 unless the schema allows them.
+
+Tokens holding a raw control byte (0x00-0x1f) are never allowed: compact JSON has no place
+for one (whitespace is only the separators' spaces; inside strings they must be escaped), and
+xgrammar's rule for strings with a maxLength lets them through, which gives text that
+json.loads refuses.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
+import torch
 import xgrammar as xgr
 from torch import Tensor
 
@@ -30,11 +37,14 @@ class GrammarMatcher:
     """One sequence's position in its grammar (a kvbatch.engine.structured.constraint
     TokenConstraint)."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, allowed: Tensor) -> None:
+        """`allowed` [W] int32: tokens the output may ever hold (GrammarCompiler.allowed)."""
         self._matcher = xgr.GrammarMatcher(compiled)
+        self._allowed = allowed
 
     def fill_bitmask(self, bitmask: Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        bitmask[row].bitwise_and_(self._allowed)
 
     def accept(self, token_id: int) -> bool:
         return self._matcher.accept_token(token_id)
@@ -60,6 +70,7 @@ class GrammarCompiler:
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        self.allowed = _without_control_bytes(info.decoded_vocab, vocab_size, stop_token_ids)
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self.max_cached = max_cached
         self.num_compiled = 0  # compilations so far (cache misses)
@@ -93,4 +104,17 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
         """A fresh matcher at the start of `spec`'s grammar."""
-        return GrammarMatcher(self.compile(spec))
+        return GrammarMatcher(self.compile(spec), self.allowed)
+
+
+def _without_control_bytes(
+    decoded_vocab: Sequence[bytes], vocab_size: int, keep: Sequence[int]
+) -> Tensor:
+    """[ceil(V / 32)] int32 bitmask of the tokens without a byte below 0x20 (`keep` always
+    allowed: the stop tokens' text, if any, is not output)."""
+    ok = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)
+    for token, text in enumerate(decoded_vocab[:vocab_size]):
+        ok[token] = not text or min(text) >= 0x20
+    ok[list(keep)] = True
+    bits = np.packbits(ok.reshape(-1, 8), axis=1, bitorder="little")  # [V / 8, 1] uint8
+    return torch.from_numpy(bits.reshape(-1).view(np.int32).copy())

@@ -16,8 +16,9 @@ class StructuredOutputs:
 
     `json_schema`: a JSON schema as a dict or a JSON string (`json_schema` response format).
     `json_object`: any JSON object (`json_object` response format). Exactly one is given.
-    After construction `json_schema` is the schema's canonical JSON text (sorted keys), so two
-    requests with the same schema share one compiled grammar.
+    After construction `json_schema` is the schema's JSON text (compact, in the given key
+    order: properties are generated in that order), so requests with the same schema share one
+    compiled grammar.
     """
 
     json_schema: dict | str | None = None
@@ -40,7 +41,7 @@ class StructuredOutputs:
             raise ValueError(
                 f"json_schema must be a JSON object (dict), got {type(schema).__name__}"
             )
-        object.__setattr__(self, "json_schema", json.dumps(schema, sort_keys=True))
+        object.__setattr__(self, "json_schema", json.dumps(schema, separators=(",", ":")))
 
     @property
     def key(self) -> str:
