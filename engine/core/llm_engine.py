@@ -19,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import sys
 import time
 
 from kvbatch.engine.attention.backends import get_backend
+from kvbatch.engine.core.choices import fork_choices, make_choices, needs_fork
 from kvbatch.engine.core.config import (
     DEFAULT_CPU_KV_BYTES,
     CacheConfig,
@@ -48,6 +50,7 @@ from kvbatch.engine.model.fused import model_forward
 from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.sched.scheduler import Scheduler
 from kvbatch.engine.sched.step_cost import StepCostModel
+from kvbatch.engine.structured.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +118,10 @@ class LLMEngine:
 
             self.spec = build_spec_decoder(config.speculative, self, draft)
         self.requests: dict[str, Sequence] = {}
+        self.grammars: GrammarCompiler | None = None  # structured outputs, built on first use
+        # Running sequences whose logits changes read every earlier token on the host
+        # (grammars, penalties): while any runs, steps are not overlapped (async scheduling).
+        self._num_host_token_seqs = 0
         self._ids = itertools.count()
         self._num_steps = self._computed = self._generated = self._prompt_tokens = 0
         self._num_finished = 0
@@ -332,14 +339,50 @@ class LLMEngine:
             raise ValueError(
                 "stop strings need a tokenizer and this model has none; use stop_token_ids"
             )
+        self._check_logits_options(params)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, token_ids, params, prompt=text)
+        self._prepare_sequence(seq)
+        if params.n > 1:
+            make_choices(seq, self._prepare_sequence)
         self.requests[request_id] = seq
         self._prompt_tokens += len(token_ids)
         self.scheduler.add(seq)
         return request_id
+
+    def _check_logits_options(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: logit_bias ids against the vocabulary, and
+        that a schema compiles (once per distinct schema, kvbatch.engine.structured)."""
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(
+                f"logit_bias names token id {max(params.logit_bias)} but the vocabulary has "
+                f"{vocab} tokens: use ids in [0, {vocab})"
+            )
+        if params.structured_outputs is not None:
+            self._grammar_compiler().compile(params.structured_outputs)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built on the first constrained request: it indexes the whole vocabulary."""
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer and this model has none")
+            self.grammars = GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, sorted(self.stop_checker.eos)
+            )
+        return self.grammars
+
+    def _prepare_sequence(self, seq: Sequence) -> None:
+        """A new sequence's grammar matcher; logits-changing requests never speculate (the
+        rejection sampler verifies drafts against unchanged target probabilities)."""
+        params = seq.params
+        if params.structured_outputs is not None:
+            seq.grammar = self._grammar_compiler().matcher(params.structured_outputs)
+        if params.processes_logits:
+            seq.spec_resume_step = sys.maxsize
+            self._num_host_token_seqs += 1
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -382,9 +425,18 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         if seq is not None:
-            self.scheduler.abort(seq)
-            if self.spec is not None:
-                self.spec.release(seq)
+            group = seq.choices
+            for s in group.seqs if group is not None else [seq]:
+                if s.is_finished:
+                    continue
+                if s.params.processes_logits:
+                    self._num_host_token_seqs -= 1
+                if s.choice_index and not group.forked:  # never reached the scheduler
+                    s.status = SequenceStatus.FINISHED
+                else:
+                    self.scheduler.abort(s)
+                if self.spec is not None:
+                    self.spec.release(s)
 
     def capture_chunk_graphs(self) -> int:
         """Capture now, rather than in a later step that would wait for it, every CUDA graph of
@@ -404,6 +456,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the requests that finished in it (with async scheduling, the
         requests whose last token came from the step before: the final call runs no model)."""
+        if self._in_flight is not None and self._num_host_token_seqs:
+            # A grammar's mask or a penalty needs the previous token on the host: finish the
+            # step in flight before scheduling the next.
+            previous, self._in_flight = self._in_flight, None
+            return self._finish(self._collect(previous))
         # timed from here: what the host does before the forward is part of the step's time
         started = start_clock(self.device) if self.step_cost is not None else None
         if self.spec is not None:  # drafts first: the scheduler counts them in the budget
@@ -472,9 +529,14 @@ class LLMEngine:
                         )
                     )
                 kept += 1
+                if seq.grammar is not None and self._grammar_done(seq, token):
+                    finished.append(seq)
+                    break
                 if self.stop_checker.check(seq, token):
                     finished.append(seq)
                     break
+            if needs_fork(seq) and seq.num_output_tokens:
+                fork_choices(seq, self.kv, self.scheduler)
             first_row += len(tokens)
             self._generated += kept
             if seq.draft_token_ids:
@@ -487,21 +549,40 @@ class LLMEngine:
             for seq in finished:
                 self.spec.release(seq)
         self.scheduler.finish(finished)
-        self._num_finished += len(finished)
-        return [self._output(self.requests.pop(s.request_id)) for s in finished]
+        self._num_host_token_seqs -= sum(1 for s in finished if s.params.processes_logits)
+        done = [s for s in finished if s.choices is None or s.choices.finish_one()]
+        self._num_finished += len(done)
+        return [self._output(self.requests.pop(s.request_id)) for s in done]
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    @staticmethod
+    def _grammar_done(seq: Sequence, token: int) -> bool:
+        """Advance seq's grammar past `token`; True (finish_reason "stop") once the grammar
+        has ended. A token the grammar refuses cannot come from the masked sampler: it ends
+        the sequence as an error rather than emit text that breaks the schema."""
+        if not seq.grammar.accept(token):
+            seq.finish_reason, seq.stop_reason = "error", token
+            return True
+        if seq.grammar.is_terminated():
+            seq.finish_reason, seq.stop_reason = "stop", None
+            return True
+        return False
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
         ids = seq.output_token_ids
         text = seq.output_text
         if text is None:
             text = self.stop_checker.decode(ids)
+        return CompletionOutput(
+            seq.choice_index, text, ids, seq.finish_reason, seq.stop_reason, seq.logprobs
+        )
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        choices = seq.choices.seqs if seq.choices is not None else [seq]
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
-            outputs=[
-                CompletionOutput(0, text, ids, seq.finish_reason, seq.stop_reason, seq.logprobs)
-            ],
+            outputs=[self._completion(s) for s in choices],
             finished=seq.status is SequenceStatus.FINISHED,
             num_cached_tokens=max(seq.num_cached_tokens, 0),
             spec_stats=seq.spec_stats if self.spec is not None else None,

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from kvbatch.engine.structured.params import StructuredOutputs
 
 MAX_LOGPROBS = 20
 """Largest top-n a request may ask for: bounds the `torch.topk` the sampler runs per step."""
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are treated as greedy: dividing logits by them overflows float32."""
+
+MAX_N = 128
+"""Most choices one request may ask for: each is a sequence of its own in the batch."""
+
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on a logit_bias value (-100 bans a token, 100 all but forces it)."""
+
+MAX_PENALTY = 2.0
+"""OpenAI's bound on |presence_penalty| and |frequency_penalty|."""
 
 
 def _is_int(x: object) -> bool:
@@ -43,6 +55,18 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; n = chosen token's logprob plus the top-n
+    # n choices per prompt: the children share the prompt's KV blocks; choice i samples with
+    # seed + i when a seed is given (kvbatch.engine.core.choices).
+    n: int = 1
+    # OpenAI: logit -= frequency_penalty * count + presence_penalty * (count > 0), counting
+    # the tokens generated so far.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Hugging Face (CTRL paper): over prompt and generated tokens, a positive logit is divided
+    # by it, a negative one multiplied. 1 = off.
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None  # token id -> bias added to its logit
+    structured_outputs: StructuredOutputs | None = None  # JSON schema / JSON object constraint
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: normalise through object.__setattr__
@@ -94,8 +118,48 @@ class SamplingParams:
                 )
             if type(self.logprobs) is not int:
                 set_(self, "logprobs", int(self.logprobs))
+        self._validate_choices_and_penalties()
+        # Read per row per step by the sampler: which rows change their logits first.
+        set_(self, "uses_penalties", self._uses_penalties())
+        set_(
+            self,
+            "processes_logits",
+            self.uses_penalties or bool(self.logit_bias) or self.structured_outputs is not None,
+        )
         # Read per row per step by the runner: greedy rows without logprobs need no sampler.
-        set_(self, "argmax_only", self.greedy and self.logprobs is None)
+        set_(
+            self, "argmax_only", self.greedy and self.logprobs is None and not self.processes_logits
+        )
+
+    def _validate_choices_and_penalties(self) -> None:
+        set_ = object.__setattr__
+        if not _is_int(self.n) or not (1 <= self.n <= MAX_N):
+            raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
+        set_(self, "n", int(self.n))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not (-MAX_PENALTY <= value <= MAX_PENALTY):
+                raise ValueError(
+                    f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}"
+                )
+            set_(self, name, float(value))
+        rp = self.repetition_penalty
+        if not _is_real(rp) or not (0 < rp < math.inf):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        set_(self, "repetition_penalty", float(rp))
+        set_(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputs):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputs or None, got {type(so).__name__}"
+            )
+
+    def _uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -120,3 +184,27 @@ def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
     if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
         raise ValueError(f"stop_token_ids must be None or a list of ints >= 0, got {ids!r}")
     return tuple(int(i) for i in ids)
+
+
+def _normalise_logit_bias(bias: object) -> dict[int, float] | None:
+    """{token id: bias} with int ids (JSON bodies spell them as strings: "50256") and float
+    biases in [-100, 100]; None or empty -> None. Ids are checked against the vocabulary when
+    the request is added (kvbatch.engine.core.llm_engine)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a mapping of token id -> bias, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = key
+        if isinstance(key, str) and key.isdecimal():
+            token = int(key)
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}")
+        if not _is_real(value) or not (-MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise ValueError(
+                f"logit_bias[{key!r}] must be a number in [-{MAX_LOGIT_BIAS:g}, "
+                f"{MAX_LOGIT_BIAS:g}], got {value!r}"
+            )
+        out[int(token)] = float(value)
+    return out or None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kvbatch.engine.core.sampling_params import SamplingParams
 from kvbatch.engine.spec.stats import SpecDecodeStats
+from kvbatch.engine.structured.constraint import TokenConstraint
 
 
 class SequenceStatus(enum.Enum):
@@ -24,6 +25,24 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+
+
+@dataclass(eq=False)
+class ChoiceGroup:
+    """The n sequences of one request with n > 1 (kvbatch.engine.core.choices): choice 0 is
+    the request's own sequence; the others start once its prompt's KV is there to share."""
+
+    seqs: list[Sequence]  # by choice index
+    forked: bool = False  # the children have started (sharing choice 0's prompt blocks)
+    num_unfinished: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_unfinished = len(self.seqs)
+
+    def finish_one(self) -> bool:
+        """Count one choice finished; True when it was the last (the request is done)."""
+        self.num_unfinished -= 1
+        return self.num_unfinished == 0
 
 
 @dataclass(eq=False)
@@ -66,6 +85,9 @@ class Sequence:
     # prompt + max_tokens, capped by the context (set by the scheduler): no token runs past it
     token_limit: int = sys.maxsize
     pending_row: int = -1  # the newest pending token's row in its step's sampled tokens
+    choice_index: int = 0  # which of the request's n choices this is
+    choices: ChoiceGroup | None = None  # the request's n choices, when n > 1
+    grammar: TokenConstraint | None = None  # structured outputs: allowed tokens, step by step
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -19,6 +19,7 @@ from kvbatch.engine.attention.cascade import DecodeGroup, find_shared_prefixes
 from kvbatch.engine.attention.metadata import AttentionMetadata, PrefillSpan
 from kvbatch.engine.core.sequence import Sequence
 from kvbatch.engine.exec.launched_step import LaunchedStep, StepResult
+from kvbatch.engine.exec.penalties import token_histories
 from kvbatch.engine.exec.sampler import Sampler, SamplingTensors
 from kvbatch.engine.kv.device_tables import (
     DeviceBlockTables,
@@ -29,6 +30,7 @@ from kvbatch.engine.kv.kv_cache import KVCacheManager
 from kvbatch.engine.model.llama import LlamaForCausalLM
 from kvbatch.engine.sched.scheduler import ScheduledChunk, SchedulerOutput
 from kvbatch.engine.spec.rejection import verify
+from kvbatch.engine.structured.batch_mask import fill_token_bitmask
 
 # Decode steps whose longest context exceeds this replay "wide" graphs, captured on first use
 # (engine/exec/cuda_graphs.py): a graph's block-table width is fixed, and the decode kernel cuts
@@ -115,12 +117,17 @@ class ModelRunner:
         if all(p.argmax_only for p in params):  # e.g. a greedy batch job: skip the tensors
             sampled = self.sampler.argmax(logits)
         else:
+            vocab = self.model.config.vocab_size
             tensors = SamplingTensors.from_params(
                 params,
                 # the index of the token being sampled: pending tokens come before it
                 [s.num_output_tokens + s.num_pending for s in sampling_seqs],
-                self.model.config.vocab_size,
+                vocab,
                 self.device,
+                histories=token_histories(sampling_seqs),
+                token_bitmask=fill_token_bitmask(
+                    [s.grammar for s in sampling_seqs], vocab, self.device
+                ),
             )
             sampled = self.sampler(logits, tensors)
         self._last_sampled = sampled.token_ids

@@ -1,4 +1,5 @@
-"""Batch-wide token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Batch-wide token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds,
+after the logits changes some rows ask for (a grammar's token bitmask, logit bias, penalties).
 
 Everything is vectorised over the batch; Python only looks at the batch-wide flags in
 `SamplingTensors` to skip stages that no row needs.
@@ -13,6 +14,8 @@ import torch
 from torch import Tensor
 
 from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.engine.exec.penalties import LogitBias, PenaltyTensors, TokenHistory
+from kvbatch.engine.structured.bitmask import TokenBitmask, apply_token_bitmask
 
 _M32 = 0xFFFFFFFF
 
@@ -39,6 +42,18 @@ class SamplingTensors:
     any_seeded: bool
     any_unseeded: bool  # some sampled row has no seed: the sampler's generator is needed
     max_num_logprobs: int  # -1 when no row asked for logprobs
+    # Logits changes, applied in this order before anything else; None where no row asks.
+    token_bitmask: TokenBitmask | None = None  # the grammars' allowed tokens
+    logit_bias: LogitBias | None = None
+    penalties: PenaltyTensors | None = None
+
+    @property
+    def processes_logits(self) -> bool:
+        return (
+            self.token_bitmask is not None
+            or self.logit_bias is not None
+            or self.penalties is not None
+        )
 
     @classmethod
     def from_params(
@@ -47,13 +62,26 @@ class SamplingTensors:
         output_lens: Sequence[int],
         vocab_size: int,
         device: torch.device | str,
+        histories: Sequence[TokenHistory] | None = None,
+        token_bitmask: TokenBitmask | None = None,
     ) -> SamplingTensors:
-        """Build the batch's tensors; `output_lens[i]` = tokens request i has generated so far."""
+        """Build the batch's tensors; `output_lens[i]` = tokens request i has generated so far.
+
+        `histories[i]`: row i's prompt and output tokens, needed when some row has a penalty.
+        `token_bitmask`: the rows' allowed tokens (kvbatch.engine.structured), when some row
+        is constrained by a grammar.
+        """
         if len(params) != len(output_lens):
             raise ValueError(
                 f"params and output_lens must have the same length, "
                 f"got {len(params)} and {len(output_lens)}"
             )
+        device = torch.device(device)
+        penalties = None
+        if any(p.uses_penalties for p in params):
+            if histories is None or len(histories) != len(params):
+                raise ValueError("rows with penalties need histories, one per row")
+            penalties = PenaltyTensors.build(params, histories, vocab_size, device)
         greedy = [p.greedy for p in params]
         temperature = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -91,6 +119,9 @@ class SamplingTensors:
             any_seeded=bool(seeded_rows),
             any_unseeded=len(seeded_rows) < len(sampled),
             max_num_logprobs=max(logprobs, default=-1),
+            token_bitmask=token_bitmask,
+            logit_bias=LogitBias.build(params, device),
+            penalties=penalties,
         )
 
 
@@ -121,7 +152,9 @@ class Sampler:
 
     def __call__(self, logits: Tensor, t: SamplingTensors) -> SamplerOutput:
         """Sample one token per row of `logits` [B, V]; everything stays on `logits.device`."""
-        logits = logits.float()
+        logits = raw_logits = logits.float()
+        if t.processes_logits:  # on a copy: logprobs are the raw model's, as in vLLM
+            logits = process_logits(logits.clone(), t)
         if t.all_greedy:
             token_ids = logits.argmax(dim=-1)  # ties -> lowest index, like transformers
         else:
@@ -131,7 +164,7 @@ class Sampler:
 
         if t.max_num_logprobs < 0:
             return SamplerOutput(token_ids, None, None, None)
-        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+        raw_logprobs = torch.log_softmax(raw_logits, dim=-1)  # [B, V]
         chosen = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
         top_logprobs, top_ids = raw_logprobs.topk(t.max_num_logprobs, dim=-1)
         return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
@@ -190,6 +223,18 @@ class Sampler:
                 gen.manual_seed(self._seed)
             self._generators[device] = gen
         return gen
+
+
+def process_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
+    """Apply the grammars' bitmask, logit bias and penalties to `logits` [B, V] float32, in
+    place (vLLM's order: bitmask, bias, penalties); returns `logits`."""
+    if t.token_bitmask is not None:
+        apply_token_bitmask(logits, t.token_bitmask)
+    if t.logit_bias is not None:
+        t.logit_bias.apply(logits)
+    if t.penalties is not None:
+        t.penalties.apply(logits)
+    return logits
 
 
 def _apply_top_k_top_p(logits: Tensor, t: SamplingTensors) -> Tensor:

@@ -298,6 +298,54 @@ class KVCacheManager:
             self._register_full_blocks(seq, token_ids)
         return True
 
+    def fork(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> int:
+        """Start child_id's table with the parent's blocks holding its first num_tokens tokens.
+
+        For n > 1 choices of one prompt: the children reference (ref_cnt + 1) the parent's
+        *full* blocks among those tokens instead of recomputing them; a partly filled block is
+        never shared, since the parent keeps writing into it, so the child computes those last
+        tokens itself into blocks of its own (allocate_slots, as for any sequence)::
+
+            prompt of 37 tokens, block_size 16, num_tokens 37
+            parent: [ 4 | 9 | 6 ]    6 holds tokens 32..36, then the parent's outputs
+            child:  [ 4 | 9 ]        ref_cnt 2 each; the child computes 32..36 next
+
+        Returns the tokens shared (a multiple of block_size; 0 when the parent holds no full
+        block of them). The parent must have computed the KV of those tokens.
+        """
+        if child_id in self._seqs:
+            raise ValueError(f"seq {child_id!r} already has blocks; fork starts a new one")
+        parent = self._seqs.get(parent_id)
+        if parent is None or num_tokens < 0:
+            return 0
+        k = min(num_tokens, parent.num_tokens) // self.block_size
+        if k == 0:
+            return 0
+        child = _SeqState(table=parent.table[:k], num_tokens=k * self.block_size)
+        child.row = self._rows.acquire()
+        for b in child.table:
+            self._blocks[b].ref_cnt += 1  # held by the parent: never in the free list
+        self._rows.write(child.row, 0, child.table)
+        self._fork_hash_chain(parent, child, k)
+        self._seqs[child_id] = child
+        return child.num_tokens
+
+    def _fork_hash_chain(self, parent: _SeqState, child: _SeqState, k: int) -> None:
+        """Give a child of k shared blocks the parent's hash chain at block k, so its own
+        blocks after them can be cached; where that point of the chain is unknown (the
+        parent's block k - 1 is a private twin of a cached one) the child's later blocks
+        simply stay private."""
+        if parent.num_hashed <= k:  # the child hashes the rest itself, as the parent would
+            child.num_hashed, child.last_hash = parent.num_hashed, parent.last_hash
+            child.parent, child.chain_broken = parent.parent, parent.chain_broken
+            return
+        last = self._blocks[child.table[k - 1]]
+        child.num_hashed = k
+        if last.hash is None or parent.chain_broken:
+            child.chain_broken = True
+            return
+        child.last_hash, child.parent = last.hash, (last.block_id, last.gen)
+
     def free(self, seq_id: Hashable, token_ids: Sequence[int] | None = None) -> None:
         """Release seq_id's blocks, tail first (unknown ids are ignored).
 

@@ -72,11 +72,23 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        self._set_token_limit(seq)
+        self.waiting.append(seq)
+
+    def add_forked(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Run a sequence whose first `num_computed_tokens` tokens' blocks the KV manager
+        already holds for it (KVCacheManager.fork, n > 1): it joins the running sequences as
+        the newest, with the rest of its prompt to compute."""
+        self._set_token_limit(seq)
+        seq.num_computed_tokens = num_computed_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _set_token_limit(self, seq: Sequence) -> None:
         limit = seq.num_prompt_tokens + seq.params.max_tokens
         if self.config.max_model_len:
             limit = min(limit, self.config.max_model_len)
         seq.token_limit = limit
-        self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -26,13 +26,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvbatch.engine.exec.penalties import token_histories
 from kvbatch.engine.exec.sampler import (
     Sampler,
     SamplerOutput,
     SamplingTensors,
     mix32,
+    process_logits,
     seeded_exponential,
 )
+from kvbatch.engine.structured.batch_mask import fill_token_bitmask
 
 _M32 = 0xFFFFFFFF
 
@@ -117,7 +120,20 @@ def verify(
     for s, k in zip(seqs, ks):
         params.extend([s.params] * (k + 1))
         offsets.extend(range(s.num_output_tokens, s.num_output_tokens + k + 1))
-    t = SamplingTensors.from_params(params, offsets, vocab_size, device)
+    # Rows that change their logits (grammars, penalties, bias) never carry drafts
+    # (LLMEngine turns their speculation off): their one row is processed as the sampler does.
+    rows_seqs = [s for s, k in zip(seqs, ks) for _ in range(k + 1)]
+    t = SamplingTensors.from_params(
+        params,
+        offsets,
+        vocab_size,
+        device,
+        histories=token_histories(rows_seqs),
+        token_bitmask=fill_token_bitmask([s.grammar for s in rows_seqs], vocab_size, device),
+    )
+    raw_logits = logits
+    if t.processes_logits:
+        logits = process_logits(logits.float().clone(), t)
     batch, max_k = len(seqs), max(ks)
     num_drafts = torch.tensor(ks, dtype=torch.long, device=device)
     starts = torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)  # [B]: each seq's first row
@@ -181,7 +197,7 @@ def verify(
     emitted = torch.cat(
         [torch.arange(st, st + a + 1) for st, a in zip(starts.tolist(), accepted)]
     ).to(device)
-    raw = torch.log_softmax(logits[emitted].float(), dim=-1)
+    raw = torch.log_softmax(raw_logits[emitted].float(), dim=-1)
     chosen = raw.gather(-1, flat[:, None]).squeeze(-1)
     top_logprobs, top_ids = raw.topk(t.max_num_logprobs, dim=-1)
     return tokens, SamplerOutput(flat, chosen, top_ids, top_logprobs)

@@ -1,0 +1,1 @@
+"""Structured outputs: a grammar (from a JSON schema) constrains which tokens may come next."""
