@@ -17,6 +17,7 @@ ones, so it keeps steps in turn.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -45,6 +46,8 @@ from kvbatch.engine.kv.memory import (
 )
 from kvbatch.engine.model.fused import model_forward
 from kvbatch.engine.model.loader import load_model
+from kvbatch.engine.pooling.config import PoolingConfig, read_pooling_config
+from kvbatch.engine.pooling.outputs import EmbeddingOutput
 from kvbatch.engine.sched.scheduler import Scheduler
 from kvbatch.engine.sched.step_cost import StepCostModel
 
@@ -293,6 +296,36 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
+    @functools.cached_property
+    def pooling_config(self) -> PoolingConfig:
+        """How this model pools embeddings: its sentence-transformers files, or last-token
+        normalised (engine/pooling/config.py). Read on first use: generation never needs it."""
+        return read_pooling_config(self.config.model)
+
+    def add_embedding_request(self, prompt: PromptType, request_id: str | None = None) -> str:
+        """Queue a prefill-only request: its prompt is computed (in chunks, from prefix-cache
+        hits where the pooling allows), never sampled, and step() returns an EmbeddingOutput
+        with the pooled vector; its blocks are freed at once, full ones kept in the prefix
+        cache. Raises ValueError (naming the problem) for a bad prompt."""
+        pooling = self.pooling_config
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the input is empty: give at least one token")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the input has {len(token_ids)} tokens but the model's context is "
+                f"max_model_len={self.max_model_len}: shorten it"
+            )
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = SamplingParams(max_tokens=1)  # never sampled; keeps token_limit at the prompt
+        seq = Sequence(request_id, token_ids, params, prompt=text, pooling=pooling)
+        self.requests[request_id] = seq
+        self._prompt_tokens += len(token_ids)
+        self.scheduler.add(seq)
+        return request_id
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -335,6 +368,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is not None:
             self.scheduler.abort(seq)
+            self.runner.pooler.release(request_id)
             if self.spec is not None:
                 self.spec.release(seq)
 
@@ -435,6 +469,10 @@ class LLMEngine:
                 # Drafts cut off by a stop are not in the output: reported as rejected.
                 used = min(num_accepted, kept)
                 self.spec.observe(seq, num_drafts, num_accepted, used, self._num_steps)
+        for seq, vector in zip(result.pooled_seqs, result.pooled if result.pooled_seqs else []):
+            if seq.status is not SequenceStatus.FINISHED:  # else aborted while in flight
+                seq.embedding = vector
+                finished.append(seq)
         if self.spec is not None:
             for seq in finished:
                 self.spec.release(seq)
@@ -442,7 +480,15 @@ class LLMEngine:
         self._num_finished += len(finished)
         return [self._output(self.requests.pop(s.request_id)) for s in finished]
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence) -> RequestOutput | EmbeddingOutput:
+        if seq.pooling is not None:
+            return EmbeddingOutput(
+                seq.request_id,
+                seq.prompt,
+                seq.prompt_token_ids,
+                seq.embedding,
+                num_cached_tokens=max(seq.num_cached_tokens, 0),
+            )
         ids = seq.output_token_ids
         text = seq.output_text
         if text is None:

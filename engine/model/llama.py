@@ -205,11 +205,16 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend,
         logits_indices: torch.Tensor | None = None,  # rows to project to the vocabulary
+        final_hidden: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [len(logits_indices) or T, vocab] float32
+        """`final_hidden`: when given, every row's state after the final norm ([T, hidden]) is
+        appended to it, for pooling (engine/pooling/); the logits are unchanged."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta, backend)
+        if final_hidden is not None:
+            final_hidden.append(self.model.norm(x))
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.model.norm(x)
