@@ -274,6 +274,11 @@ class LLMEngine:
     ) -> str:
         """Queue one request. Raises ValueError (naming the problem) for a bad prompt."""
         params = params or SamplingParams()
+        if not self.model_config.has_lm_head:
+            raise ValueError(
+                f"this checkpoint ({self.model_config.architecture} without its head) has no "
+                "language-model head: it can embed (LLM.embed) but not generate"
+            )
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one token")

@@ -17,6 +17,13 @@ from kvbatch.engine.attention.metadata import AttentionMetadata
 from kvbatch.engine.model.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# The same transformers without their language-model head, as sentence-transformers saves an
+# embedding model: weights named without the "model." prefix, and no lm_head.
+BASE_MODEL_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+}
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,7 @@ class ModelConfig:
     rope: RopeConfig | None = None
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    has_lm_head: bool = True  # False for a base model (BASE_MODEL_ARCHITECTURES): embeds only
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -73,11 +81,15 @@ class ModelConfig:
         }
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         arch = arch or (by_type.get(model_type) if not archs else None)
+        has_lm_head = arch is not None
+        if arch is None:
+            base = (BASE_MODEL_ARCHITECTURES[a] for a in archs if a in BASE_MODEL_ARCHITECTURES)
+            arch = next(base, None)
         if arch is None:
             found = ", ".join(archs) or model_type or "unknown"
             raise ValueError(
                 f"architecture {found} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES))}"
             )
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -102,6 +114,7 @@ class ModelConfig:
             rope=rope_config_from_hf(hf_config, head_dim),
             sliding_window=sliding,
             eos_token_ids=eos_ids,
+            has_lm_head=has_lm_head,
         )
 
 
@@ -187,12 +200,14 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = Backbone(cfg)
         self.rotary = RotaryEmbedding(cfg.rope)
-        if not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings and cfg.has_lm_head:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
     def output_embedding(self) -> torch.Tensor:
-        if self.config.tie_word_embeddings:
+        """The vocabulary projection; a base model has none and projects onto its input
+        embeddings (its logits mean nothing: the engine refuses to generate with it)."""
+        if self.config.tie_word_embeddings or not self.config.has_lm_head:
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 

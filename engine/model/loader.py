@@ -47,6 +47,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> Lo
     else:
         raise ValueError(f"model path {path} is neither a folder nor a .gguf file")
     cfg = ModelConfig.from_hf(hf_config)
+    if not cfg.has_lm_head:  # a base model's weights lack the "model." of a causal LM's
+        state_dict = {
+            k if k.startswith("model.") else f"model.{k}": v for k, v in state_dict.items()
+        }
     model = _build(cfg, state_dict, dtype, device)
     eos = list(cfg.eos_token_ids) + generation_eos
     if tokenizer is not None and tokenizer.eos_token_id is not None:

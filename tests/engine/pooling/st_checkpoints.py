@@ -63,9 +63,36 @@ def build_embedding_checkpoint(
     return path
 
 
+def save_as_sentence_transformers(src: Path, dst: Path) -> Path:
+    """`src` (an embedding checkpoint) saved by sentence-transformers itself into `dst`: a
+    base model (architecture e.g. LlamaModel, weights without "model.", no lm_head)."""
+    from sentence_transformers import SentenceTransformer
+
+    SentenceTransformer(str(src), device="cpu").save(str(dst))
+    return Path(dst)
+
+
 def st_embeddings(path: Path, texts: list[str], **encode) -> torch.Tensor:
     """sentence-transformers' embeddings of `texts` ([n, dim] float32) from the folder."""
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(str(path), device="cpu")
     return model.encode(texts, convert_to_tensor=True, batch_size=len(texts), **encode).float()
+
+
+@torch.no_grad()
+def st_embeddings_of_ids(path: Path, prompts: list[list[int]]) -> torch.Tensor:
+    """sentence-transformers' pipeline on token ids, one prompt at a time (no tokenizer, no
+    padding): the reference for checkpoints whose tokenizer class reads no word vocabulary
+    (transformers gives a Qwen2 folder its own BPE tokenizer class)."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(path), device="cpu")
+    rows = []
+    for ids in prompts:
+        features = {
+            "input_ids": torch.tensor([ids]),
+            "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+        }
+        rows.append(model(features)["sentence_embedding"][0])
+    return torch.stack(rows).float()

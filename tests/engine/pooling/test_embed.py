@@ -17,7 +17,9 @@ from tests.engine.pooling.st_checkpoints import (
     MODES,
     build_embedding_checkpoint,
     ids_to_text,
+    save_as_sentence_transformers,
     st_embeddings,
+    st_embeddings_of_ids,
 )
 from tests.reference import hf_greedy
 
@@ -225,3 +227,47 @@ def test_abort_mid_prefill_drops_the_partial_state(checkpoints):
     engine.abort_request(rid)
     assert not engine.has_unfinished()
     assert_kv_released(llm)
+
+
+def test_triton_backend_with_step_graphs(checkpoints):
+    """The fused forward (triton kernels, under the interpreter on the CPU) with the padded
+    step-graph path on: steps with embedding chunks run eagerly, keep their hidden states,
+    and leave the graphed generation steps' tokens unchanged."""
+    path = checkpoints["mean"]
+    embed_ids = random_ids((9, 30, 1), seed=8)
+    gen_ids = random_ids((5, 12), seed=9)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm = small_llm(path, attention_backend="triton", max_num_batched_tokens=16)
+    llm.engine.runner.capture_step_graphs(max_batch=4, max_model_len=128, capture=False)
+    engine = llm.engine
+    embed = [engine.add_embedding_request(p) for p in embed_ids]
+    gen = [engine.add_request(p, params) for p in gen_ids]
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] = out
+    got = torch.stack([outs[r].embedding for r in embed])
+    assert_close(got, st_embeddings(path, [ids_to_text(p) for p in embed_ids]))
+    tokens = [outs[r].outputs[0].token_ids for r in gen]
+    assert tokens == hf_greedy(path, gen_ids, 4, ignore_eos=True)
+    assert_kv_released(llm)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2"])
+def test_a_folder_saved_by_sentence_transformers_loads_as_a_base_model(tmp_path, kind):
+    """sentence-transformers saves the transformer without its head (LlamaModel, Qwen2Model):
+    it embeds as the causal checkpoint it came from, and refuses to generate. Token ids in:
+    transformers gives a Qwen2 folder its BPE tokenizer class, which ignores the word list."""
+    import json
+
+    src = build_embedding_checkpoint(tmp_path / "src", kind=kind, mode="mean")
+    path = save_as_sentence_transformers(src, tmp_path / "st")
+    assert json.loads((path / "config.json").read_text())["architectures"][0].endswith("Model")
+    prompts = mixed_batch()
+    llm = small_llm(path)
+    assert not llm.engine.model_config.has_lm_head
+    got = torch.tensor(llm.embed(prompts))
+    assert_close(got, st_embeddings_of_ids(path, prompts))
+    assert torch.allclose(got, torch.tensor(small_llm(src).embed(prompts)), atol=1e-6)
+    with pytest.raises(ValueError, match="can embed .* but not generate"):
+        llm.engine.add_request([5, 6, 7])
