@@ -392,9 +392,10 @@ class LLMEngine:
 
     # -- stepping ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingOutput]:
         """Run one step; returns the requests that finished in it (with async scheduling, the
-        requests whose last token came from the step before: the final call runs no model)."""
+        requests whose last token came from the step before: the final call runs no model),
+        an EmbeddingOutput for each embedding request."""
         # timed from here: what the host does before the forward is part of the step's time
         started = start_clock(self.device) if self.step_cost is not None else None
         if self.spec is not None:  # drafts first: the scheduler counts them in the budget
@@ -436,7 +437,7 @@ class LLMEngine:
                 self.step_cost.observe(launched.shape, seconds)
         return result
 
-    def _finish(self, result: StepResult) -> list[RequestOutput]:
+    def _finish(self, result: StepResult) -> list[RequestOutput | EmbeddingOutput]:
         """Append a step's tokens, check stops, release the finished requests."""
         if result.logprobs is not None:
             chosen, top_ids, top_lps = result.logprobs

@@ -271,3 +271,29 @@ def test_a_folder_saved_by_sentence_transformers_loads_as_a_base_model(tmp_path,
     assert torch.allclose(got, torch.tensor(small_llm(src).embed(prompts)), atol=1e-6)
     with pytest.raises(ValueError, match="can embed .* but not generate"):
         llm.engine.add_request([5, 6, 7])
+
+
+@pytest.mark.slow
+def test_real_smollm2_last_token_against_transformers(smollm2_dir):
+    """Real weights and tokenizer (SmolLM2-135M, no sentence-transformers files: last token,
+    normalised), RAG-style chunks sharing a document, against transformers' last_hidden_state;
+    the second pass takes its shared blocks from the prefix cache."""
+    from transformers import AutoModel
+
+    doc = (
+        "Paged attention stores the key and value cache in fixed-size blocks, so that "
+        "sequences can share the blocks of a common prefix. "
+    ) * 3
+    questions = ["What is a block?", "Why share prefixes?", "Who frees the blocks?", "Hello"]
+    texts = [doc + q for q in questions] + ["A short unrelated sentence."]
+    llm = LLM(model=str(smollm2_dir), device="cpu", kv_cache_bytes=256 << 20, max_model_len=512)
+    ids = [llm.tokenizer.encode(t) for t in texts]
+    model = AutoModel.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.stack([model(torch.tensor([p])).last_hidden_state[0, -1] for p in ids])
+    want = F.normalize(want, dim=-1)
+    assert_close(torch.tensor(llm.embed(texts)), want)
+    hits = llm.stats().prefix_hits
+    assert_close(torch.tensor(llm.embed(ids)), want)
+    assert llm.stats().prefix_hits - hits >= sum(len(p) for p in ids) // 2
+    assert_kv_released(llm)
