@@ -297,3 +297,15 @@ def test_real_smollm2_last_token_against_transformers(smollm2_dir):
     assert_close(torch.tensor(llm.embed(ids)), want)
     assert llm.stats().prefix_hits - hits >= sum(len(p) for p in ids) // 2
     assert_kv_released(llm)
+
+
+def test_an_input_as_long_as_the_context_is_embedded(checkpoints):
+    """No output token follows an embedding's prompt: it may fill max_model_len exactly."""
+    path = checkpoints["lasttoken"]
+    (ids,) = random_ids((64,), seed=10)
+    llm = small_llm(path, max_model_len=64, num_kv_blocks=16)
+    got = torch.tensor(llm.embed(ids))
+    assert_close(got, st_embeddings(path, [ids_to_text(ids)]))
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        llm.embed(ids + [5])
+    assert_kv_released(llm)
