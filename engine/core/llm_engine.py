@@ -326,6 +326,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = SamplingParams(max_tokens=1)  # never sampled; keeps token_limit at the prompt
         seq = Sequence(request_id, token_ids, params, prompt=text, pooling=pooling)
+        self.runner.pooler.add_request(request_id)
         self.requests[request_id] = seq
         self._prompt_tokens += len(token_ids)
         self.scheduler.add(seq)

@@ -95,7 +95,7 @@ class ModelRunner:
         """Queue a step's forward and sampling; on CUDA this returns before they have run.
         `started`: the step's start_clock (engine/launched_step.py), to time it."""
         input_ids, meta, logits_rows, sampling_seqs = self._prepare(out)
-        pooling = pooling_chunks(meta.chunks)
+        pooling = pooling_chunks(meta.chunks) if self.pooler.active else []
         if pooling:  # prefill-only (embedding) requests in the step
             return self._launch_pooling(
                 input_ids, meta, logits_rows, sampling_seqs, pooling, started

@@ -41,10 +41,21 @@ class PoolingChunk:
 
 
 class Pooler:
-    """Per-request partial states (mean sums, CLS rows) between a request's chunks."""
+    """Per-request partial states (mean sums, CLS rows) between a request's chunks, and the
+    requests still to pool: while there are none, a step is not even scanned for pooling
+    chunks (at 512 decodes a step, the scan alone would cost tens of microseconds)."""
 
     def __init__(self) -> None:
         self._partial: dict[Hashable, torch.Tensor] = {}
+        self._live: set[Hashable] = set()
+
+    def add_request(self, key: Hashable) -> None:
+        """A pooling request was queued: steps are scanned for its chunks until it is done."""
+        self._live.add(key)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._live)
 
     def add_step(
         self, hidden: torch.Tensor, chunks: Sequence[PoolingChunk]
@@ -68,6 +79,7 @@ class Pooler:
             else:
                 vector = self._take(c)
             done.append(c.key)
+            self._live.discard(c.key)
             vectors.append(vector)
             normalize.append(c.pooling.normalize)
         if not done:
@@ -106,11 +118,17 @@ class Pooler:
         return state
 
     def release(self, key: Hashable) -> None:
-        """Forget a request's partial state (it was aborted)."""
+        """Forget a request (it was aborted) and its partial state."""
         self._partial.pop(key, None)
+        self._live.discard(key)
 
     def __len__(self) -> int:
-        """Requests with a partial state: 0 once every pooling request has finished."""
+        """Requests queued and not yet pooled: 0 once every one has its vector."""
+        return len(self._live)
+
+    @property
+    def num_partial(self) -> int:
+        """Requests part way through their prompt (mean sums, CLS rows held)."""
         return len(self._partial)
 
 

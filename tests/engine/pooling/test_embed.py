@@ -69,7 +69,8 @@ def assert_kv_released(llm: LLM) -> None:
     kv = llm.engine.kv
     kv.check_integrity()
     assert kv.num_free_blocks == kv.num_blocks
-    assert len(llm.engine.runner.pooler) == 0  # no partial state left behind
+    pooler = llm.engine.runner.pooler
+    assert len(pooler) == pooler.num_partial == 0  # nothing left behind
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -223,7 +224,7 @@ def test_abort_mid_prefill_drops_the_partial_state(checkpoints):
     engine = llm.engine
     rid = engine.add_embedding_request(random_ids((50,), seed=6)[0])
     engine.step()
-    assert len(engine.runner.pooler) == 1  # partly summed
+    assert engine.runner.pooler.num_partial == 1  # partly summed
     engine.abort_request(rid)
     assert not engine.has_unfinished()
     assert_kv_released(llm)
