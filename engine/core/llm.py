@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from kvbatch.engine.core.chat import (
     Conversation,
     as_conversations,
@@ -15,6 +17,8 @@ from kvbatch.engine.core.config import CacheConfig, EngineConfig, SchedulerConfi
 from kvbatch.engine.core.llm_engine import LLMEngine, PromptType
 from kvbatch.engine.core.outputs import CompletionOutput, EngineStats, RequestOutput
 from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.engine.pooling.inputs import embedding_inputs
+from kvbatch.engine.pooling.matryoshka import check_dimensions, truncate_dimensions
 from kvbatch.hub import resolve_model
 
 
@@ -173,6 +177,47 @@ class LLM:
                 prompts.append(_Rejected(f"the chat template rejects this conversation: {e}"))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def embed(
+        self,
+        inputs: str | list[str] | list[int] | list[list[int]],
+        dimensions: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[list[float]]:
+        """One vector per input, in input order: the model's pooling (its sentence-transformers
+        files, else last token, normalised) of the prompt's final hidden states, computed by
+        prefill alone. `inputs` as OpenAI's embeddings `input`: a string, a list of strings, a
+        list of token ids or a list of such lists. `dimensions` keeps the first components
+        (Matryoshka), renormalised when the model normalises.
+
+        Raises ValueError naming the input at fault (empty, too long, bad token id,
+        dimensions out of range); nothing runs then.
+        """
+        prompts = embedding_inputs(inputs)
+        engine = self.engine
+        check_dimensions(dimensions, engine.model_config.hidden_size)
+        index_of: dict[str, int] = {}
+        for i, prompt in enumerate(prompts):
+            try:
+                rid = engine.add_embedding_request(prompt, request_id=f"embed-{id(self)}-{i}")
+            except ValueError as e:
+                for rid in index_of:
+                    engine.abort_request(rid)
+                raise ValueError(f"input {i}: {e}") from e
+            index_of[rid] = i
+        vectors: dict[int, object] = {}
+        bar = _progress(len(index_of), "embed") if use_tqdm else None
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id in index_of:
+                    vectors[index_of[out.request_id]] = out.embedding
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        stacked = torch.stack([vectors[i] for i in range(len(prompts))])
+        normalize = engine.pooling_config.normalize
+        return truncate_dimensions(stacked, dimensions, normalize).tolist()
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
@@ -196,7 +241,7 @@ def _error_output(request_id: str, prompt, message: str) -> RequestOutput:
     )
 
 
-def _progress(total: int):
+def _progress(total: int, desc: str = "generate"):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="generate", unit="req")
+    return tqdm(total=total, desc=desc, unit="req")

@@ -17,6 +17,7 @@ ones, so it keeps steps in turn.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import sys
@@ -48,6 +49,8 @@ from kvbatch.engine.kv.memory import (
 )
 from kvbatch.engine.model.fused import model_forward
 from kvbatch.engine.model.loader import load_model
+from kvbatch.engine.pooling.config import PoolingConfig, read_pooling_config
+from kvbatch.engine.pooling.outputs import EmbeddingOutput
 from kvbatch.engine.sched.scheduler import Scheduler
 from kvbatch.engine.sched.step_cost import StepCostModel
 from kvbatch.engine.structured.grammar import GrammarCompiler
@@ -326,6 +329,11 @@ class LLMEngine:
     ) -> str:
         """Queue one request. Raises ValueError (naming the problem) for a bad prompt."""
         params = params or SamplingParams()
+        if not self.model_config.has_lm_head:
+            raise ValueError(
+                f"this checkpoint ({self.model_config.architecture} without its head) has no "
+                "language-model head: it can embed (LLM.embed) but not generate"
+            )
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -384,6 +392,37 @@ class LLMEngine:
             seq.spec_resume_step = sys.maxsize
             self._num_host_token_seqs += 1
 
+    @functools.cached_property
+    def pooling_config(self) -> PoolingConfig:
+        """How this model pools embeddings: its sentence-transformers files, or last-token
+        normalised (engine/pooling/config.py). Read on first use: generation never needs it."""
+        return read_pooling_config(self.config.model)
+
+    def add_embedding_request(self, prompt: PromptType, request_id: str | None = None) -> str:
+        """Queue a prefill-only request: its prompt is computed (in chunks, from prefix-cache
+        hits where the pooling allows), never sampled, and step() returns an EmbeddingOutput
+        with the pooled vector; its blocks are freed at once, full ones kept in the prefix
+        cache. Raises ValueError (naming the problem) for a bad prompt."""
+        pooling = self.pooling_config
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the input is empty: give at least one token")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the input has {len(token_ids)} tokens but the model's context is "
+                f"max_model_len={self.max_model_len}: shorten it"
+            )
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = SamplingParams(max_tokens=1)  # never sampled; keeps token_limit at the prompt
+        seq = Sequence(request_id, token_ids, params, prompt=text, pooling=pooling)
+        self.runner.pooler.add_request(request_id)
+        self.requests[request_id] = seq
+        self._prompt_tokens += len(token_ids)
+        self.scheduler.add(seq)
+        return request_id
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -437,6 +476,7 @@ class LLMEngine:
                     self.scheduler.abort(s)
                 if self.spec is not None:
                     self.spec.release(s)
+            self.runner.pooler.release(request_id)
 
     def capture_chunk_graphs(self) -> int:
         """Capture now, rather than in a later step that would wait for it, every CUDA graph of
@@ -453,9 +493,10 @@ class LLMEngine:
 
     # -- stepping ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingOutput]:
         """Run one step; returns the requests that finished in it (with async scheduling, the
-        requests whose last token came from the step before: the final call runs no model)."""
+        requests whose last token came from the step before: the final call runs no model),
+        an EmbeddingOutput for each embedding request."""
         if self._in_flight is not None and self._num_host_token_seqs:
             # A grammar's mask or a penalty needs the previous token on the host: finish the
             # step in flight before scheduling the next.
@@ -502,7 +543,7 @@ class LLMEngine:
                 self.step_cost.observe(launched.shape, seconds)
         return result
 
-    def _finish(self, result: StepResult) -> list[RequestOutput]:
+    def _finish(self, result: StepResult) -> list[RequestOutput | EmbeddingOutput]:
         """Append a step's tokens, check stops, release the finished requests."""
         if result.logprobs is not None:
             chosen, top_ids, top_lps = result.logprobs
@@ -545,6 +586,10 @@ class LLMEngine:
                 # Drafts cut off by a stop are not in the output: reported as rejected.
                 used = min(num_accepted, kept)
                 self.spec.observe(seq, num_drafts, num_accepted, used, self._num_steps)
+        for seq, vector in zip(result.pooled_seqs, result.pooled if result.pooled_seqs else []):
+            if seq.status is not SequenceStatus.FINISHED:  # else aborted while in flight
+                seq.embedding = vector
+                finished.append(seq)
         if self.spec is not None:
             for seq in finished:
                 self.spec.release(seq)
@@ -576,7 +621,15 @@ class LLMEngine:
             seq.choice_index, text, ids, seq.finish_reason, seq.stop_reason, seq.logprobs
         )
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence) -> RequestOutput | EmbeddingOutput:
+        if seq.pooling is not None:
+            return EmbeddingOutput(
+                seq.request_id,
+                seq.prompt,
+                seq.prompt_token_ids,
+                seq.embedding,
+                num_cached_tokens=max(seq.num_cached_tokens, 0),
+            )
         choices = seq.choices.seqs if seq.choices is not None else [seq]
         return RequestOutput(
             request_id=seq.request_id,

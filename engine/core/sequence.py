@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.engine.pooling.config import PoolingConfig
 from kvbatch.engine.spec.stats import SpecDecodeStats
 from kvbatch.engine.structured.constraint import TokenConstraint
 
@@ -88,6 +89,10 @@ class Sequence:
     choice_index: int = 0  # which of the request's n choices this is
     choices: ChoiceGroup | None = None  # the request's n choices, when n > 1
     grammar: TokenConstraint | None = None  # structured outputs: allowed tokens, step by step
+    # Embedding requests (engine/pooling/): prefill only, never sampled; the pooled vector
+    # ([hidden] float32 on the host) once the whole prompt has been computed.
+    pooling: PoolingConfig | None = None
+    embedding: object | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -121,6 +126,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def takes_prefix_hits(self) -> bool:
+        """Whether admission may skip cached prefix blocks: not for a pooling that reads every
+        token's hidden state (the cache keeps KV, not hidden states)."""
+        return self.pooling is None or not self.pooling.needs_every_token
 
     @property
     def is_finished(self) -> bool:

@@ -15,7 +15,7 @@ event completes only when the step before has finished, not when the host queued
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,10 @@ class StepResult:
     # Per sampler row (rows follow token_ids flattened), when some row asked for logprobs:
     # the chosen token's logprob, the top ids and the top logprobs.
     logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
+    # Embedding requests whose prompt ended in this step, and their vectors ([n, hidden]
+    # float32 on the host, a row each).
+    pooled_seqs: list[Sequence] = field(default_factory=list)
+    pooled: torch.Tensor | None = None
 
 
 class LaunchedStep:
@@ -55,6 +59,8 @@ class LaunchedStep:
         self._seconds: float | None = None
         self.shape = None  # the scheduler's StepShape, when the engine times steps
         self.padded_chunk = 0  # the chunk bucket of the step's CUDA graph (0: none)
+        self._pooled_seqs: list[Sequence] = []
+        self._pooled: torch.Tensor | None = None
         if sampled is None:
             return
         tensors = [sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs]
@@ -69,6 +75,16 @@ class LaunchedStep:
             self._seconds = time.perf_counter() - started
         self._tensors = tensors
 
+    def attach_pooled(self, seqs: list[Sequence], vectors: torch.Tensor) -> None:
+        """Embedding requests that ended in this step and their vectors (on the device):
+        copied to the host with the tokens, and waited for by `result()` alone."""
+        self._pooled_seqs = seqs
+        if vectors.device.type == "cuda":
+            vectors = _to_pinned(vectors)
+            self._event = torch.cuda.Event(enable_timing=self._started is not None)
+            self._event.record(torch.cuda.current_stream(vectors.device))
+        self._pooled = vectors
+
     @property
     def seconds(self) -> float | None:
         """The step's time, once `result()` has returned; None when it was not timed (or had
@@ -81,6 +97,11 @@ class LaunchedStep:
         """Waits for this step's tokens (not for steps queued after it)."""
         if self._event is not None:
             self._event.synchronize()
+        result = self._token_result()
+        result.pooled_seqs, result.pooled = self._pooled_seqs, self._pooled
+        return result
+
+    def _token_result(self) -> StepResult:
         if not self._tensors:
             return StepResult(self.seqs, self._tokens or [])
         token_ids, chosen, top_ids, top_logprobs = self._tensors

@@ -28,6 +28,7 @@ from kvbatch.engine.kv.device_tables import (
 )
 from kvbatch.engine.kv.kv_cache import KVCacheManager
 from kvbatch.engine.model.llama import LlamaForCausalLM
+from kvbatch.engine.pooling.pooler import Pooler, pooling_chunks
 from kvbatch.engine.sched.scheduler import ScheduledChunk, SchedulerOutput
 from kvbatch.engine.spec.rejection import verify
 from kvbatch.engine.structured.batch_mask import fill_token_bitmask
@@ -84,6 +85,7 @@ class ModelRunner:
         ]
         self.tables = DeviceBlockTables(device)  # kv's block tables, kept on the device
         self.sampler = Sampler(seed=seed)
+        self.pooler = Pooler()  # embedding requests' partial states between their chunks
         self.step_graphs = None  # set by capture_step_graphs (CUDA, triton backend)
         # The last launched step's sampled tokens, on the device: where a sequence's pending
         # token (async scheduling, Sequence.pending_row) is read from.
@@ -97,6 +99,11 @@ class ModelRunner:
         """Queue a step's forward and sampling; on CUDA this returns before they have run.
         `started`: the step's start_clock (engine/exec/launched_step.py), to time it."""
         input_ids, meta, logits_rows, sampling_seqs = self._prepare(out)
+        pooling = pooling_chunks(meta.chunks) if self.pooler.active else []
+        if pooling:  # prefill-only (embedding) requests in the step
+            return self._launch_pooling(
+                input_ids, meta, logits_rows, sampling_seqs, pooling, started
+            )
         captured = self._graphs_captured()
         key = self._graph_key(input_ids, meta, logits_rows)
         logits = self._forward(key, input_ids, meta, logits_rows)
@@ -104,6 +111,34 @@ class ModelRunner:
             started = None  # time is no measure of a step's (engine/sched/step_cost.py)
         launched = self._sample(logits, sampling_seqs, started)
         launched.padded_chunk = key.chunk if key is not None else 0
+        return launched
+
+    def _launch_pooling(
+        self, input_ids, meta: _StepMeta, logits_rows, sampling_seqs, pooling, started
+    ) -> LaunchedStep:
+        """A step with prefill-only chunks (engine/pooling/) runs eagerly, keeping every row's
+        final hidden state for the pooler; the pooling requests' logits rows are dropped
+        before sampling (they are never sampled), the other requests' are sampled as usual."""
+        hidden: list[torch.Tensor] = []
+        logits = self.forward(
+            input_ids,
+            meta.positions,
+            self.kv_caches,
+            meta.attention,
+            self.backend,
+            logits_indices=logits_rows,
+            final_hidden=hidden,
+        )
+        done, vectors = self.pooler.add_step(hidden[0], pooling)
+        keep = [s.pooling is None for s in sampling_seqs]
+        if not all(keep):  # a speculative chunk has 1 + k logits rows
+            rows = np.repeat(keep, [1 + len(s.draft_token_ids) for s in sampling_seqs])
+            logits = logits[torch.from_numpy(np.flatnonzero(rows)).to(logits.device)]
+            sampling_seqs = [s for s, k in zip(sampling_seqs, keep) if k]
+        launched = self._sample(logits, sampling_seqs, started)
+        if done:
+            seqs = {seq.request_id: seq for seq, _ in meta.chunks if seq.pooling is not None}
+            launched.attach_pooled([seqs[key] for key in done], vectors)
         return launched
 
     def _sample(self, logits, sampling_seqs: list[Sequence], started) -> LaunchedStep:
@@ -240,7 +275,7 @@ class ModelRunner:
         attention = self._attention_metadata(
             batch, tokens, plan, slots_d, rows_d, num_blocks_d, prefill_ranges_d, plan_d
         )
-        meta = _StepMeta(positions_d, attention)
+        meta = _StepMeta(positions_d, attention, batch.chunks)
         return ids_d, meta, logits_rows_d, [batch.chunks[i].seq for i in sample_idx]
 
     def _order_chunks(self, out: SchedulerOutput) -> _Batch:
@@ -413,3 +448,4 @@ def to_device_at_once(arrays: list[np.ndarray], device: torch.device) -> list[to
 class _StepMeta:
     positions: torch.Tensor
     attention: AttentionMetadata
+    chunks: list | None = None  # the step's ScheduledChunks in row order (decodes reordered)

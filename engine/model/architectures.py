@@ -30,6 +30,15 @@ ARCHITECTURE_BY_MODEL_TYPE = {
 }
 """For configs without `architectures` (those transformers reads from GGUF files)."""
 
+BASE_MODEL_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+"""The same transformers without their language-model head, as sentence-transformers saves an
+embedding model: weights named without the "model." prefix, and no lm_head (embeddings only)."""
+
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 """RMSNorm over each head of q and k before RoPE."""
 

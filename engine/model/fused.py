@@ -69,6 +69,7 @@ def fused_forward(
     meta,
     backend,
     logits_indices: torch.Tensor | None = None,
+    final_hidden: list[torch.Tensor] | None = None,  # as LlamaForCausalLM.forward's
 ) -> torch.Tensor:  # [rows, vocab] float32
     from kvbatch.kernels.activation import silu_and_mul
     from kvbatch.kernels.fused_moe import fused_moe
@@ -112,6 +113,8 @@ def fused_forward(
             ffn = cfg.intermediate_size
             pending = mlp.down_proj(silu_and_mul(gate_up[:, :ffn], gate_up[:, ffn:]))
     residual += pending
+    if final_hidden is not None:
+        final_hidden.append(rms_norm(residual, model.model.norm.weight, eps))
     if logits_indices is not None:
         residual = residual[logits_indices]
     x = rms_norm(residual, model.model.norm.weight, eps)

@@ -17,6 +17,7 @@ from torch import nn
 from kvbatch.engine.attention.metadata import UNIT_KV_SCALES, AttentionMetadata, KVScales
 from kvbatch.engine.model.architectures import (
     ARCHITECTURE_BY_MODEL_TYPE,
+    BASE_MODEL_ARCHITECTURES,
     QK_NORM_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     check_supported_features,
@@ -46,6 +47,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     moe: MoeConfig | None = None  # the experts of mixture-of-experts models
+    has_lm_head: bool = True  # False for a base model (BASE_MODEL_ARCHITECTURES): embeds only
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -75,11 +77,15 @@ class ModelConfig:
         model_type = getattr(hf_config, "model_type", "")
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         arch = arch or (ARCHITECTURE_BY_MODEL_TYPE.get(model_type) if not archs else None)
+        has_lm_head = arch is not None
+        if arch is None:
+            base = (BASE_MODEL_ARCHITECTURES[a] for a in archs if a in BASE_MODEL_ARCHITECTURES)
+            arch = next(base, None)
         if arch is None:
             found = ", ".join(archs) or model_type or "unknown"
             raise ValueError(
                 f"architecture {found} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES))}"
             )
         check_supported_features(arch, hf_config)
         num_heads = hf_config.num_attention_heads
@@ -108,6 +114,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             moe=MoeConfig.from_hf(arch, hf_config),
+            has_lm_head=has_lm_head,
         )
 
 
@@ -214,12 +221,14 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = Backbone(cfg)
         self.rotary = RotaryEmbedding(cfg.rope)
-        if not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings and cfg.has_lm_head:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
     def output_embedding(self) -> torch.Tensor:
-        if self.config.tie_word_embeddings:
+        """The vocabulary projection; a base model has none and projects onto its input
+        embeddings (its logits mean nothing: the engine refuses to generate with it)."""
+        if self.config.tie_word_embeddings or not self.config.has_lm_head:
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
@@ -232,11 +241,16 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend,
         logits_indices: torch.Tensor | None = None,  # rows to project to the vocabulary
+        final_hidden: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [len(logits_indices) or T, vocab] float32
+        """`final_hidden`: when given, every row's state after the final norm ([T, hidden]) is
+        appended to it, for pooling (engine/pooling/); the logits are unchanged."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta, backend)
+        if final_hidden is not None:
+            final_hidden.append(self.model.norm(x))
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.model.norm(x)

@@ -69,6 +69,10 @@ def load_model(
     else:
         raise ValueError(f"model path {path} is neither a folder nor a .gguf file")
     cfg = ModelConfig.from_hf(hf_config)
+    if not cfg.has_lm_head:  # a base model's weights lack the "model." of a causal LM's
+        state_dict = {
+            k if k.startswith("model.") else f"model.{k}": v for k, v in state_dict.items()
+        }
     kv_scales = {k: state_dict.pop(k) for k in list(state_dict) if k.endswith(KV_SCALE_SUFFIXES)}
     if cfg.moe is not None:
         if quant is not None:

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 from kvbatch.engine.core.config import SchedulerConfig
 from kvbatch.engine.core.sequence import Sequence, SequenceStatus
-from kvbatch.engine.kv.kv_cache import KVCacheManager
+from kvbatch.engine.kv.kv_cache import ComputedBlocks, KVCacheManager
 from kvbatch.engine.sched.step_cost import StepCostModel, StepShape, chunk_pairs
 
 
@@ -186,7 +186,11 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:  # preempted while its token was in flight: wait for the token
                 break
-            computed = self.kv.get_computed_blocks(seq.token_ids)
+            computed = (
+                self.kv.get_computed_blocks(seq.token_ids)
+                if seq.takes_prefix_hits
+                else ComputedBlocks([], 0)
+            )
             n = min(seq.num_tokens - computed.num_tokens, budget)
             n = self._cap_long_prefill(seq, n, computed.num_tokens, chosen)
             if not self.kv.allocate_slots(id(seq), seq.token_ids, n, computed):

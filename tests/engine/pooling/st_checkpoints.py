@@ -1,0 +1,98 @@
+"""Tiny random embedding checkpoints with sentence-transformers' files, and the reference.
+
+A checkpoint is a tiny random causal model (tests.tiny_models) with a word-level tokenizer
+(the words "<0>" .. "<511>" are token ids 0 .. 511, so a text and its ids say the same thing;
+the brackets keep the special tokens "<0>" and "<3>" from matching inside "<312>")
+and the module files sentence-transformers itself writes (modules.json, 1_Pooling/,
+2_Normalize/). sentence-transformers loads the same folder as the reference.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from tests.tiny_models import VOCAB_SIZE, build_tiny_checkpoint
+
+MODES = ("lasttoken", "mean", "cls")
+
+
+def ids_to_text(ids: list[int]) -> str:
+    return " ".join(f"<{i}>" for i in ids)
+
+
+def save_word_tokenizer(path: Path) -> None:
+    """A tokenizer whose word "<N>" is token N (no special tokens added; <0> pads)."""
+    tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(VOCAB_SIZE)}, unk_token="<3>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<0>", unk_token="<3>")
+    fast.save_pretrained(path)
+
+
+def build_embedding_checkpoint(
+    path: Path, kind: str = "llama-gqa", mode: str | None = "lasttoken", normalize: bool = True
+) -> Path:
+    """A tiny `kind` checkpoint at `path` with a word tokenizer and, unless `mode` is None,
+    sentence-transformers' Pooling (`mode`) and Normalize (if `normalize`) modules."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    path = Path(path)
+    build_tiny_checkpoint(kind, path)
+    save_word_tokenizer(path)
+    if mode is None:
+        return path
+    transformer = Transformer(str(path))
+    modules = [transformer, Pooling(transformer.get_embedding_dimension(), mode)]
+    if normalize:
+        modules.append(Normalize())
+    with tempfile.TemporaryDirectory() as tmp:
+        SentenceTransformer(modules=modules, device="cpu").save(tmp)
+        # The module files only: the weights stay those of the causal checkpoint.
+        for name in ("modules.json", "sentence_bert_config.json", "1_Pooling", "2_Normalize"):
+            src = Path(tmp) / name
+            if src.is_dir():
+                shutil.copytree(src, path / name)
+            elif src.is_file():
+                shutil.copy(src, path / name)
+    return path
+
+
+def save_as_sentence_transformers(src: Path, dst: Path) -> Path:
+    """`src` (an embedding checkpoint) saved by sentence-transformers itself into `dst`: a
+    base model (architecture e.g. LlamaModel, weights without "model.", no lm_head)."""
+    from sentence_transformers import SentenceTransformer
+
+    SentenceTransformer(str(src), device="cpu").save(str(dst))
+    return Path(dst)
+
+
+def st_embeddings(path: Path, texts: list[str], **encode) -> torch.Tensor:
+    """sentence-transformers' embeddings of `texts` ([n, dim] float32) from the folder."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(path), device="cpu")
+    return model.encode(texts, convert_to_tensor=True, batch_size=len(texts), **encode).float()
+
+
+@torch.no_grad()
+def st_embeddings_of_ids(path: Path, prompts: list[list[int]]) -> torch.Tensor:
+    """sentence-transformers' pipeline on token ids, one prompt at a time (no tokenizer, no
+    padding): the reference for checkpoints whose tokenizer class reads no word vocabulary
+    (transformers gives a Qwen2 folder its own BPE tokenizer class)."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(path), device="cpu")
+    rows = []
+    for ids in prompts:
+        features = {
+            "input_ids": torch.tensor([ids]),
+            "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+        }
+        rows.append(model(features)["sentence_embedding"][0])
+    return torch.stack(rows).float()
