@@ -22,6 +22,7 @@ import itertools
 import logging
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from kvbatch.engine.attention.backends import get_backend
 from kvbatch.engine.core.choices import fork_choices, make_choices, needs_fork
@@ -53,7 +54,9 @@ from kvbatch.engine.pooling.config import PoolingConfig, read_pooling_config
 from kvbatch.engine.pooling.outputs import EmbeddingOutput
 from kvbatch.engine.sched.scheduler import Scheduler
 from kvbatch.engine.sched.step_cost import StepCostModel
-from kvbatch.engine.structured.grammar import GrammarCompiler
+
+if TYPE_CHECKING:
+    from kvbatch.engine.structured.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -377,6 +380,11 @@ class LLMEngine:
         if self.grammars is None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need a tokenizer and this model has none")
+            # Imported on the first constrained request, not with the engine: xgrammar is a
+            # dependency of structured outputs only, and images built for generation alone
+            # (the GPU check's) run without it.
+            from kvbatch.engine.structured.grammar import GrammarCompiler
+
             self.grammars = GrammarCompiler(
                 self.tokenizer, self.model_config.vocab_size, sorted(self.stop_checker.eos)
             )
