@@ -27,7 +27,7 @@ from kvbatch.engine.kv.device_tables import (
 )
 from kvbatch.engine.kv.kv_cache import KVCacheManager
 from kvbatch.engine.model.llama import LlamaForCausalLM
-from kvbatch.engine.pooling.pooler import Pooler, pooling_chunks
+from kvbatch.engine.pooling.pooler import Pooler, pooling_chunks, to_device
 from kvbatch.engine.sched.scheduler import SchedulerOutput
 from kvbatch.engine.spec.rejection import verify
 
@@ -129,7 +129,7 @@ class ModelRunner:
         keep = [s.pooling is None for s in sampling_seqs]
         if not all(keep):  # a speculative chunk has 1 + k logits rows
             rows = np.repeat(keep, [1 + len(s.draft_token_ids) for s in sampling_seqs])
-            logits = logits[torch.from_numpy(np.flatnonzero(rows)).to(logits.device)]
+            logits = logits[to_device(np.flatnonzero(rows), logits.device)]
             sampling_seqs = [s for s, k in zip(sampling_seqs, keep) if k]
         launched = self._sample(logits, sampling_seqs, started)
         if done:
