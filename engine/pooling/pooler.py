@@ -93,6 +93,18 @@ class Pooler:
             out = torch.where(rows[:, None], F.normalize(out, p=2, dim=-1), out)
         return done, out
 
+    @staticmethod
+    def drop_pooling_rows(logits: torch.Tensor, seqs: list) -> tuple[torch.Tensor, list]:
+        """A step's logits ([rows, vocab], `seqs` in row order) without the rows of pooling
+        requests, which are never sampled, and the sequences left (a speculative chunk has
+        1 + k rows)."""
+        keep = [s.pooling is None for s in seqs]
+        if all(keep):
+            return logits, seqs
+        rows = np.repeat(keep, [1 + len(s.draft_token_ids) for s in seqs])
+        kept = logits[to_device(np.flatnonzero(rows), logits.device)]
+        return kept, [s for s, k in zip(seqs, keep) if k]
+
     def _add_means(self, hidden: torch.Tensor, chunks: list[PoolingChunk]) -> None:
         """Every mean chunk's row sum in one index_add_ over the step's rows."""
         if not chunks:
