@@ -130,11 +130,7 @@ class ModelRunner:
             final_hidden=hidden,
         )
         done, vectors = self.pooler.add_step(hidden[0], pooling)
-        keep = [s.pooling is None for s in sampling_seqs]
-        if not all(keep):  # a speculative chunk has 1 + k logits rows
-            rows = np.repeat(keep, [1 + len(s.draft_token_ids) for s in sampling_seqs])
-            logits = logits[torch.from_numpy(np.flatnonzero(rows)).to(logits.device)]
-            sampling_seqs = [s for s, k in zip(sampling_seqs, keep) if k]
+        logits, sampling_seqs = self.pooler.drop_pooling_rows(logits, sampling_seqs)
         launched = self._sample(logits, sampling_seqs, started)
         if done:
             seqs = {seq.request_id: seq for seq, _ in meta.chunks if seq.pooling is not None}

@@ -1,6 +1,13 @@
 """Embeddings: the pooling a checkpoint declares, and the prefill-only path that computes it.
 
 config.py reads sentence-transformers' files (modules.json, 1_Pooling/config.json, Normalize);
-pooler.py pools the final hidden states on the device, chunk by chunk; matryoshka.py truncates
-to `dimensions`; openai_body.py builds `/v1/embeddings` response bodies.
+pooler.py pools the final hidden states on the device, chunk by chunk; inputs.py reads OpenAI's
+`input` shapes; matryoshka.py truncates to `dimensions`; outputs.py is what the engine hands
+back; openai_body.py builds `/v1/embeddings` response bodies.
+
+The engine side: LLMEngine.add_embedding_request queues a Sequence with `pooling` set; the
+scheduler prefills it like any prompt (chunked, from prefix hits when
+Sequence.takes_prefix_hits); the runner runs such steps eagerly with the final hidden states
+kept, drops the pooling rows before sampling, and hands finished vectors back with the step's
+tokens; the engine then frees the request's blocks (full ones stay in the prefix cache).
 """

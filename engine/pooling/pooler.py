@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -88,19 +89,31 @@ class Pooler:
         if all(normalize):
             out = F.normalize(out, p=2, dim=-1)
         elif any(normalize):
-            rows = torch.tensor(normalize, device=out.device)
+            rows = to_device(np.array(normalize), out.device)
             out = torch.where(rows[:, None], F.normalize(out, p=2, dim=-1), out)
         return done, out
+
+    @staticmethod
+    def drop_pooling_rows(logits: torch.Tensor, seqs: list) -> tuple[torch.Tensor, list]:
+        """A step's logits ([rows, vocab], `seqs` in row order) without the rows of pooling
+        requests, which are never sampled, and the sequences left (a speculative chunk has
+        1 + k rows)."""
+        keep = [s.pooling is None for s in seqs]
+        if all(keep):
+            return logits, seqs
+        rows = np.repeat(keep, [1 + len(s.draft_token_ids) for s in seqs])
+        kept = logits[to_device(np.flatnonzero(rows), logits.device)]
+        return kept, [s for s, k in zip(seqs, keep) if k]
 
     def _add_means(self, hidden: torch.Tensor, chunks: list[PoolingChunk]) -> None:
         """Every mean chunk's row sum in one index_add_ over the step's rows."""
         if not chunks:
             return
-        rows = torch.cat([torch.arange(c.first_row, c.first_row + c.num_tokens) for c in chunks])
-        segment = torch.repeat_interleave(
-            torch.arange(len(chunks)), torch.tensor([c.num_tokens for c in chunks])
-        )
-        rows, segment = rows.to(hidden.device), segment.to(hidden.device)
+        sizes = np.array([c.num_tokens for c in chunks])
+        starts = np.array([c.first_row for c in chunks])
+        segment = np.repeat(np.arange(len(chunks)), sizes)
+        rows = starts[segment] + np.arange(len(segment)) - (np.cumsum(sizes) - sizes)[segment]
+        rows, segment = to_device(rows, hidden.device), to_device(segment, hidden.device)
         sums = torch.zeros(len(chunks), hidden.shape[1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, segment, hidden[rows].float())
         for i, c in enumerate(chunks):
@@ -158,3 +171,13 @@ def pooling_chunks(chunks) -> list[PoolingChunk]:
             )
         row += n
     return found
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` without waiting: from pinned memory on CUDA (a copy from
+    pageable memory would wait for every step queued on the stream, which async scheduling
+    overlaps with the host's work)."""
+    t = torch.from_numpy(array)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

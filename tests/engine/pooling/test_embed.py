@@ -7,6 +7,8 @@ prefix cache on; a second pass over the same inputs then finds their blocks cach
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -259,8 +261,6 @@ def test_a_folder_saved_by_sentence_transformers_loads_as_a_base_model(tmp_path,
     """sentence-transformers saves the transformer without its head (LlamaModel, Qwen2Model):
     it embeds as the causal checkpoint it came from, and refuses to generate. Token ids in:
     transformers gives a Qwen2 folder its BPE tokenizer class, which ignores the word list."""
-    import json
-
     src = build_embedding_checkpoint(tmp_path / "src", kind=kind, mode="mean")
     path = save_as_sentence_transformers(src, tmp_path / "st")
     assert json.loads((path / "config.json").read_text())["architectures"][0].endswith("Model")
