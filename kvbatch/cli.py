@@ -216,15 +216,17 @@ def _run(args: argparse.Namespace) -> int:
         work_dir=args.work_dir,
         engine=engine_kwargs(args),
     )
-    paths = resolve_paths(opts)
+    paths = None
     try:
+        paths = resolve_paths(opts)
         record = run_job(opts)
     except JobError as e:
         print(f"kvbatch run: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(
-            f"kvbatch run: interrupted; the answers finished so far are kept in {paths.partial}: "
+            f"kvbatch run: interrupted; the answers finished so far are kept in "
+            f"{paths.partial if paths else 'the partial output'}: "
             "run the same command with --resume to continue",
             file=sys.stderr,
         )
