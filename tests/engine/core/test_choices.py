@@ -192,8 +192,9 @@ def expected_choices(llm: LLM, n: int) -> list[list[list[int]]]:
         dict(max_num_batched_tokens=7),  # chunked prefill: the fork waits for the whole prompt
         dict(num_kv_blocks=12, max_model_len=128, max_num_batched_tokens=64),  # preemption
         dict(async_scheduling=True),
+        dict(max_num_seqs=2),  # children past the running cap queue instead of forking
     ],
-    ids=["cache", "no-cache", "tiny-budget", "tiny-pool", "async"],
+    ids=["cache", "no-cache", "tiny-budget", "tiny-pool", "async", "two-seqs"],
 )
 def test_choices_whatever_the_engine_settings(tiny_models, engine_args) -> None:
     want = expected_choices(make_llm(tiny_models), 3)
