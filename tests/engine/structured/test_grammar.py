@@ -4,6 +4,8 @@ model with SmolLM2's tokenizer (with speculation and with async scheduling too).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -215,3 +217,15 @@ def test_choices_each_follow_the_schema(tiny_chat_model) -> None:
     for completion in out.outputs:
         jsonschema.validate(json.loads(completion.text), SCHEMA)
     llm.engine.kv.check_integrity()
+
+
+def test_params_import_without_torch() -> None:
+    """The jobs layer validates request bodies into SamplingParams without loading torch."""
+    code = (
+        "import sys\n"
+        "from kvbatch.engine import SamplingParams, StructuredOutputs\n"
+        "SamplingParams(n=2, logit_bias={'5': 1}, structured_outputs="
+        "StructuredOutputs(json_schema={'type': 'object'}))\n"
+        "assert 'torch' not in sys.modules and 'xgrammar' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
