@@ -250,3 +250,16 @@ def test_abort_a_request_with_choices(tiny_models) -> None:
     engine.abort_request("c")
     assert not engine.has_unfinished()
     engine.kv.check_integrity()
+
+
+def test_greedy_choices_under_speculation(tiny_models) -> None:
+    """Each choice speculates on its own; greedy verification keeps the target's tokens."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = make_llm(tiny_models).generate(PROMPTS, greedy, use_tqdm=False)
+    llm = make_llm(tiny_models, speculative="ngram", num_speculative_tokens=3)
+    outs = llm.generate(PROMPTS, replace(greedy, n=3), use_tqdm=False)
+    for single, out in zip(want, outs):
+        assert [c.token_ids for c in out.outputs] == [single.outputs[0].token_ids] * 3
+    assert llm.stats().spec_draft_tokens > 0
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
