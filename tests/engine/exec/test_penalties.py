@@ -270,8 +270,11 @@ def test_async_scheduling_counts_every_token(tiny_models, llm) -> None:
         ),
         SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.4, seed=8),
         GREEDY,
+        # a bias alone needs no history: these steps may overlap
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias={9: 3}),
     ]
-    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    assert [p.needs_host_tokens for p in params] == [True, True, False, False]
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     overlapped = LLM(
         model=str(tiny_models("llama-gqa")),
         device="cpu",
@@ -279,6 +282,9 @@ def test_async_scheduling_counts_every_token(tiny_models, llm) -> None:
         max_model_len=256,
         async_scheduling=True,
     )
-    got = overlapped.generate(PROMPTS[:3], params, use_tqdm=False)
+    got = overlapped.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    got = overlapped.generate(PROMPTS[2:], params[2:], use_tqdm=False)  # overlapped steps
+    want = want[2:]
     assert [o.outputs[0].token_ids for o in got] == want
     overlapped.engine.kv.check_integrity()
