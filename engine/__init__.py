@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLM": "kvbatch.engine.core.llm",
     "LLMEngine": "kvbatch.engine.core.llm_engine",
     "SamplingParams": "kvbatch.engine.core.sampling_params",
+    "StructuredOutputs": "kvbatch.engine.structured.params",
     "RequestOutput": "kvbatch.engine.core.outputs",
     "CompletionOutput": "kvbatch.engine.core.outputs",
     "EngineStats": "kvbatch.engine.core.outputs",

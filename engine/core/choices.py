@@ -5,8 +5,9 @@ scheduled like any other; choices 1..n-1 wait until choice 0 has computed the pr
 first token arrives), then *fork*: the KV manager gives each child the prompt's full blocks
 (reference counted, KVCacheManager.fork) and the child joins the running batch having only
 the prompt's last, partly filled block to compute. If choice 0 no longer holds its blocks by
-then (it finished with its pending last token, or was preempted), the children are admitted
-as new sequences and find the prompt in the prefix cache instead.
+then (it finished with its pending last token, or was preempted), or the running batch is at
+max_num_seqs, the children are queued as new sequences and find the prompt in the prefix
+cache instead.
 
 Each choice samples from its own seed stream: choice i uses seed + i (mod 2**63) when the
 request has a seed, so choice 0 is exactly what the same request with n = 1 returns.
@@ -59,8 +60,11 @@ def fork_choices(seq: Sequence, kv: KVCacheManager, scheduler: Scheduler) -> Non
     # The last prompt token is recomputed by each child: its logits give the child's first
     # token, and its block is the partly filled one.
     num_shared = seq.num_prompt_tokens - 1
+    room = scheduler.max_running - len(scheduler.running)
     for child in group.seqs[1:]:
-        shared = kv.fork(id(seq), id(child), num_shared)
+        # Past the running cap a child queues as a new sequence (the prefix cache serves it).
+        shared = kv.fork(id(seq), id(child), num_shared) if room > 0 else 0
+        room -= 1
         if shared:
             child.num_cached_tokens = shared
             scheduler.add_forked(child, shared)

@@ -398,6 +398,7 @@ class LLMEngine:
             seq.grammar = self._grammar_compiler().matcher(params.structured_outputs)
         if params.processes_logits:
             seq.spec_resume_step = sys.maxsize
+        if params.needs_host_tokens:
             self._num_host_token_seqs += 1
 
     @functools.cached_property
@@ -476,7 +477,7 @@ class LLMEngine:
             for s in group.seqs if group is not None else [seq]:
                 if s.is_finished:
                     continue
-                if s.params.processes_logits:
+                if s.params.needs_host_tokens:
                     self._num_host_token_seqs -= 1
                 if s.choice_index and not group.forked:  # never reached the scheduler
                     s.status = SequenceStatus.FINISHED
@@ -602,7 +603,7 @@ class LLMEngine:
             for seq in finished:
                 self.spec.release(seq)
         self.scheduler.finish(finished)
-        self._num_host_token_seqs -= sum(1 for s in finished if s.params.processes_logits)
+        self._num_host_token_seqs -= sum(1 for s in finished if s.params.needs_host_tokens)
         done = [s for s in finished if s.choices is None or s.choices.finish_one()]
         self._num_finished += len(done)
         return [self._output(self.requests.pop(s.request_id)) for s in done]

@@ -126,6 +126,12 @@ class SamplingParams:
             "processes_logits",
             self.uses_penalties or bool(self.logit_bias) or self.structured_outputs is not None,
         )
+        # Penalties and grammars read every earlier token on the host (LLMEngine.step).
+        set_(
+            self,
+            "needs_host_tokens",
+            self.uses_penalties or self.structured_outputs is not None,
+        )
         # Read per row per step by the runner: greedy rows without logprobs need no sampler.
         set_(
             self, "argmax_only", self.greedy and self.logprobs is None and not self.processes_logits

@@ -50,6 +50,8 @@ def _flat(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> Tensor:
+    """A host array on `device`; on CUDA through pinned memory without blocking, so the copy
+    does not wait for the steps already queued on the stream."""
     t = torch.from_numpy(a)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
@@ -89,14 +91,17 @@ class PenaltyTensors:
             prompt_row, prompt_token = _flat([histories[i].prompt_token_ids for i in rows])
             seen = counts > 0
             seen[_to_device(prompt_row, device), _to_device(prompt_token, device)] = True
-        floats = torch.tensor(
-            [
-                repetition,
-                [params[i].frequency_penalty for i in rows],
-                [params[i].presence_penalty for i in rows],
-            ],
-            dtype=torch.float32,
-        ).to(device)
+        floats = _to_device(
+            np.array(
+                [
+                    repetition,
+                    [params[i].frequency_penalty for i in rows],
+                    [params[i].presence_penalty for i in rows],
+                ],
+                dtype=np.float32,
+            ),
+            device,
+        )
         return cls(
             rows=_to_device(np.array(rows, dtype=np.int64), device),
             output_counts=counts,
@@ -133,11 +138,7 @@ class LogitBias:
             return None
         row_of, token = _flat([list(m) for m in maps])
         bias = np.fromiter(itertools.chain.from_iterable(m.values() for m in maps), np.float32)
-        return cls(
-            _to_device(row_of, device),
-            _to_device(token, device),
-            torch.from_numpy(bias).to(device),
-        )
+        return cls(_to_device(row_of, device), _to_device(token, device), _to_device(bias, device))
 
     def apply(self, logits: Tensor) -> None:
         """Add the biases to `logits` [B, V] in place."""

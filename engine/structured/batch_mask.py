@@ -25,8 +25,12 @@ def fill_token_bitmask(
     if not rows:
         return None
     words = torch.empty((len(rows), bitmask_words(vocab_size)), dtype=torch.int32)
-    for at, i in enumerate(rows):
-        grammars[i].fill_bitmask(words, at)
+    kinds = {type(grammars[i]) for i in rows}
+    if len(kinds) == 1:  # the usual case: one library for the whole batch
+        kinds.pop().fill_bitmasks([grammars[i] for i in rows], words)
+    else:
+        for at, i in enumerate(rows):
+            grammars[i].fill_bitmask(words, at)
     pin = device.type == "cuda"
     if pin:
         words = words.pin_memory()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from torch import Tensor
@@ -9,6 +10,12 @@ from torch import Tensor
 
 class TokenConstraint(Protocol):
     """One sequence's grammar state: which tokens may come next, advanced token by token."""
+
+    @staticmethod
+    def fill_bitmasks(constraints: Sequence[TokenConstraint], bitmask: Tensor) -> None:
+        """Write row i of `bitmask` [len(constraints), W] int32 (CPU): the allowed next
+        tokens of `constraints[i]`, all of this type. One call per step for the whole
+        batch, so a library can fill the rows in parallel."""
 
     def fill_bitmask(self, bitmask: Tensor, row: int) -> None:
         """Write the allowed next tokens into row `row` of `bitmask` [B, W] int32 (CPU)."""

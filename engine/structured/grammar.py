@@ -37,10 +37,22 @@ class GrammarMatcher:
     """One sequence's position in its grammar (a kvbatch.engine.structured.constraint
     TokenConstraint)."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, allowed: Tensor) -> None:
-        """`allowed` [W] int32: tokens the output may ever hold (GrammarCompiler.allowed)."""
+    def __init__(
+        self, compiled: xgr.CompiledGrammar, allowed: Tensor, batch: xgr.BatchGrammarMatcher
+    ) -> None:
+        """`allowed` [W] int32: tokens the output may ever hold (GrammarCompiler.allowed);
+        `batch`: the compiler's thread pool that fills many matchers' rows at once."""
         self._matcher = xgr.GrammarMatcher(compiled)
         self._allowed = allowed
+        self._batch = batch
+
+    @staticmethod
+    def fill_bitmasks(constraints: Sequence[GrammarMatcher], bitmask: Tensor) -> None:
+        """Row i of `bitmask` for `constraints[i]`, filled by xgrammar's threads in one call
+        (matchers of one compiler), then the allowed-token mask over all rows at once."""
+        first = constraints[0]
+        first._batch.batch_fill_next_token_bitmask([c._matcher for c in constraints], bitmask)
+        bitmask.bitwise_and_(first._allowed)
 
     def fill_bitmask(self, bitmask: Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
@@ -71,6 +83,7 @@ class GrammarCompiler:
         )
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self.allowed = _without_control_bytes(info.decoded_vocab, vocab_size, stop_token_ids)
+        self._batch = xgr.BatchGrammarMatcher()  # threads: half the host's cores
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self.max_cached = max_cached
         self.num_compiled = 0  # compilations so far (cache misses)
@@ -104,7 +117,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
         """A fresh matcher at the start of `spec`'s grammar."""
-        return GrammarMatcher(self.compile(spec), self.allowed)
+        return GrammarMatcher(self.compile(spec), self.allowed, self._batch)
 
 
 def _without_control_bytes(

@@ -192,8 +192,9 @@ def expected_choices(llm: LLM, n: int) -> list[list[list[int]]]:
         dict(max_num_batched_tokens=7),  # chunked prefill: the fork waits for the whole prompt
         dict(num_kv_blocks=12, max_model_len=128, max_num_batched_tokens=64),  # preemption
         dict(async_scheduling=True),
+        dict(max_num_seqs=2),  # children past the running cap queue instead of forking
     ],
-    ids=["cache", "no-cache", "tiny-budget", "tiny-pool", "async"],
+    ids=["cache", "no-cache", "tiny-budget", "tiny-pool", "async", "two-seqs"],
 )
 def test_choices_whatever_the_engine_settings(tiny_models, engine_args) -> None:
     want = expected_choices(make_llm(tiny_models), 3)
@@ -249,3 +250,16 @@ def test_abort_a_request_with_choices(tiny_models) -> None:
     engine.abort_request("c")
     assert not engine.has_unfinished()
     engine.kv.check_integrity()
+
+
+def test_greedy_choices_under_speculation(tiny_models) -> None:
+    """Each choice speculates on its own; greedy verification keeps the target's tokens."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = make_llm(tiny_models).generate(PROMPTS, greedy, use_tqdm=False)
+    llm = make_llm(tiny_models, speculative="ngram", num_speculative_tokens=3)
+    outs = llm.generate(PROMPTS, replace(greedy, n=3), use_tqdm=False)
+    for single, out in zip(want, outs):
+        assert [c.token_ids for c in out.outputs] == [single.outputs[0].token_ids] * 3
+    assert llm.stats().spec_draft_tokens > 0
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks

@@ -257,3 +257,34 @@ def test_options_are_normalised() -> None:
     assert p.presence_penalty == 1.0 and type(p.repetition_penalty) is float
     assert p.uses_penalties and p.processes_logits and not p.argmax_only
     assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+def test_async_scheduling_counts_every_token(tiny_models, llm) -> None:
+    """With steps overlapped a sampled token reaches the host a step late; requests with
+    penalties pause the overlap, so their counts miss no token."""
+    params = [
+        # without the penalty the output repeats token 9; with it, 9 comes back only once
+        # its count is known the step it is sampled
+        SamplingParams(
+            temperature=0, max_tokens=16, ignore_eos=True, logit_bias={9: 6}, frequency_penalty=2
+        ),
+        SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.4, seed=8),
+        GREEDY,
+        # a bias alone needs no history: these steps may overlap
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias={9: 3}),
+    ]
+    assert [p.needs_host_tokens for p in params] == [True, True, False, False]
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    overlapped = LLM(
+        model=str(tiny_models("llama-gqa")),
+        device="cpu",
+        num_kv_blocks=96,
+        max_model_len=256,
+        async_scheduling=True,
+    )
+    got = overlapped.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    got = overlapped.generate(PROMPTS[2:], params[2:], use_tqdm=False)  # overlapped steps
+    want = want[2:]
+    assert [o.outputs[0].token_ids for o in got] == want
+    overlapped.engine.kv.check_integrity()

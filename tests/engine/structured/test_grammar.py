@@ -4,6 +4,8 @@ model with SmolLM2's tokenizer (with speculation and with async scheduling too).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -110,6 +112,24 @@ def test_no_raw_control_characters_in_bounded_strings(compiler, smollm2_dir) -> 
     assert tokenizer.decode([tab]) == "\t" and not bits[tab]
 
 
+def test_batch_fill_equals_row_by_row(compiler, smollm2_dir) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = tokenizer.encode('{"kind": "cat", "legs": 4, "pet": false, "tags": ["b"], "owner": {')
+    matchers = []
+    for i in range(9):
+        m = compiler.matcher(StructuredOutputs(json_schema=SCHEMA if i % 3 else {"type": "object"}))
+        for token in ids[: 2 * i] if i % 3 else []:
+            assert m.accept(token)
+        matchers.append(m)
+    mask = fill_token_bitmask([None, *matchers, None], 49152, torch.device("cpu"))
+    assert mask.rows.tolist() == list(range(1, 10))
+    one = torch.empty((9, 1536), dtype=torch.int32)
+    for row, m in enumerate(matchers):
+        m.fill_bitmask(one, row)
+    assert torch.equal(mask.words, one)
+    assert len({tuple(r.tolist()) for r in one}) > 3  # rows at different points differ
+
+
 def test_fill_writes_the_whole_row(compiler) -> None:
     """The host tensor is not cleared first: the grammar must write every word of its row."""
     m = compiler.matcher(StructuredOutputs(json_schema=SCHEMA))
@@ -197,3 +217,15 @@ def test_choices_each_follow_the_schema(tiny_chat_model) -> None:
     for completion in out.outputs:
         jsonschema.validate(json.loads(completion.text), SCHEMA)
     llm.engine.kv.check_integrity()
+
+
+def test_params_import_without_torch() -> None:
+    """The jobs layer validates request bodies into SamplingParams without loading torch."""
+    code = (
+        "import sys\n"
+        "from kvbatch.engine import SamplingParams, StructuredOutputs\n"
+        "SamplingParams(n=2, logit_bias={'5': 1}, structured_outputs="
+        "StructuredOutputs(json_schema={'type': 'object'}))\n"
+        "assert 'torch' not in sys.modules and 'xgrammar' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
