@@ -38,7 +38,7 @@ test: venv model sysdeps
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 .PHONY: test-fast
-test-fast: venv model sysdeps
+test-fast: venv model
 	$(BIN)/pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 run: venv model

@@ -72,8 +72,25 @@ TIER_MODULES = {
     # the real SmolLM2 weights, against transformers
     "real_model": ("tests/engine/model/test_smollm2.py", "tests/engine/spec/test_spec_smollm2.py"),
 }
-REAL_MODEL_FIXTURES = {"smollm2_dir", "smollm2_gguf"}  # asked for by the test itself
+REAL_MODEL_FIXTURES = {"smollm2_dir", "smollm2_gguf"}
+# fixtures that take SmolLM2's tokenizer files and chat template, not its weights
+TOKENIZER_ONLY_FIXTURES = {"tiny_chat_model", "tokenizer"}
 DISTRIBUTED_FIXTURES = {"redis_server", "persistent_redis_server"}  # directly or through others
+
+
+def loads_the_real_model(item: pytest.Item) -> bool:
+    """The test, or a fixture it uses other than the tokenizer-only ones, asks for SmolLM2."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    function = getattr(item, "function", None)
+    own = set(inspect.signature(function).parameters) if function else set()
+    askers = {
+        name
+        for name, defs in info.name2fixturedefs.items()
+        if set(defs[-1].argnames) & REAL_MODEL_FIXTURES
+    }
+    return bool(own & REAL_MODEL_FIXTURES or askers - TOKENIZER_ONLY_FIXTURES)
 
 
 def mark_tiers(items: list[pytest.Item], root: Path) -> None:
@@ -83,9 +100,7 @@ def mark_tiers(items: list[pytest.Item], root: Path) -> None:
         for tier, modules in TIER_MODULES.items():
             if where.startswith(modules):
                 item.add_marker(tier)
-        function = getattr(item, "function", None)
-        own = set(inspect.signature(function).parameters) if function else set()
-        if own & REAL_MODEL_FIXTURES:
+        if loads_the_real_model(item):
             item.add_marker("real_model")
         if set(getattr(item, "fixturenames", ())) & DISTRIBUTED_FIXTURES:
             item.add_marker("distributed")

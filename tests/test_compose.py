@@ -353,10 +353,9 @@ def test_dockerfile_installs_every_package():
     users = re.findall(r"^USER (\S+)", text, re.M)
     assert users and users[-1] not in ("root", "0"), "runs as a non-root user"
     copied = set(re.findall(r"^COPY (\S+) \./\1$", text, re.M))
-    # the folders pyproject's [tool.setuptools.package-dir] installs as kvbatch.* (no tomllib
-    # on 3.10)
-    table = (ROOT / "pyproject.toml").read_text().split("[tool.setuptools.package-dir]")[1]
-    packages = set(re.findall(r'^"[\w.]+" = "(\w+)"$', table.split("\n[")[0], re.M))
+    # pyproject's [tool.setuptools.packages.find] include = ["engine*", ...] (no tomllib on 3.10)
+    include = re.search(r"^include = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
+    packages = {p.strip().strip('"').rstrip("*") for p in include.group(1).split(",")}
     assert packages <= copied, f"the image lacks {sorted(packages - copied)}"
     assert {"pyproject.toml", "README.md"} <= set(
         re.findall(r"^COPY (.+) \./$", text, re.M)[0].split()
