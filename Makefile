@@ -1,5 +1,6 @@
 # kvbatch: `make run` installs everything and runs the RAG example job on the CPU;
-# `make test` runs the test suite. Both work on a fresh machine (Python 3.10+).
+# `make test` runs the test suite (`make test-fast`: its fast tier). They work on a fresh
+# machine (Python 3.10+).
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -24,6 +25,9 @@ endif
 # the slowest tests at the end of every `make test` (CI's log too): the suite should stay
 # under about 15 minutes on a 2-core machine
 PYTEST_ARGS ?= --durations=15
+# the fast tier, for a developer between edits (under about 3 minutes on 2 idle cores): no
+# slow, distributed, Triton-interpreter or real-model tests (markers: pyproject.toml)
+FAST_MARKERS := not slow and not distributed and not interpreter and not real_model
 
 .PHONY: venv torch model test run bench lint format clean compose-check
 
@@ -52,6 +56,10 @@ model: venv
 
 test: venv model
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+.PHONY: test-fast
+test-fast: venv model
+	$(BIN)/pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 run: venv model
 	$(BIN)/kvbatch run examples/rag_job.jsonl -o out/rag_job.output.jsonl \

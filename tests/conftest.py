@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import threading
@@ -58,8 +59,57 @@ def smollm2_dir() -> Path:
     return smollm2_dir()
 
 
+# The tiers `make test-fast` leaves out (markers: pyproject.toml), by what a test runs: marked
+# here, by where a test lives and which fixtures it asks for, so that a new test of the kind is
+# marked too. `make test` runs them all.
+TIER_MODULES = {
+    # Triton kernels under the interpreter: seconds to minutes a test on the CPU
+    "interpreter": (
+        "tests/kernels/",
+        "tests/engine/attention/test_triton_backend.py",
+        "tests/engine/exec/test_cuda_graphs.py",
+    ),
+    # the real SmolLM2 weights, against transformers
+    "real_model": ("tests/engine/model/test_smollm2.py", "tests/engine/spec/test_spec_smollm2.py"),
+}
+REAL_MODEL_FIXTURES = {"smollm2_dir", "smollm2_gguf"}
+# fixtures that take SmolLM2's tokenizer files and chat template, not its weights
+TOKENIZER_ONLY_FIXTURES = {"tiny_chat_model", "tokenizer"}
+DISTRIBUTED_FIXTURES = {"redis_server", "persistent_redis_server"}  # directly or through others
+
+
+def loads_the_real_model(item: pytest.Item) -> bool:
+    """The test, or a fixture it uses other than the tokenizer-only ones, asks for SmolLM2."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    function = getattr(item, "function", None)
+    own = set(inspect.signature(function).parameters) if function else set()
+    askers = {
+        name
+        for name, defs in info.name2fixturedefs.items()
+        if set(defs[-1].argnames) & REAL_MODEL_FIXTURES
+    }
+    return bool(own & REAL_MODEL_FIXTURES or askers - TOKENIZER_ONLY_FIXTURES)
+
+
+def mark_tiers(items: list[pytest.Item], root: Path) -> None:
+    """Add the tier markers: by TIER_MODULES, and by the fixtures a test uses."""
+    for item in items:
+        where = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        for tier, modules in TIER_MODULES.items():
+            if where.startswith(modules):
+                item.add_marker(tier)
+        if loads_the_real_model(item):
+            item.add_marker("real_model")
+        if set(getattr(item, "fixturenames", ())) & DISTRIBUTED_FIXTURES:
+            item.add_marker("distributed")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked `gpu` where CUDA is absent (torch is imported only if there are some)."""
+    """Mark the tiers (mark_tiers); skip tests marked `gpu` where CUDA is absent (torch is
+    imported only if there are some)."""
+    mark_tiers(items, config.rootpath)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every kernel compiled for real: a minute or more
+
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {
     "_rms_norm_kernel",
