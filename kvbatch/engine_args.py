@@ -157,8 +157,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="CPU threads for torch's operators (default: OMP_NUM_THREADS when set, else the "
         "cores this process may use divided by KVBATCH_LOCAL_WORKERS, the kvbatch workers on "
-        "this machine, default 1; more threads than free cores makes CPU runs many times "
-        "slower)",
+        "this machine, default 1, and no more than the cores idle at start; more threads than "
+        "free cores makes CPU runs many times slower)",
     )
     parser.add_argument(
         "--max-num-seqs",

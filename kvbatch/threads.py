@@ -3,10 +3,11 @@
 torch starts one intra-op thread per core it sees, and its OpenMP threads spin while they wait
 for work. When anything else wants the same cores (another torch process, a second worker on
 the machine, a test suite), those spinning threads and the other work steal each other's time
-slices, and a CPU job runs many times slower than with fewer threads. The default therefore
-takes only this process's share: the cores it may run on (its affinity mask, which containers
-and `taskset` narrow) divided by the kvbatch workers that share the machine, where that is
-known (KVBATCH_LOCAL_WORKERS). OMP_NUM_THREADS, when the user set it, is taken as it is.
+slices, and a CPU job runs many times slower than with fewer threads. The default therefore takes only this process's share: the cores it may run on (its affinity mask, which
+containers and `taskset` narrow) divided by the kvbatch workers that share the machine, where
+that is known (KVBATCH_LOCAL_WORKERS), and no more than the cores left idle by what already
+runs there (the machine's 1-minute load average at start). OMP_NUM_THREADS, when the user set
+it, is taken as it is.
 
 This module imports no torch: the parser that reads `--threads` serves `kvbatch status` too.
 """
@@ -44,12 +45,28 @@ def local_workers(env: Mapping[str, str] = os.environ) -> int:
     return value
 
 
+def machine_load() -> float:
+    """Runnable tasks on the whole machine, averaged over the last minute (0 where unknown)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def share_of_cores(usable: int, workers: int, machine_cores: int, load: float) -> int:
+    """This process's threads: its usable cores split among the machine's workers, capped by
+    the cores that the load leaves idle; at least 1."""
+    idle = machine_cores - int(round(load))
+    return max(1, min(usable // workers, idle))
+
+
 def default_threads(env: Mapping[str, str] = os.environ) -> int:
-    """OMP_NUM_THREADS when set, else this process's share of the usable cores."""
+    """OMP_NUM_THREADS when set, else this process's share of the usable, idle cores."""
     explicit = env.get("OMP_NUM_THREADS", "").strip()
     if explicit.isdigit() and int(explicit) >= 1:
         return int(explicit)
-    return max(1, usable_cores() // local_workers(env))
+    machine = max(os.cpu_count() or 1, usable_cores())
+    return share_of_cores(usable_cores(), local_workers(env), machine, machine_load())
 
 
 def apply_threads(threads: int | None) -> int:
