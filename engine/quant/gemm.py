@@ -3,9 +3,9 @@
 Each function takes the activations x [M, K] and a layer's canonical tensors and returns
 [M, N] in x's dtype. Where a fused GPU kernel serves (torch._scaled_mm for FP8 on sm_89+,
 torch._int_mm for int8), it is called; everywhere else the layer's dequantized float weight
-(computed once, `float_weight`) runs an ordinary matmul after the activations go through the
-same quantization round trip, so CPU answers follow the quantized model exactly. The Triton
-kernels of kvbatch.kernels slot in here, one line per scheme.
+(computed once off CUDA, `float_weight`; per call on CUDA) runs an ordinary matmul after the
+activations go through the same quantization round trip, so the answers follow the quantized
+model exactly. The Triton kernels of kvbatch.kernels slot in here, one line per scheme.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from kvbatch.engine.quant.qdq import (
     FP8_MAX,
     absmax_scale,
+    dequantize_scaled,
     fake_quantize_fp8,
     fake_quantize_int8_per_token,
     quantize_fp8,
@@ -46,6 +47,8 @@ def fp8_linear(
             out_dtype=x.dtype,
         )
         return out if bias is None else out + bias
+    if float_weight is None:  # CUDA where _scaled_mm does not serve: dequantize per call
+        float_weight = dequantize_scaled(weight, weight_scale, x.dtype)
     return F.linear(fake_quantize_fp8(x, input_scale), float_weight, bias)
 
 
@@ -61,6 +64,8 @@ def int8_linear(
         acc = torch._int_mm(q, weight.t())  # int32 [M, N]
         out = (acc.float() * x_scale * weight_scale.t()).to(x.dtype)
         return out if bias is None else out + bias
+    if float_weight is None:  # CUDA below _int_mm's sizes: dequantize per call
+        float_weight = dequantize_scaled(weight, weight_scale, x.dtype)
     return F.linear(fake_quantize_int8_per_token(x), float_weight, bias)
 
 

@@ -15,7 +15,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 INT8_MIN, INT8_MAX = -128.0, 127.0
 INT8_HALF_RANGE = (INT8_MAX - INT8_MIN) / 2  # 127.5
-_MIN_SCALE = 1e-12  # an all-zero row or token gets a tiny scale instead of a division by zero
+_MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row or token: no division by 0
 
 
 def absmax_scale(x: torch.Tensor, qmax: float, dim: int | None) -> torch.Tensor:

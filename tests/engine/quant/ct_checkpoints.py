@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from tests.tiny_models import BOS, EOS, randomize_weights, tiny_config
 
-GROUP_SIZE = 32  # the tiny model's K is 64 or 128: two or four groups a row
+GROUP_SIZE = 32  # divides every K here: the tiny model's 64 and 128, SmolLM2's 576 and 1536
 
 
 def _int_weights(bits: int, symmetric: bool, strategy: str = "group", actorder=None) -> dict:
@@ -62,6 +62,13 @@ def build_ct_checkpoint(
     model = AutoModelForCausalLM.from_config(tiny_config("llama-gqa"), dtype=torch.float32)
     randomize_weights(model, seed)
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
+    return quantize_and_save(model, scheme, path, seed, ignore)
+
+
+def quantize_and_save(
+    model, scheme: str, path: Path, seed: int = 0, ignore: tuple[str, ...] = ("lm_head",)
+) -> Path:
+    """Quantize a transformers model in place with `scheme` and save it compressed."""
     group = QuantizationScheme(targets=["Linear"], **SCHEMES[scheme])
     config = QuantizationConfig(config_groups={"group_0": group}, ignore=list(ignore))
     apply_quantization_config(model, config)

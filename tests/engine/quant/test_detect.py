@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvbatch.engine.quant.detect import UnsupportedQuantization, detect_quantization
+from kvbatch.engine.quant.detect import (
+    ONLINE_METHODS,
+    UnsupportedQuantization,
+    detect_quantization,
+)
 from kvbatch.engine.quant.scheme import WNA16, Fp8W8A8, Int8W8A8
+from kvbatch.engine_args import QUANTIZATION_CHOICES
 
 
 def ct_config(fmt: str, weights: dict, inputs: dict | None = None, **extra) -> dict:
@@ -114,3 +119,8 @@ def test_online_quantization_of_a_quantized_checkpoint_is_refused():
         detect_quantization({"quantization_config": {"quant_method": "awq", "bits": 4}}, "fp8")
     with pytest.raises(UnsupportedQuantization, match="'int4' is not supported.*fp8"):
         detect_quantization({}, "int4")
+
+
+def test_the_command_line_offers_the_engines_online_methods():
+    """engine_args keeps its own copy (it imports no torch); the two must agree."""
+    assert QUANTIZATION_CHOICES == ONLINE_METHODS
