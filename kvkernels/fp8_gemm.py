@@ -8,8 +8,8 @@ per tensor for weights:
     x ~= x_fp8 * scale,   scale = max(absmax(row) / 448, MIN_SCALE)
 
 The GEMM is torch._scaled_mm (cuBLASLt) where it serves: a GPU with FP8 tensor cores
-(sm_89+), K and N multiples of 16, and either both scales per tensor or both per row with a
-bfloat16 output (cuBLASLt's row-wise mode). Other shapes on those GPUs, and the CPU
+(sm_89+), K and N multiples of 16, and either both scales per tensor or (sm_90+) both per row
+with a bfloat16 output (cuBLASLt's row-wise mode). Other shapes on those GPUs, and the CPU
 interpreter, run the Triton kernel of kvkernels/scaled_mm.py. Older GPUs (Ampere) have no FP8
 in Triton at all: there the operands are widened to float32 and multiplied in torch, and the
 activations are quantized in torch: correct, with none of FP8's speed.
@@ -170,11 +170,13 @@ def has_fp8_tensor_cores(t: torch.Tensor) -> bool:
 
 def _cublas_serves(a, a_scale, b, b_scale, out_dtype) -> bool:
     """torch._scaled_mm's constraints: FP8 tensor cores, K and N multiples of 16, and scales
-    both per tensor, or both per row (a per-tensor one is broadcast) with bfloat16 out."""
+    both per tensor, or both per row (a per-tensor one is broadcast), which cuBLASLt does only
+    on sm_90+ and with a bfloat16 output."""
     if not has_fp8_tensor_cores(a) or a.shape[1] % 16 or b.shape[0] % 16:
         return False
-    both_per_tensor = a_scale.numel() == 1 and b_scale.numel() == 1
-    return both_per_tensor or out_dtype == torch.bfloat16
+    if a_scale.numel() == 1 and b_scale.numel() == 1:
+        return True
+    return out_dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (9, 0)
 
 
 def _widened_mm(a, a_scale, b, b_scale, out_dtype, bias) -> torch.Tensor:

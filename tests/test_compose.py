@@ -213,6 +213,7 @@ def test_kvbatch_commands_are_valid_invocations(compose, monkeypatch):
     worker = parse_kvbatch(_services(compose)["worker"]["command"], monkeypatch)
     assert worker.device == "cuda"
     assert worker.kv_cache_memory_fraction == 0.90  # KVBATCH_KV_CACHE_MEMORY_FRACTION's default
+    assert worker.kv_cache_dtype == "auto"  # KVBATCH_KV_CACHE_DTYPE's default
 
 
 def test_beat_state_is_on_a_volume(compose, monkeypatch):

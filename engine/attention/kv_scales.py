@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class KVScales:
@@ -23,6 +25,21 @@ class KVScales:
                 f"KV cache scales must be finite and > 0, got k={self.k}, v={self.v} "
                 "(check the checkpoint's k_scale / v_scale)"
             )
+
+    @classmethod
+    def from_checkpoint(cls, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+        """A layer's scales from its checkpoint tensors (`self_attn.k_scale` / `v_scale`, one
+        value each; a missing one stays 1.0). Per-head or per-channel KV scales are refused:
+        the kernels take one value per layer."""
+        values = []
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t is not None and t.numel() != 1:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}: only one KV-cache scale per layer "
+                    "(a per-tensor kv_cache_scheme) is supported"
+                )
+            values.append(1.0 if t is None else float(t.reshape(()).float()))
+        return cls(*values)
 
 
 UNIT_KV_SCALES = KVScales()

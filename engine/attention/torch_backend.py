@@ -61,16 +61,15 @@ class TorchAttentionBackend:
                 q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.decode_groups,
                 scales,
             )  # fmt: skip
-        kv_cache = KVView(kv_cache, scales, q.dtype)
+        view = KVView(kv_cache, scales, q.dtype)
         lens, tables = meta.decode_seq_lens, meta.decode_block_tables
         buckets = length_buckets(lens)
         if buckets is None:
-            return _padded_decode(q, kv_cache, tables, lens)
-        block_size = kv_cache.block_size
+            return _padded_decode(q, view, tables, lens)
         out = torch.empty_like(q)
         for rows in buckets:
-            width = -(-int(lens[rows].max()) // block_size)
-            out[rows] = _padded_decode(q[rows], kv_cache, tables[rows, :width], lens[rows])
+            width = -(-int(lens[rows].max()) // view.block_size)
+            out[rows] = _padded_decode(q[rows], view, tables[rows, :width], lens[rows])
         return out
 
     @staticmethod
@@ -155,18 +154,14 @@ class KVView:
 
 
 def _padded_decode(
-    q: torch.Tensor, kv_cache: KVView, tables: torch.Tensor, seq_lens: torch.Tensor
+    q: torch.Tensor, view: KVView, tables: torch.Tensor, seq_lens: torch.Tensor
 ) -> torch.Tensor:
     """One SDPA call for decode rows [B, heads, head_dim] over their block tables [B, blocks],
     keys padded to the table's width and masked past each row's length."""
     num_seqs, max_blocks = tables.shape
-    block_size, num_kv_heads, head_dim = (
-        kv_cache.block_size,
-        kv_cache.num_kv_heads,
-        kv_cache.head_dim,
-    )
+    block_size, num_kv_heads, head_dim = view.block_size, view.num_kv_heads, view.head_dim
     # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, kv_heads, S, head_dim]
-    keys, values = kv_cache.gather(tables)
+    keys, values = view.gather(tables)
     keys = keys.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     values = values.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(max_blocks * block_size, device=q.device)

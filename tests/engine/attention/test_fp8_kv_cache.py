@@ -91,6 +91,19 @@ def test_per_layer_scales_are_used(tiny_models, auto_run, backend):
     assert agreement(tokens(broken), want) < 0.5
 
 
+def test_scales_from_checkpoint_tensors():
+    """What a loader reads for one layer: 0-d or [1] float tensors; a missing one is 1.0."""
+    scales = KVScales.from_checkpoint(
+        torch.tensor(0.125), torch.tensor([2.5], dtype=torch.bfloat16)
+    )
+    assert scales == KVScales(k=0.125, v=2.5)
+    assert KVScales.from_checkpoint(None, None) == KVScales()
+    with pytest.raises(ValueError, match=r"v_scale has shape \(4,\)"):
+        KVScales.from_checkpoint(None, torch.ones(4))
+    with pytest.raises(ValueError, match="finite and > 0"):
+        KVScales.from_checkpoint(torch.tensor(-1.0), None)
+
+
 def test_bad_settings_name_the_fix():
     with pytest.raises(ValueError, match="choose auto, fp8, fp8_e4m3"):
         CacheConfig(kv_cache_dtype="fp8_e5m2")
