@@ -228,3 +228,21 @@ def test_is_hub_id_only_for_what_is_not_a_path(tiny_chat_model, tmp_path):
     assert not is_hub_id(tiny_chat_model)  # exists
     assert not is_hub_id(tmp_path / "missing")  # an absolute path that is not there
     assert not is_hub_id("./models/missing")
+
+
+def test_llm_takes_a_hub_id_and_a_revision(hub, tmp_path):
+    script = (
+        "import sys; from kvbatch.engine import LLM; "
+        "llm = LLM(model=sys.argv[1], revision=sys.argv[2], device='cpu', kv_cache_bytes=8 << 20); "
+        "print(llm.engine.config.model)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, REPO, "v1"],
+        cwd=ROOT,
+        env=_env(hub, tmp_path / "hf"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()) == _snapshot(tmp_path / "hf", REPO, "1" * 40)
