@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -66,7 +67,10 @@ class PartialOutput:
         if not self.path.exists() and not self.path.is_symlink():
             return self.reset(identity)
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise OSError(0, "not a regular file")
         except OSError as e:
             raise PartialError(
                 f"cannot open the partial output {self.path}: {e.strerror} (a link or special "
@@ -76,12 +80,15 @@ class PartialOutput:
         data = f.read()
         keep = data.rfind(b"\n") + 1
         lines = data[:keep].splitlines()
+        if not lines:  # killed before its header was whole: nothing was committed
+            f.close()
+            return self.reset(identity)
         try:
-            header = json.loads(lines[0]) if lines else None
+            header = json.loads(lines[0])
             found = header.get("identity") if isinstance(header, dict) else None
         except ValueError:
             found = None
-        if not lines or found is None or header.get("kvbatch_partial") != FORMAT:
+        if found is None or header.get("kvbatch_partial") != FORMAT:
             f.close()
             raise PartialError(
                 f"{self.path} is not a partial output this version of kvbatch wrote: remove it "
@@ -99,9 +106,15 @@ class PartialOutput:
         f.seek(0, os.SEEK_END)
         self._file = f
         done = {}
-        for raw in lines[1:]:
-            item = json.loads(raw)
-            done[item["record"]["custom_id"]] = item["digest"]
+        try:
+            for raw in lines[1:]:
+                item = json.loads(raw)
+                done[item["record"]["custom_id"]] = item["digest"]
+        except (ValueError, KeyError, TypeError):
+            self.close()
+            raise PartialError(
+                f"{self.path} holds a damaged line: remove it and run without --resume"
+            ) from None
         return done
 
     # -- writing -----------------------------------------------------------------------------

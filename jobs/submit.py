@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbatch.engine.kv.kv_cache import block_hashes
+from kvbatch.jobs import model_info
 from kvbatch.jobs.batch_record import BatchRecord
 from kvbatch.jobs.grouping import group_by_prefix
 from kvbatch.jobs.responses import error_line
-from kvbatch.jobs.run import JobError, RunOptions, prepare_requests
+from kvbatch.jobs.run import JobError, PreparedJob, RunOptions, prepare_requests
 from kvbatch.jobs.shards import ShardMessage, ShardRequest, job_dir, new_job_id, write_shard
 from kvbatch.jobs.storage import StorageError, open_storage
 from kvbatch.jobs.token_store import TokenStore
@@ -105,30 +106,8 @@ def prepare_job(
     Raises JobError (before any work) when the input is unreadable, the output unwritable,
     the job id unsafe or already used, or the model's tokenizer cannot be read."""
     job_id = new_job_id() if job_id is None else job_id
-    try:
-        job = job_dir(output_prefix, job_id)
-    except ValueError as e:
-        raise JobError(f"bad job id: {e}") from e
-    except StorageError as e:
-        raise JobError(str(e)) from e
-    source = open_storage(input_uri)
-    manifest_target = job.join("job.json")
-    try:
-        source.check_readable()
-        manifest_target.check_writable()
-        if manifest_target.exists():
-            raise JobError(f"job {job_id} already exists at {job.uri}: pick another job id")
-    except StorageError as e:
-        raise JobError(str(e)) from e
-
-    from kvbatch.jobs import model_info
-
-    try:
-        tokenizer = model_info.load_tokenizer(model)
-        max_len = model_info.max_model_len(model, max_model_len)
-    except (OSError, ValueError) as e:
-        raise JobError(f"cannot read the model's tokenizer or config: {e}") from e
-
+    job, source = _open_job_folder(input_uri, output_prefix, job_id)
+    tokenizer, max_len = _read_model(model, max_model_len)
     batch_id = batch_id_for(job_id)
     record = BatchRecord.start(
         batch_id=batch_id,
@@ -137,10 +116,85 @@ def prepare_job(
         errors_uri=job.join("errors.jsonl").uri,
         model=model,
     )
+    opts = RunOptions(input=input_uri, model=model, model_name=model_name)
+    sharded = _write_shards(source, opts, tokenizer, max_len, job, job_id, batch_id,
+                            block_size, shard_tokens)  # fmt: skip
+    prepared = sharded.prepared
+    record.mark_in_progress()
+    record.total = len(prepared.requests) + sharded.num_invalid
+    record.endpoint = next(iter(prepared.urls)) if len(prepared.urls) == 1 else None
+    manifest = {
+        "job_id": job_id,
+        "batch_id": batch_id,
+        "input": input_uri,
+        "model": model,
+        "model_name": prepared.model_name,
+        "created_at": record.created_at,
+        "block_size": block_size,
+        "max_model_len": max_len,
+        "urls": sorted(prepared.urls),
+        "shards": sharded.entries,
+        "num_requests": len(prepared.requests),
+        "num_invalid": sharded.num_invalid,
+        "prompt_tokens": sharded.prompt_tokens,
+        "ideal_cached_tokens": sharded.ideal_cached_tokens,
+        "max_attempts": max_attempts,
+    }
+    _publish(job, job_id, record, manifest)
+    return SubmittedJob(
+        job_id, job.uri, sharded.messages, len(prepared.requests), sharded.num_invalid
+    )
+
+
+def _open_job_folder(input_uri: str, output_prefix: str, job_id: str):
+    """The job's folder and the input, both checked before any work."""
+    try:
+        job = job_dir(output_prefix, job_id)
+    except ValueError as e:
+        raise JobError(f"bad job id: {e}") from e
+    except StorageError as e:
+        raise JobError(str(e)) from e
+    manifest_target = job.join("job.json")
+    try:
+        source = open_storage(input_uri)
+        source.check_readable()
+        manifest_target.check_writable()
+        if manifest_target.exists():
+            raise JobError(f"job {job_id} already exists at {job.uri}: pick another job id")
+    except StorageError as e:
+        raise JobError(str(e)) from e
+    return job, source
+
+
+def _read_model(model: str, max_model_len: int | None):
+    """The tokenizer and context length, read without loading the weights."""
+    try:
+        return model_info.load_tokenizer(model), model_info.max_model_len(model, max_model_len)
+    except (OSError, ValueError) as e:
+        raise JobError(f"cannot read the model's tokenizer or config: {e}") from e
+
+
+@dataclass
+class _Sharded:
+    """What validating and sharding the input wrote."""
+
+    prepared: PreparedJob
+    num_invalid: int
+    messages: list[ShardMessage]
+    entries: list[dict]  # job.json's "shards"
+    prompt_tokens: int
+    ideal_cached_tokens: int
+
+
+def _write_shards(
+    source, opts: RunOptions, tokenizer, max_len: int, job, job_id: str, batch_id: str,
+    block_size: int, shard_tokens: int,
+) -> _Sharded:  # fmt: skip
+    """Validate and tokenize (as `kvbatch run` does), write the validation errors, order by
+    prefix and write one payload per shard."""
     spill = Path(tempfile.mkdtemp(prefix="kvbatch-submit-"))
     try:
         with TokenStore(spill) as store:
-            opts = RunOptions(input=input_uri, model=model, model_name=model_name)
             prepared = prepare_requests(source, opts, tokenizer, max_len, store, {})
             errors = sorted(prepared.errors, key=lambda e: e.line)
             job.join("validation_errors.jsonl").write_bytes(
@@ -153,9 +207,8 @@ def prepare_job(
             order = group_by_prefix((store[i] for i in range(len(store))), block_size)
             lengths = [len(store[i]) for i in order.order]
             shared = shared_leading_blocks([store[i] for i in order.order], block_size)
-            ranges = cut_shards(lengths, shared, shard_tokens)
             messages, entries = [], []
-            for n, (a, b) in enumerate(ranges):
+            for n, (a, b) in enumerate(cut_shards(lengths, shared, shard_tokens)):
                 shard_id = f"shard-{n:05d}"
                 reqs = [_shard_request(i, prepared.requests[i], store[i]) for i in order.order[a:b]]
                 msg = write_shard(job, job_id, shard_id, reqs)
@@ -171,32 +224,17 @@ def prepare_job(
                 )
     finally:
         shutil.rmtree(spill, ignore_errors=True)
+    return _Sharded(
+        prepared, len(errors), messages, entries, order.prompt_tokens, order.ideal_cached_tokens
+    )
 
-    record.mark_in_progress()
-    record.total = len(prepared.requests) + len(errors)
-    record.endpoint = next(iter(prepared.urls)) if len(prepared.urls) == 1 else None
-    manifest = {
-        "job_id": job_id,
-        "batch_id": batch_id,
-        "input": input_uri,
-        "model": model,
-        "model_name": prepared.model_name,
-        "created_at": record.created_at,
-        "block_size": block_size,
-        "max_model_len": max_len,
-        "urls": sorted(prepared.urls),
-        "shards": entries,
-        "num_requests": len(prepared.requests),
-        "num_invalid": len(errors),
-        "prompt_tokens": order.prompt_tokens,
-        "ideal_cached_tokens": order.ideal_cached_tokens,
-        "max_attempts": max_attempts,
-    }
+
+def _publish(job, job_id: str, record: BatchRecord, manifest: dict) -> None:
+    """batch.json, then the manifest last: a job folder with job.json is complete (shards and
+    batch.json there)."""
     job.join("batch.json").write_bytes(json.dumps(record.to_dict(), indent=2).encode() + b"\n")
-    # The manifest last: a job folder with job.json is complete (shards and batch.json there).
-    if not manifest_target.write_if_absent(json.dumps(manifest, indent=2).encode() + b"\n"):
+    if not job.join("job.json").write_if_absent(json.dumps(manifest, indent=2).encode() + b"\n"):
         raise JobError(f"job {job_id} was created concurrently at {job.uri}")
-    return SubmittedJob(job_id, job.uri, messages, len(prepared.requests), len(errors))
 
 
 def _shard_request(index: int, req, token_ids: list[int]) -> ShardRequest:

@@ -218,7 +218,8 @@ def submit(args: argparse.Namespace) -> int:
 
 
 def worker(args: argparse.Namespace, engine: dict) -> int:
-    from kvbatch.worker.tasks import WorkerModel, use_model
+    from kvbatch.worker.settings import TASK_NAME
+    from kvbatch.worker.tasks import WorkerModel
 
     logging.basicConfig(level=logging.WARNING, format="kvbatch: %(message)s", stream=sys.stderr)
     logging.getLogger("kvbatch").setLevel(logging.INFO)
@@ -231,7 +232,7 @@ def worker(args: argparse.Namespace, engine: dict) -> int:
     except (OSError, ValueError) as e:
         print(f"kvbatch worker: cannot load the model: {e}", file=sys.stderr)
         return 1
-    use_model(model)
+    app.tasks[TASK_NAME].use_model(model)
     try:
         from kvbatch.worker.sqs import ensure_queue
 

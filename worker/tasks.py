@@ -33,11 +33,13 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
 from celery.exceptions import Ignore, Reject, Retry
 
 from kvbatch.jobs.cancel import CancelCheck
@@ -61,7 +63,7 @@ from kvbatch.jobs.shards import (
     manifest_mismatch,
     run_shard,
 )
-from kvbatch.jobs.storage import StorageError
+from kvbatch.jobs.storage import Storage, StorageError
 from kvbatch.worker import metrics
 from kvbatch.worker.settings import TASK_NAME, visibility_timeout
 from kvbatch.worker.sqs import visibility_heartbeat
@@ -101,16 +103,19 @@ class WorkerModel:
         return self._llm
 
 
-_model: WorkerModel | None = None
+class ShardTask(Task):
+    """The shard task's class. It owns the process's model, loaded once: the solo pool runs
+    shards in the worker's own process, so the model never crosses a fork (Celery's pattern
+    for a resource a task keeps across calls)."""
+
+    model: WorkerModel | None = None
+
+    def use_model(self, model: WorkerModel) -> None:
+        """Set the model this task runs shards on (once, by `kvbatch worker`)."""
+        self.model = model
 
 
-def use_model(model: WorkerModel) -> None:
-    """Set the model this process runs shards on (called once by `kvbatch worker`)."""
-    global _model
-    _model = model
-
-
-def run_shard_task(self, output: str, shard: dict) -> dict:
+def run_shard_task(self: ShardTask, output: str, shard: dict) -> dict:
     """The task (bound): run one shard of the job under `output`."""
     return handle_shard(self, output, shard)
 
@@ -120,9 +125,15 @@ def register(app: Celery) -> None:
     callable under the task's name)."""
     # max_retries=None on the task: Celery's own cap (3 by default, and `retry(max_retries=
     # None)` falls back to it) would fail the message past it; the attempt markers and
-    # INFRA_RETRIES are the caps.
+    # INFRA_RETRIES are the caps. Celery's retry_backoff does not fit: past its last retry it
+    # fails (and acknowledges) the message, where a shard must still get its error records.
     app.task(
-        name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None
+        name=TASK_NAME,
+        base=ShardTask,
+        bind=True,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        max_retries=None,
     )(run_shard_task)
 
 
@@ -133,7 +144,31 @@ def send_shard(app: Celery, output: str, message, queue: str) -> None:
     )
 
 
-def handle_shard(task, output: str, shard: dict) -> dict:
+class StageFailed(Exception):
+    """A step outside the shard's run failed (storage unreachable, ...): retried, then the
+    shard is failed."""
+
+    def __init__(self, stage: str, error: Exception):
+        super().__init__(f"{stage} failed: {error}")
+        self.stage, self.error = stage, error
+
+
+@contextmanager
+def stage(name: str) -> Iterator[None]:
+    """A named step of the task: an exception in it leaves as StageFailed(name, error), which
+    handle_shard retries with backoff and names in the failure it records."""
+    try:
+        yield
+    except (Retry, Reject, Ignore, StageFailed):
+        raise
+    except Exception as e:
+        raise StageFailed(name, e) from e
+
+
+READING_MANIFEST = "reading job.json"
+
+
+def handle_shard(task: ShardTask, output: str, shard: dict) -> dict:
     """The task's body (see the module docstring); returns a small summary.
 
     Every path ends in a written shard result, a retry, or a failure record: an exception
@@ -143,88 +178,105 @@ def handle_shard(task, output: str, shard: dict) -> dict:
     written is the message given up, with the reason in the log (and in
     `<job>/failures/<shard_id>.json` when that can be written)."""
     msg, job = _parse(output, shard)
-    if _model is None:
+    if task.model is None:
         raise RuntimeError("this process has no model: start workers with `kvbatch worker`")
-    step = _Step()
     with visibility_heartbeat(task):
         try:
-            return _handle(task, msg, job, step)
+            return _handle(task, msg, job)
+        except StageFailed as e:
+            return _failed_outside_run(task, msg, job, e.stage, e.error)
         except (Retry, Reject, Ignore):
             raise
-        except Exception as e:
-            return _failed_outside_run(task, msg, job, step.name, e)
+        except Exception as e:  # outside every stage: still never silent
+            return _failed_outside_run(task, msg, job, "handling the shard", e)
 
 
-class _Step:
-    """What handle_shard is doing, for the message of a failure outside the run."""
-
-    name = "starting"
-
-
-def _handle(task, msg, job, step: _Step) -> dict:
-    step.name = "reading job.json"
-    manifest = read_manifest(job)
-    max_attempts = int(manifest.get("max_attempts") or DEFAULT_MAX_ATTEMPTS)
+def _handle(task: ShardTask, msg: ShardMessage, job: Storage) -> dict:
+    with stage(READING_MANIFEST):
+        manifest = read_manifest(job)
     summary = {"job_id": msg.job_id, "shard_id": msg.shard_id}
+    outcome = (
+        _drop_if_not_in_manifest(msg, manifest)
+        or _finish_if_written(msg, job)
+        or _skip_if_cancelled(msg, job)
+        or _defer_if_running(task, msg, job)
+        or _claim_and_run(task, msg, job, manifest)
+    )
+    return {**summary, **outcome}
+
+
+def _drop_if_not_in_manifest(msg: ShardMessage, manifest: dict) -> dict | None:
+    """A tampered or stale message: it claims no attempt and writes no result, so the real
+    message (or `kvbatch resend`) still runs the shard."""
     mismatch = manifest_mismatch(manifest, msg)
-    if mismatch is not None:
-        # A tampered or stale message: it claims no attempt and writes no result, so the
-        # real message (or `kvbatch resend`) still runs the shard.
-        log.warning("%s/%s: dropping a message that does not match job.json: %s",
-                    msg.job_id, msg.shard_id, mismatch)  # fmt: skip
-        metrics.message_dropped("mismatch")
-        return {**summary, "dropped": True}
-    step.name = "checking for a result"
-    if has_result(job, msg.shard_id):
-        log.info("%s/%s: already written (a duplicate delivery)", msg.job_id, msg.shard_id)
-        metrics.shard_finished(msg.job_id, "duplicate")
-        step.name = "finalizing the job"
-        try_finalize(job)
-        return {**summary, "duplicate": True}
-    step.name = "checking for a cancel"
-    if cancel_requested(job):
-        log.info("%s/%s: the job was cancelled; skipping the shard", msg.job_id, msg.shard_id)
-        step.name = "writing the cancelled result"
+    if mismatch is None:
+        return None
+    log.warning("%s/%s: dropping a message that does not match job.json: %s",
+                msg.job_id, msg.shard_id, mismatch)  # fmt: skip
+    metrics.message_dropped("mismatch")
+    return {"dropped": True}
+
+
+def _finish_if_written(msg: ShardMessage, job: Storage) -> dict | None:
+    """A duplicate delivery: the result is there; finalize (in case the last finalizer died)."""
+    with stage("checking for a result"):
+        written = has_result(job, msg.shard_id)
+    if not written:
+        return None
+    log.info("%s/%s: already written (a duplicate delivery)", msg.job_id, msg.shard_id)
+    metrics.shard_finished(msg.job_id, "duplicate")
+    _finalize(job)
+    return {"duplicate": True}
+
+
+def _skip_if_cancelled(msg: ShardMessage, job: Storage) -> dict | None:
+    with stage("checking for a cancel"):
+        cancelled = cancel_requested(job)
+    if not cancelled:
+        return None
+    log.info("%s/%s: the job was cancelled; skipping the shard", msg.job_id, msg.shard_id)
+    with stage("writing the cancelled result"):
         written = cancel_shard(job, msg)
-        _count_written(msg, "cancelled", job if written else None)
-        step.name = "finalizing the job"
-        try_finalize(job)
-        return {**summary, "cancelled": True}
-    step.name = "checking whether the shard runs elsewhere"
-    owner = running_elsewhere(job, msg.shard_id)
-    if owner is not None:
-        # A redelivery (visibility timeout) of a shard that still runs: claiming an attempt
-        # here would use up its attempts. Come back later; by then it has a result, or its
-        # heartbeat went stale because its worker died.
-        log.info("%s/%s: running on %s; delivering again in %d s",
-                 msg.job_id, msg.shard_id, owner, RUNNING_RECHECK)  # fmt: skip
-        metrics.message_deferred()
-        raise task.retry(countdown=RUNNING_RECHECK, max_retries=None)
-    step.name = "claiming an attempt"
-    attempt = record_attempt(job, msg.shard_id, max_attempts)
+    _count_written(msg, "cancelled", job if written else None)
+    _finalize(job)
+    return {"cancelled": True}
+
+
+def _defer_if_running(task: ShardTask, msg: ShardMessage, job: Storage) -> dict | None:
+    """A redelivery (visibility timeout) of a shard that still runs: claiming an attempt here
+    would use up its attempts. Come back later; by then it has a result, or its heartbeat went
+    stale because its worker died."""
+    with stage("checking whether the shard runs elsewhere"):
+        owner = running_elsewhere(job, msg.shard_id)
+    if owner is None:
+        return None
+    log.info("%s/%s: running on %s; delivering again in %d s",
+             msg.job_id, msg.shard_id, owner, RUNNING_RECHECK)  # fmt: skip
+    metrics.message_deferred()
+    raise task.retry(countdown=RUNNING_RECHECK, max_retries=None)
+
+
+def _claim_and_run(task: ShardTask, msg: ShardMessage, job: Storage, manifest: dict) -> dict:
+    max_attempts = int(manifest.get("max_attempts") or DEFAULT_MAX_ATTEMPTS)
+    with stage("claiming an attempt"):
+        attempt = record_attempt(job, msg.shard_id, max_attempts)
     if attempt is None:
         reason = _last_failure(job, msg) or (
             f"shard {msg.shard_id} failed {max_attempts} times (it raised or killed its "
             "worker each time); its requests were given up"
         )
         log.error("%s/%s: %s", msg.job_id, msg.shard_id, reason)
-        step.name = "writing the failed result"
-        written = fail_shard(job, msg, reason)
-        _count_written(msg, "poisoned", job if written else None)
-        step.name = "finalizing the job"
-        try_finalize(job)
-        return {**summary, "failed": True}
+        return _give_up(msg, job, "poisoned", reason)
     log.info("%s/%s: attempt %d of %d", msg.job_id, msg.shard_id, attempt, max_attempts)
     llm = None
     started = time.monotonic()
-    step.name = "running the shard"
     try:
-        llm = _model.llm()
+        llm = task.model.llm()
         with running(job, msg.shard_id, WORKER_ID):
             records = run_shard(
                 llm,
                 msg,
-                model_name=manifest.get("model_name") or Path(_model.path.rstrip("/")).name,
+                model_name=manifest.get("model_name") or Path(task.model.path.rstrip("/")).name,
                 batch_id=manifest.get("batch_id") or msg.job_id,
                 created=manifest.get("created_at"),
                 should_stop=_slowed(
@@ -235,12 +287,7 @@ def _handle(task, msg, job, step: _Step) -> dict:
             )
     except PayloadMismatch as e:  # no attempt can succeed: fail it now, never retry
         log.error("%s/%s: %s", msg.job_id, msg.shard_id, e)
-        step.name = "writing the failed result"
-        written = fail_shard(job, msg, str(e))
-        _count_written(msg, "failed", job if written else None)
-        step.name = "finalizing the job"
-        try_finalize(job)
-        return {**summary, "failed": True}
+        return _give_up(msg, job, "failed", str(e))
     except Exception as e:
         if llm is not None:
             metrics.safe_observe(llm)
@@ -251,30 +298,39 @@ def _handle(task, msg, job, step: _Step) -> dict:
             )
             raise task.retry(exc=e, countdown=RETRY_COUNTDOWN) from e
         log.exception("%s/%s: last attempt raised", msg.job_id, msg.shard_id)
-        step.name = "writing the failed result"
-        written = fail_shard(job, msg, f"shard {msg.shard_id} raised on its last attempt: {e}")
-        _count_written(msg, "failed", job if written else None)
-        step.name = "finalizing the job"
-        try_finalize(job)
-        return {**summary, "failed": True}
+        reason = f"shard {msg.shard_id} raised on its last attempt: {e}"
+        return _give_up(msg, job, "failed", reason)
     metrics.safe_observe(llm)
-    step.name = "writing the result"
-    written = write_shard_result(job, msg.shard_id, records)
+    with stage("writing the result"):
+        written = write_shard_result(job, msg.shard_id, records)
     metrics.shard_finished(
         msg.job_id,
         "done" if written else "duplicate",
         metrics.lines_by_status(records) if written else None,
         seconds=time.monotonic() - started,
     )
-    step.name = "finalizing the job"
-    try_finalize(job)
-    return {**summary, "records": len(records), "written": written}
+    _finalize(job)
+    return {"records": len(records), "written": written}
+
+
+def _give_up(msg: ShardMessage, job: Storage, status: str, reason: str) -> dict:
+    """Write the shard's lines as shard_failed error records (once) and finalize."""
+    with stage("writing the failed result"):
+        written = fail_shard(job, msg, reason)
+    _count_written(msg, status, job if written else None)
+    _finalize(job)
+    return {"failed": True}
+
+
+def _finalize(job: Storage) -> None:
+    with stage("finalizing the job"):
+        try_finalize(job)
 
 
 def _failed_outside_run(task, msg, job, step: str, error: Exception) -> dict:
     """An exception outside the shard's run: retry with backoff, then fail the shard."""
     where = f"{msg.job_id}/{msg.shard_id}"
-    if step == "reading job.json" and _exists(job.join("job.json")) is False:
+    if step == READING_MANIFEST and _exists(job.join("job.json")) is False:
         log.error("%s: the job has no job.json (deleted?); dropping the shard", where)
         return {"job_id": msg.job_id, "shard_id": msg.shard_id, "dropped": True}
     _note_failure(job, msg, f"{step} failed: {error}")

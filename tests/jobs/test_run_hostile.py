@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvbatch.jobs.output_lock import LEASE_SECONDS, output_lock
-from kvbatch.jobs.partial import PartialOutput
+from kvbatch.jobs.partial import PartialError, PartialOutput
 from kvbatch.jobs.run import JobError, RunOptions, resolve_paths, run_job
 from kvbatch.jobs.storage import open_storage
 from kvbatch.jobs.submit import prepare_job
@@ -367,3 +367,22 @@ def test_finished_answers_are_committed_on_a_timer(tmp_path: Path):
     assert again.recover({"model": "m"}) == {"short-1": "d1", "short-2": "d2"}
     again.close()
     partial.close()
+
+
+def test_resume_from_a_torn_header_starts_over_and_a_damaged_or_odd_file_is_refused(
+    tmp_path: Path,
+):
+    path = tmp_path / "p"
+    path.write_bytes(b'{"kvbatch_partial": 1, "iden')  # killed while writing the header
+    partial = PartialOutput(path)
+    assert partial.recover({"model": "m"}) == {}
+    partial.add({"custom_id": "a"}, "d")
+    partial.close()
+    with open(path, "ab") as f:
+        f.write(b"not json\n")
+    with pytest.raises(PartialError, match="damaged"):
+        PartialOutput(path).recover({"model": "m"})
+    path.unlink()
+    os.mkfifo(path)  # a reader would block on it forever
+    with pytest.raises(PartialError, match="never followed"):
+        PartialOutput(path).recover({"model": "m"})

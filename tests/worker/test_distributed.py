@@ -267,7 +267,7 @@ def test_poison_shard_becomes_error_records(tmp_path, tiny_chat_model):
 
     from kvbatch.jobs.submit import prepare_job
     from kvbatch.worker.app import TASK_NAME, make_app
-    from kvbatch.worker.tasks import WorkerModel, use_model
+    from kvbatch.worker.tasks import WorkerModel
 
     lines = [_chat(i, system=i % 2 == 0) for i in range(40)]
     input_path = _write_input(tmp_path / "input.jsonl", lines)
@@ -277,8 +277,8 @@ def test_poison_shard_becomes_error_records(tmp_path, tiny_chat_model):
     poison = job.messages[0]
     with open(poison.uri, "ab") as f:  # the payload no longer matches its sha256: raises
         f.write(b"\n")
-    use_model(WorkerModel(str(tiny_chat_model), {"device": "cpu"}))
     task = make_app("redis://127.0.0.1:1/0").tasks[TASK_NAME]
+    task.use_model(WorkerModel(str(tiny_chat_model), {"device": "cpu"}))
     for msg in job.messages:
         task.apply(kwargs={"output": output, "shard": msg.to_dict()}).get()
     folder = tmp_path / "out" / job.job_id
@@ -298,3 +298,28 @@ def test_poison_shard_becomes_error_records(tmp_path, tiny_chat_model):
     bad = {**job.messages[1].to_dict(), "uri": "/etc/passwd/x/shards/shard-00001.jsonl"}
     result = task.apply(kwargs={"output": output, "shard": bad})
     assert result.state == "REJECTED" and isinstance(result.result, Reject)
+
+
+def test_a_shard_that_raises_each_time_is_retried_then_failed(tmp_path, tiny_chat_model):
+    """A shard whose run raises on every attempt (here: the worker's model cannot load) is
+    retried up to max_attempts, then its lines become shard_failed error records and the job
+    completes (the task run in-process, eagerly: Celery runs each retry at once)."""
+    from kvbatch.jobs.submit import prepare_job
+    from kvbatch.worker.app import TASK_NAME, make_app
+    from kvbatch.worker.tasks import WorkerModel
+
+    input_path = _write_input(tmp_path / "input.jsonl", [_chat(i, system=False) for i in range(4)])
+    output = str(tmp_path / "out")
+    job = prepare_job(str(input_path), output, str(tiny_chat_model), max_attempts=3)
+    (msg,) = job.messages
+    task = make_app("redis://127.0.0.1:1/0").tasks[TASK_NAME]
+    task.use_model(WorkerModel(str(tmp_path / "no-such-model"), {"device": "cpu"}))
+    task.apply(kwargs={"output": output, "shard": msg.to_dict()})
+    folder = tmp_path / "out" / job.job_id
+    assert sorted(p.name for p in (folder / "attempts").iterdir()) == [
+        f"{msg.shard_id}.{n}" for n in (1, 2, 3)
+    ]
+    assert json.loads((folder / "batch.json").read_text())["status"] == "completed"
+    errors = [json.loads(x) for x in (folder / "errors.jsonl").read_text().splitlines()]
+    assert [e["error"]["code"] for e in errors] == ["shard_failed"] * 4
+    assert "no-such-model" in errors[0]["error"]["message"]

@@ -118,7 +118,7 @@ def test_unwritable_results_are_clear_in_logs_and_status(
     from kvbatch.jobs.storage.s3 import reset_client
     from kvbatch.jobs.submit import prepare_job
     from kvbatch.worker.app import TASK_NAME, make_app
-    from kvbatch.worker.tasks import WorkerModel, use_model
+    from kvbatch.worker.tasks import WorkerModel
 
     bucket = s3_server.make_bucket()
     input_path = _write_input(tmp_path / "input.jsonl", [_chat(i, system=False) for i in range(6)])
@@ -129,8 +129,8 @@ def test_unwritable_results_are_clear_in_logs_and_status(
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
     reset_client()
     try:
-        use_model(WorkerModel(str(tiny_chat_model), {"device": "cpu"}))
         task = make_app("redis://127.0.0.1:1/0").tasks[TASK_NAME]
+        task.use_model(WorkerModel(str(tiny_chat_model), {"device": "cpu"}))
         with caplog.at_level("INFO", logger="kvbatch.worker"):
             result = task.apply(kwargs={"output": output, "shard": msg.to_dict()})
         assert result.state == "FAILURE", result.traceback

@@ -179,19 +179,21 @@ def test_handle_shard_counts_the_shard_and_its_lines(
 ):
     from kvbatch.jobs.submit import prepare_job
     from kvbatch.worker import tasks
+    from kvbatch.worker.app import TASK_NAME, make_app
     from tests.worker.test_distributed import _chat, _write_input
 
     m = WorkerMetrics()
     monkeypatch.setattr(metrics_mod, "METRICS", m)
     model = tasks.WorkerModel(str(tiny_chat_model))
     model._llm = tiny_llm  # loaded once for the module
-    monkeypatch.setattr(tasks, "_model", model)
+    task = make_app("redis://127.0.0.1:1/0").tasks[TASK_NAME]
+    task.use_model(model)
     input_path = _write_input(tmp_path / "input.jsonl", [_chat(i, system=False) for i in range(3)])
     output = tmp_path / "out"
     job = prepare_job(str(input_path), str(output), str(tiny_chat_model))
     before = tiny_llm.engine.stats().generation_tokens
-    summaries = [tasks.handle_shard(None, str(output), msg.to_dict()) for msg in job.messages]
-    again = tasks.handle_shard(None, str(output), job.messages[0].to_dict())  # a redelivery
+    summaries = [tasks.handle_shard(task, str(output), msg.to_dict()) for msg in job.messages]
+    again = tasks.handle_shard(task, str(output), job.messages[0].to_dict())  # a redelivery
     assert all(s.get("written") for s in summaries) and again.get("duplicate")
     got = _samples(m)
     n = len(job.messages)
