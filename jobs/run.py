@@ -170,7 +170,14 @@ def job_identity(opts: RunOptions) -> dict:
 
 
 # Engine settings that change the answers (the rest change only speed).
-_OUTPUT_SETTINGS = ("dtype", "quantization", "kv_cache_dtype", "max_model_len", "speculative")
+_OUTPUT_SETTINGS = (
+    "revision",
+    "dtype",
+    "quantization",
+    "kv_cache_dtype",
+    "max_model_len",
+    "speculative",
+)
 
 
 def _run_locked(opts: RunOptions, paths: JobPaths, source, llm) -> BatchRecord:

@@ -20,8 +20,6 @@ MODEL_HELP = (
     "a Hugging Face folder, a .gguf file, or a Hub id (owner/name, or owner/name/FILE.gguf) "
     "fetched into the Hugging Face cache (HF_TOKEN, HF_HUB_OFFLINE and HF_ENDPOINT apply)"
 )
-MODEL_COMMANDS = ("generate", "run", "worker", "submit")
-
 
 def build_parser() -> argparse.ArgumentParser:
     """`kvbatch` and its subcommands' flags (bench parses its own)."""
@@ -93,15 +91,15 @@ def main(argv: list[str] | None = None) -> int:
             apply_threads(args.threads)
         except ValueError as e:
             parser.error(str(e))
-    if args.command in MODEL_COMMANDS:
+    if args.command == "submit":
         from kvbatch.hub import ModelNotFoundError, is_hub_id, resolve_model
 
-        # A Hub id becomes its local snapshot here, once (a worker before it takes shards); a
-        # path is left to the command, which checks it in its own order.
+        # submit reads only the tokenizer and config of a Hub id (the workers fetch the
+        # weights). run, generate and worker pass the id and --revision to engine.LLM, which
+        # fetches it after the command's own cheaper checks (output lock, broker URL).
         try:
             if is_hub_id(args.model) or args.revision:
-                tokenizer_only = args.command == "submit"  # the workers load the weights
-                args.model = resolve_model(args.model, args.revision, tokenizer_only=tokenizer_only)
+                args.model = resolve_model(args.model, args.revision, tokenizer_only=True)
         except ModelNotFoundError as e:
             print(f"kvbatch {args.command}: {e}", file=sys.stderr)
             return 2

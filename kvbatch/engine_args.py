@@ -291,4 +291,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_speculative_tokens=args.num_speculative_tokens,
     )
     kwargs.update((k, getattr(args, k)) for k in _OPTIONAL if getattr(args, k) is not None)
+    if getattr(args, "revision", None) is not None:  # a Hub id's branch, tag or commit
+        kwargs["revision"] = args.revision
     return kwargs

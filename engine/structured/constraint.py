@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from torch import Tensor
+if TYPE_CHECKING:  # annotations only: job code imports Sequence without torch
+    from torch import Tensor
 
 
 class TokenConstraint(Protocol):
