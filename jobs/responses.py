@@ -40,21 +40,44 @@ def success_line(
             LineError(req.line, req.custom_id, "invalid_prompt", f"line {req.line}: {out.error}"),
             batch_id=batch_id,
         )
-    completion = out.outputs[0]
+    key = _key(batch_id, req.line, req.custom_id)
+    tokens = _TokenTexts.of(tokenizer)
+    choices = [_choice(req, c, tokens) for c in sorted(out.outputs, key=lambda c: c.index)]
+    body_id, kind = (
+        ("chatcmpl-", "chat.completion") if req.is_chat else ("cmpl-", "text_completion")
+    )
+    body_id += key
+    body = {
+        "id": body_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": _usage(out),
+        "system_fingerprint": None,
+    }
+    return {
+        "id": "batch_req_" + key,
+        "custom_id": req.custom_id,
+        "response": {"status_code": 200, "request_id": "req_" + key, "body": body},
+        "error": None,
+    }
+
+
+def _choice(req: JobRequest, completion, tokens: _TokenTexts) -> dict[str, Any]:
+    """One choice of the body: chat's message or completions' text, at the choice's index."""
     finish_reason = _FINISH_REASONS.get(completion.finish_reason or "")
     if finish_reason is None:
         raise ValueError(
             f"request {req.custom_id!r} has finish_reason {completion.finish_reason!r}: only "
             "finished requests (stop or length) can be written"
         )
-    key = _key(batch_id, req.line, req.custom_id)
-    tokens = _TokenTexts.of(tokenizer)
     if req.is_chat:
         logprobs = None
         if completion.logprobs is not None:
             logprobs = {"content": _chat_logprobs(completion.logprobs, tokens), "refusal": None}
-        choice = {
-            "index": 0,
+        return {
+            "index": completion.index,
             "message": {
                 "role": "assistant",
                 "content": completion.text,
@@ -64,27 +87,20 @@ def success_line(
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
-        body_id, kind = "chatcmpl-" + key, "chat.completion"
-    else:
-        logprobs = None
-        if completion.logprobs is not None:
-            logprobs = _completion_logprobs(completion.logprobs, tokens)
-        choice = {
-            "index": 0,
-            "text": completion.text,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        body_id, kind = "cmpl-" + key, "text_completion"
-    body = {
-        "id": body_id,
-        "object": kind,
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": _usage(out),
-        "system_fingerprint": None,
+    logprobs = None
+    if completion.logprobs is not None:
+        logprobs = _completion_logprobs(completion.logprobs, tokens)
+    return {
+        "index": completion.index,
+        "text": completion.text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
     }
+
+
+def embedding_line(req: JobRequest, body: dict[str, Any], *, batch_id: str) -> dict[str, Any]:
+    """The output line of an embeddings request: `body` is its CreateEmbeddingResponse."""
+    key = _key(batch_id, req.line, req.custom_id)
     return {
         "id": "batch_req_" + key,
         "custom_id": req.custom_id,
@@ -110,8 +126,8 @@ def _key(batch_id: str, line: int, custom_id: str | None) -> str:
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
-    prompt = len(out.prompt_token_ids)
-    completion = len(out.outputs[0].token_ids)
+    prompt = len(out.prompt_token_ids)  # once: the choices share the prompt, as OpenAI counts
+    completion = sum(len(choice.token_ids) for choice in out.outputs)
     spec = getattr(out, "spec_stats", None)  # speculative decoding's draft tokens
     return {
         "prompt_tokens": prompt,

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.engine.structured.params import StructuredOutputs
 from kvbatch.jobs.cancelled import cancelled_line
 from kvbatch.jobs.grouping import feed_in_order
 from kvbatch.jobs.responses import success_line
@@ -89,7 +90,13 @@ class ShardRequest:
         return cls(**d)
 
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.params)
+        """The params as the payload holds them: JSON turned logit_bias ids into strings
+        (SamplingParams reads those) and the structured-output constraint into an object."""
+        params = dict(self.params)
+        constraint = params.get("structured_outputs")
+        if isinstance(constraint, dict):
+            params["structured_outputs"] = StructuredOutputs(**constraint)
+        return SamplingParams(**params)
 
     def to_job_request(self) -> JobRequest:
         """The request as kvbatch.jobs.responses.success_line wants it (messages and prompt dropped)."""

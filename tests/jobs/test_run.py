@@ -252,7 +252,7 @@ def _malformed_job() -> tuple[list, dict[int, tuple[str | None, str]]]:
         ({**chat("x", "hi"), "custom_id": 17}, None, "invalid_custom_id"),
         (chat("good-0", "same id again"), "good-0", "duplicate_custom_id"),
         ({**chat("bad-method", "hi"), "method": "GET"}, "bad-method", "invalid_method"),
-        ({**chat("bad-url", "hi"), "url": "/v1/embeddings"}, "bad-url", "invalid_url"),
+        ({**chat("bad-url", "hi"), "url": "/v1/moderations"}, "bad-url", "invalid_url"),
         ({**chat("bad-body", "hi"), "body": "hi"}, "bad-body", "invalid_body"),
         (chat("other-model", "hi", model="gpt-4o"), "other-model", "model_mismatch"),
         (
@@ -267,7 +267,12 @@ def _malformed_job() -> tuple[list, dict[int, tuple[str | None, str]]]:
         ),
         (chat("hot", "hi", temperature="hot"), "hot", "invalid_parameter"),
         (completion("top-p", "hi", top_p=1.5), "top-p", "invalid_parameter"),
-        (chat("n2", "hi", n=2), "n2", "unsupported_parameter"),
+        (chat("n-big", "hi", n=200), "n-big", "invalid_parameter"),
+        (
+            {**chat("embed-here", "hi"), "url": "/v1/embeddings", "body": {"input": "x"}},
+            "embed-here",
+            "invalid_url",
+        ),
         (
             chat("tools", "hi", tools=[{"type": "function", "function": {"name": "f"}}]),
             "tools",
@@ -370,7 +375,7 @@ def test_s3_in_and_out_with_multipart_output(
         completion(f"{i:05d}-" + "x" * 494, [1 + i % 300, 7, 11], max_tokens=1) for i in range(n)
     ]
     lines[10] = "not json"
-    lines[20] = chat("n2", "hi", n=2)
+    lines[20] = chat("streams", "hi", stream=True)
     body = b"\n".join(json.dumps(x).encode() if isinstance(x, dict) else x.encode() for x in lines)
     s3.put_object(Bucket=bucket, Key="jobs/in.jsonl", Body=body + b"\n")
 
@@ -393,7 +398,7 @@ def test_s3_in_and_out_with_multipart_output(
         return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
 
     out = read_jsonl(get("results/out.jsonl"))
-    want = [x["custom_id"] for x in lines if isinstance(x, dict) and x["custom_id"] != "n2"]
+    want = [x["custom_id"] for x in lines if isinstance(x, dict) and x["custom_id"] != "streams"]
     assert [line["custom_id"] for line in out] == want
     check_openai_line(out[0], COMPLETIONS)
     assert all(line["response"]["body"]["usage"]["completion_tokens"] == 1 for line in out)
