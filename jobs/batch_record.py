@@ -54,7 +54,7 @@ class BatchRecord:
 
     def add_usage(self, usage: dict) -> None:
         self.prompt_tokens += usage["prompt_tokens"]
-        self.completion_tokens += usage["completion_tokens"]
+        self.completion_tokens += usage.get("completion_tokens", 0)  # none for embeddings
         self.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
     def finish(self, *, completed: int, failed: int) -> None:
