@@ -28,7 +28,14 @@ from kvbatch.jobs.batch_record import BatchRecord
 from kvbatch.jobs.grouping import group_by_prefix
 from kvbatch.jobs.responses import error_line
 from kvbatch.jobs.run import JobError, RunOptions, prepare_requests
-from kvbatch.jobs.shards import ShardMessage, ShardRequest, job_dir, new_job_id, write_shard
+from kvbatch.jobs.shards import (
+    EmbeddingSpec,
+    ShardMessage,
+    ShardRequest,
+    job_dir,
+    new_job_id,
+    write_shard,
+)
 from kvbatch.jobs.storage import StorageError, open_storage
 from kvbatch.jobs.token_store import TokenStore
 
@@ -150,14 +157,18 @@ def prepare_job(
                     for e in errors
                 )
             )
-            order = group_by_prefix((store[i] for i in range(len(store))), block_size)
-            lengths = [len(store[i]) for i in order.order]
-            shared = shared_leading_blocks([store[i] for i in order.order], block_size)
+            units = line_units(prepared.input_index)
+            order = group_by_prefix((store[u[0]] for u in units), block_size)
+            lengths = [sum(len(store[i]) for i in units[u]) for u in order.order]
+            shared = shared_leading_blocks([store[units[u][0]] for u in order.order], block_size)
             ranges = cut_shards(lengths, shared, shard_tokens)
             messages, entries = [], []
             for n, (a, b) in enumerate(ranges):
                 shard_id = f"shard-{n:05d}"
-                reqs = [_shard_request(i, prepared.requests[i], store[i]) for i in order.order[a:b]]
+                reqs = [
+                    _shard_request(u, prepared.requests[units[u][0]], [store[i] for i in units[u]])
+                    for u in order.order[a:b]
+                ]
                 msg = write_shard(job, job_id, shard_id, reqs)
                 messages.append(msg)
                 entries.append(
@@ -173,7 +184,7 @@ def prepare_job(
         shutil.rmtree(spill, ignore_errors=True)
 
     record.mark_in_progress()
-    record.total = len(prepared.requests) + len(errors)
+    record.total = len(units) + len(errors)
     record.endpoint = next(iter(prepared.urls)) if len(prepared.urls) == 1 else None
     manifest = {
         "job_id": job_id,
@@ -186,7 +197,7 @@ def prepare_job(
         "max_model_len": max_len,
         "urls": sorted(prepared.urls),
         "shards": entries,
-        "num_requests": len(prepared.requests),
+        "num_requests": len(units),
         "num_invalid": len(errors),
         "prompt_tokens": order.prompt_tokens,
         "ideal_cached_tokens": order.ideal_cached_tokens,
@@ -196,18 +207,38 @@ def prepare_job(
     # The manifest last: a job folder with job.json is complete (shards and batch.json there).
     if not manifest_target.write_if_absent(json.dumps(manifest, indent=2).encode() + b"\n"):
         raise JobError(f"job {job_id} was created concurrently at {job.uri}")
-    return SubmittedJob(job_id, job.uri, messages, len(prepared.requests), len(errors))
+    return SubmittedJob(job_id, job.uri, messages, len(units), len(errors))
 
 
-def _shard_request(index: int, req, token_ids: list[int]) -> ShardRequest:
+def line_units(input_index: list[int]) -> list[list[int]]:
+    """The token-store entries of each answered line, in order: one entry per line, but one
+    per input of an embeddings line (input_index 0, 1, ...), kept together in one shard."""
+    units: list[list[int]] = []
+    for i, k in enumerate(input_index):
+        if k == 0:
+            units.append([i])
+        else:
+            units[-1].append(i)
+    return units
+
+
+def _shard_request(index: int, req, prompts: list[list[int]]) -> ShardRequest:
+    embedding = None
+    if req.is_embedding:
+        embedding = EmbeddingSpec(
+            inputs=[[int(t) for t in ids] for ids in prompts],
+            dimensions=req.dimensions,
+            encoding_format=req.encoding_format,
+        ).to_dict()
     return ShardRequest(
         index=index,
         line=req.line,
         custom_id=req.custom_id,
         url=req.url,
-        prompt_token_ids=[int(t) for t in token_ids],
+        prompt_token_ids=[int(t) for t in prompts[0]],
         params=dataclasses.asdict(req.params),
         logprobs=req.logprobs,
         max_tokens=req.max_tokens,
         model=req.model,
+        embedding=embedding,
     )

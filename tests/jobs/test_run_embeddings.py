@@ -13,7 +13,10 @@ import torch
 import torch.nn.functional as F
 from openai.types import Batch, CreateEmbeddingResponse
 
+from kvbatch.jobs.finalize import read_manifest, try_finalize, write_shard_result
 from kvbatch.jobs.run import RunOptions, run_job
+from kvbatch.jobs.shards import job_dir, run_shard
+from kvbatch.jobs.submit import prepare_job
 from tests.engine.pooling.st_checkpoints import (
     build_embedding_checkpoint,
     ids_to_text,
@@ -116,3 +119,49 @@ def test_every_input_shape_matches_sentence_transformers(tmp_path: Path, llm):
     assert record.usage.input_tokens == sum(
         r["response"]["body"]["usage"]["prompt_tokens"] for r in out.values()
     )
+
+
+def test_workers_answer_as_kvbatch_run(tmp_path: Path, llm):
+    """prepare_job cuts the job into shards (an embeddings line's inputs stay in one shard),
+    run_shard answers them, try_finalize merges: the same lines as `kvbatch run` writes."""
+    lines = [
+        line(f"doc-{i}", {"input": [ids_to_text(DOC[: 4 + i]), ids_to_text(DOC + [i])]})
+        for i in range(6)
+    ]
+    lines.append(line("b64", {"input": DOC, "encoding_format": "base64", "dimensions": 16}))
+    lines.append(line("too-wide", {"input": DOC, "dimensions": 4096}))
+    local_out, local_errors, _ = run(tmp_path, llm, lines)
+
+    src = tmp_path / "in.jsonl"
+    sub = prepare_job(
+        str(src),
+        str(tmp_path / "jobs"),
+        llm.engine.config.model,
+        model_name="embedder",
+        shard_tokens=40,
+        block_size=4,
+        max_model_len=64,
+    )
+    assert len(sub.messages) > 1 and sub.num_requests == len(lines)
+    job = job_dir(str(tmp_path / "jobs"), sub.job_id)
+    manifest = read_manifest(job)
+    for msg in sub.messages:
+        records = run_shard(
+            llm,
+            msg,
+            model_name=manifest["model_name"],
+            batch_id=manifest["batch_id"],
+            created=manifest["created_at"],
+        )
+        assert write_shard_result(job, msg.shard_id, records)
+    record = try_finalize(job)
+    assert record is not None and record.endpoint == EMBED
+    out = [json.loads(x) for x in (Path(job.uri) / "output.jsonl").read_text().splitlines()]
+    assert [x["custom_id"] for x in out] == [x["custom_id"] for x in lines[:-1]]
+    for got in out:
+        want = local_out[got["custom_id"]]["response"]["body"]
+        assert_close(vectors(got["response"]["body"]), vectors(want))
+        assert got["response"]["body"]["usage"] == want["usage"]
+    errors = [json.loads(x) for x in (Path(job.uri) / "errors.jsonl").read_text().splitlines()]
+    assert [e["custom_id"] for e in errors] == ["too-wide"] == list(local_errors)
+    assert record.completed == len(lines) - 1 and record.failed == 1
