@@ -9,7 +9,7 @@ line in kvbatch does, where OpenAI would fail the whole file at validation).
 
 from __future__ import annotations
 
-from kvbatch.jobs.schemas import EMBEDDINGS_URL
+from kvbatch.jobs.schemas import CHAT_URL, EMBEDDINGS_URL
 from kvbatch.jobs.validate import JobRequest, LineError
 
 
@@ -18,6 +18,12 @@ class EndpointRule:
 
     def __init__(self) -> None:
         self.first: JobRequest | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The job's endpoint for batch.json: the first valid line's url; chat completions
+        for a job without one (empty, or every line bad), since openai's Batch requires one."""
+        return CHAT_URL if self.first is None else self.first.url
 
     def check(self, req: JobRequest) -> LineError | None:
         """None when `req` fits the job; else its error record, saying what to do."""

@@ -7,7 +7,7 @@ A success line::
 
 An error line (a bad input line, or a prompt the model cannot run)::
 
-    {"id": "batch_req_…", "custom_id": … | null, "response": null,
+    {"id": "batch_req_…", "custom_id": … | "kvbatch-line-N", "response": null,
      "error": {"code": …, "message": "line N: …", "line": N}}
 
 Ids are hashes of (batch_id, line, custom_id): unique within a job, and the same when a shard
@@ -110,13 +110,25 @@ def embedding_line(req: JobRequest, body: dict[str, Any], *, batch_id: str) -> d
 
 
 def error_line(err: LineError, *, batch_id: str) -> dict[str, Any]:
-    """The output line of a line that got no answer (a validation or prompt error)."""
+    """The output line of a line that got no answer (a validation or prompt error). A line
+    without a usable custom_id gets `placeholder_custom_id(line)` (vLLM's and OpenAI's line
+    types need a string), and its message says so."""
+    custom_id, message = err.custom_id, err.message
+    if custom_id is None:
+        custom_id = placeholder_custom_id(err.line)
+        message += f" (the line has no usable custom_id: this record is named {custom_id!r})"
     return {
         "id": "batch_req_" + _key(batch_id, err.line, err.custom_id),
-        "custom_id": err.custom_id,
+        "custom_id": custom_id,
         "response": None,
-        "error": {"code": err.code, "message": err.message, "line": err.line},
+        "error": {"code": err.code, "message": message, "line": err.line},
     }
+
+
+def placeholder_custom_id(line: int) -> str:
+    """The custom_id of the error record of input line `line` when the line gave none usable:
+    the same on every run, and named after the line so it is easy to find."""
+    return f"kvbatch-line-{line}"
 
 
 def _key(batch_id: str, line: int, custom_id: str | None) -> str:

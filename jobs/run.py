@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbatch.jobs.batch_record import BatchRecord
+from kvbatch.jobs.batch_record import MAX_BATCH_ERRORS, BatchRecord
 from kvbatch.jobs.embedding_lines import EmbeddingLines
 from kvbatch.jobs.endpoint import EndpointRule
 from kvbatch.jobs.grouping import feed_in_order, group_by_prefix
@@ -290,6 +290,7 @@ class PreparedJob:
     model_name: str
     urls: set[str]  # of every valid line, answered in an earlier run (--resume) or not
     input_index: list[int] = field(default_factory=list)  # like requests: 0 but for embeddings
+    endpoint: str = "/v1/chat/completions"  # batch.json's: see kvbatch.jobs.endpoint
 
 
 def prepare_requests(
@@ -379,7 +380,9 @@ def prepare_requests(
     except StorageError as e:
         raise JobError(str(e)) from e
     name = job_model or Path(opts.model.rstrip("/")).name
-    return PreparedJob(requests, line_of, digest_of, errors, name, urls, input_index)
+    return PreparedJob(
+        requests, line_of, digest_of, errors, name, urls, input_index, endpoint.endpoint
+    )
 
 
 def line_digest(raw: bytes) -> str:
@@ -436,8 +439,12 @@ def _finalize(
     )
     errors = sorted(validation + engine_errors, key=lambda x: x[0])
     _write(paths.errors, (raw for _, raw in errors))
-    record.endpoint = next(iter(job.urls)) if len(job.urls) == 1 else None
-    record.finish(completed=len(answered), failed=len(errors))
+    record.endpoint = job.endpoint
+    record.finish(
+        completed=len(answered),
+        failed=len(errors),
+        samples=(json.loads(raw)["error"] for _, raw in errors[:MAX_BATCH_ERRORS]),
+    )
     _write(paths.batch, [json.dumps(record.to_dict(), indent=2).encode() + b"\n"])
 
 

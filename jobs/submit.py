@@ -185,7 +185,7 @@ def prepare_job(
 
     record.mark_in_progress()
     record.total = len(units) + len(errors)
-    record.endpoint = next(iter(prepared.urls)) if len(prepared.urls) == 1 else None
+    record.endpoint = prepared.endpoint
     manifest = {
         "job_id": job_id,
         "batch_id": batch_id,
@@ -196,6 +196,7 @@ def prepare_job(
         "block_size": block_size,
         "max_model_len": max_len,
         "urls": sorted(prepared.urls),
+        "endpoint": prepared.endpoint,
         "shards": entries,
         "num_requests": len(units),
         "num_invalid": len(errors),
