@@ -236,6 +236,7 @@ def run_shard(
     created: int | None = None,
     window: int = 0,
     should_stop: Callable[[], bool] | None = None,
+    on_output: Callable[[object], None] | None = None,
 ) -> list[tuple[int, dict]]:
     """Run one shard on `llm` (an engine.LLM): [(index, output or error line)] in the order
     requests finished. `model_name`, `batch_id`, `created` come from the job's manifest
@@ -243,7 +244,9 @@ def run_shard(
 
     `should_stop` (the job's cancel check) is asked between engine steps; once it is True the
     shard's requests in the engine are aborted, and every request without an answer gets a
-    batch_cancelled error line: the result still holds one line per request."""
+    batch_cancelled error line: the result still holds one line per request.
+
+    `on_output` (the worker's latency metrics) sees every engine output of this shard."""
     engine = llm.engine
     requests = read_shard(msg)
     by_index = {str(r.index): r for r in requests}
@@ -257,6 +260,8 @@ def run_shard(
         req = by_index.get(index)
         if req is None:  # someone else's request in the same engine
             continue
+        if on_output is not None:
+            on_output(out)
         if req.embedding is not None:
             line = vectors.add(req.to_job_request(), int(part), out)
             if line is None:  # the line's other inputs are still running

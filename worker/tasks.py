@@ -220,11 +220,14 @@ def _handle(task, msg, job, step: _Step) -> dict:
     step.name = "running the shard"
     try:
         llm = _model.llm()
+        model_name = manifest.get("model_name") or Path(_model.path.rstrip("/")).name
+        metrics.set_model(model_name)
         with running(job, msg.shard_id, WORKER_ID):
             records = run_shard(
                 llm,
                 msg,
-                model_name=manifest.get("model_name") or Path(_model.path.rstrip("/")).name,
+                model_name=model_name,
+                on_output=metrics.request_finished,
                 batch_id=manifest.get("batch_id") or msg.job_id,
                 created=manifest.get("created_at"),
                 should_stop=_slowed(
