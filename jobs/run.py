@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from kvbatch.jobs.batch_record import MAX_BATCH_ERRORS, BatchRecord
 from kvbatch.jobs.embedding_lines import EmbeddingLines
@@ -48,6 +49,15 @@ class JobError(Exception):
     """The job could not run at all (nothing was answered)."""
 
 
+class RunMonitor(Protocol):
+    """What watches a run from outside (`kvbatch run --metrics-port`): the engine between
+    its steps, and every output it finishes. Must not raise."""
+
+    def step(self, engine) -> None: ...
+
+    def output(self, out) -> None: ...
+
+
 @dataclass
 class RunOptions:
     input: str
@@ -59,6 +69,7 @@ class RunOptions:
     window: int = 0  # requests inside the engine at once; 0 = 4 x max_num_seqs
     work_dir: str | None = None  # where the resumable partial output lives
     engine: dict = field(default_factory=dict)  # engine.LLM keyword arguments
+    monitor: RunMonitor | None = None  # metrics; changes no answer
 
 
 @dataclass
@@ -252,8 +263,12 @@ def _answer(opts: RunOptions, engine, store: TokenStore, job: PreparedJob, parti
     feed = ((str(i), store[i], _engine_params(job.requests[i])) for i in order.order)
     progress = Progress(total=len(store), engine=engine)
     vectors = EmbeddingLines(job.model_name, engine, record.id)
+    monitor = opts.monitor
+    watch = None if monitor is None else lambda: monitor.step(engine) or False
     try:
-        for out in feed_in_order(engine, feed, window):
+        for out in feed_in_order(engine, feed, window, watch):
+            if monitor is not None:
+                monitor.output(out)
             index = int(out.request_id)
             req = job.requests[index]
             if req.is_embedding:

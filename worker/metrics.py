@@ -346,6 +346,28 @@ def message_deferred(metrics: WorkerMetrics | None = None) -> None:
     (metrics or METRICS).messages_deferred.inc()
 
 
+class RunMetrics:
+    """`kvbatch run --metrics-port`'s RunMonitor: the worker's engine metrics and latency
+    histograms for a local run (observing the engine at most once every `every` seconds)."""
+
+    def __init__(
+        self, model_name: str, metrics: WorkerMetrics | None = None, every: float = 1.0
+    ) -> None:
+        self.metrics = metrics or METRICS
+        self.metrics.set_model(model_name)
+        self.every = every
+        self._next = 0.0
+
+    def step(self, engine) -> None:
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + self.every
+            safe_observe(engine, self.metrics)
+
+    def output(self, out) -> None:
+        request_finished(out, self.metrics)
+
+
 def start_metrics_server(port: int, addr: str = "0.0.0.0", metrics: WorkerMetrics | None = None):
     """Serve /metrics on `port` in a daemon thread (port 0: nothing). Returns prometheus_client's
     (server, thread), or None when off."""

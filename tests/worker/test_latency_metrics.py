@@ -3,6 +3,11 @@ forgetting of finished jobs' series, on a real engine and a real registry."""
 
 from __future__ import annotations
 
+import json
+import socket
+import subprocess
+import sys
+
 import pytest
 
 from kvbatch.worker.metrics import WorkerMetrics, job_ttl_from_env
@@ -81,3 +86,51 @@ def test_job_ttl_from_the_environment(monkeypatch):
     monkeypatch.setenv("KVBATCH_METRICS_JOB_TTL", "soon")
     with pytest.raises(ValueError, match="KVBATCH_METRICS_JOB_TTL='soon'"):
         job_ttl_from_env()
+
+
+def test_kvbatch_run_feeds_the_metrics(tmp_path, tiny_chat_model):
+    from kvbatch.engine import LLM
+    from kvbatch.jobs.run import RunOptions, run_job
+    from kvbatch.worker.metrics import RunMetrics
+
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": f"count {i}", "max_tokens": 4, "temperature": 0},
+        }
+        for i in range(3)
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    m = WorkerMetrics()
+    opts = RunOptions(
+        input=str(source), model=str(tiny_chat_model), monitor=RunMetrics("tiny", m, every=0)
+    )
+    llm = LLM(model=str(tiny_chat_model), device="cpu", max_num_seqs=4)
+    assert run_job(opts, llm=llm).completed == 3
+    s = _samples(m)
+    assert s[("kvbatch_e2e_request_latency_seconds_count", (("model_name", "tiny"),))] == 3
+    assert s[("kvbatch_generation_tokens_total", ())] >= 3 * 4 - 4  # observed between steps
+
+
+def test_kvbatch_run_metrics_port_on_a_busy_port_says_so(tmp_path, tiny_chat_model):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    source = tmp_path / "in.jsonl"
+    source.write_text("")
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "kvbatch.cli", "run", str(source), "--model",
+             str(tiny_chat_model), "--metrics-port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )  # fmt: skip
+    finally:
+        busy.close()
+    assert run.returncode == 1
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in run.stderr
