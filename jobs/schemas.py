@@ -1,8 +1,8 @@
-"""Pydantic models of OpenAI Batch input lines and of the two request bodies kvbatch answers.
+"""Pydantic models of OpenAI Batch input lines and of the request bodies kvbatch answers.
 
 A line is `{custom_id, method, url, body}`; the body is a Chat Completions request
-(`/v1/chat/completions`, `messages`) or a legacy Completions request (`/v1/completions`,
-`prompt`). The models are strict (no "1.0" for a number, no `true` for an int) and reject
+(`/v1/chat/completions`, `messages`), a legacy Completions request (`/v1/completions`,
+`prompt`) or an Embeddings request (`/v1/embeddings`, `input`: see EmbeddingBody). The models are strict (no "1.0" for a number, no `true` for an int) and reject
 unknown fields, as OpenAI does. Each body field falls into one of four kinds:
 
 - mapped to `SamplingParams`: max_tokens / max_completion_tokens, temperature, top_p, top_k,
