@@ -268,3 +268,38 @@ def test_structured_lines_parse_beside_free_ones(tmp_path: Path, llm):  # noqa: 
         assert isinstance(json.loads(choice["message"]["content"]), dict)
     assert out["free"]["error"] is None
     assert "cannot be compiled" in errors["uncompilable"]["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "says"),
+    [
+        ({"input": []}, "invalid_parameter", "'input': input is empty"),
+        ({"input": [1, "a"]}, "invalid_parameter", "not a mix of these"),
+        ({"input": [[1], []]}, "invalid_parameter", "input 1 is empty"),
+        (
+            {"input": "x", "dimensions": 0},
+            "invalid_parameter",
+            "'dimensions' must be an integer >= 1",
+        ),
+        ({"input": "x", "encoding_format": "int8"}, "invalid_parameter", '"float" or "base64"'),
+        ({"input": "x", "temperature": 0}, "unknown_parameter", "'temperature'"),
+        ({"dimensions": 8}, "missing_prompt", "needs 'input'"),
+    ],
+)
+def test_embedding_bodies_say_what_to_fix(body, code, says):
+    err = record(body, url="/v1/embeddings")
+    assert isinstance(err, LineError)
+    assert err.code == code, err
+    assert says in err.message
+
+
+def test_embedding_inputs_keep_their_shapes():
+    for given, want in [
+        ("a b", ["a b"]),
+        (["a", "b"], ["a", "b"]),
+        ([3, 4], [[3, 4]]),
+        ([[3], [4, 5]], [[3], [4, 5]]),
+    ]:
+        req = record({"input": given, "encoding_format": "base64"}, url="/v1/embeddings")
+        assert isinstance(req, JobRequest) and req.is_embedding
+        assert (req.inputs, req.num_inputs, req.encoding_format) == (want, len(want), "base64")
