@@ -1,9 +1,20 @@
-"""batch.json: an OpenAI-style batch object for a job run by kvbatch."""
+"""batch.json: an OpenAI-style batch object for a job run by kvbatch (it validates as
+`openai.types.Batch` in every state).
+
+Status follows OpenAI: a job with at least one answered line is `completed`, however many
+lines failed; a job where nothing could run (an empty file, every line bad) is `failed`, its
+`errors` listing the first line errors ({code, message, line, param}) as OpenAI lists a file's
+validation errors.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+MAX_BATCH_ERRORS = 100
+"""Line errors that batch.json's `errors` shows for a job that failed (all are in errors.jsonl)."""
 
 STATUSES = (
     "validating",
@@ -25,7 +36,7 @@ class BatchRecord:
     errors_uri: str
     model: str
     status: str = "validating"
-    endpoint: str | None = None  # the lines' url when they all use one
+    endpoint: str = "/v1/chat/completions"  # the job's (kvbatch.jobs.endpoint)
     created_at: int = field(default_factory=lambda: int(time.time()))
     in_progress_at: int | None = None
     finalizing_at: int | None = None
@@ -39,6 +50,7 @@ class BatchRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    errors: list[dict] = field(default_factory=list)  # OpenAI BatchError objects
 
     @classmethod
     def start(
@@ -54,16 +66,33 @@ class BatchRecord:
 
     def add_usage(self, usage: dict) -> None:
         self.prompt_tokens += usage["prompt_tokens"]
-        self.completion_tokens += usage["completion_tokens"]
+        self.completion_tokens += usage.get("completion_tokens", 0)  # none for embeddings
         self.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
-    def finish(self, *, completed: int, failed: int) -> None:
+    def finish(self, *, completed: int, failed: int, samples: Iterable[dict] = ()) -> None:
+        """Counts and final status. `samples`: error records' `error` objects, shown in
+        `errors` when nothing was answered."""
         self.completed, self.failed, self.total = completed, failed, completed + failed
-        self.status, self.completed_at = "completed", int(time.time())
+        if completed:
+            self.status, self.completed_at = "completed", int(time.time())
+            return
+        self.status, self.failed_at = "failed", int(time.time())
+        self.errors = [
+            {"code": e["code"], "message": e["message"], "line": e.get("line"), "param": None}
+            for e in samples
+        ] or [
+            {
+                "code": "empty_file",
+                "message": "the input file holds no requests: give one JSON request per line",
+                "line": None,
+                "param": None,
+            }
+        ]
 
     def mark_cancelled(self, *, cancelling_at: int, at: int) -> None:
         """A finished job that was cancelled: OpenAI's cancelled batches have no completed_at."""
         self.status, self.completed_at = "cancelled", None
+        self.failed_at, self.errors = None, []  # nothing answered: cancelled, not failed
         self.cancelling_at, self.cancelled_at = cancelling_at, at
 
     def to_dict(self) -> dict:
@@ -71,7 +100,7 @@ class BatchRecord:
             "id": self.id,
             "object": "batch",
             "endpoint": self.endpoint,
-            "errors": None,
+            "errors": {"object": "list", "data": self.errors} if self.errors else None,
             "input_file_id": self.input_uri,
             "completion_window": "24h",
             "status": self.status,

@@ -22,7 +22,7 @@ import json
 import time
 from collections.abc import Iterator
 
-from kvbatch.jobs.batch_record import BatchRecord
+from kvbatch.jobs.batch_record import MAX_BATCH_ERRORS, BatchRecord
 from kvbatch.jobs.cancelled import (
     CANCEL_MARKER,
     CANCELLED,
@@ -30,6 +30,7 @@ from kvbatch.jobs.cancelled import (
     cancelled_message,
 )
 from kvbatch.jobs.responses import error_line
+from kvbatch.jobs.schemas import CHAT_URL
 from kvbatch.jobs.shard_progress import running_progress
 from kvbatch.jobs.shards import ShardMessage, read_shard, read_shard_lines
 from kvbatch.jobs.storage import Storage, StorageError, validate_key_part
@@ -163,7 +164,11 @@ def try_finalize(job: Storage) -> BatchRecord | None:
     with marker.open_read() as f:
         claim = json.loads(f.read())
     completed_at = claim["completed_at"]
-    record.finish(completed=len(answered), failed=len(errors))
+    record.finish(
+        completed=len(answered),
+        failed=len(errors),
+        samples=(json.loads(raw)["error"] for _, raw in errors[:MAX_BATCH_ERRORS]),
+    )
     record.finalizing_at = record.completed_at = completed_at
     if claim.get("cancelled"):
         record.mark_cancelled(cancelling_at=_cancel_time(job) or completed_at, at=completed_at)
@@ -204,7 +209,7 @@ def _record(job: Storage, manifest: dict) -> BatchRecord:
     )
     record.created_at = record.in_progress_at = manifest["created_at"]
     urls = manifest.get("urls") or []
-    record.endpoint = urls[0] if len(urls) == 1 else None
+    record.endpoint = manifest.get("endpoint") or (urls[0] if urls else CHAT_URL)
     return record
 
 

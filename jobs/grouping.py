@@ -193,12 +193,13 @@ def group_boundaries(g: GroupedOrder) -> list[int]:
 
 def feed_in_order(
     engine,
-    requests: Iterable[tuple[str, list[int], SamplingParams]],
+    requests: Iterable[tuple[str, list[int], SamplingParams | None]],
     window: int,
     should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[RequestOutput]:
     """Run `requests` through `engine` (an LLMEngine) in the order given; yield outputs as
-    requests finish.
+    requests finish. A request whose params are None is an embedding (prefill only: the
+    engine yields an EmbeddingOutput for it).
 
     At most `window` of these requests are inside the engine at once, so a job of millions of
     lines holds only `window` prompts in memory, and the scheduler admits them in the job's
@@ -225,7 +226,11 @@ def feed_in_order(
                 break
             request_id, token_ids, params = item
             try:
-                inside.add(engine.add_request(token_ids, params, request_id=request_id))
+                if params is None:
+                    added = engine.add_embedding_request(token_ids, request_id=request_id)
+                else:
+                    added = engine.add_request(token_ids, params, request_id=request_id)
+                inside.add(added)
             except ValueError as e:
                 yield _error_output(request_id, token_ids, str(e))
         if not engine.has_unfinished():

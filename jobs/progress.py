@@ -22,7 +22,8 @@ class Progress:
 
     def update(self, out) -> None:
         self.done += 1
-        self.tokens += len(out.outputs[0].token_ids)
+        outputs = getattr(out, "outputs", None)  # an embedding generates no tokens
+        self.tokens += sum(len(c.token_ids) for c in outputs or ())
         if self.bar is not None:
             self.bar.set_postfix_str(self._postfix(), refresh=False)
             self.bar.update(1)

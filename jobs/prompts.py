@@ -65,6 +65,45 @@ def prompt_token_ids(req: JobRequest, tokenizer, max_model_len: int) -> list[int
     return ids
 
 
+def embedding_token_ids(req: JobRequest, tokenizer, max_model_len: int) -> list[list[int]]:
+    """Each input of an embeddings line as token ids (text is encoded as the engine encodes
+    it, with the special tokens the tokenizer adds, e.g. Qwen3-Embedding's closing EOS; ids
+    are taken as given). Raises PromptError for an input that cannot run: an id outside the
+    vocabulary or an empty input (invalid_prompt), more than max_model_len tokens
+    (context_length_exceeded: an embedding generates nothing, so the whole context is its)."""
+    out = []
+    vocab = len(tokenizer)
+    for i, item in enumerate(req.inputs or ()):
+        if isinstance(item, str):
+            try:
+                ids = tokenizer.encode(item)
+            except Exception as exc:  # e.g. a lone surrogate from a JSON "\ud800" escape
+                raise PromptError(
+                    "invalid_prompt", f"input {i} cannot be tokenized: {exc}"
+                ) from exc
+        else:
+            ids = list(item)
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise PromptError(
+                    "invalid_prompt",
+                    f"input {i}: token id {bad} is outside the model's vocabulary [0, {vocab}): "
+                    "fix the input",
+                )
+        if not ids:
+            raise PromptError("invalid_prompt", f"input {i} is empty: give at least one token")
+        if len(ids) > max_model_len:
+            raise PromptError(
+                "context_length_exceeded",
+                f"input {i} has {len(ids)} tokens but the model takes at most {max_model_len} "
+                f"(max_model_len): shorten it",
+            )
+        out.append(ids)
+    if not out:
+        raise PromptError("invalid_prompt", "the request has no input")
+    return out
+
+
 def max_tokens_for(req: JobRequest, prompt_len: int, max_model_len: int) -> int:
     """The output cap to run `req` with, given its prompt length.
 

@@ -7,7 +7,7 @@ A success line::
 
 An error line (a bad input line, or a prompt the model cannot run)::
 
-    {"id": "batch_req_…", "custom_id": … | null, "response": null,
+    {"id": "batch_req_…", "custom_id": … | "kvbatch-line-N", "response": null,
      "error": {"code": …, "message": "line N: …", "line": N}}
 
 Ids are hashes of (batch_id, line, custom_id): unique within a job, and the same when a shard
@@ -40,48 +40,19 @@ def success_line(
             LineError(req.line, req.custom_id, "invalid_prompt", f"line {req.line}: {out.error}"),
             batch_id=batch_id,
         )
-    completion = out.outputs[0]
-    finish_reason = _FINISH_REASONS.get(completion.finish_reason or "")
-    if finish_reason is None:
-        raise ValueError(
-            f"request {req.custom_id!r} has finish_reason {completion.finish_reason!r}: only "
-            "finished requests (stop or length) can be written"
-        )
     key = _key(batch_id, req.line, req.custom_id)
     tokens = _TokenTexts.of(tokenizer)
-    if req.is_chat:
-        logprobs = None
-        if completion.logprobs is not None:
-            logprobs = {"content": _chat_logprobs(completion.logprobs, tokens), "refusal": None}
-        choice = {
-            "index": 0,
-            "message": {
-                "role": "assistant",
-                "content": completion.text,
-                "refusal": None,
-                "annotations": [],
-            },
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        body_id, kind = "chatcmpl-" + key, "chat.completion"
-    else:
-        logprobs = None
-        if completion.logprobs is not None:
-            logprobs = _completion_logprobs(completion.logprobs, tokens)
-        choice = {
-            "index": 0,
-            "text": completion.text,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        body_id, kind = "cmpl-" + key, "text_completion"
+    choices = [_choice(req, c, tokens) for c in sorted(out.outputs, key=lambda c: c.index)]
+    body_id, kind = (
+        ("chatcmpl-", "chat.completion") if req.is_chat else ("cmpl-", "text_completion")
+    )
+    body_id += key
     body = {
         "id": body_id,
         "object": kind,
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": _usage(out),
         "system_fingerprint": None,
     }
@@ -93,14 +64,71 @@ def success_line(
     }
 
 
+def _choice(req: JobRequest, completion, tokens: _TokenTexts) -> dict[str, Any]:
+    """One choice of the body: chat's message or completions' text, at the choice's index."""
+    finish_reason = _FINISH_REASONS.get(completion.finish_reason or "")
+    if finish_reason is None:
+        raise ValueError(
+            f"request {req.custom_id!r} has finish_reason {completion.finish_reason!r}: only "
+            "finished requests (stop or length) can be written"
+        )
+    if req.is_chat:
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = {"content": _chat_logprobs(completion.logprobs, tokens), "refusal": None}
+        return {
+            "index": completion.index,
+            "message": {
+                "role": "assistant",
+                "content": completion.text,
+                "refusal": None,
+                "annotations": [],
+            },
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+    logprobs = None
+    if completion.logprobs is not None:
+        logprobs = _completion_logprobs(completion.logprobs, tokens)
+    return {
+        "index": completion.index,
+        "text": completion.text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
+def embedding_line(req: JobRequest, body: dict[str, Any], *, batch_id: str) -> dict[str, Any]:
+    """The output line of an embeddings request: `body` is its CreateEmbeddingResponse."""
+    key = _key(batch_id, req.line, req.custom_id)
+    return {
+        "id": "batch_req_" + key,
+        "custom_id": req.custom_id,
+        "response": {"status_code": 200, "request_id": "req_" + key, "body": body},
+        "error": None,
+    }
+
+
 def error_line(err: LineError, *, batch_id: str) -> dict[str, Any]:
-    """The output line of a line that got no answer (a validation or prompt error)."""
+    """The output line of a line that got no answer (a validation or prompt error). A line
+    without a usable custom_id gets `placeholder_custom_id(line)` (vLLM's and OpenAI's line
+    types need a string), and its message says so."""
+    custom_id, message = err.custom_id, err.message
+    if custom_id is None:
+        custom_id = placeholder_custom_id(err.line)
+        message += f" (the line has no usable custom_id: this record is named {custom_id!r})"
     return {
         "id": "batch_req_" + _key(batch_id, err.line, err.custom_id),
-        "custom_id": err.custom_id,
+        "custom_id": custom_id,
         "response": None,
-        "error": {"code": err.code, "message": err.message, "line": err.line},
+        "error": {"code": err.code, "message": message, "line": err.line},
     }
+
+
+def placeholder_custom_id(line: int) -> str:
+    """The custom_id of the error record of input line `line` when the line gave none usable:
+    the same on every run, and named after the line so it is easy to find."""
+    return f"kvbatch-line-{line}"
 
 
 def _key(batch_id: str, line: int, custom_id: str | None) -> str:
@@ -110,8 +138,8 @@ def _key(batch_id: str, line: int, custom_id: str | None) -> str:
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
-    prompt = len(out.prompt_token_ids)
-    completion = len(out.outputs[0].token_ids)
+    prompt = len(out.prompt_token_ids)  # once: the choices share the prompt, as OpenAI counts
+    completion = sum(len(choice.token_ids) for choice in out.outputs)
     spec = getattr(out, "spec_stats", None)  # speculative decoding's draft tokens
     return {
         "prompt_tokens": prompt,

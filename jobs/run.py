@@ -22,13 +22,21 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from kvbatch.jobs.batch_record import BatchRecord
+from kvbatch.jobs.batch_record import MAX_BATCH_ERRORS, BatchRecord
+from kvbatch.jobs.embedding_lines import EmbeddingLines
+from kvbatch.jobs.endpoint import EndpointRule
 from kvbatch.jobs.grouping import feed_in_order, group_by_prefix
 from kvbatch.jobs.output_lock import OutputBusy, output_lock
 from kvbatch.jobs.partial import PartialError, PartialOutput
 from kvbatch.jobs.progress import Progress
-from kvbatch.jobs.prompts import PromptError, prompt_token_ids, sampling_params_for
+from kvbatch.jobs.prompts import (
+    PromptError,
+    embedding_token_ids,
+    prompt_token_ids,
+    sampling_params_for,
+)
 from kvbatch.jobs.responses import error_line, success_line
 from kvbatch.jobs.storage import StorageError, open_storage
 from kvbatch.jobs.token_store import TokenStore
@@ -39,6 +47,15 @@ log = logging.getLogger("kvbatch.run")
 
 class JobError(Exception):
     """The job could not run at all (nothing was answered)."""
+
+
+class RunMonitor(Protocol):
+    """What watches a run from outside (`kvbatch run --metrics-port`): the engine between
+    its steps, and every output it finishes. Must not raise."""
+
+    def step(self, engine) -> None: ...
+
+    def output(self, out) -> None: ...
 
 
 @dataclass
@@ -52,6 +69,7 @@ class RunOptions:
     window: int = 0  # requests inside the engine at once; 0 = 4 x max_num_seqs
     work_dir: str | None = None  # where the resumable partial output lives
     engine: dict = field(default_factory=dict)  # engine.LLM keyword arguments
+    monitor: RunMonitor | None = None  # metrics; changes no answer
 
 
 @dataclass
@@ -249,33 +267,52 @@ def _answer(opts: RunOptions, engine, store: TokenStore, job: PreparedJob, parti
         order.prompt_tokens,
     )
     window = opts.window or 4 * engine.config.scheduler.max_num_seqs
-    feed = ((str(i), store[i], job.requests[i].params) for i in order.order)
+    feed = ((str(i), store[i], _engine_params(job.requests[i])) for i in order.order)
     progress = Progress(total=len(store), engine=engine)
+    vectors = EmbeddingLines(job.model_name, engine, record.id)
+    monitor = opts.monitor
+    watch = None if monitor is None else lambda: monitor.step(engine) or False
     try:
-        for out in feed_in_order(engine, feed, window):
-            req = job.requests[int(out.request_id)]
-            line = success_line(
-                req,
-                out,
-                model=job.model_name,
-                tokenizer=engine.tokenizer,
-                batch_id=record.id,
-                created=record.created_at,
-            )
-            partial.add(line, job.digest_of[req.custom_id])
+        for out in feed_in_order(engine, feed, window, watch):
+            if monitor is not None:
+                monitor.output(out)
+            index = int(out.request_id)
+            req = job.requests[index]
+            if req.is_embedding:
+                line = vectors.add(req, job.input_index[index], out)
+            else:
+                line = success_line(
+                    req,
+                    out,
+                    model=job.model_name,
+                    tokenizer=engine.tokenizer,
+                    batch_id=record.id,
+                    created=record.created_at,
+                )
+            if line is not None:
+                partial.add(line, job.digest_of[req.custom_id])
             progress.update(out)
     finally:
         progress.close()
 
 
+def _engine_params(req: JobRequest):
+    """What feed_in_order hands the engine: the sampling params, or None to embed."""
+    return None if req.is_embedding else req.params
+
+
 @dataclass
 class PreparedJob:
-    requests: list[JobRequest]  # indexed like the token store; messages dropped
+    # indexed like the token store; messages dropped. An embeddings line with k inputs fills
+    # k entries (the same request), input_index telling which input each one is.
+    requests: list[JobRequest]
     line_of: dict[str, int]  # custom_id -> input line, for ordering the output
     digest_of: dict[str, str]  # custom_id -> digest of its input line (what an answer is of)
     errors: list[LineError]
     model_name: str
     urls: set[str]  # of every valid line, answered in an earlier run (--resume) or not
+    input_index: list[int] = field(default_factory=list)  # like requests: 0 but for embeddings
+    endpoint: str = "/v1/chat/completions"  # batch.json's: see kvbatch.jobs.endpoint
 
 
 def prepare_requests(
@@ -298,6 +335,9 @@ def prepare_requests(
     digest_of: dict[str, str] = {}
     errors: list[LineError] = []
     job_model = opts.model_name
+    model_decided = job_model is not None  # by the flag, or else by the first valid line
+    endpoint = EndpointRule()
+    input_index: list[int] = []
     urls: set[str] = set()
     params_seen: dict = {}  # identical SamplingParams are shared: millions of lines, few kinds
     try:
@@ -308,9 +348,13 @@ def prepare_requests(
                     errors.append(item)
                     continue
                 line_of[item.custom_id] = item.line
-                if job_model is None:
-                    job_model = item.model
-                elif item.model is not None and item.model != job_model:
+                mismatch = endpoint.check(item)
+                if mismatch is not None:
+                    errors.append(mismatch)
+                    continue
+                if not model_decided:
+                    job_model, model_decided = item.model, True
+                elif item.model is not None and job_model is not None and item.model != job_model:
                     errors.append(
                         LineError(
                             item.line,
@@ -326,6 +370,18 @@ def prepare_requests(
                 digest_of[item.custom_id] = digest
                 if done.get(item.custom_id) == digest:
                     continue
+                if item.is_embedding:
+                    try:
+                        inputs = embedding_token_ids(item, tokenizer, max_len)
+                    except PromptError as e:
+                        errors.append(e.line_error(item))
+                        continue
+                    item = dataclasses.replace(item, inputs=None)
+                    for i, ids in enumerate(inputs):
+                        requests.append(item)
+                        input_index.append(i)
+                        store.append(ids)
+                    continue
                 try:
                     ids = prompt_token_ids(item, tokenizer, max_len)
                     params = sampling_params_for(item, len(ids), max_len)
@@ -334,15 +390,21 @@ def prepare_requests(
                         LineError(item.line, item.custom_id, e.code, f"line {item.line}: {e}")
                     )
                     continue
-                params = params_seen.setdefault(params, params)
+                try:
+                    params = params_seen.setdefault(params, params)
+                except TypeError:  # a logit_bias dict makes the params unhashable: not shared
+                    pass
                 requests.append(
                     dataclasses.replace(item, messages=None, prompt=None, params=params)
                 )
+                input_index.append(0)
                 store.append(ids)
     except StorageError as e:
         raise JobError(str(e)) from e
     name = job_model or Path(opts.model.rstrip("/")).name
-    return PreparedJob(requests, line_of, digest_of, errors, name, urls)
+    return PreparedJob(
+        requests, line_of, digest_of, errors, name, urls, input_index, endpoint.endpoint
+    )
 
 
 def line_digest(raw: bytes) -> str:
@@ -399,8 +461,12 @@ def _finalize(
     )
     errors = sorted(validation + engine_errors, key=lambda x: x[0])
     _write(paths.errors, (raw for _, raw in errors))
-    record.endpoint = next(iter(job.urls)) if len(job.urls) == 1 else None
-    record.finish(completed=len(answered), failed=len(errors))
+    record.endpoint = job.endpoint
+    record.finish(
+        completed=len(answered),
+        failed=len(errors),
+        samples=(json.loads(raw)["error"] for _, raw in errors[:MAX_BATCH_ERRORS]),
+    )
     _write(paths.batch, [json.dumps(record.to_dict(), indent=2).encode() + b"\n"])
 
 

@@ -1,14 +1,16 @@
-"""Pydantic models of OpenAI Batch input lines and of the two request bodies kvbatch answers.
+"""Pydantic models of OpenAI Batch input lines and of the request bodies kvbatch answers.
 
 A line is `{custom_id, method, url, body}`; the body is a Chat Completions request
-(`/v1/chat/completions`, `messages`) or a legacy Completions request (`/v1/completions`,
-`prompt`). The models are strict (no "1.0" for a number, no `true` for an int) and reject
+(`/v1/chat/completions`, `messages`), a legacy Completions request (`/v1/completions`,
+`prompt`) or an Embeddings request (`/v1/embeddings`, `input`: see EmbeddingBody). The models are strict (no "1.0" for a number, no `true` for an int) and reject
 unknown fields, as OpenAI does. Each body field falls into one of four kinds:
 
 - mapped to `SamplingParams`: max_tokens / max_completion_tokens, temperature, top_p, top_k,
-  min_p, seed, stop, stop_token_ids, ignore_eos, logprobs / top_logprobs;
-- unsupported, because it would change the answer: accepted only at its neutral value (n=1,
-  presence_penalty=0, stream=false, response_format={"type": "text"}, ...; null always),
+  min_p, seed, stop, stop_token_ids, ignore_eos, logprobs / top_logprobs, n,
+  presence_penalty, frequency_penalty, repetition_penalty (vLLM's), logit_bias, and chat's
+  response_format (kvbatch.jobs.response_format);
+- unsupported, because it would change the answer: accepted only at its neutral value
+  (best_of=1, stream=false, tools=[], ...; null always),
   otherwise an `unsupported_parameter` error (see `_UNSUPPORTED`);
 - ignored, because it changes nothing we return: user, metadata, store, service_tier, ...;
 - anything else: unknown.
@@ -25,11 +27,23 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.engine.core.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_PENALTY,
+    SamplingParams,
+)
+from kvbatch.engine.pooling.inputs import EmbeddingPrompt, embedding_inputs
+from kvbatch.engine.structured.params import StructuredOutputs
+from kvbatch.jobs.response_format import PARAMETER_RULE, SHAPES, read_response_format
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-URLS = (CHAT_URL, COMPLETIONS_URL)
+EMBEDDINGS_URL = "/v1/embeddings"
+URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
+GENERATION_URLS = (CHAT_URL, COMPLETIONS_URL)
+"""Endpoints one job may mix: both generate text with the same engine. An embeddings job's
+lines are all embeddings (as an OpenAI batch has one endpoint)."""
 MAX_CUSTOM_ID_LEN = 512
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits (chat top_logprobs, completions logprobs)
@@ -40,6 +54,8 @@ CONTEXT_MAX_TOKENS = 2**31 - 1
 (chat without max_tokens and without a job default): the engine stops at max_model_len, and
 `kvbatch.jobs.prompts.max_tokens_for` turns it into the exact room left."""
 
+_PENALTY_RULE = f"a number between -{MAX_PENALTY:g} and {MAX_PENALTY:g}"
+_LOGIT_BIAS_RULE = 'an object of token id strings to numbers between -100 and 100 ({"50256": -100})'
 _STRICT = ConfigDict(strict=True, extra="forbid")
 _ROLES = ("system", "developer", "user", "assistant")
 
@@ -58,8 +74,8 @@ class BatchLine(BaseModel):
         description=f"a non-empty string of at most {MAX_CUSTOM_ID_LEN} characters, unique in the file",
     )
     method: Literal["POST"] = Field(description='"POST"')
-    url: Literal["/v1/chat/completions", "/v1/completions"] = Field(
-        description=f'"{CHAT_URL}" or "{COMPLETIONS_URL}"'
+    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"] = Field(
+        description=f'"{CHAT_URL}", "{COMPLETIONS_URL}" or "{EMBEDDINGS_URL}"'
     )
     body: dict[str, Any] = Field(description="an object (the request body)")
 
@@ -117,14 +133,10 @@ class ChatMessage(BaseModel):
 
 # name -> (is the value neutral?, what to do instead). None is always neutral.
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (
+    "best_of": (
         lambda v: v == 1,
-        "kvbatch returns one choice per line: repeat the line under other custom_ids",
+        "kvbatch returns every sampled choice: use 'n' instead of best_of, or remove it",
     ),
-    "best_of": (lambda v: v == 1, "kvbatch samples one completion per line: remove it"),
-    "presence_penalty": (lambda v: v == 0, "penalties are not implemented: remove it or set 0"),
-    "frequency_penalty": (lambda v: v == 0, "penalties are not implemented: remove it or set 0"),
-    "logit_bias": (lambda v: not v, "logit bias is not implemented: remove it"),
     "stream": (lambda v: v is False, "batch output cannot stream: remove it or set false"),
     "stream_options": (lambda v: False, "batch output cannot stream: remove it"),
     "echo": (lambda v: v is False, "echoing the prompt is not implemented: remove it"),
@@ -134,10 +146,6 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (lambda v: v == [], "kvbatch does no function calling: remove it"),
     "function_call": (lambda v: v == "none", "kvbatch does no function calling: remove it"),
     "parallel_tool_calls": (lambda v: False, "kvbatch does no tool calling: remove it"),
-    "response_format": (
-        lambda v: v == {"type": "text"},
-        "structured output is not implemented: remove it or use {'type': 'text'}",
-    ),
     "modalities": (lambda v: v == ["text"], "only text output is supported: remove it"),
     "audio": (lambda v: False, "only text output is supported: remove it"),
     "prediction": (lambda v: False, "predicted outputs are not implemented: remove it"),
@@ -178,10 +186,17 @@ class _Body(BaseModel):
     stop_token_ids: list[_TokenId] | None = Field(None, description="a list of token ids (>= 0)")
     ignore_eos: bool | None = Field(None, description="true or false")
 
-    n: int | None = Field(None, ge=1, description="1")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="0")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="0")
-    logit_bias: dict[str, float] | None = Field(None, description="an empty object")
+    n: int | None = Field(None, ge=1, le=MAX_N, description=f"an integer between 1 and {MAX_N}")
+    presence_penalty: float | None = Field(
+        None, ge=-MAX_PENALTY, le=MAX_PENALTY, description=_PENALTY_RULE
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-MAX_PENALTY, le=MAX_PENALTY, description=_PENALTY_RULE
+    )
+    repetition_penalty: float | None = Field(  # vLLM's extra parameter
+        None, gt=0, description="a number > 0 (1 = off; above 1 discourages repeats)"
+    )
+    logit_bias: dict[str, float] | None = Field(None, description=_LOGIT_BIAS_RULE)
     stream: bool | None = Field(None, description="false")
     stream_options: Any = None
 
@@ -197,6 +212,24 @@ class _Body(BaseModel):
     @classmethod
     def _supported(cls, value: Any, info) -> Any:
         return _check_supported(value, info.field_name)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdecimal() or not key.isascii():
+                raise PydanticCustomError(
+                    PARAMETER_RULE,
+                    "'logit_bias' keys must be token ids written as strings (\"50256\"), got {key}",
+                    {"key": repr(key)},
+                )
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise PydanticCustomError(
+                    PARAMETER_RULE,
+                    "'logit_bias' values must be numbers between -100 and 100, got {bias} for {key}",
+                    {"bias": bias, "key": repr(key)},
+                )
+        return value or None  # {} = none
 
     @field_validator("stop")
     @classmethod
@@ -219,6 +252,10 @@ class _Body(BaseModel):
         """How many alternatives per position to report (None = no logprobs at all)."""
         raise NotImplementedError
 
+    def structured_outputs(self) -> StructuredOutputs | None:
+        """The output constraint the body asks for (chat's response_format), or None."""
+        return None
+
     def sampling_params(self, job_default_max_tokens: int | None = None) -> SamplingParams:
         """The engine's options for this body. Raises ValueError (SamplingParams') on a
         combination the field checks let through."""
@@ -237,6 +274,12 @@ class _Body(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=bool(self.ignore_eos),
             logprobs=self.logprobs_n(),
+            n=self.n or 1,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            structured_outputs=self.structured_outputs(),
         )
 
 
@@ -260,7 +303,7 @@ class ChatCompletionBody(_Body):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
+    response_format: Annotated[Any, Field(description=SHAPES)] = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -283,8 +326,16 @@ class ChatCompletionBody(_Body):
             )
         return self
 
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: Any) -> StructuredOutputs | None:
+        return read_response_format(value)
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def structured_outputs(self) -> StructuredOutputs | None:
+        return self.response_format
 
     def default_max_tokens(self, job_default: int | None) -> int:
         return job_default or CONTEXT_MAX_TOKENS
@@ -333,5 +384,32 @@ class CompletionBody(_Body):
         return self.logprobs
 
 
-BODIES: dict[str, type[_Body]] = {CHAT_URL: ChatCompletionBody, COMPLETIONS_URL: CompletionBody}
+def _embedding_input(value: object) -> list[EmbeddingPrompt]:
+    try:
+        return embedding_inputs(value)
+    except ValueError as e:
+        raise PydanticCustomError(PARAMETER_RULE, "'input': {why}", {"why": str(e)}) from None
+
+
+class EmbeddingBody(BaseModel):
+    """The body of a `/v1/embeddings` line: each input is one vector of the answer."""
+
+    model_config = _STRICT
+
+    model: str | None = Field(None, description="a string (the model's name)")
+    input: Annotated[list[EmbeddingPrompt], BeforeValidator(_embedding_input)] = Field(
+        description="a string, a list of strings, a list of token ids or a list of such lists"
+    )
+    dimensions: int | None = Field(None, ge=1, description="an integer >= 1")
+    encoding_format: Literal["float", "base64"] | None = Field(
+        None, description='"float" or "base64"'
+    )
+    user: Any = None  # ignored
+
+
+BODIES: dict[str, type[BaseModel]] = {
+    CHAT_URL: ChatCompletionBody,
+    COMPLETIONS_URL: CompletionBody,
+    EMBEDDINGS_URL: EmbeddingBody,
+}
 """The body model of each url."""

@@ -25,7 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.engine.structured.params import StructuredOutputs
 from kvbatch.jobs.cancelled import cancelled_line
+from kvbatch.jobs.embedding_lines import EmbeddingLines
 from kvbatch.jobs.grouping import feed_in_order
 from kvbatch.jobs.responses import success_line
 from kvbatch.jobs.storage import Storage, open_storage, validate_key_part
@@ -68,6 +70,19 @@ class ShardMessage:
 
 
 @dataclass(frozen=True)
+class EmbeddingSpec:
+    """What an embeddings line carries in a shard: every input (one engine request each, run
+    in the same shard so the line is answered whole) and how its answer carries them."""
+
+    inputs: list[list[int]]
+    dimensions: int | None
+    encoding_format: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class ShardRequest:
     """One line of a shard payload: a validated, tokenized request, without its text."""
 
@@ -80,6 +95,7 @@ class ShardRequest:
     logprobs: int | None
     max_tokens: int | None
     model: str | None
+    embedding: dict | None = None  # EmbeddingSpec.to_dict() of an embeddings line
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -88,8 +104,25 @@ class ShardRequest:
     def from_dict(cls, d: dict) -> ShardRequest:
         return cls(**d)
 
+    def embedding_spec(self) -> EmbeddingSpec | None:
+        return None if self.embedding is None else EmbeddingSpec(**self.embedding)
+
+    def engine_requests(self) -> list[tuple[str, list[int], SamplingParams | None]]:
+        """What feed_in_order runs for this line: one request, or one per embeddings input
+        (ids "<index>:<input>", params None)."""
+        spec = self.embedding_spec()
+        if spec is None:
+            return [(str(self.index), self.prompt_token_ids, self.sampling_params())]
+        return [(f"{self.index}:{i}", ids, None) for i, ids in enumerate(spec.inputs)]
+
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.params)
+        """The params as the payload holds them: JSON turned logit_bias ids into strings
+        (SamplingParams reads those) and the structured-output constraint into an object."""
+        params = dict(self.params)
+        constraint = params.get("structured_outputs")
+        if isinstance(constraint, dict):
+            params["structured_outputs"] = StructuredOutputs(**constraint)
+        return SamplingParams(**params)
 
     def to_job_request(self) -> JobRequest:
         """The request as kvbatch.jobs.responses.success_line wants it (messages and prompt dropped)."""
@@ -103,7 +136,18 @@ class ShardRequest:
             logprobs=self.logprobs,
             model=self.model,
             max_tokens=self.max_tokens,
+            **self._embedding_fields(),
         )
+
+    def _embedding_fields(self) -> dict:
+        spec = self.embedding_spec()
+        if spec is None:
+            return {}
+        return {
+            "dimensions": spec.dimensions,
+            "encoding_format": spec.encoding_format,
+            "num_inputs": len(spec.inputs),
+        }
 
 
 def new_job_id() -> str:
@@ -192,6 +236,7 @@ def run_shard(
     created: int | None = None,
     window: int = 0,
     should_stop: Callable[[], bool] | None = None,
+    on_output: Callable[[object], None] | None = None,
 ) -> list[tuple[int, dict]]:
     """Run one shard on `llm` (an engine.LLM): [(index, output or error line)] in the order
     requests finished. `model_name`, `batch_id`, `created` come from the job's manifest
@@ -199,26 +244,37 @@ def run_shard(
 
     `should_stop` (the job's cancel check) is asked between engine steps; once it is True the
     shard's requests in the engine are aborted, and every request without an answer gets a
-    batch_cancelled error line: the result still holds one line per request."""
+    batch_cancelled error line: the result still holds one line per request.
+
+    `on_output` (the worker's latency metrics) sees every engine output of this shard."""
     engine = llm.engine
     requests = read_shard(msg)
-    by_id = {str(r.index): r for r in requests}
+    by_index = {str(r.index): r for r in requests}
     created = int(time.time()) if created is None else created
     window = window or 4 * engine.config.scheduler.max_num_seqs
-    feed = ((str(r.index), r.prompt_token_ids, r.sampling_params()) for r in requests)
+    feed = (item for r in requests for item in r.engine_requests())
+    vectors = EmbeddingLines(model_name, engine, batch_id)
     results: list[tuple[int, dict]] = []
     for out in feed_in_order(engine, feed, window, should_stop):
-        req = by_id.get(out.request_id)
+        index, _, part = out.request_id.partition(":")
+        req = by_index.get(index)
         if req is None:  # someone else's request in the same engine
             continue
-        line = success_line(
-            req.to_job_request(),
-            out,
-            model=model_name,
-            tokenizer=engine.tokenizer,
-            batch_id=batch_id,
-            created=created,
-        )
+        if on_output is not None:
+            on_output(out)
+        if req.embedding is not None:
+            line = vectors.add(req.to_job_request(), int(part), out)
+            if line is None:  # the line's other inputs are still running
+                continue
+        else:
+            line = success_line(
+                req.to_job_request(),
+                out,
+                model=model_name,
+                tokenizer=engine.tokenizer,
+                batch_id=batch_id,
+                created=created,
+            )
         results.append((req.index, line))
     if len(results) < len(requests):  # stopped: the rest were cancelled
         answered = {i for i, _ in results}

@@ -29,7 +29,14 @@ from kvbatch.jobs.batch_record import BatchRecord
 from kvbatch.jobs.grouping import group_by_prefix
 from kvbatch.jobs.responses import error_line
 from kvbatch.jobs.run import JobError, PreparedJob, RunOptions, prepare_requests
-from kvbatch.jobs.shards import ShardMessage, ShardRequest, job_dir, new_job_id, write_shard
+from kvbatch.jobs.shards import (
+    EmbeddingSpec,
+    ShardMessage,
+    ShardRequest,
+    job_dir,
+    new_job_id,
+    write_shard,
+)
 from kvbatch.jobs.storage import StorageError, open_storage
 from kvbatch.jobs.token_store import TokenStore
 
@@ -121,8 +128,8 @@ def prepare_job(
                             block_size, shard_tokens)  # fmt: skip
     prepared = sharded.prepared
     record.mark_in_progress()
-    record.total = len(prepared.requests) + sharded.num_invalid
-    record.endpoint = next(iter(prepared.urls)) if len(prepared.urls) == 1 else None
+    record.total = sharded.num_units + sharded.num_invalid
+    record.endpoint = prepared.endpoint
     manifest = {
         "job_id": job_id,
         "batch_id": batch_id,
@@ -133,17 +140,16 @@ def prepare_job(
         "block_size": block_size,
         "max_model_len": max_len,
         "urls": sorted(prepared.urls),
+        "endpoint": prepared.endpoint,
         "shards": sharded.entries,
-        "num_requests": len(prepared.requests),
+        "num_requests": sharded.num_units,
         "num_invalid": sharded.num_invalid,
         "prompt_tokens": sharded.prompt_tokens,
         "ideal_cached_tokens": sharded.ideal_cached_tokens,
         "max_attempts": max_attempts,
     }
     _publish(job, job_id, record, manifest)
-    return SubmittedJob(
-        job_id, job.uri, sharded.messages, len(prepared.requests), sharded.num_invalid
-    )
+    return SubmittedJob(job_id, job.uri, sharded.messages, sharded.num_units, sharded.num_invalid)
 
 
 def _open_job_folder(input_uri: str, output_prefix: str, job_id: str):
@@ -179,6 +185,7 @@ class _Sharded:
     """What validating and sharding the input wrote."""
 
     prepared: PreparedJob
+    num_units: int  # answered lines (an embeddings line's inputs are one unit)
     num_invalid: int
     messages: list[ShardMessage]
     entries: list[dict]  # job.json's "shards"
@@ -204,13 +211,17 @@ def _write_shards(
                     for e in errors
                 )
             )
-            order = group_by_prefix((store[i] for i in range(len(store))), block_size)
-            lengths = [len(store[i]) for i in order.order]
-            shared = shared_leading_blocks([store[i] for i in order.order], block_size)
+            units = line_units(prepared.input_index)
+            order = group_by_prefix((store[u[0]] for u in units), block_size)
+            lengths = [sum(len(store[i]) for i in units[u]) for u in order.order]
+            shared = shared_leading_blocks([store[units[u][0]] for u in order.order], block_size)
             messages, entries = [], []
             for n, (a, b) in enumerate(cut_shards(lengths, shared, shard_tokens)):
                 shard_id = f"shard-{n:05d}"
-                reqs = [_shard_request(i, prepared.requests[i], store[i]) for i in order.order[a:b]]
+                reqs = [
+                    _shard_request(u, prepared.requests[units[u][0]], [store[i] for i in units[u]])
+                    for u in order.order[a:b]
+                ]
                 msg = write_shard(job, job_id, shard_id, reqs)
                 messages.append(msg)
                 entries.append(
@@ -225,7 +236,13 @@ def _write_shards(
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     return _Sharded(
-        prepared, len(errors), messages, entries, order.prompt_tokens, order.ideal_cached_tokens
+        prepared,
+        len(units),
+        len(errors),
+        messages,
+        entries,
+        order.prompt_tokens,
+        order.ideal_cached_tokens,
     )
 
 
@@ -237,15 +254,35 @@ def _publish(job, job_id: str, record: BatchRecord, manifest: dict) -> None:
         raise JobError(f"job {job_id} was created concurrently at {job.uri}")
 
 
-def _shard_request(index: int, req, token_ids: list[int]) -> ShardRequest:
+def line_units(input_index: list[int]) -> list[list[int]]:
+    """The token-store entries of each answered line, in order: one entry per line, but one
+    per input of an embeddings line (input_index 0, 1, ...), kept together in one shard."""
+    units: list[list[int]] = []
+    for i, k in enumerate(input_index):
+        if k == 0:
+            units.append([i])
+        else:
+            units[-1].append(i)
+    return units
+
+
+def _shard_request(index: int, req, prompts: list[list[int]]) -> ShardRequest:
+    embedding = None
+    if req.is_embedding:
+        embedding = EmbeddingSpec(
+            inputs=[[int(t) for t in ids] for ids in prompts],
+            dimensions=req.dimensions,
+            encoding_format=req.encoding_format,
+        ).to_dict()
     return ShardRequest(
         index=index,
         line=req.line,
         custom_id=req.custom_id,
         url=req.url,
-        prompt_token_ids=[int(t) for t in token_ids],
+        prompt_token_ids=[int(t) for t in prompts[0]],
         params=dataclasses.asdict(req.params),
         logprobs=req.logprobs,
         max_tokens=req.max_tokens,
         model=req.model,
+        embedding=embedding,
     )

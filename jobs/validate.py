@@ -48,14 +48,19 @@ from kvbatch.engine.core.sampling_params import SamplingParams
 from kvbatch.jobs.schemas import (
     BODIES,
     CHAT_URL,
+    EMBEDDINGS_URL,
     MAX_CUSTOM_ID_LEN,
+    PARAMETER_RULE,
     URLS,
     BatchLine,
     ChatCompletionBody,
     CompletionBody,
+    EmbeddingBody,
 )
 
 MAX_LINE_BYTES = 16 * 1024 * 1024
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
+"""What an embeddings request holds in JobRequest.params: it is never sampled."""
 
 # Codes in the order a line's problems are reported (the first one names the record).
 CODES = (
@@ -92,7 +97,7 @@ class JobRequest:
 
     line: int  # 1-based line number in the input
     custom_id: str
-    url: str  # "/v1/chat/completions" | "/v1/completions"
+    url: str  # "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings"
     messages: list[dict] | None  # chat: [{role, content[, name]}], developer -> system
     prompt: str | list[int] | None  # completions: text, or token ids as given
     params: SamplingParams
@@ -104,10 +109,20 @@ class JobRequest:
     # params.max_tokens holds the default (a cap that is clamped to the room left, never an
     # error). See kvbatch.jobs.prompts.max_tokens_for.
     max_tokens: int | None = None
+    # embeddings: one prompt per vector of the answer (text, or token ids as given), and how
+    # the answer carries them
+    inputs: list[str | list[int]] | None = None
+    dimensions: int | None = None
+    encoding_format: str = "float"
+    num_inputs: int = 1  # embeddings: how many vectors the answer holds
 
     @property
     def is_chat(self) -> bool:
         return self.url == CHAT_URL
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.url == EMBEDDINGS_URL
 
 
 @dataclass(frozen=True)
@@ -254,6 +269,21 @@ def _check_line(
     if problems.items:
         return problems.error()
     assert body_model is not None and problems.custom_id is not None  # no problems: both set
+    if isinstance(body_model, EmbeddingBody):
+        return JobRequest(
+            line=number,
+            custom_id=problems.custom_id,
+            url=url,
+            messages=None,
+            prompt=None,
+            params=EMBEDDING_PARAMS,
+            logprobs=None,
+            model=body_model.model,
+            inputs=body_model.input,
+            dimensions=body_model.dimensions,
+            encoding_format=body_model.encoding_format or "float",
+            num_inputs=len(body_model.input),
+        )
     try:
         params = body_model.sampling_params(default_max)
     except ValueError as exc:
@@ -274,7 +304,7 @@ def _check_line(
 
 def _check_body(
     url: str, body: dict, model: str | None, problems: _Problems
-) -> ChatCompletionBody | CompletionBody | None:
+) -> ChatCompletionBody | CompletionBody | EmbeddingBody | None:
     named = body.get("model")
     if model is not None and isinstance(named, str) and named != model:
         problems.add(
@@ -345,6 +375,8 @@ def _describe_body_error(
         problems.add("unknown_parameter", _unknown(field, url, cls))
     elif kind == "unsupported_parameter":
         problems.add(kind, f"'{field}' = {_show(value)} is not supported: {err['msg']}")
+    elif kind == PARAMETER_RULE:  # a field's own check, whose message says what to fix
+        problems.add("invalid_parameter", err["msg"])
     elif not loc:  # a check across fields
         problems.add(kind if kind in _RANK else "invalid_parameter", err["msg"])
     else:

@@ -21,6 +21,7 @@ MODEL_HELP = (
     "fetched into the Hugging Face cache (HF_TOKEN, HF_HUB_OFFLINE and HF_ENDPOINT apply)"
 )
 
+
 def build_parser() -> argparse.ArgumentParser:
     """`kvbatch` and its subcommands' flags (bench parses its own)."""
     parser = argparse.ArgumentParser(prog="kvbatch", description="Batch LLM inference.")
@@ -69,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests inside the engine at once (default 4 x max-num-seqs)",
     )
     run.add_argument("--work-dir", help="where the resumable partial output is kept")
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics (the worker's) on this port while the run lasts (0: off)",
+    )
+    run.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
     add_engine_args(run)
     sub.add_parser("bench", help="benchmarks: kvbatch bench --help")
     _add_distributed(sub)
@@ -214,6 +222,19 @@ def _run(args: argparse.Namespace) -> int:
         work_dir=args.work_dir,
         engine=engine_kwargs(args),
     )
+    if args.metrics_port:
+        from kvbatch.worker.metrics import RunMetrics, start_metrics_server
+
+        try:
+            start_metrics_server(args.metrics_port, args.metrics_host)
+        except OSError as e:
+            print(
+                f"kvbatch run: cannot serve metrics on {args.metrics_host}:{args.metrics_port}"
+                f" ({e.strerror}): pick another --metrics-port",
+                file=sys.stderr,
+            )
+            return 1
+        opts.monitor = RunMetrics(args.model_name or args.model.rstrip("/").rsplit("/", 1)[-1])
     paths = None
     try:
         paths = resolve_paths(opts)

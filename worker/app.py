@@ -30,6 +30,7 @@ from kvbatch.worker.settings import (
     BrokerError,
     broker_url,
     redact_url,
+    task_events,
     visibility_timeout,
 )
 from kvbatch.worker.tasks import register
@@ -40,17 +41,20 @@ __all__ = [
     "BrokerError",
     "broker_url",
     "make_app",
+    "task_events",
     "visibility_timeout",
 ]
 
 
-def make_app(broker: str, *, visibility: int | None = None) -> Celery:
-    """A Celery app on `broker` with the shard task registered."""
+def make_app(broker: str, *, visibility: int | None = None, events: bool | None = None) -> Celery:
+    """A Celery app on `broker` with the shard task registered. `events`: send task events
+    (for `celery events` and Flower); None reads KVBATCH_TASK_EVENTS (off by default)."""
     if not broker.startswith(SCHEMES):
         raise BrokerError(
             f"broker URL {redact_url(broker)!r}: expected one of {', '.join(SCHEMES)}"
         )
     vt = visibility if visibility is not None else visibility_timeout()
+    send_events = task_events() if events is None else events
     app = Celery("kvbatch", broker=broker, set_as_current=False)
     app.conf.update(
         task_serializer="json",
@@ -69,7 +73,10 @@ def make_app(broker: str, *, visibility: int | None = None) -> Celery:
         broker_connection_max_retries=None,
         task_default_queue=DEFAULT_QUEUE,
         task_create_missing_queues=True,
-        worker_send_task_events=False,
+        # Task events cost a broker message per task state change: cheap next to a
+        # minutes-long shard, and what Flower and `celery events` show.
+        worker_send_task_events=send_events,
+        task_send_sent_event=send_events,
         broker_transport_options=_transport_options(broker, vt),
     )
     if broker.startswith(("redis://", "rediss://")):

@@ -6,6 +6,12 @@ and sets the gauges (requests running and waiting, KV cache usage, tokens per st
 task (worker/tasks.py) calls it between engine steps (at most once a second) and after each
 shard, and `shard_finished` once per shard: shards by status, lines by status per job.
 
+Latency histograms (worker/latency_metrics.py) are observed per finished request through
+`request_finished`; `kvbatch_model_info{model_name}` names the model the worker serves, and
+the latency histograms carry the same label. The per-job line counter's series are dropped
+once a job has had no shard finish here for `job_ttl` seconds (KVBATCH_METRICS_JOB_TTL,
+default an hour), so a worker that lives through thousands of jobs keeps a bounded /metrics.
+
 Every metric lives on its own CollectorRegistry (not prometheus_client's global one), so tests
 build a fresh `WorkerMetrics` and read it with `generate_latest(m.registry)`.
 """
@@ -13,6 +19,7 @@ build a fresh `WorkerMetrics` and read it with `generate_latest(m.registry)`.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -21,10 +28,12 @@ from collections.abc import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvbatch.jobs.cancelled import CANCELLED
+from kvbatch.worker.latency_metrics import RequestLatency
 
 log = logging.getLogger("kvbatch.worker")
 
 DEFAULT_PORT = 9400
+DEFAULT_JOB_TTL = 3600.0
 SHARD_STATUSES = ("done", "duplicate", "failed", "poisoned", "cancelled")
 LINE_STATUSES = ("completed", "failed", "cancelled")
 
@@ -46,9 +55,32 @@ _ENGINE_COUNTERS = {
 class WorkerMetrics:
     """The metric objects of a worker, on `registry` (a new one by default)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        job_ttl: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.job_ttl = job_ttl_from_env() if job_ttl is None else job_ttl
+        self.clock = clock
+        self._job_seen: dict[str, float] = {}  # job_id -> when a shard of it last finished
+        self.model_name = ""
         r = self.registry
+        self.latency = RequestLatency(r)
+        self.model_info = Gauge(
+            "kvbatch_model_info",
+            "The model this worker serves (value 1)",
+            ["model_name"],
+            registry=r,
+        )
+        self.spec_acceptance_by_position = Gauge(
+            "kvbatch_spec_decode_acceptance_rate_by_position",
+            "Fraction of speculative draft tokens accepted at each position of the draft",
+            ["position"],
+            registry=r,
+        )
         self.requests_running = Gauge(
             "kvbatch_requests_running", "Requests the engine scheduler is running", registry=r
         )
@@ -163,6 +195,21 @@ class WorkerMetrics:
             self.requests_waiting.set(len(scheduler.waiting))
             self.kv_cache_usage.set(stats.kv_usage)
             self.kv_cache_blocks.set(stats.num_kv_blocks)
+            for position, rate in enumerate(stats.spec_acceptance_by_position):
+                self.spec_acceptance_by_position.labels(position=str(position)).set(rate)
+
+    def set_model(self, model_name: str) -> None:
+        """Name the model the latency histograms and kvbatch_model_info are labelled with."""
+        if model_name == self.model_name:
+            return
+        if self.model_name:
+            self.model_info.remove(self.model_name)
+        self.model_name = model_name
+        self.model_info.labels(model_name=model_name).set(1)
+
+    def request_finished(self, out) -> None:
+        """Observe one finished engine output in the latency histograms."""
+        self.latency.observe(out, self.model_name)
 
     def shard_finished(
         self,
@@ -181,6 +228,34 @@ class WorkerMetrics:
                 self.lines.labels(job_id=job_id, status=line_status).inc(n)
         if seconds is not None:
             self.shard_seconds.observe(seconds)
+        with self._lock:
+            now = self.clock()
+            self._job_seen[job_id] = now
+            self._forget_jobs_idle_since(now - self.job_ttl)
+
+    def _forget_jobs_idle_since(self, cutoff: float) -> None:
+        """Drop the line series of jobs whose last shard finished before `cutoff`."""
+        for job_id in [j for j, seen in self._job_seen.items() if seen < cutoff]:
+            del self._job_seen[job_id]
+            for line_status in LINE_STATUSES:
+                try:
+                    self.lines.remove(job_id, line_status)
+                except KeyError:  # this status never counted a line of the job
+                    pass
+
+
+def job_ttl_from_env() -> float:
+    """Seconds a finished job's series stay on /metrics (KVBATCH_METRICS_JOB_TTL)."""
+    raw = os.environ.get("KVBATCH_METRICS_JOB_TTL")
+    if raw is None:
+        return DEFAULT_JOB_TTL
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"KVBATCH_METRICS_JOB_TTL={raw!r}: expected seconds") from None
+    if value < 0:
+        raise ValueError(f"KVBATCH_METRICS_JOB_TTL={raw!r}: must be 0 or more")
+    return value
 
 
 def lines_by_status(records) -> dict[str, int]:
@@ -250,6 +325,18 @@ def shard_finished(
     (metrics or METRICS).shard_finished(job_id, status, lines_by_status, seconds)
 
 
+def set_model(model_name: str, metrics: WorkerMetrics | None = None) -> None:
+    (metrics or METRICS).set_model(model_name)
+
+
+def request_finished(out, metrics: WorkerMetrics | None = None) -> None:
+    """Observe one finished engine output; never raises (metrics must not fail a shard)."""
+    try:
+        (metrics or METRICS).request_finished(out)
+    except Exception:
+        log.debug("observing a request failed", exc_info=True)
+
+
 def message_dropped(reason: str, metrics: WorkerMetrics | None = None) -> None:
     """Count a shard message dropped unrun (reason: a short fixed word, e.g. "mismatch")."""
     (metrics or METRICS).messages_dropped.labels(reason=reason).inc()
@@ -257,6 +344,28 @@ def message_dropped(reason: str, metrics: WorkerMetrics | None = None) -> None:
 
 def message_deferred(metrics: WorkerMetrics | None = None) -> None:
     (metrics or METRICS).messages_deferred.inc()
+
+
+class RunMetrics:
+    """`kvbatch run --metrics-port`'s RunMonitor: the worker's engine metrics and latency
+    histograms for a local run (observing the engine at most once every `every` seconds)."""
+
+    def __init__(
+        self, model_name: str, metrics: WorkerMetrics | None = None, every: float = 1.0
+    ) -> None:
+        self.metrics = metrics or METRICS
+        self.metrics.set_model(model_name)
+        self.every = every
+        self._next = 0.0
+
+    def step(self, engine) -> None:
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + self.every
+            safe_observe(engine, self.metrics)
+
+    def output(self, out) -> None:
+        request_finished(out, self.metrics)
 
 
 def start_metrics_server(port: int, addr: str = "0.0.0.0", metrics: WorkerMetrics | None = None):

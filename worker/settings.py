@@ -44,6 +44,16 @@ def visibility_timeout() -> int:
     return value
 
 
+def task_events() -> bool:
+    """Whether workers send task events (KVBATCH_TASK_EVENTS: 1/true/yes or 0/false/no)."""
+    raw = os.environ.get("KVBATCH_TASK_EVENTS", "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise BrokerError(f"KVBATCH_TASK_EVENTS={raw!r}: expected 1 or 0 (true or false)")
+
+
 _SCHEME_PREFIX = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/*")
 
 

@@ -272,11 +272,14 @@ def _claim_and_run(task: ShardTask, msg: ShardMessage, job: Storage, manifest: d
     started = time.monotonic()
     try:
         llm = task.model.llm()
+        model_name = manifest.get("model_name") or Path(task.model.path.rstrip("/")).name
+        metrics.set_model(model_name)
         with running(job, msg.shard_id, WORKER_ID):
             records = run_shard(
                 llm,
                 msg,
-                model_name=manifest.get("model_name") or Path(task.model.path.rstrip("/")).name,
+                model_name=model_name,
+                on_output=metrics.request_finished,
                 batch_id=manifest.get("batch_id") or msg.job_id,
                 created=manifest.get("created_at"),
                 should_stop=_slowed(

@@ -203,10 +203,15 @@ def test_ids_are_deterministic_and_unique(tokenizer):
 def test_error_line():
     err = LineError(7, None, "invalid_json", "line 7: not valid JSON")
     line = strict_json(error_line(err, batch_id="b"))
-    assert set(line) == LINE_KEYS and line["response"] is None and line["custom_id"] is None
+    assert set(line) == LINE_KEYS and line["response"] is None
+    assert line["custom_id"] == "kvbatch-line-7"  # a placeholder, the same on every run
     error = BatchError.model_validate(line["error"])
     no_extra_fields(error, "error")
-    assert (error.code, error.line, error.message) == ("invalid_json", 7, "line 7: not valid JSON")
+    assert (error.code, error.line) == ("invalid_json", 7)
+    assert error.message == (
+        "line 7: not valid JSON (the line has no usable custom_id: this record is named "
+        "'kvbatch-line-7')"
+    )
     # Two lines with the same custom_id (a duplicate) still get distinct ids.
     dup = [LineError(n, "a", "duplicate_custom_id", "dup") for n in (3, 4)]
     assert len({error_line(e, batch_id="b")["id"] for e in dup}) == 2

@@ -130,7 +130,10 @@ def answer_text(line: dict) -> str:
 
 
 def batch_json(record_uri: str) -> dict:
-    return json.loads(Path(record_uri).read_text())
+    """batch.json, checked to be an `openai.types.Batch` (every job shape must be one)."""
+    record = json.loads(Path(record_uri).read_text())
+    Batch.model_validate(record)
+    return record
 
 
 def usage_sums(lines: list[dict]) -> tuple[int, int, int]:
@@ -231,7 +234,7 @@ def test_mixed_urls_in_one_job(llm, tmp_path: Path):
     for line, url in zip(out, [CHAT, COMPLETIONS, CHAT]):
         check_openai_line(line, url)
     batch = batch_json(str(tmp_path / "answers" / "out.batch.json"))
-    assert batch["endpoint"] is None  # lines of both urls: no single endpoint
+    assert batch["endpoint"] == CHAT  # the first line's: openai's Batch names one
     check_counts_and_usage(batch, out, [])
 
 
@@ -252,7 +255,7 @@ def _malformed_job() -> tuple[list, dict[int, tuple[str | None, str]]]:
         ({**chat("x", "hi"), "custom_id": 17}, None, "invalid_custom_id"),
         (chat("good-0", "same id again"), "good-0", "duplicate_custom_id"),
         ({**chat("bad-method", "hi"), "method": "GET"}, "bad-method", "invalid_method"),
-        ({**chat("bad-url", "hi"), "url": "/v1/embeddings"}, "bad-url", "invalid_url"),
+        ({**chat("bad-url", "hi"), "url": "/v1/moderations"}, "bad-url", "invalid_url"),
         ({**chat("bad-body", "hi"), "body": "hi"}, "bad-body", "invalid_body"),
         (chat("other-model", "hi", model="gpt-4o"), "other-model", "model_mismatch"),
         (
@@ -267,7 +270,12 @@ def _malformed_job() -> tuple[list, dict[int, tuple[str | None, str]]]:
         ),
         (chat("hot", "hi", temperature="hot"), "hot", "invalid_parameter"),
         (completion("top-p", "hi", top_p=1.5), "top-p", "invalid_parameter"),
-        (chat("n2", "hi", n=2), "n2", "unsupported_parameter"),
+        (chat("n-big", "hi", n=200), "n-big", "invalid_parameter"),
+        (
+            {**chat("embed-here", "hi"), "url": "/v1/embeddings", "body": {"input": "x"}},
+            "embed-here",
+            "invalid_url",
+        ),
         (
             chat("tools", "hi", tools=[{"type": "function", "function": {"name": "f"}}]),
             "tools",
@@ -297,7 +305,7 @@ def _malformed_job() -> tuple[list, dict[int, tuple[str | None, str]]]:
         if i % 5 == 4:
             lines.append("   ")  # blank lines count for line numbers, not as requests
         lines.append(line)
-        expected[len(lines)] = (custom_id, code)
+        expected[len(lines)] = (custom_id or f"kvbatch-line-{len(lines)}", code)
     lines.append(good(len(bad)))
     lines.append("")
     return lines, expected
@@ -370,7 +378,7 @@ def test_s3_in_and_out_with_multipart_output(
         completion(f"{i:05d}-" + "x" * 494, [1 + i % 300, 7, 11], max_tokens=1) for i in range(n)
     ]
     lines[10] = "not json"
-    lines[20] = chat("n2", "hi", n=2)
+    lines[20] = chat("streams", "hi", stream=True)
     body = b"\n".join(json.dumps(x).encode() if isinstance(x, dict) else x.encode() for x in lines)
     s3.put_object(Bucket=bucket, Key="jobs/in.jsonl", Body=body + b"\n")
 
@@ -393,7 +401,7 @@ def test_s3_in_and_out_with_multipart_output(
         return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
 
     out = read_jsonl(get("results/out.jsonl"))
-    want = [x["custom_id"] for x in lines if isinstance(x, dict) and x["custom_id"] != "n2"]
+    want = [x["custom_id"] for x in lines if isinstance(x, dict) and x["custom_id"] != "streams"]
     assert [line["custom_id"] for line in out] == want
     check_openai_line(out[0], COMPLETIONS)
     assert all(line["response"]["body"]["usage"]["completion_tokens"] == 1 for line in out)
@@ -427,11 +435,29 @@ def test_empty_input_completes_with_zero_requests(llm, tmp_path: Path):
     opts = RunOptions(input=str(source), model="unused")
     record = run_job(opts, llm=llm)
     paths = resolve_paths(opts)
-    assert record.total == 0 and record.status == "completed"
+    # nothing could run: failed, as OpenAI fails a file without requests
+    assert record.total == 0 and record.status == "failed"
     assert Path(paths.output).read_bytes() == b"" and Path(paths.errors).read_bytes() == b""
     batch = batch_json(paths.batch)
     assert batch["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
     assert batch["usage"]["total_tokens"] == 0
+    assert batch["completed_at"] is None and batch["failed_at"] >= batch["created_at"]
+    assert [e["code"] for e in batch["errors"]["data"]] == ["empty_file"]
+    assert batch["endpoint"] == CHAT
+
+
+def test_a_job_of_bad_lines_only_fails_listing_them(llm, tmp_path: Path):
+    lines = ["not json", chat("hot", "hi", temperature="hot"), {"custom_id": "x"}]
+    opts = RunOptions(input=str(write_jsonl(tmp_path / "bad.jsonl", lines)), model="unused")
+    record = run_job(opts, llm=llm)
+    assert (record.status, record.total, record.failed) == ("failed", 3, 3)
+    batch = batch_json(resolve_paths(opts).batch)
+    assert [(e["code"], e["line"]) for e in batch["errors"]["data"]] == [
+        ("invalid_json", 1),
+        ("invalid_parameter", 2),
+        ("invalid_method", 3),
+    ]
+    assert batch["completed_at"] is None and batch["failed_at"] is not None
 
 
 def test_blank_lines_only_is_an_empty_job(llm, tmp_path: Path):

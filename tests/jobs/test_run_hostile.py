@@ -77,7 +77,7 @@ def test_a_poison_line_is_one_error_record_and_the_job_completes(llm, tmp_path: 
     for n in range(3, 2 + len(POISON)):
         assert errors[n]["error"]["code"] == "invalid_encoding", errors[n]
         assert NAMED[n - 1] in errors[n]["error"]["message"], errors[n]
-    assert errors[3]["custom_id"] is None  # the surrogate id itself is never echoed
+    assert errors[3]["custom_id"] == "kvbatch-line-3"  # the surrogate id itself is never echoed
     assert errors[4]["custom_id"] == "m"
     batch = json.loads((tmp_path / "out.batch.json").read_text())
     assert batch["request_counts"] == {"total": 2 + len(POISON), "completed": 2, "failed": 6}

@@ -46,13 +46,13 @@ JOB: list[tuple[bytes, str | SamplingParams | None]] = [
     (b"\n", None),
     (line("ok-chat", body={"messages": USER}), "duplicate_custom_id"),
     (line("bad-method", body={"messages": USER}, method="GET"), "invalid_method"),
-    (line("bad-url", "/v1/embeddings", {"input": "x"}), "invalid_url"),
+    (line("bad-url", "/v1/moderations", {"input": "x"}), "invalid_url"),
     (line("no-body"), "invalid_body"),
     (line("other-model", body={"model": "gpt-4o", "messages": USER}), "model_mismatch"),
     (line("no-messages", body={"temperature": 0}), "missing_messages"),
     (line("no-prompt", COMPLETIONS, {"max_tokens": 3}), "missing_prompt"),
     (line("bad-role", body={"messages": [{"role": "robot", "content": "x"}]}), "invalid_messages"),
-    (line("n3", body={"messages": USER, "n": 3}), "unsupported_parameter"),
+    (line("stream", body={"messages": USER, "stream": True}), "unsupported_parameter"),
     (
         line("tools", body={"messages": USER, "tools": [{"type": "function"}]}),
         "unsupported_parameter",
@@ -141,10 +141,10 @@ def test_messages_say_what_to_fix(job_file: Path):
     )
     by_id = {e.custom_id: e.message for e in errors.values() if e.custom_id}
     assert "did you mean 'max_tokens'?" in by_id["typo"]
-    assert "'n' = 3 is not supported" in by_id["n3"]
+    assert "'stream' = True is not supported" in by_id["stream"]
     assert "'tools'" in by_id["tools"]
     assert "'gpt-4o'" in by_id["other-model"] and MODEL in by_id["other-model"]
-    assert "'/v1/embeddings'" in by_id["bad-url"] and CHAT in by_id["bad-url"]
+    assert "'/v1/moderations'" in by_id["bad-url"] and CHAT in by_id["bad-url"]
     assert "earlier line" in by_id["ok-chat"]
     assert "'messages[0].role'" in by_id["bad-role"] and "'robot'" in by_id["bad-role"]
     [encoding] = [e for e in errors.values() if e.code == "invalid_encoding"]
@@ -158,10 +158,10 @@ def test_without_a_job_model_any_model_name_passes():
 
 
 def test_several_problems_make_one_record_that_lists_them():
-    raw = line(body={"messages": USER, "n": 2, "temperature": -1}, method="PUT")
+    raw = line(body={"messages": USER, "stream": True, "temperature": -1}, method="PUT")
     [record] = validate_lines([raw])
     assert record.code == "missing_custom_id" and record.custom_id is None
-    for part in ("custom_id", "'method'", "'n' = 2", "'temperature'"):
+    for part in ("custom_id", "'method'", "'stream' = True", "'temperature'"):
         assert part in record.message
 
 

@@ -1,0 +1,167 @@
+"""`/v1/embeddings` lines through `kvbatch run`, on a tiny random checkpoint with
+sentence-transformers' pooling files, against sentence-transformers on the same folder."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from openai.types import Batch, CreateEmbeddingResponse
+
+from kvbatch.jobs.finalize import read_manifest, try_finalize, write_shard_result
+from kvbatch.jobs.run import RunOptions, run_job
+from kvbatch.jobs.shards import job_dir, run_shard
+from kvbatch.jobs.submit import prepare_job
+from tests.engine.pooling.st_checkpoints import (
+    build_embedding_checkpoint,
+    ids_to_text,
+    st_embeddings,
+)
+
+MIN_COSINE = 0.9999
+EMBED = "/v1/embeddings"
+DOC = [5, 9, 14, 20, 33, 41, 7, 8, 90, 91, 92, 93]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from kvbatch.engine import LLM
+
+    path = build_embedding_checkpoint(tmp_path_factory.mktemp("embedder") / "m", mode="mean")
+    return LLM(model=str(path), device="cpu", block_size=4, num_kv_blocks=128, max_model_len=64)
+
+
+def line(custom_id: str, body: dict, url: str = EMBED) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def run(tmp_path: Path, llm, lines: list[dict]) -> tuple[dict, dict, dict]:
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    opts = RunOptions(model=llm.engine.config.model, input=str(path), model_name="embedder")
+    run_job(opts, llm=llm)
+
+    def read(name: str) -> dict:
+        file = tmp_path / name
+        rows = [json.loads(x) for x in file.read_text().splitlines()] if file.exists() else []
+        return {r["custom_id"]: r for r in rows}
+
+    batch = json.loads((tmp_path / "in.output.batch.json").read_text())
+    return read("in.output.jsonl"), read("in.output.errors.jsonl"), batch
+
+
+def vectors(body: dict) -> torch.Tensor:
+    rows = []
+    for item in body["data"]:
+        value = item["embedding"]
+        if isinstance(value, str):
+            value = np.frombuffer(base64.b64decode(value), dtype="<f4").copy()
+        rows.append(torch.tensor(value, dtype=torch.float32))
+    return torch.stack(rows)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape
+    assert F.cosine_similarity(got, want, dim=-1).min().item() >= MIN_COSINE
+
+
+def test_every_input_shape_matches_sentence_transformers(tmp_path: Path, llm):
+    texts = [ids_to_text(DOC + [50 + i]) for i in range(3)]
+    lines = [
+        line("one-string", {"input": texts[0], "model": "embedder"}),
+        line("strings", {"input": texts}),
+        line("ids", {"input": DOC + [50]}),
+        line("id-lists", {"input": [DOC + [51], DOC + [52]], "encoding_format": "base64"}),
+        line("short", {"input": texts[:2], "dimensions": 8}),
+        line("short-b64", {"input": texts[0], "dimensions": 8, "encoding_format": "base64"}),
+        line("too-wide", {"input": texts[0], "dimensions": 4096}),
+        line("bad-id", {"input": [DOC, [10**9]]}),
+        line("chat", {"messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions"),
+        line("empty", {"input": []}),
+    ]
+    out, errors, batch = run(tmp_path, llm, lines)
+    path = Path(llm.engine.config.model)
+    want = st_embeddings(path, texts)
+    for body in (r["response"]["body"] for r in out.values()):
+        # openai's client decodes base64 vectors into floats before it builds the type
+        decoded = [{**d, "embedding": v.tolist()} for d, v in zip(body["data"], vectors(body))]
+        CreateEmbeddingResponse.model_validate({**body, "data": decoded})
+        assert body["model"] == "embedder"
+    assert_close(vectors(out["one-string"]["response"]["body"]), want[:1])
+    assert_close(vectors(out["strings"]["response"]["body"]), want)
+    assert_close(vectors(out["ids"]["response"]["body"]), want[:1])
+    assert_close(vectors(out["id-lists"]["response"]["body"]), want[1:])
+    assert [d["index"] for d in out["strings"]["response"]["body"]["data"]] == [0, 1, 2]
+    usage = out["strings"]["response"]["body"]["usage"]
+    assert usage == {"prompt_tokens": 3 * (len(DOC) + 1), "total_tokens": 3 * (len(DOC) + 1)}
+
+    short = st_embeddings(path, texts[:2], truncate_dim=8, normalize_embeddings=True)
+    assert_close(vectors(out["short"]["response"]["body"]), short)
+    b64 = vectors(out["short-b64"]["response"]["body"])
+    assert torch.equal(b64, vectors(out["short"]["response"]["body"])[:1])  # base64 is exact
+
+    assert errors["too-wide"]["error"]["code"] == "invalid_parameter"
+    assert "dimensions=4096 is out of range" in errors["too-wide"]["error"]["message"]
+    assert errors["bad-id"]["error"]["code"] == "invalid_prompt"
+    assert "input 1: token id 1000000000" in errors["bad-id"]["error"]["message"]
+    assert errors["chat"]["error"]["code"] == "invalid_url"
+    assert "a batch has one endpoint" in errors["chat"]["error"]["message"]
+    assert errors["empty"]["error"]["code"] == "invalid_parameter"
+
+    record = Batch.model_validate(batch)
+    assert record.endpoint == EMBED
+    assert record.request_counts.completed == 6 and record.request_counts.failed == 4
+    assert record.usage.input_tokens == sum(
+        r["response"]["body"]["usage"]["prompt_tokens"] for r in out.values()
+    )
+
+
+def test_workers_answer_as_kvbatch_run(tmp_path: Path, llm):
+    """prepare_job cuts the job into shards (an embeddings line's inputs stay in one shard),
+    run_shard answers them, try_finalize merges: the same lines as `kvbatch run` writes."""
+    lines = [
+        line(f"doc-{i}", {"input": [ids_to_text(DOC[: 4 + i]), ids_to_text(DOC + [i])]})
+        for i in range(6)
+    ]
+    lines.append(line("b64", {"input": DOC, "encoding_format": "base64", "dimensions": 16}))
+    lines.append(line("too-wide", {"input": DOC, "dimensions": 4096}))
+    local_out, local_errors, _ = run(tmp_path, llm, lines)
+
+    src = tmp_path / "in.jsonl"
+    sub = prepare_job(
+        str(src),
+        str(tmp_path / "jobs"),
+        llm.engine.config.model,
+        model_name="embedder",
+        shard_tokens=40,
+        block_size=4,
+        max_model_len=64,
+    )
+    assert len(sub.messages) > 1 and sub.num_requests == len(lines)
+    job = job_dir(str(tmp_path / "jobs"), sub.job_id)
+    manifest = read_manifest(job)
+    for msg in sub.messages:
+        records = run_shard(
+            llm,
+            msg,
+            model_name=manifest["model_name"],
+            batch_id=manifest["batch_id"],
+            created=manifest["created_at"],
+        )
+        assert write_shard_result(job, msg.shard_id, records)
+    record = try_finalize(job)
+    assert record is not None and record.endpoint == EMBED
+    out = [json.loads(x) for x in (Path(job.uri) / "output.jsonl").read_text().splitlines()]
+    assert [x["custom_id"] for x in out] == [x["custom_id"] for x in lines[:-1]]
+    for got in out:
+        want = local_out[got["custom_id"]]["response"]["body"]
+        assert_close(vectors(got["response"]["body"]), vectors(want))
+        assert got["response"]["body"]["usage"] == want["usage"]
+    errors = [json.loads(x) for x in (Path(job.uri) / "errors.jsonl").read_text().splitlines()]
+    assert [e["custom_id"] for e in errors] == ["too-wide"] == list(local_errors)
+    assert record.completed == len(lines) - 1 and record.failed == 1
