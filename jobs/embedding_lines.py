@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbatch.engine.pooling.openai_body import embedding_response
 from kvbatch.jobs.responses import embedding_line, error_line
 from kvbatch.jobs.validate import JobRequest, LineError
 
@@ -37,6 +36,10 @@ class EmbeddingLines:
         if refused is not None:
             which = f"input {outputs.index(refused)}: " if req.num_inputs > 1 else ""
             return self._error(req, "invalid_prompt", which + refused.error)
+        # Imported here, not with the module: the body stacks vectors with torch, and the
+        # commands that read shards without answering them (status, finalize) never load it.
+        from kvbatch.engine.pooling.openai_body import embedding_response
+
         try:
             body = embedding_response(
                 outputs,
