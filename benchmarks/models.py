@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from kvbatch.bench.rtn_w4a16 import gptq_quantization_config, quantize_rtn
+from kvbatch.bench.workloads import WEIGHT_FORMATS
+
 CACHE_ENV = "KVBATCH_CACHE"
 
 
@@ -48,6 +51,15 @@ class ModelSpec:
     initializer_range: float = 0.02
     dtype: str = "bfloat16"  # what the safetensors hold
     seed: int = 0
+    # "float", or "w4a16": the decoder linears rounded to 4 bits (benchmarks/rtn_w4a16.py)
+    weights: str = "float"
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"model {self.name!r}: weights must be one of {', '.join(WEIGHT_FORMATS)}, "
+                f"got {self.weights!r}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -97,7 +109,10 @@ class ModelSpec:
 
     def key(self) -> str:
         """A short digest of every field: a changed shape never reuses an old folder."""
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        fields = dataclasses.asdict(self)
+        if self.weights == "float":  # the field's default: float models keep their old keys
+            del fields["weights"]
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -138,7 +153,25 @@ TINY_LLAMA = ModelSpec(
 )
 """The same architecture shrunk so `--tiny` runs on the CPU in seconds."""
 
-MODEL_SPECS: dict[str, ModelSpec] = {s.name: s for s in (LLAMA_3_2_1B, TINY_LLAMA)}
+LLAMA_3_1_8B_8_LAYERS = ModelSpec(
+    name="llama-3.1-8b-8-layers-random",
+    hidden_size=4096,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    rope_scaling=LLAMA3_ROPE_SCALING,
+)
+"""Llama-3.1-8B's layer shapes, 8 of its 32 layers (2.8 B parameters), random weights: each
+decode step reads the same GEMM shapes as the 8B model, a quarter of them, so the weights'
+bytes per step (what a memory-bound step waits on) compare between formats as in the 8B."""
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    s.name: s for s in (LLAMA_3_2_1B, LLAMA_3_1_8B_8_LAYERS, TINY_LLAMA)
+}
 
 
 def random_weights(spec: ModelSpec, device: str | torch.device | None = None) -> dict[str, Any]:
@@ -169,13 +202,18 @@ def random_weights(spec: ModelSpec, device: str | torch.device | None = None) ->
     return weights
 
 
-def random_model_dir(spec: ModelSpec | str, cache_dir: str | Path | None = None) -> Path:
-    """The folder of `spec`'s random model, built on first use and cached (no network)."""
+def random_model_dir(
+    spec: ModelSpec | str, cache_dir: str | Path | None = None, weights: str | None = None
+) -> Path:
+    """The folder of `spec`'s random model, built on first use and cached (no network);
+    `weights` ("float", "w4a16") overrides the spec's format."""
     if isinstance(spec, str):
         try:
             spec = MODEL_SPECS[spec]
         except KeyError:
             raise ValueError(f"unknown model {spec!r}; known: {', '.join(MODEL_SPECS)}") from None
+    if weights is not None:
+        spec = dataclasses.replace(spec, weights=weights)
     root = _cache_root(cache_dir) / "random-models"
     dest = root / f"{spec.name}-{spec.key()}"
     if _complete(dest):
@@ -203,8 +241,12 @@ def build_random_model(spec: ModelSpec, folder: str | Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     config = spec.config()
     config.dtype = spec.dtype
+    weights = random_weights(spec)
+    if spec.weights == "w4a16":
+        config.quantization_config = gptq_quantization_config()
+        weights = quantize_rtn(weights)
     config.save_pretrained(str(folder))
-    save_file(random_weights(spec), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "kvbatch-spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2))
     return folder
 
