@@ -44,13 +44,20 @@ LLAMA_8B_RANDOM = "llama-3.1-8b-8-layers-random"
 """Llama-3.1-8B's layer shapes, 8 layers, random weights (kvbatch.bench.models), for
 `decode-small-batch`."""
 
+QWEN3_MOE_RANDOM = "qwen3-30b-a3b-4-layers-random"
+"""Qwen3-30B-A3B's layer shapes, 4 layers, random weights (kvbatch.bench.models), for
+`rag-moe`."""
+
 TINY_RANDOM = "llama-tiny-random"
 """The same architecture shrunk (kvbatch.bench.models.TINY_LLAMA), for the `--tiny` variants."""
+
+TINY_MOE_RANDOM = "qwen3-moe-tiny-random"
+"""Qwen3-MoE shrunk (kvbatch.bench.models.TINY_QWEN3_MOE), for `rag-moe --tiny`."""
 
 WEIGHT_FORMATS = ("float", "w4a16")
 """A random model's weights: float, or rounded to 4 bits (kvbatch.bench.rtn_w4a16)."""
 
-RANDOM_MODELS = (LLAMA_1B_RANDOM, LLAMA_8B_RANDOM, TINY_RANDOM)
+RANDOM_MODELS = (LLAMA_1B_RANDOM, LLAMA_8B_RANDOM, QWEN3_MOE_RANDOM, TINY_RANDOM, TINY_MOE_RANDOM)
 """The models built from a shape with random weights (kvbatch.bench.models.random_model_dir)."""
 
 
@@ -256,6 +263,17 @@ _DECODE_SMALL_BATCH = Workload(
     "per step, bfloat16 against W4A16 (--weights w4a16) and FP8 (--quantization fp8)",
 )
 
+_RAG_MOE = dataclasses.replace(
+    _RAG,
+    name="rag-moe",
+    model=QWEN3_MOE_RANDOM,
+    num_documents=8,
+    chunks_per_document=16,
+    floor_seconds=None,
+    description="rag's prompts (8 documents x 16 chunks) on Qwen3-30B-A3B's layers (4 of 48): "
+    "the fused MoE kernel against transformers' static generate",
+)
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -270,6 +288,7 @@ WORKLOADS: dict[str, Workload] = {
         _NO_SHARE_GPU,
         _LONG_PREFILL,
         _DECODE_SMALL_BATCH,
+        _RAG_MOE,
     )
 }
 """Registry by name (`kvbatch bench NAME`)."""
@@ -312,6 +331,12 @@ TINY_WORKLOADS: dict[str, Workload] = {
         long_prompt_after=8,
         long_output_len=4,
         description="long-prefill's structure on the tiny model, for the CPU",
+    ),
+    "rag-moe": dataclasses.replace(
+        _TINY_RAG,
+        name="rag-moe-tiny",
+        model=TINY_MOE_RANDOM,
+        description="rag-moe's structure on a tiny Qwen3-MoE, for the CPU",
     ),
     "decode-small-batch": dataclasses.replace(
         _DECODE_SMALL_BATCH,

@@ -32,6 +32,19 @@
 #                 kernels ranked, and how busy the GPU was)
 #   long-prefill  kvbatch bench long-prefill --json long-prefill.json (the defaults: chunks
 #                 of the 32k prompt sized from timed steps, long_prefill_step_ratio 2.5)
+#   quant-greedy  scripts/quant_greedy_check.py: online FP8 and a W4A16 (GPTQ, rounded random
+#                 weights) model on kvbatch.kernels' GEMMs against the reference path, float32,
+#                 tiny and rag-shape models (--cpu: tiny, the Triton interpreter)
+#   moe-greedy    scripts/greedy_check.py --models tiny-moe: a tiny Qwen3-MoE (fused MoE kernel)
+#                 against transformers, float32 (--cpu: the Triton interpreter)
+#   rag-moe       kvbatch bench rag-moe --peers hf-static --repeat 1 --json moe-rag.json: rag's
+#                 prompts on Qwen3-30B-A3B's layer shapes, 4 of its 48 layers, random weights
+#                 (skipped past BUDGET_S)
+#   quant-ROW     kvbatch bench rows of the quantized formats, kvbatch alone, into quant-ROW.json,
+#                 most wanted first: no-share-gpu bf16 / FP8 / FP8 + FP8 KV, rag FP8, then
+#                 decode-small-batch (Llama-3.1-8B's layers, 8 of them) at batch 1 and 8 in
+#                 bf16 / W4A16 / FP8, then W4A16 and FP8 KV rows of rag and no-share-gpu
+#                 ($QUANT_ROWS picks them, empty skips them); each skipped past BUDGET_S
 #   long-prefill-eager  the same with --cuda-graph-max-chunk 0 into long-prefill-eager.json:
 #                 every step with a chunk eager, as before mixed-step CUDA graphs (what they
 #                 gain; LONG_PREFILL_EAGER=0 skips it; skipped past BUDGET_S like the caps)
@@ -114,6 +127,12 @@ if [ "$CPU" = 1 ]; then
   BUDGET_S=${BUDGET_S:-900}  # the optional steps' test: the CPU's limits are longer
   PER_TEST_TIMEOUT=${PER_TEST_TIMEOUT:-120}  # the interpreter: slower than CUDA per test
   GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-180}
+  QUANT_GREEDY=(env TRITON_INTERPRET=1 "$PY" scripts/quant_greedy_check.py --device cpu
+                --models tiny)
+  QUANT_GREEDY_TIMEOUT=${QUANT_GREEDY_TIMEOUT:-240}
+  MOE_GREEDY=(env TRITON_INTERPRET=1 "$PY" scripts/greedy_check.py --device cpu --backend triton
+              --models tiny-moe)
+  MOE_GREEDY_TIMEOUT=${MOE_GREEDY_TIMEOUT:-240}
   QUANT_GEMM=(--device cpu --shapes 256x128,200x72 --batches 1,5)
   SPLITS=(--device cpu --context 1100 --chunks 4 --splits 1,3 --kv-heads 1 --group 2 --head-dim 16
           --cascade-groups 2 --cascade-rows 3 --cascade-keys 600)
@@ -125,6 +144,8 @@ else
   MODE=gpu
   TINY=()
   GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny,rag)
+  QUANT_GREEDY=("$PY" scripts/quant_greedy_check.py --device cuda --models tiny,rag)
+  MOE_GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny-moe)
   SPLITS=()
   QUANT_GEMM=()
   LONG_PREFILL_DEFAULTS=()
@@ -144,6 +165,10 @@ TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-150}  # room for a cold Triton cache
 # off the whole summary. (A wait inside a CUDA call is only cut by the step's limit.)
 PER_TEST_TIMEOUT=${PER_TEST_TIMEOUT:-75}
 GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-100}
+QUANT_GREEDY_TIMEOUT=${QUANT_GREEDY_TIMEOUT:-120}
+QUANT_ROW_TIMEOUT=${QUANT_ROW_TIMEOUT:-60}  # each row; skipped past BUDGET_S
+MOE_GREEDY_TIMEOUT=${MOE_GREEDY_TIMEOUT:-60}
+RAG_MOE_TIMEOUT=${RAG_MOE_TIMEOUT:-150}  # builds the 3.1 B-parameter model; skipped past BUDGET_S
 RAG_TIMEOUT=${RAG_TIMEOUT:-200}
 LONG_PREFILL_TIMEOUT=${LONG_PREFILL_TIMEOUT:-70}
 LONG_PREFILL_CAP_TIMEOUT=${LONG_PREFILL_CAP_TIMEOUT:-60}  # each; skipped past BUDGET_S
@@ -156,7 +181,8 @@ mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 LOG="$OUT_DIR/gpu-check.log"
 STEPS="$OUT_DIR/steps.tsv"
-rm -f "$OUT_DIR"/rag*.json "$OUT_DIR"/long-prefill*.json "$OUT_DIR/summary.txt"
+rm -f "$OUT_DIR"/rag*.json "$OUT_DIR"/long-prefill*.json "$OUT_DIR"/quant-*.json \
+  "$OUT_DIR"/moe-*.json "$OUT_DIR/summary.txt"
 STEP_LOG="$(mktemp)"
 trap 'rm -rf "$STEP_LOG" "$NAMESPACE"' EXIT
 printf 'step\tstatus\trc\tseconds\tlimit\tlast line\n' > "$STEPS"
@@ -257,6 +283,45 @@ read -r -a LONG_PREFILL_EXTRA <<< "${LONG_PREFILL_ARGS:-}"
 step long-prefill "$LONG_PREFILL_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill ${TINY[@]+"${TINY[@]}"} \
   ${LONG_PREFILL_DEFAULTS[@]+"${LONG_PREFILL_DEFAULTS[@]}"} \
   ${LONG_PREFILL_EXTRA[@]+"${LONG_PREFILL_EXTRA[@]}"} --json "$OUT_DIR/long-prefill.json"
+# Quantized paths: the kernels' greedy tokens against the reference path, then the benchmark
+# rows, most wanted first, each kvbatch alone and skipped when it could not end inside BUDGET_S
+# (QUANT_ROWS: the rows to run, space-separated names of QUANT_ROW_FLAGS; empty skips them)
+step quant-greedy "$QUANT_GREEDY_TIMEOUT" "${QUANT_GREEDY[@]}"
+# A mixture-of-experts model: greedy tokens against transformers, then rag-moe against
+# transformers' static generate (skipped past BUDGET_S)
+step moe-greedy "$MOE_GREEDY_TIMEOUT" "${MOE_GREEDY[@]}"
+if wanted rag-moe && fits rag-moe "$RAG_MOE_TIMEOUT"; then
+  step rag-moe "$RAG_MOE_TIMEOUT" "$PY" -m kvbatch.cli bench rag-moe ${TINY[@]+"${TINY[@]}"} \
+    --peers hf-static --repeat 1 --json "$OUT_DIR/moe-rag.json"
+elif ! wanted rag-moe; then
+  skip rag-moe "not in --only"
+fi
+declare -A QUANT_ROW_FLAGS=(
+  [no-share-bf16]="no-share-gpu"
+  [no-share-fp8]="no-share-gpu --quantization fp8"
+  [rag-fp8]="rag --quantization fp8"
+  [no-share-fp8-kv]="no-share-gpu --quantization fp8 --kv-cache-dtype fp8"
+  [decode-b1-bf16]="decode-small-batch --max-num-seqs 1"
+  [decode-b1-w4a16]="decode-small-batch --max-num-seqs 1 --weights w4a16"
+  [decode-b1-fp8]="decode-small-batch --max-num-seqs 1 --quantization fp8"
+  [decode-b8-bf16]="decode-small-batch --max-num-seqs 8"
+  [decode-b8-w4a16]="decode-small-batch --max-num-seqs 8 --weights w4a16"
+  [decode-b8-fp8]="decode-small-batch --max-num-seqs 8 --quantization fp8"
+  [no-share-w4a16]="no-share-gpu --weights w4a16"
+  [rag-fp8-kv]="rag --quantization fp8 --kv-cache-dtype fp8"
+  [rag-w4a16]="rag --weights w4a16"
+)
+read -r -a QUANT_ROW_LIST <<< "${QUANT_ROWS-no-share-bf16 no-share-fp8 rag-fp8 no-share-fp8-kv \
+decode-b1-bf16 decode-b1-w4a16 decode-b1-fp8 decode-b8-bf16 decode-b8-w4a16 decode-b8-fp8 \
+no-share-w4a16 rag-fp8-kv rag-w4a16}"
+for row in ${QUANT_ROW_LIST[@]+"${QUANT_ROW_LIST[@]}"}; do
+  if [ -z "${QUANT_ROW_FLAGS[$row]+set}" ]; then skip "quant-$row" "unknown row"; continue; fi
+  wanted "quant-$row" || { skip "quant-$row" "not in --only"; continue; }
+  fits "quant-$row" "$QUANT_ROW_TIMEOUT" || continue
+  read -r -a row_flags <<< "${QUANT_ROW_FLAGS[$row]}"
+  step "quant-$row" "$QUANT_ROW_TIMEOUT" "$PY" -m kvbatch.cli bench "${row_flags[@]}" \
+    ${TINY[@]+"${TINY[@]}"} --json "$OUT_DIR/quant-$row.json"
+done
 # The same with every mixed step eager (no CUDA graphs for steps with a chunk): what the
 # mixed-step graphs gain; LONG_PREFILL_EAGER=0 skips it
 if [ "${LONG_PREFILL_EAGER:-1}" = 1 ] && fits long-prefill-eager "$LONG_PREFILL_CAP_TIMEOUT"; then

@@ -72,3 +72,21 @@ def test_w4a16_weights_refuse_a_model_path_and_peers(tmp_path, capsys):
     assert "--weights w4a16 applies to the random models" in capsys.readouterr().err
     assert cli.main(["rag", "--tiny", "--weights", "w4a16", "--peers", "hf-static"]) == 2
     assert "drop --peers hf-static" in capsys.readouterr().err
+
+
+def test_moe_spec_builds_qwen3_moe_with_its_own_head_dim():
+    from kvbatch.bench.models import QWEN3_30B_A3B_4_LAYERS, TINY_QWEN3_MOE
+
+    config = QWEN3_30B_A3B_4_LAYERS.config()
+    assert config.model_type == "qwen3_moe"
+    assert (config.num_experts, config.num_experts_per_tok, config.head_dim) == (128, 8, 128)
+    # 4 layers of 128 experts x 3 x 2048 x 768 dominate: about 3.1 B parameters
+    assert 3.0e9 < QWEN3_30B_A3B_4_LAYERS.num_parameters() < 3.2e9
+    assert TINY_QWEN3_MOE.key() != TINY_LLAMA.key()
+
+
+def test_rag_moe_runs_against_transformers(random_cache, capsys):
+    assert cli.main(["rag-moe", "--tiny", "--peers", "hf-static"]) == 0
+    out = capsys.readouterr().out
+    assert "rag-moe-tiny:" in out and "model qwen3-moe-tiny-random" in out
+    assert "hf-static" in out and "4/4" in out  # greedy tokens equal transformers'
