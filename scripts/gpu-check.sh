@@ -37,14 +37,14 @@
 #                 tiny and rag-shape models (--cpu: tiny, the Triton interpreter)
 #   moe-greedy    scripts/greedy_check.py --models tiny-moe: a tiny Qwen3-MoE (fused MoE kernel)
 #                 against transformers, float32 (--cpu: the Triton interpreter)
-#   rag-moe       kvbatch bench rag-moe --peers hf-static --repeat 1 --json moe-rag.json: rag's
-#                 prompts on Qwen3-30B-A3B's layer shapes, 4 of its 48 layers, random weights
-#                 (skipped past BUDGET_S)
 #   quant-ROW     kvbatch bench rows of the quantized formats, kvbatch alone, into quant-ROW.json,
 #                 most wanted first: no-share-gpu bf16 / FP8 / FP8 + FP8 KV, rag FP8, then
 #                 decode-small-batch (Llama-3.1-8B's layers, 8 of them) at batch 1 and 8 in
 #                 bf16 / W4A16 / FP8, then W4A16 and FP8 KV rows of rag and no-share-gpu
 #                 ($QUANT_ROWS picks them, empty skips them); each skipped past BUDGET_S
+#   rag-moe       kvbatch bench rag-moe --peers hf-static --repeat 1 --json moe-rag.json: rag's
+#                 prompts on Qwen3-30B-A3B's layer shapes, 4 of its 48 layers, random weights
+#                 (skipped past BUDGET_S)
 #   long-prefill-eager  the same with --cuda-graph-max-chunk 0 into long-prefill-eager.json:
 #                 every step with a chunk eager, as before mixed-step CUDA graphs (what they
 #                 gain; LONG_PREFILL_EAGER=0 skips it; skipped past BUDGET_S like the caps)
@@ -71,12 +71,15 @@
 #
 # The results folder gets gpu-check.log (every step's output), steps.tsv, rag.json,
 # rag-hf-cb.json, long-prefill.json, long-prefill-eager.json, long-prefill-gc.json,
-# rag-sweep.json and summary.txt (nine, a cap's file more: the device tool brings back eight
-# files, so there run it with `--out /tmp/gpu-check` and end the command with
+# rag-sweep.json, quant-ROW.json (one per row), moe-rag.json and summary.txt (more than the
+# eight files the device tool brings back, so there run it with `--out /tmp/gpu-check` and end
+# the command with
 # `tar -czf $OUT/gpu-check.tgz -C /tmp/gpu-check . ; cp /tmp/gpu-check/summary.txt $OUT/`). Each
 # step's time limit can be changed through the environment (e.g. RAG_TIMEOUT=400); the
-# limits add up to 1185 s, a run
-# takes about 5 to 6 minutes, and if the run is cut short every finished step's files are there.
+# required steps' limits add up to 1035 s, the optional ones (eager, gc, caps, quant rows,
+# rag-moe, hf-cb, sweep) run only while the run can end inside BUDGET_S; before the quantized
+# steps a run took about 5 to 6 minutes (the quantized and MoE ones are not yet timed on a
+# GPU), and if the run is cut short every finished step's files are there.
 # PER_TEST_TIMEOUT (75 s; 120 with --cpu) bounds each test of the kernels and triton-test steps,
 # whose logs also list their slowest tests.
 # LONG_PREFILL_ARGS adds options to the long-prefill bench (e.g.
@@ -150,8 +153,8 @@ else
   QUANT_GEMM=()
   LONG_PREFILL_DEFAULTS=()
 fi
-# GPU limits add up to 1185 s (first Triton compiles included); a run takes about 5 to 6
-# minutes, and the optional steps (caps, sweep) keep it inside BUDGET_S.
+# The required steps' GPU limits add up to 1035 s (first Triton compiles included); the
+# optional steps (caps, quant rows, rag-moe, sweep) keep the run inside BUDGET_S.
 VERSIONS_TIMEOUT=${VERSIONS_TIMEOUT:-20}
 # with a cold Triton cache the compiles are most of this step (hence the workers below); once
 # compiled the tests themselves take seconds
@@ -166,7 +169,8 @@ TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-150}  # room for a cold Triton cache
 PER_TEST_TIMEOUT=${PER_TEST_TIMEOUT:-75}
 GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-100}
 QUANT_GREEDY_TIMEOUT=${QUANT_GREEDY_TIMEOUT:-120}
-QUANT_ROW_TIMEOUT=${QUANT_ROW_TIMEOUT:-60}  # each row; skipped past BUDGET_S
+# each row (the first decode rows build the 2.8 B-parameter model); skipped past BUDGET_S
+QUANT_ROW_TIMEOUT=${QUANT_ROW_TIMEOUT:-90}
 MOE_GREEDY_TIMEOUT=${MOE_GREEDY_TIMEOUT:-60}
 RAG_MOE_TIMEOUT=${RAG_MOE_TIMEOUT:-150}  # builds the 3.1 B-parameter model; skipped past BUDGET_S
 RAG_TIMEOUT=${RAG_TIMEOUT:-200}
@@ -287,15 +291,8 @@ step long-prefill "$LONG_PREFILL_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefil
 # rows, most wanted first, each kvbatch alone and skipped when it could not end inside BUDGET_S
 # (QUANT_ROWS: the rows to run, space-separated names of QUANT_ROW_FLAGS; empty skips them)
 step quant-greedy "$QUANT_GREEDY_TIMEOUT" "${QUANT_GREEDY[@]}"
-# A mixture-of-experts model: greedy tokens against transformers, then rag-moe against
-# transformers' static generate (skipped past BUDGET_S)
+# A mixture-of-experts model: greedy tokens against transformers (rag-moe follows the rows)
 step moe-greedy "$MOE_GREEDY_TIMEOUT" "${MOE_GREEDY[@]}"
-if wanted rag-moe && fits rag-moe "$RAG_MOE_TIMEOUT"; then
-  step rag-moe "$RAG_MOE_TIMEOUT" "$PY" -m kvbatch.cli bench rag-moe ${TINY[@]+"${TINY[@]}"} \
-    --peers hf-static --repeat 1 --json "$OUT_DIR/moe-rag.json"
-elif ! wanted rag-moe; then
-  skip rag-moe "not in --only"
-fi
 declare -A QUANT_ROW_FLAGS=(
   [no-share-bf16]="no-share-gpu"
   [no-share-fp8]="no-share-gpu --quantization fp8"
@@ -322,6 +319,13 @@ for row in ${QUANT_ROW_LIST[@]+"${QUANT_ROW_LIST[@]}"}; do
   step "quant-$row" "$QUANT_ROW_TIMEOUT" "$PY" -m kvbatch.cli bench "${row_flags[@]}" \
     ${TINY[@]+"${TINY[@]}"} --json "$OUT_DIR/quant-$row.json"
 done
+# rag-moe against transformers' static generate, if BUDGET_S allows
+if ! wanted rag-moe; then
+  skip rag-moe "not in --only"
+elif fits rag-moe "$RAG_MOE_TIMEOUT"; then
+  step rag-moe "$RAG_MOE_TIMEOUT" "$PY" -m kvbatch.cli bench rag-moe ${TINY[@]+"${TINY[@]}"} \
+    --peers hf-static --repeat 1 --json "$OUT_DIR/moe-rag.json"
+fi
 # The same with every mixed step eager (no CUDA graphs for steps with a chunk): what the
 # mixed-step graphs gain; LONG_PREFILL_EAGER=0 skips it
 if [ "${LONG_PREFILL_EAGER:-1}" = 1 ] && fits long-prefill-eager "$LONG_PREFILL_CAP_TIMEOUT"; then
