@@ -23,6 +23,7 @@
 #                 error against the float GEMM of the same weights; --cpu: two tiny shapes)
 #   triton-test   pytest -q tests/engine/attention/test_triton_backend.py
 #                 tests/engine/attention/test_fp8_kv_cache.py tests/engine/exec/test_cuda_graphs.py
+#                 tests/engine/quant/test_gemm_kernels.py (the quantized layers' kernel path)
 #   greedy        scripts/greedy_check.py: kvbatch (triton backend, float32) vs transformers on
 #                 a tiny random model and on the rag-shape model (--cpu: the tiny one, with
 #                 the Triton interpreter)
@@ -277,7 +278,7 @@ step quant-gemm "$QUANT_GEMM_TIMEOUT" "$PY" scripts/quant_gemm_bench.py \
   ${QUANT_GEMM[@]+"${QUANT_GEMM[@]}"}
 step triton-test "$TRITON_TEST_TIMEOUT" "${PYTEST[@]}" \
   tests/engine/attention/test_triton_backend.py tests/engine/attention/test_fp8_kv_cache.py \
-  tests/engine/exec/test_cuda_graphs.py
+  tests/engine/exec/test_cuda_graphs.py tests/engine/quant/test_gemm_kernels.py
 step greedy "$GREEDY_TIMEOUT" "${GREEDY[@]}"
 step rag "$RAG_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} \
   --peers "${RAG_PEERS:-hf-static,kvbatch-sync}" --repeat "${RAG_REPEAT:-2}" --kernel-profile \

@@ -12,6 +12,8 @@ order of float32 sums, and an activation that lands on a rounding boundary can f
 quantization step: a broken kernel answers garbage from the first token, a correct one agrees
 for many. Each prompt must agree on its first MIN_AGREE tokens and the chosen tokens'
 logprobs must stay within LOGPROB_TOL where the tokens agree. Exit status 0 when all pass.
+Both engines keep their defaults otherwise: on CUDA the kernels run's decode steps replay CUDA
+graphs, so the quantized GEMMs are checked inside captured graphs too.
 """
 
 from __future__ import annotations
