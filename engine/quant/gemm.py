@@ -44,7 +44,7 @@ GEMM_BACKENDS: tuple[str, ...] = ("torch", "triton")
 
 # Rows (tokens in the step) up to which the W4A16 kernel runs; above it the weight is
 # dequantized and cuBLAS multiplies. Unmeasured default: the crossover is to be set from
-# scripts/quant_gemm_bench.py's table on the GPU (docs/BENCHMARKS.md).
+# scripts/quant_gemm_bench.py on the GPU, whose last line gives it (docs/BENCHMARKS.md).
 WNA16_KERNEL_MAX_BATCH = 64
 
 
