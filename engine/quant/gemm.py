@@ -57,6 +57,8 @@ def fp8_linear(
     float_weight: torch.Tensor | None,  # the dequantized weight, off CUDA
     backend: GemmBackend = "torch",
 ) -> torch.Tensor:
+    """FP8 W8A8: x quantized per token (or with the static input_scale), times the FP8 weight,
+    both scales applied once, + bias."""
     if backend == "triton":
         return _on_rows(x, lambda rows: _fp8_kernels(rows, weight, weight_scale, input_scale, bias))
     if _scaled_mm_serves(x, weight):
@@ -76,6 +78,8 @@ def int8_linear(
     float_weight: torch.Tensor | None,
     backend: GemmBackend = "torch",
 ) -> torch.Tensor:
+    """INT8 W8A8: x quantized symmetrically per token (compressed-tensors' convention), times
+    the int8 weight, both scales applied once, + bias."""
     if backend == "triton":
         return _on_rows(x, lambda rows: _int8_kernels(rows, weight, weight_scale, bias))
     if (
@@ -97,6 +101,8 @@ def wna16_linear(
     float_weight: torch.Tensor | None,
     backend: GemmBackend = "torch",
 ) -> torch.Tensor:
+    """Weight-only 4/8-bit: x times the dequantized weight (in registers by the kernel for small
+    batches, whole for large ones), + bias."""
     if backend == "triton" and x.numel() <= WNA16_KERNEL_MAX_BATCH * x.shape[-1]:
         return _on_rows(x, lambda rows: _wna16_kernel(rows, weights, bias))
     if float_weight is None:  # on the GPU above the kernel's batches: dequantize per call
