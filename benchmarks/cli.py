@@ -201,6 +201,11 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
     unknown = [n for n in peers if n not in PEERS]
     if unknown:
         raise BenchError(f"unknown peer {', '.join(unknown)}; known: {', '.join(PEERS)}")
+    if args.weights != "float" and args.quantization is not None:
+        raise BenchError(
+            f"--weights {args.weights} is already quantized: drop --quantization "
+            f"{args.quantization} (or use --weights float)"
+        )
     others = [n for n in peers if not n.startswith("kvbatch")]
     if args.weights != "float" and others:
         raise BenchError(

@@ -72,6 +72,8 @@ def test_w4a16_weights_refuse_a_model_path_and_peers(tmp_path, capsys):
     assert "--weights w4a16 applies to the random models" in capsys.readouterr().err
     assert cli.main(["rag", "--tiny", "--weights", "w4a16", "--peers", "hf-static"]) == 2
     assert "drop --peers hf-static" in capsys.readouterr().err
+    assert cli.main(["rag", "--tiny", "--weights", "w4a16", "--quantization", "fp8"]) == 2
+    assert "is already quantized: drop --quantization fp8" in capsys.readouterr().err
 
 
 def test_moe_spec_builds_qwen3_moe_with_its_own_head_dim():
