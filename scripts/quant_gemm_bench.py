@@ -146,6 +146,8 @@ def crossover_lines(w4_times: dict[str, dict[int, dict[str, float]]]) -> list[st
         return []
     lines = [
         f"w4a16 {shape}: fused kernel as fast as dequantize-then-GEMM up to M = {limit}"
+        if limit is not None
+        else f"w4a16 {shape}: dequantize-then-GEMM faster already at M = {min(w4_times[shape])}"
         for shape, limit in limits.items()
     ]
     known = [v for v in limits.values() if v is not None]
