@@ -35,7 +35,13 @@ from kvbatch.bench.sweep import (
     parse_list,
     run_sweep,
 )
-from kvbatch.bench.workloads import TINY_WORKLOADS, WORKLOADS, Workload, get_workload
+from kvbatch.bench.workloads import (
+    TINY_WORKLOADS,
+    WEIGHT_FORMATS,
+    WORKLOADS,
+    Workload,
+    get_workload,
+)
 from kvbatch.engine_args import add_gpu_tuning_args
 
 TOOLS: dict[str, Callable[[list[str] | None], int]] = {
@@ -134,6 +140,19 @@ def build_parser(workload: str | None = None) -> argparse.ArgumentParser:
     )
     add_gpu_tuning_args(e)
     e.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        help="quantize the float weights at load (kvbatch only): fp8 = FP8 W8A8, per-channel "
+        "weight scales, per-token activation scales",
+    )
+    e.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default="float",
+        help="the random model's weights: float, or w4a16 (rounded to 4 bits in groups of "
+        "128 and written as a GPTQ checkpoint; kvbatch only)",
+    )
+    e.add_argument(
         "--freeze-gc",
         action=argparse.BooleanOptionalAction,
         help="freeze the heap the engine starts with, out of the cycle collector's full "
@@ -182,6 +201,17 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
     unknown = [n for n in peers if n not in PEERS]
     if unknown:
         raise BenchError(f"unknown peer {', '.join(unknown)}; known: {', '.join(PEERS)}")
+    if args.weights != "float" and args.quantization is not None:
+        raise BenchError(
+            f"--weights {args.weights} is already quantized: drop --quantization "
+            f"{args.quantization} (or use --weights float)"
+        )
+    others = [n for n in peers if not n.startswith("kvbatch")]
+    if args.weights != "float" and others:
+        raise BenchError(
+            f"--weights {args.weights} is a GPTQ checkpoint that only kvbatch loads here: drop "
+            f"--peers {','.join(others)} (compare with a float run of kvbatch instead)"
+        )
     options = EngineOptions(
         device=args.device or workload.device,
         dtype=args.dtype or workload.dtype,
@@ -191,6 +221,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         attention_backend=args.attention_backend,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         long_prefill_step_ratio=args.long_prefill_step_ratio,
@@ -201,7 +232,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
     )
     return BenchConfig(
         workload=workload,
-        model_path=resolve_model(workload, args.model),
+        model_path=resolve_model(workload, args.model, weights=args.weights),
         engines=engine_order(peers, include_kvbatch=not args.skip_kvbatch),
         options=options,
         repeat=args.repeat,

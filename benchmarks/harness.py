@@ -42,9 +42,8 @@ from kvbatch.bench.peers import (
 from kvbatch.bench.step_profile import format_step_profile
 from kvbatch.bench.text_table import format_rows
 from kvbatch.bench.workloads import (
-    LLAMA_1B_RANDOM,
+    RANDOM_MODELS,
     SMOLLM2,
-    TINY_RANDOM,
     Workload,
     make_long_prompt,
     make_prompts,
@@ -220,6 +219,8 @@ class BenchReport:
                 f"{x.get('cached_prompt_tokens')} of {x.get('prompt_tokens')} prompt tokens "
                 f"cached ({_fmt(self.cached_token_fraction)}) in the last run"
             )
+            if x.get("stats"):
+                lines.append(format_weights_and_kv(x["stats"]))
             if x.get("step_profile", {}).get("steps"):
                 lines.append(format_step_profile(x["step_profile"]))
             if x.get("kernel_profile"):
@@ -230,6 +231,19 @@ class BenchReport:
         )
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def format_weights_and_kv(stats: dict[str, Any]) -> str:
+    """One line from kvbatch's LLM.stats(): the weights' size and format, and the KV pool's
+    element dtype and capacity in tokens (what quantizing the weights or the cache changes)."""
+    size = stats.get("weight_bytes", 0) / (1 << 30)
+    size_text = f"{size:.2f} GiB" if size >= 0.1 else f"{size * 1024:.2f} MiB"
+    fmt = stats.get("quantization") or "float"
+    blocks, block_size = stats.get("num_kv_blocks", 0), stats.get("block_size", 0)
+    return (
+        f"kvbatch memory: weights {size_text} ({fmt}); KV cache {stats.get('kv_cache_dtype')}, "
+        f"{blocks} blocks x {block_size} = {blocks * block_size} tokens"
+    )
 
 
 LATENCY_HEADERS = ["TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"]
@@ -395,22 +409,29 @@ def leave_room_for_peers(config: BenchConfig) -> BenchConfig:
     return config
 
 
-def resolve_model(workload: Workload, model: str | Path | None = None) -> str:
+def resolve_model(
+    workload: Workload, model: str | Path | None = None, weights: str = "float"
+) -> str:
     """The model path to benchmark: `model` if given, else the workload's default weights
-    (the random-weight models are built from their config on first use, then cached)."""
+    (the random-weight models are built from their config on first use, then cached), in
+    `weights`' format ("float", or "w4a16": rounded to 4 bits, benchmarks/rtn_w4a16.py)."""
     if model is not None:
+        if weights != "float":
+            raise BenchError(f"--weights {weights} applies to the random models: drop --model")
         path = Path(model).expanduser()
         if not path.exists():
             raise BenchError(f"--model {model}: no such file or folder")
         return str(path)
     if workload.model == SMOLLM2:
+        if weights != "float":
+            raise BenchError(f"--weights {weights} applies to the random models, not {SMOLLM2}")
         from kvbatch.fetch import smollm2_dir
 
         return str(smollm2_dir())
-    if workload.model in (LLAMA_1B_RANDOM, TINY_RANDOM):
+    if workload.model in RANDOM_MODELS:
         from kvbatch.bench.models import random_model_dir
 
-        return str(random_model_dir(workload.model))
+        return str(random_model_dir(workload.model, weights=weights))
     raise BenchError(
         f"workload {workload.name!r} runs on {workload.model!r}, which has no fetcher yet: "
         "pass --model PATH"

@@ -13,6 +13,7 @@ from kvbatch.bench.step_profile import StepProfile
 ENGINE_DEFAULTED = (
     "kv_cache_memory_fraction",
     "kv_cache_dtype",
+    "quantization",
     "long_prefill_token_threshold",
     "long_prefill_step_ratio",
     "cuda_graph_max_chunk",

@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from kvbatch.bench.rtn_w4a16 import gptq_quantization_config, quantize_rtn
+from kvbatch.bench.workloads import WEIGHT_FORMATS
+
 CACHE_ENV = "KVBATCH_CACHE"
 
 
@@ -48,14 +51,34 @@ class ModelSpec:
     initializer_range: float = 0.02
     dtype: str = "bfloat16"  # what the safetensors hold
     seed: int = 0
+    # "float", or "w4a16": the decoder linears rounded to 4 bits (benchmarks/rtn_w4a16.py)
+    weights: str = "float"
+    # Qwen3-MoE when num_experts > 0: every layer's MLP is num_experts experts of
+    # moe_intermediate_size, num_experts_per_tok of them per token (renormalised)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    explicit_head_dim: int | None = None  # None: hidden_size // num_attention_heads
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"model {self.name!r}: weights must be one of {', '.join(WEIGHT_FORMATS)}, "
+                f"got {self.weights!r}"
+            )
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def config(self):
-        """The transformers LlamaConfig of this shape (no BOS/EOS: prompts are raw token ids)."""
-        from transformers import LlamaConfig
+        """The transformers config of this shape, LlamaConfig or (with experts) Qwen3MoeConfig
+        (no BOS/EOS: prompts are raw token ids)."""
+        from transformers import LlamaConfig, Qwen3MoeConfig
 
         kwargs: dict[str, Any] = dict(
             vocab_size=self.vocab_size,
@@ -74,6 +97,17 @@ class ModelSpec:
             eos_token_id=None,
             pad_token_id=0,
         )
+        if self.is_moe:
+            return Qwen3MoeConfig(
+                **kwargs,
+                rope_theta=self.rope_theta,
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            )
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
@@ -91,15 +125,31 @@ class ModelSpec:
             self.vocab_size,
             self.num_hidden_layers,
         )
-        kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * h * 2 + h * kv * 2 + 3 * h * f + 2 * h
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        mlp = 3 * h * f
+        if self.is_moe:
+            mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts, router
+        per_layer = h * q * 2 + h * kv * 2 + mlp + 2 * h
         return v * h * (1 if self.tie_word_embeddings else 2) + n * per_layer + h
 
     def key(self) -> str:
         """A short digest of every field: a changed shape never reuses an old folder."""
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        fields = dataclasses.asdict(self)
+        for name in _LATER_FIELDS:  # at their defaults, the shapes made before keep their keys
+            if fields[name] == _DEFAULTS[name]:
+                del fields[name]
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
+
+_LATER_FIELDS = (
+    "weights",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "explicit_head_dim",
+)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
 
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
@@ -138,7 +188,70 @@ TINY_LLAMA = ModelSpec(
 )
 """The same architecture shrunk so `--tiny` runs on the CPU in seconds."""
 
-MODEL_SPECS: dict[str, ModelSpec] = {s.name: s for s in (LLAMA_3_2_1B, TINY_LLAMA)}
+LLAMA_3_1_8B_8_LAYERS = ModelSpec(
+    name="llama-3.1-8b-8-layers-random",
+    hidden_size=4096,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    rope_scaling=LLAMA3_ROPE_SCALING,
+)
+"""Llama-3.1-8B's layer shapes, 8 of its 32 layers (2.8 B parameters), random weights: each
+decode step reads the same GEMM shapes as the 8B model, a quarter of them, so the weights'
+bytes per step (what a memory-bound step waits on) compare between formats as in the 8B."""
+
+QWEN3_30B_A3B_4_LAYERS = ModelSpec(
+    name="qwen3-30b-a3b-4-layers-random",
+    hidden_size=2048,
+    num_hidden_layers=4,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    explicit_head_dim=128,
+    intermediate_size=6144,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+    rope_theta=1000000.0,
+)
+"""Qwen3-30B-A3B's layer shapes (128 experts of 768, top 8; 32 query and 4 KV heads of 128),
+4 of its 48 layers (3.1 B parameters), random weights: `rag-moe`'s model."""
+
+TINY_QWEN3_MOE = ModelSpec(
+    name="qwen3-moe-tiny-random",
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    vocab_size=512,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    rope_theta=1000000.0,
+    initializer_range=0.1,
+    dtype="float32",
+)
+"""The same architecture shrunk, for `rag-moe --tiny` and the MoE greedy check."""
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    s.name: s
+    for s in (
+        LLAMA_3_2_1B,
+        LLAMA_3_1_8B_8_LAYERS,
+        QWEN3_30B_A3B_4_LAYERS,
+        TINY_LLAMA,
+        TINY_QWEN3_MOE,
+    )
+}
 
 
 def random_weights(spec: ModelSpec, device: str | torch.device | None = None) -> dict[str, Any]:
@@ -148,10 +261,10 @@ def random_weights(spec: ModelSpec, device: str | torch.device | None = None) ->
     nothing is allocated). The draw is done on `device` (default: CUDA when present): the
     same seed gives the same weights on the same kind of device.
     """
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        shell = LlamaForCausalLM(spec.config())
+        shell = AutoModelForCausalLM.from_config(spec.config())
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _dtype(spec.dtype)
     gen = torch.Generator(device=device).manual_seed(spec.seed)
@@ -169,13 +282,18 @@ def random_weights(spec: ModelSpec, device: str | torch.device | None = None) ->
     return weights
 
 
-def random_model_dir(spec: ModelSpec | str, cache_dir: str | Path | None = None) -> Path:
-    """The folder of `spec`'s random model, built on first use and cached (no network)."""
+def random_model_dir(
+    spec: ModelSpec | str, cache_dir: str | Path | None = None, weights: str | None = None
+) -> Path:
+    """The folder of `spec`'s random model, built on first use and cached (no network);
+    `weights` ("float", "w4a16") overrides the spec's format."""
     if isinstance(spec, str):
         try:
             spec = MODEL_SPECS[spec]
         except KeyError:
             raise ValueError(f"unknown model {spec!r}; known: {', '.join(MODEL_SPECS)}") from None
+    if weights is not None:
+        spec = dataclasses.replace(spec, weights=weights)
     root = _cache_root(cache_dir) / "random-models"
     dest = root / f"{spec.name}-{spec.key()}"
     if _complete(dest):
@@ -203,8 +321,12 @@ def build_random_model(spec: ModelSpec, folder: str | Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     config = spec.config()
     config.dtype = spec.dtype
+    weights = random_weights(spec)
+    if spec.weights == "w4a16":
+        config.quantization_config = gptq_quantization_config()
+        weights = quantize_rtn(weights)
     config.save_pretrained(str(folder))
-    save_file(random_weights(spec), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "kvbatch-spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2))
     return folder
 

@@ -42,6 +42,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     kv_cache_memory_fraction: float | None = None  # CUDA KV pool share; None = the engine's
     kv_cache_dtype: str | None = None  # kvbatch: "auto" or "fp8"; None = the engine's default
+    quantization: str | None = None  # kvbatch: "fp8" (online); None = the checkpoint's own
     attention_backend: str = "auto"  # kvbatch: "auto" is triton on CUDA, torch on the CPU
     long_prefill_token_threshold: int | None = None  # kvbatch: None = the engine's default
     long_prefill_step_ratio: float | None = None  # kvbatch: None = the engine's default

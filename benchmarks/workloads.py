@@ -40,8 +40,25 @@ LLAMA_1B_RANDOM = "llama-3.2-1b-random"
 """Llama-3.2-1B shape with random weights (kvbatch.bench.models.LLAMA_3_2_1B), for the GPU
 workloads (`rag`, `no-share-gpu`, `long-prefill`)."""
 
+LLAMA_8B_RANDOM = "llama-3.1-8b-8-layers-random"
+"""Llama-3.1-8B's layer shapes, 8 layers, random weights (kvbatch.bench.models), for
+`decode-small-batch`."""
+
+QWEN3_MOE_RANDOM = "qwen3-30b-a3b-4-layers-random"
+"""Qwen3-30B-A3B's layer shapes, 4 layers, random weights (kvbatch.bench.models), for
+`rag-moe`."""
+
 TINY_RANDOM = "llama-tiny-random"
 """The same architecture shrunk (kvbatch.bench.models.TINY_LLAMA), for the `--tiny` variants."""
+
+TINY_MOE_RANDOM = "qwen3-moe-tiny-random"
+"""Qwen3-MoE shrunk (kvbatch.bench.models.TINY_QWEN3_MOE), for `rag-moe --tiny`."""
+
+WEIGHT_FORMATS = ("float", "w4a16")
+"""A random model's weights: float, or rounded to 4 bits (kvbatch.bench.rtn_w4a16)."""
+
+RANDOM_MODELS = (LLAMA_1B_RANDOM, LLAMA_8B_RANDOM, QWEN3_MOE_RANDOM, TINY_RANDOM, TINY_MOE_RANDOM)
+"""The models built from a shape with random weights (kvbatch.bench.models.random_model_dir)."""
 
 
 @dataclass(frozen=True)
@@ -230,6 +247,33 @@ _LONG_PREFILL = Workload(
     description="chunked prefill: the longest token gap of decoding requests",
 )
 
+_DECODE_SMALL_BATCH = Workload(
+    name="decode-small-batch",
+    model=LLAMA_8B_RANDOM,
+    num_documents=8,  # 8 requests: run with --max-num-seqs 1 to 8 for batch 1 to 8
+    chunks_per_document=1,
+    document_len=0,
+    chunk_len=128,
+    instruction_len=0,
+    output_len=256,
+    shared=False,
+    dtype="bfloat16",
+    device="cuda",
+    description="memory-bound decode at batch 1 to 8 (--max-num-seqs): the weights' bytes "
+    "per step, bfloat16 against W4A16 (--weights w4a16) and FP8 (--quantization fp8)",
+)
+
+_RAG_MOE = dataclasses.replace(
+    _RAG,
+    name="rag-moe",
+    model=QWEN3_MOE_RANDOM,
+    num_documents=8,
+    chunks_per_document=16,
+    floor_seconds=None,
+    description="rag's prompts (8 documents x 16 chunks) on Qwen3-30B-A3B's layers (4 of 48): "
+    "the fused MoE kernel against transformers' static generate",
+)
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -243,6 +287,8 @@ WORKLOADS: dict[str, Workload] = {
         _RAG,
         _NO_SHARE_GPU,
         _LONG_PREFILL,
+        _DECODE_SMALL_BATCH,
+        _RAG_MOE,
     )
 }
 """Registry by name (`kvbatch bench NAME`)."""
@@ -285,6 +331,22 @@ TINY_WORKLOADS: dict[str, Workload] = {
         long_prompt_after=8,
         long_output_len=4,
         description="long-prefill's structure on the tiny model, for the CPU",
+    ),
+    "rag-moe": dataclasses.replace(
+        _TINY_RAG,
+        name="rag-moe-tiny",
+        model=TINY_MOE_RANDOM,
+        description="rag-moe's structure on a tiny Qwen3-MoE, for the CPU",
+    ),
+    "decode-small-batch": dataclasses.replace(
+        _DECODE_SMALL_BATCH,
+        name="decode-small-batch-tiny",
+        model=TINY_RANDOM,
+        chunk_len=16,
+        output_len=16,
+        dtype="float32",
+        device="cpu",
+        description="decode-small-batch's structure on the tiny model, for the CPU",
     ),
 }
 """The `--tiny` variant of each GPU workload: the same structure on the tiny model, float32 on

@@ -1,10 +1,14 @@
 """INT8 W8A8: symmetric per-token activation quantization and the scaled INT8 GEMM.
 
-    x ~= q * scale,   scale = max(absmax(row), MIN_ABSMAX) / 127,   q = round(x / scale)
+    x ~= q * scale,   scale = max(absmax(row) / 127.5, MIN_SCALE),
+    q = round(clamp(x / scale, -128, 127))
 
-Rounding is half away from zero (floor(|v| + 0.5) with v's sign), in the kernel and its
-reference alike, so that they agree to the bit; values are in [-127, 127]. The GEMM
-accumulates exactly in int32 (K * 127 * 127 stays below 2**31 for any K under 133,000), then
+compressed-tensors' convention (the writer of INT8 W8A8 checkpoints, and the engine's CPU
+path, engine/quant/qdq.py): the largest magnitude maps to half the 256-value range, and
+rounding is to nearest, ties to even (torch.round). The kernel rounds with the float32
+magic-number trick, (v + 1.5 * 2**23) - 1.5 * 2**23, exact round-half-even for |v| < 2**22,
+so that kernel and reference agree to the bit. The GEMM
+accumulates exactly in int32 (K * 128 * 128 stays below 2**31 for any K under 131,000), then
 applies the per-token and per-channel scales once (kvkernels/scaled_mm.py).
 """
 
@@ -22,8 +26,9 @@ from kvbatch.kernels.scaled_mm import (
 )
 from kvbatch.kernels.specialize import step_varying
 
-INT8_MAX = 127.0
-MIN_ABSMAX = 1e-10  # an all-zero row gets a finite scale and quantizes to zeros
+INT8_MIN, INT8_MAX = -128.0, 127.0
+INT8_HALF_RANGE = 127.5  # (INT8_MAX - INT8_MIN) / 2
+MIN_SCALE = float(torch.finfo(torch.float32).tiny)  # an all-zero row quantizes to zeros
 
 
 @step_varying(ints=("num_rows",))
@@ -48,15 +53,14 @@ def _quantize_int8_kernel(
         mask = row_mask[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask)
         amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(x.to(tl.float32)), 0.0), 1))
-    scale = tl.maximum(amax, 1e-10) / 127.0
+    scale = tl.maximum(amax / 127.5, 1.1754943508222875e-38)
     tl.store(scale_ptr + rows, scale, mask=row_mask)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = row_mask[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask)
-        v = x.to(tl.float32) / scale[:, None]
-        r = tl.floor(tl.abs(v) + 0.5)
-        q = tl.clamp(tl.where(v < 0, -r, r), -127.0, 127.0)
+        v = tl.clamp(x.to(tl.float32) / scale[:, None], -128.0, 127.0)
+        q = (v + 12582912.0) - 12582912.0  # round half to even (see the module docstring)
         tl.store(
             q_ptr + rows[:, None] * stride_qm + cols[None, :] * stride_qk,
             q.to(tl.int8),
@@ -72,7 +76,7 @@ def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     q = torch.empty(num_rows, K, dtype=torch.int8, device=x.device)
     scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
     if num_rows == 0 or K == 0:
-        return q, scale.fill_(MIN_ABSMAX / INT8_MAX)
+        return q, scale.fill_(MIN_SCALE)
     rows = rows_per_program()
     _quantize_int8_kernel[(triton.cdiv(num_rows, rows),)](
         x, q, scale, num_rows, K, *x.stride(), *q.stride(),
@@ -82,13 +86,12 @@ def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def quantize_int8_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch, same arithmetic as the kernel."""
+    """Plain torch, same arithmetic as the kernel (and as compressed-tensors)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
     amax = x.float().abs().amax(dim=1, keepdim=True) if x.shape[1] else x.new_zeros(len(x), 1)
-    scale = torch.clamp(amax.float(), min=MIN_ABSMAX) / INT8_MAX
-    v = x.float() / scale
-    q = torch.floor(v.abs() + 0.5).copysign(v).clamp(-INT8_MAX, INT8_MAX)
+    scale = torch.clamp(amax.float() / INT8_HALF_RANGE, min=MIN_SCALE)
+    q = (x.float() / scale).clamp(INT8_MIN, INT8_MAX).round()
     return q.to(torch.int8), scale
 
 

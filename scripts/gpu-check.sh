@@ -23,6 +23,7 @@
 #                 error against the float GEMM of the same weights; --cpu: two tiny shapes)
 #   triton-test   pytest -q tests/engine/attention/test_triton_backend.py
 #                 tests/engine/attention/test_fp8_kv_cache.py tests/engine/exec/test_cuda_graphs.py
+#                 tests/engine/quant/test_gemm_kernels.py (the quantized layers' kernel path)
 #   greedy        scripts/greedy_check.py: kvbatch (triton backend, float32) vs transformers on
 #                 a tiny random model and on the rag-shape model (--cpu: the tiny one, with
 #                 the Triton interpreter)
@@ -32,6 +33,19 @@
 #                 kernels ranked, and how busy the GPU was)
 #   long-prefill  kvbatch bench long-prefill --json long-prefill.json (the defaults: chunks
 #                 of the 32k prompt sized from timed steps, long_prefill_step_ratio 2.5)
+#   quant-greedy  scripts/quant_greedy_check.py: online FP8 and a W4A16 (GPTQ, rounded random
+#                 weights) model on kvbatch.kernels' GEMMs against the reference path, float32,
+#                 tiny and rag-shape models (--cpu: tiny, the Triton interpreter)
+#   moe-greedy    scripts/greedy_check.py --models tiny-moe: a tiny Qwen3-MoE (fused MoE kernel)
+#                 against transformers, float32 (--cpu: the Triton interpreter)
+#   quant-ROW     kvbatch bench rows of the quantized formats, kvbatch alone, into quant-ROW.json,
+#                 most wanted first: no-share-gpu bf16 / FP8 / FP8 + FP8 KV, rag FP8, then
+#                 decode-small-batch (Llama-3.1-8B's layers, 8 of them) at batch 1 and 8 in
+#                 bf16 / W4A16 / FP8, then W4A16 and FP8 KV rows of rag and no-share-gpu
+#                 ($QUANT_ROWS picks them, empty skips them); each skipped past BUDGET_S
+#   rag-moe       kvbatch bench rag-moe --peers hf-static --repeat 1 --json moe-rag.json: rag's
+#                 prompts on Qwen3-30B-A3B's layer shapes, 4 of its 48 layers, random weights
+#                 (skipped past BUDGET_S)
 #   long-prefill-eager  the same with --cuda-graph-max-chunk 0 into long-prefill-eager.json:
 #                 every step with a chunk eager, as before mixed-step CUDA graphs (what they
 #                 gain; LONG_PREFILL_EAGER=0 skips it; skipped past BUDGET_S like the caps)
@@ -58,12 +72,15 @@
 #
 # The results folder gets gpu-check.log (every step's output), steps.tsv, rag.json,
 # rag-hf-cb.json, long-prefill.json, long-prefill-eager.json, long-prefill-gc.json,
-# rag-sweep.json and summary.txt (nine, a cap's file more: the device tool brings back eight
-# files, so there run it with `--out /tmp/gpu-check` and end the command with
+# rag-sweep.json, quant-ROW.json (one per row), moe-rag.json and summary.txt (more than the
+# eight files the device tool brings back, so there run it with `--out /tmp/gpu-check` and end
+# the command with
 # `tar -czf $OUT/gpu-check.tgz -C /tmp/gpu-check . ; cp /tmp/gpu-check/summary.txt $OUT/`). Each
 # step's time limit can be changed through the environment (e.g. RAG_TIMEOUT=400); the
-# limits add up to 1185 s, a run
-# takes about 5 to 6 minutes, and if the run is cut short every finished step's files are there.
+# required steps' limits add up to 1035 s, the optional ones (eager, gc, caps, quant rows,
+# rag-moe, hf-cb, sweep) run only while the run can end inside BUDGET_S; before the quantized
+# steps a run took about 5 to 6 minutes (the quantized and MoE ones are not yet timed on a
+# GPU), and if the run is cut short every finished step's files are there.
 # PER_TEST_TIMEOUT (75 s; 120 with --cpu) bounds each test of the kernels and triton-test steps,
 # whose logs also list their slowest tests.
 # LONG_PREFILL_ARGS adds options to the long-prefill bench (e.g.
@@ -114,6 +131,12 @@ if [ "$CPU" = 1 ]; then
   BUDGET_S=${BUDGET_S:-900}  # the optional steps' test: the CPU's limits are longer
   PER_TEST_TIMEOUT=${PER_TEST_TIMEOUT:-120}  # the interpreter: slower than CUDA per test
   GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-180}
+  QUANT_GREEDY=(env TRITON_INTERPRET=1 "$PY" scripts/quant_greedy_check.py --device cpu
+                --models tiny)
+  QUANT_GREEDY_TIMEOUT=${QUANT_GREEDY_TIMEOUT:-240}
+  MOE_GREEDY=(env TRITON_INTERPRET=1 "$PY" scripts/greedy_check.py --device cpu --backend triton
+              --models tiny-moe)
+  MOE_GREEDY_TIMEOUT=${MOE_GREEDY_TIMEOUT:-240}
   QUANT_GEMM=(--device cpu --shapes 256x128,200x72 --batches 1,5)
   SPLITS=(--device cpu --context 1100 --chunks 4 --splits 1,3 --kv-heads 1 --group 2 --head-dim 16
           --cascade-groups 2 --cascade-rows 3 --cascade-keys 600)
@@ -125,12 +148,14 @@ else
   MODE=gpu
   TINY=()
   GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny,rag)
+  QUANT_GREEDY=("$PY" scripts/quant_greedy_check.py --device cuda --models tiny,rag)
+  MOE_GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny-moe)
   SPLITS=()
   QUANT_GEMM=()
   LONG_PREFILL_DEFAULTS=()
 fi
-# GPU limits add up to 1185 s (first Triton compiles included); a run takes about 5 to 6
-# minutes, and the optional steps (caps, sweep) keep it inside BUDGET_S.
+# The required steps' GPU limits add up to 1035 s (first Triton compiles included); the
+# optional steps (caps, quant rows, rag-moe, sweep) keep the run inside BUDGET_S.
 VERSIONS_TIMEOUT=${VERSIONS_TIMEOUT:-20}
 # with a cold Triton cache the compiles are most of this step (hence the workers below); once
 # compiled the tests themselves take seconds
@@ -144,6 +169,11 @@ TRITON_TEST_TIMEOUT=${TRITON_TEST_TIMEOUT:-150}  # room for a cold Triton cache
 # off the whole summary. (A wait inside a CUDA call is only cut by the step's limit.)
 PER_TEST_TIMEOUT=${PER_TEST_TIMEOUT:-75}
 GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-100}
+QUANT_GREEDY_TIMEOUT=${QUANT_GREEDY_TIMEOUT:-120}
+# each row (the first decode rows build the 2.8 B-parameter model); skipped past BUDGET_S
+QUANT_ROW_TIMEOUT=${QUANT_ROW_TIMEOUT:-90}
+MOE_GREEDY_TIMEOUT=${MOE_GREEDY_TIMEOUT:-60}
+RAG_MOE_TIMEOUT=${RAG_MOE_TIMEOUT:-150}  # builds the 3.1 B-parameter model; skipped past BUDGET_S
 RAG_TIMEOUT=${RAG_TIMEOUT:-200}
 LONG_PREFILL_TIMEOUT=${LONG_PREFILL_TIMEOUT:-70}
 LONG_PREFILL_CAP_TIMEOUT=${LONG_PREFILL_CAP_TIMEOUT:-60}  # each; skipped past BUDGET_S
@@ -156,7 +186,8 @@ mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 LOG="$OUT_DIR/gpu-check.log"
 STEPS="$OUT_DIR/steps.tsv"
-rm -f "$OUT_DIR"/rag*.json "$OUT_DIR"/long-prefill*.json "$OUT_DIR/summary.txt"
+rm -f "$OUT_DIR"/rag*.json "$OUT_DIR"/long-prefill*.json "$OUT_DIR"/quant-*.json \
+  "$OUT_DIR"/moe-*.json "$OUT_DIR/summary.txt"
 STEP_LOG="$(mktemp)"
 trap 'rm -rf "$STEP_LOG" "$NAMESPACE"' EXIT
 printf 'step\tstatus\trc\tseconds\tlimit\tlast line\n' > "$STEPS"
@@ -247,7 +278,7 @@ step quant-gemm "$QUANT_GEMM_TIMEOUT" "$PY" scripts/quant_gemm_bench.py \
   ${QUANT_GEMM[@]+"${QUANT_GEMM[@]}"}
 step triton-test "$TRITON_TEST_TIMEOUT" "${PYTEST[@]}" \
   tests/engine/attention/test_triton_backend.py tests/engine/attention/test_fp8_kv_cache.py \
-  tests/engine/exec/test_cuda_graphs.py
+  tests/engine/exec/test_cuda_graphs.py tests/engine/quant/test_gemm_kernels.py
 step greedy "$GREEDY_TIMEOUT" "${GREEDY[@]}"
 step rag "$RAG_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} \
   --peers "${RAG_PEERS:-hf-static,kvbatch-sync}" --repeat "${RAG_REPEAT:-2}" --kernel-profile \
@@ -257,6 +288,45 @@ read -r -a LONG_PREFILL_EXTRA <<< "${LONG_PREFILL_ARGS:-}"
 step long-prefill "$LONG_PREFILL_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill ${TINY[@]+"${TINY[@]}"} \
   ${LONG_PREFILL_DEFAULTS[@]+"${LONG_PREFILL_DEFAULTS[@]}"} \
   ${LONG_PREFILL_EXTRA[@]+"${LONG_PREFILL_EXTRA[@]}"} --json "$OUT_DIR/long-prefill.json"
+# Quantized paths: the kernels' greedy tokens against the reference path, then the benchmark
+# rows, most wanted first, each kvbatch alone and skipped when it could not end inside BUDGET_S
+# (QUANT_ROWS: the rows to run, space-separated names of QUANT_ROW_FLAGS; empty skips them)
+step quant-greedy "$QUANT_GREEDY_TIMEOUT" "${QUANT_GREEDY[@]}"
+# A mixture-of-experts model: greedy tokens against transformers (rag-moe follows the rows)
+step moe-greedy "$MOE_GREEDY_TIMEOUT" "${MOE_GREEDY[@]}"
+declare -A QUANT_ROW_FLAGS=(
+  [no-share-bf16]="no-share-gpu"
+  [no-share-fp8]="no-share-gpu --quantization fp8"
+  [rag-fp8]="rag --quantization fp8"
+  [no-share-fp8-kv]="no-share-gpu --quantization fp8 --kv-cache-dtype fp8"
+  [decode-b1-bf16]="decode-small-batch --max-num-seqs 1"
+  [decode-b1-w4a16]="decode-small-batch --max-num-seqs 1 --weights w4a16"
+  [decode-b1-fp8]="decode-small-batch --max-num-seqs 1 --quantization fp8"
+  [decode-b8-bf16]="decode-small-batch --max-num-seqs 8"
+  [decode-b8-w4a16]="decode-small-batch --max-num-seqs 8 --weights w4a16"
+  [decode-b8-fp8]="decode-small-batch --max-num-seqs 8 --quantization fp8"
+  [no-share-w4a16]="no-share-gpu --weights w4a16"
+  [rag-fp8-kv]="rag --quantization fp8 --kv-cache-dtype fp8"
+  [rag-w4a16]="rag --weights w4a16"
+)
+read -r -a QUANT_ROW_LIST <<< "${QUANT_ROWS-no-share-bf16 no-share-fp8 rag-fp8 no-share-fp8-kv \
+decode-b1-bf16 decode-b1-w4a16 decode-b1-fp8 decode-b8-bf16 decode-b8-w4a16 decode-b8-fp8 \
+no-share-w4a16 rag-fp8-kv rag-w4a16}"
+for row in ${QUANT_ROW_LIST[@]+"${QUANT_ROW_LIST[@]}"}; do
+  if [ -z "${QUANT_ROW_FLAGS[$row]+set}" ]; then skip "quant-$row" "unknown row"; continue; fi
+  wanted "quant-$row" || { skip "quant-$row" "not in --only"; continue; }
+  fits "quant-$row" "$QUANT_ROW_TIMEOUT" || continue
+  read -r -a row_flags <<< "${QUANT_ROW_FLAGS[$row]}"
+  step "quant-$row" "$QUANT_ROW_TIMEOUT" "$PY" -m kvbatch.cli bench "${row_flags[@]}" \
+    ${TINY[@]+"${TINY[@]}"} --json "$OUT_DIR/quant-$row.json"
+done
+# rag-moe against transformers' static generate, if BUDGET_S allows
+if ! wanted rag-moe; then
+  skip rag-moe "not in --only"
+elif fits rag-moe "$RAG_MOE_TIMEOUT"; then
+  step rag-moe "$RAG_MOE_TIMEOUT" "$PY" -m kvbatch.cli bench rag-moe ${TINY[@]+"${TINY[@]}"} \
+    --peers hf-static --repeat 1 --json "$OUT_DIR/moe-rag.json"
+fi
 # The same with every mixed step eager (no CUDA graphs for steps with a chunk): what the
 # mixed-step graphs gain; LONG_PREFILL_EAGER=0 skips it
 if [ "${LONG_PREFILL_EAGER:-1}" = 1 ] && fits long-prefill-eager "$LONG_PREFILL_CAP_TIMEOUT"; then

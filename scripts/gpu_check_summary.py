@@ -3,8 +3,10 @@
     python scripts/gpu_check_summary.py RESULTS_DIR [--write summary.txt]
 
 Reads steps.tsv (each step's status), rag.json, long-prefill.json, long-prefill-CAP.json
-(other chunk caps), rag-hf-cb.json and rag-sweep.json (all `kvbatch bench --json`) and prints
-the steps, the rag tables (seconds, tokens/s, latency, ratio, fraction of the floor)
+(other chunk caps), rag-hf-cb.json, rag-sweep.json and quant-ROW.json (the quantized rows; all
+`kvbatch bench --json`) and prints the steps, the rag tables (seconds, tokens/s, latency,
+ratio, fraction of the floor), the quantized rows (seconds, output tokens/s, weight GiB, KV
+capacity in tokens)
 and the two GPU targets: `rag` in at most 1.5 s on an H200, and in `long-prefill` no decoding
 request waiting more than 3 decode steps. Runs with the standard library alone.
 """
@@ -220,6 +222,59 @@ def sweep_lines(data: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def quant_lines(folder: Path) -> list[str]:
+    """One row per quant-ROW.json: the format, speed and memory of kvbatch on that workload,
+    in the order the rows ran (steps.tsv), with each workload's float row as the 1.00x."""
+    rows = []
+    for path in sorted(folder.glob("quant-*.json"), key=lambda p: p.stat().st_mtime):
+        data = _load(path)
+        kv = None if data is None else next(iter(data.get("engines") or []), None)
+        if kv is None:
+            rows.append((path.stem, None, None, None))
+            continue
+        rows.append((path.stem, data["workload"]["name"], data["options"], kv))
+    if not rows:
+        return []
+    rag = _load(folder / "rag.json")  # the rag step's kvbatch row: rag's float baseline
+    rag_kv = next((e for e in (rag or {}).get("engines", []) if e["engine"] == "kvbatch"), None)
+    floats = [(w, o, kv) for _, w, o, kv in rows if kv is not None]
+    if rag_kv is not None:
+        floats.append((rag["workload"]["name"], rag["options"], rag_kv))
+    base = {(w, o["max_num_seqs"]): kv["seconds"] for w, o, kv in floats if not _quantized(o, kv)}
+    table = [["row", "workload", "seqs", "weights", "KV", "seconds", "out tok/s", "x float"]]
+    table[0] += ["weights GiB", "KV tokens"]
+    for name, w, o, kv in rows:
+        if kv is None:
+            table.append([name.removeprefix("quant-"), "no results"] + ["-"] * 8)
+            continue
+        stats = kv.get("extra", {}).get("stats", {})
+        float_s = base.get((w, o["max_num_seqs"]))
+        speedup = "-" if float_s is None else f"{float_s / kv['seconds']:.2f}"
+        tokens = stats.get("num_kv_blocks", 0) * stats.get("block_size", 0)
+        table.append(
+            [
+                name.removeprefix("quant-"),
+                w,
+                str(o["max_num_seqs"]),
+                stats.get("quantization") or o["dtype"],
+                str(stats.get("kv_cache_dtype", "-")),
+                f"{kv['seconds']:.2f}",
+                f"{kv['tokens_per_s']:.0f}",
+                speedup,
+                f"{stats.get('weight_bytes', 0) / 2**30:.3f}",
+                str(tokens),
+            ]
+        )
+    return ["quantized rows (kvbatch alone; x float: the float row's seconds / this row's):"] + (
+        format_rows(table)
+    )
+
+
+def _quantized(options: dict[str, Any], kv: dict[str, Any]) -> bool:
+    stats = kv.get("extra", {}).get("stats", {})
+    return bool(stats.get("quantization") or options.get("kv_cache_dtype") == "fp8")
+
+
 def summary(folder: Path) -> str:
     lines = [f"GPU check summary: {folder}", ""]
     rows = step_rows(folder / "steps.tsv")
@@ -239,6 +294,12 @@ def summary(folder: Path) -> str:
     sweep = sweep_lines(_load(folder / "rag-sweep.json"))
     if sweep:
         lines += [""] + sweep
+    if "rag-moe" in {r["step"] for r in rows} - skipped:  # a mixture of experts
+        lines += ["", "rag-moe (its own step):"]
+        lines += rag_lines(_load(folder / "moe-rag.json"), verdict=False)
+    quant = quant_lines(folder)
+    if quant:
+        lines += [""] + quant
     return "\n".join(lines)
 
 

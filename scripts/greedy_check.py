@@ -4,7 +4,8 @@
     python scripts/greedy_check.py --device cpu --models tiny          # the same on the CPU
 
 For each model (`tiny`: kvbatch.bench.models.TINY_LLAMA; `rag`: Llama-3.2-1B's shape built from
-its config, the `rag` benchmark's model) the same prompts run through kvbatch
+its config, the `rag` benchmark's model; `tiny-moe`: a tiny Qwen3-MoE, whose experts run in the
+fused MoE kernel) the same prompts run through kvbatch
 (engine.LLM(attention_backend=...), float32) and through transformers' `generate` (float32,
 one prompt at a time, no padding), and the greedy tokens must be equal. The prompts cover
 what the paged kernels must get right: lengths off block boundaries, a pair sharing a
@@ -34,9 +35,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvbatch.bench.models import LLAMA_3_2_1B, TINY_LLAMA, ModelSpec, random_model_dir  # noqa: E402
+from kvbatch.bench.models import (  # noqa: E402
+    LLAMA_3_2_1B,
+    TINY_LLAMA,
+    TINY_QWEN3_MOE,
+    ModelSpec,
+    random_model_dir,
+)
 
-MODELS: dict[str, ModelSpec] = {"tiny": TINY_LLAMA, "rag": LLAMA_3_2_1B}
+MODELS: dict[str, ModelSpec] = {"tiny": TINY_LLAMA, "rag": LLAMA_3_2_1B, "tiny-moe": TINY_QWEN3_MOE}
 BLOCK_SIZE = 16
 STEP_TOKENS = 64  # tokens per engine step: the 100+ token prompts are prefilled in chunks
 LOGPROB_TOL = 2e-3  # float32 both sides: |logprob difference| of a chosen token

@@ -126,6 +126,36 @@ def gemm(method: str, operands, dtype, group_size: int):
     return int8
 
 
+def fused_up_to(times: dict[int, dict[str, float]]) -> int | None:
+    """The largest batch M up to which the fused W4A16 kernel is at least as fast as
+    dequantize-then-GEMM at every measured M (None: slower already at the smallest)."""
+    best = None
+    for M in sorted(times):
+        t = times[M]
+        if "w4a16" not in t or "w4-deq" not in t or t["w4a16"] > t["w4-deq"]:
+            break
+        best = M
+    return best
+
+
+def crossover_lines(w4_times: dict[str, dict[int, dict[str, float]]]) -> list[str]:
+    """Per shape, where the fused kernel stops winning, and the value for
+    engine/quant/gemm.py's WNA16_KERNEL_MAX_BATCH (the smallest over the shapes)."""
+    limits = {shape: fused_up_to(times) for shape, times in w4_times.items() if times}
+    if not limits:
+        return []
+    lines = [
+        f"w4a16 {shape}: fused kernel as fast as dequantize-then-GEMM up to M = {limit}"
+        if limit is not None
+        else f"w4a16 {shape}: dequantize-then-GEMM faster already at M = {min(w4_times[shape])}"
+        for shape, limit in limits.items()
+    ]
+    known = [v for v in limits.values() if v is not None]
+    suggestion = min(known) if len(known) == len(limits) else 0
+    lines.append(f"WNA16_KERNEL_MAX_BATCH from these shapes: {suggestion}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -145,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {device}, activations {dtype}, 4-bit group {args.group_size}")
     print(f"{'K x N':>12}  {'M':>5}  {'method':>7}  {'ms':>9}  {'vs dense':>8}  {'error':>8}")
     failed = []
+    w4_times: dict[str, dict[int, dict[str, float]]] = {}  # shape -> M -> method -> ms
     for shape in args.shapes.split(","):
         K, N = (int(v) for v in shape.split("x"))
         weights = quantized_weights(K, N, args.group_size, dtype, device, gen)
@@ -158,10 +189,14 @@ def main(argv: list[str] | None = None) -> int:
                 error = ((run(x).float() - exact).abs().max() / exact.abs().max()).item()
                 ms = time_call(lambda run=run, x=x: run(x), device)
                 dense_ms = ms if method == "dense" else dense_ms
+                if method in ("w4a16", "w4-deq"):
+                    w4_times.setdefault(shape, {}).setdefault(M, {})[method] = ms
                 ratio = f"{dense_ms / ms:7.2f}x" if dense_ms else "-"
                 print(f"{shape:>12}  {M:>5}  {method:>7}  {ms:>9.4f}  {ratio:>8}  {error:.2e}")
                 if not error <= TOLERANCE[method]:
                     failed.append(f"{method} {shape} M={M}: error {error:.2e}")
+    for line in crossover_lines(w4_times):
+        print(line)
     if failed:
         print("errors past tolerance:\n  " + "\n  ".join(failed))
         return 1

@@ -21,15 +21,17 @@ import torch
 import torch.nn.functional as F
 
 from kvbatch.engine.model.moe import SparseMoeBlock
+from kvbatch.engine.quant.linear import use_gemm_backend
 
 
 def model_forward(model, fused: bool):
     """The forward a runner calls, `(input_ids, positions, kv_caches, meta, backend,
     logits_indices=None) -> logits`: the fused one (after fusing the projections) or the plain
-    module."""
+    module. The fused forward runs quantized layers on kvbatch.kernels' GEMMs too."""
     if not fused:
         return model
     fuse_projections(model)
+    use_gemm_backend(model, "triton")
     return functools.partial(fused_forward, model)
 
 

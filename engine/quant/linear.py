@@ -1,7 +1,9 @@
 """The quantized stand-ins for nn.Linear, one per scheme. Each holds its canonical tensors as
 buffers (under the checkpoint's own names where it has them, so `weight` stays `weight`) and
 calls its GEMM in gemm.py. Off CUDA a layer keeps a float copy of its dequantized weight,
-made once at load: the CPU path is a float matmul that gives the quantized layer's answers."""
+made once at load: the CPU path is a float matmul that gives the quantized layer's answers.
+`backend` picks gemm.py's path ("torch", or "triton" for kvbatch.kernels' GEMMs); the engine
+sets it once, with the attention backend (use_gemm_backend)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.float_weight: torch.Tensor | None = None  # not a buffer: not in the state dict
+        self.backend: gemm.GemmBackend = "torch"
 
     def prepare(self, dtype: torch.dtype) -> None:
         """Make the float weight the CPU path multiplies by (a no-op on CUDA)."""
@@ -30,6 +33,10 @@ class QuantLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight [N, K] this layer stands for."""
         raise NotImplementedError
+
+    def use_backend(self, backend: str) -> None:
+        """Run gemm.py's `backend` path from now on ("torch" or "triton")."""
+        self.backend = gemm.check_backend(backend)
 
     def _on_cuda(self) -> bool:
         return next(self.buffers()).is_cuda
@@ -53,7 +60,13 @@ class Fp8Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemm.fp8_linear(
-            x, self.weight, self.weight_scale, self.input_scale, self.bias, self.float_weight
+            x,
+            self.weight,
+            self.weight_scale,
+            self.input_scale,
+            self.bias,
+            self.float_weight,
+            self.backend,
         )
 
 
@@ -70,7 +83,9 @@ class Int8Linear(QuantLinear):
         return dequantize_scaled(self.weight, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm.int8_linear(x, self.weight, self.weight_scale, self.bias, self.float_weight)
+        return gemm.int8_linear(
+            x, self.weight, self.weight_scale, self.bias, self.float_weight, self.backend
+        )
 
 
 class WNA16Linear(QuantLinear):
@@ -94,7 +109,15 @@ class WNA16Linear(QuantLinear):
         return self.weights.dequantize().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm.wna16_linear(x, self.weights, self.bias, self.float_weight)
+        return gemm.wna16_linear(x, self.weights, self.bias, self.float_weight, self.backend)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, bits={self.bits}, group_size={self.group_size}"
+
+
+def use_gemm_backend(model: nn.Module, backend: str) -> int:
+    """Point every quantized linear of `model` at gemm.py's `backend`; returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for layer in layers:
+        layer.use_backend(backend)
+    return len(layers)

@@ -66,7 +66,13 @@ def test_cached_folder_is_reused_and_a_changed_spec_gets_its_own(tiny_dir):
     assert random_model_dir("llama-tiny-random", tiny_dir.parents[1]) == tiny_dir
     with pytest.raises(ValueError, match="llama-3.2-1b-random"):
         random_model_dir("nope")
-    assert set(MODEL_SPECS) == {"llama-3.2-1b-random", "llama-tiny-random"}
+    assert set(MODEL_SPECS) == {
+        "llama-3.2-1b-random",
+        "llama-3.1-8b-8-layers-random",
+        "qwen3-30b-a3b-4-layers-random",
+        "llama-tiny-random",
+        "qwen3-moe-tiny-random",
+    }
 
 
 def test_weights_are_seeded():

@@ -26,16 +26,18 @@ def test_quantize_per_token_matches_reference(M, K, x_dtype, device, rows_per_pr
     assert q.dtype == torch.int8 and scale.shape == (M, 1)
     torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
     assert (q.int() - q_ref.int()).abs().max() <= (0 if device.type == "cpu" else 1)
-    assert torch.equal(q.int().abs().amax(dim=1), torch.full((M,), 127, device=device))
-    assert ((q.float() * scale - x.float()).abs() <= scale * 0.5 + 1e-6).all()
+    peak = q.int().abs().amax(dim=1)  # absmax maps to 127.5: 127, or -128 on the negative side
+    assert ((peak == 127) | (peak == 128)).all()
+    # the clamped top (127.5 -> 127) is off by half a step exactly: allow float32 rounding
+    assert ((q.float() * scale - x.float()).abs() <= scale * 0.5001 + 1e-6).all()
 
 
-def test_rounding_is_half_away_from_zero(device):
-    # absmax 127 makes the scale 1: values are rounded as they are
-    x = torch.tensor([[127.0, 0.5, -0.5, 1.5, -2.5, 0.49, 0.0]], device=device)
+def test_rounding_is_half_to_even_as_compressed_tensors(device):
+    # absmax 127.5 makes the scale 1: values are rounded as they are, clamped to [-128, 127]
+    x = torch.tensor([[127.5, 0.5, -0.5, 1.5, -2.5, 0.49, 0.0, -127.5]], device=device)
     q, scale = quantize_int8_per_token(x)
     assert scale.item() == 1.0
-    assert q.tolist() == [[127, 1, -1, 2, -3, 0, 0]]
+    assert q.tolist() == [[127, 0, 0, 2, -2, 0, 0, -128]]
     assert torch.equal(q, quantize_int8_per_token_reference(x)[0])
 
 

@@ -61,6 +61,7 @@ def test_the_gpu_tests_collect_without_them(namespace):
         "-o", "pythonpath=", "--import-mode=append",  # as gpu-check.sh runs them
         "tests/kernels", "tests/engine/attention/test_triton_backend.py",
         "tests/engine/attention/test_fp8_kv_cache.py", "tests/engine/exec/test_cuda_graphs.py",
+        "tests/engine/quant/test_gemm_kernels.py",
         timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -92,11 +93,14 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
     with (out / "steps.tsv").open() as f:
         status = {row[0]: row[1] for row in (line.rstrip("\n").split("\t") for line in f)}
     assert status.pop("step") == "status"  # the header
+    quant = {k: status.pop(k) for k in list(status) if k.startswith("quant-")}
+    assert quant.pop("quant-gemm") == "skipped"
+    assert quant and set(quant.values()) == {"skipped"}  # quant-greedy and every row
+    assert status.pop("moe-greedy") == status.pop("rag-moe") == "skipped"
     assert status == {
         "versions": "ok",
         "kernels": "skipped",
         "prefill-splits": "ok",
-        "quant-gemm": "skipped",
         "triton-test": "skipped",
         "greedy": "skipped",
         "rag": "ok",
@@ -123,3 +127,33 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
         ["bash", "scripts/gpu-check.sh", "--bogus"], cwd=ROOT, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "unknown option --bogus" in bad.stderr
+
+
+@pytest.mark.slow
+def test_the_quantized_and_moe_steps_run_and_are_summed_up(tmp_path: Path):
+    """quant-greedy (the kernels against the reference path, interpreted), two benchmark rows,
+    moe-greedy and rag-moe, with the H200 image's packages only; the summary's table gives the
+    FP8 row's speed against the float row and each row's weights and KV capacity."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env["QUANT_ROWS"] = "no-share-bf16 no-share-fp8-kv no-such-row"
+    only = "quant-greedy,quant-no-*,moe-greedy,rag-moe"
+    r = subprocess.run(
+        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", only, "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with (out / "steps.tsv").open() as f:
+        status = {row[0]: row[1] for row in (line.rstrip("\n").split("\t") for line in f)}
+    assert status["quant-greedy"] == "ok"
+    assert status["quant-no-share-bf16"] == status["quant-no-share-fp8-kv"] == "ok"
+    assert status["quant-no-such-row"] == "skipped"
+    assert status["moe-greedy"] == status["rag-moe"] == "ok"
+    summary = (out / "summary.txt").read_text()
+    assert "rag-moe (its own step):" in summary and "rag-moe-tiny on cpu" in summary
+    assert "greedy tokens hf-static vs kvbatch: 4/4" in summary  # the MoE against transformers
+    assert "quantized rows" in summary
+    fp8_row = next(line for line in summary.splitlines() if line.startswith("no-share-fp8-kv"))
+    assert " fp8 " in fp8_row and "float8_e4m3fn" in fp8_row
+    float_row = next(line for line in summary.splitlines() if line.startswith("no-share-bf16"))
+    assert " 1.00 " in float_row  # the float row is the baseline of its workload

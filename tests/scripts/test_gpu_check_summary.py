@@ -178,3 +178,39 @@ def test_the_hf_cb_step_gets_its_own_table_and_no_second_verdict(tmp_path):
     assert hf_cb.lstrip().startswith("rag: no results (the step failed or timed out")
     _steps(tmp_path, rag="ok", **{"rag-hf-cb": "skipped"})  # RAG_HF_CB=0, or no time left
     assert "rag with hf-cb" not in summary.summary(tmp_path)
+
+
+def _bench(workload: str, seconds: float, stats: dict[str, Any], **options) -> dict[str, Any]:
+    """A `kvbatch bench --json` result of kvbatch alone with these LLM.stats()."""
+    return {
+        "workload": {"name": workload},
+        "options": {"max_num_seqs": 256, "dtype": "bfloat16", "kv_cache_dtype": None, **options},
+        "engines": [
+            {"engine": "kvbatch", "seconds": seconds, "tokens_per_s": 1000 / seconds,
+             "extra": {"stats": stats}},
+        ],
+    }  # fmt: skip
+
+
+def test_quantized_rows_compare_with_their_workload_s_float_row(tmp_path):
+    float_stats = {"weight_bytes": 2 << 30, "num_kv_blocks": 1000, "block_size": 16,
+                   "kv_cache_dtype": "bfloat16", "quantization": None}  # fmt: skip
+    fp8_stats = {**float_stats, "weight_bytes": 1 << 30, "quantization": "fp8",
+                 "num_kv_blocks": 2000, "kv_cache_dtype": "float8_e4m3fn"}  # fmt: skip
+    rows = {
+        "quant-no-share-bf16": _bench("no-share-gpu", 2.0, float_stats),
+        "quant-no-share-fp8-kv": _bench("no-share-gpu", 1.25, fp8_stats, kv_cache_dtype="fp8"),
+        "quant-rag-fp8": _bench("rag", 0.5, fp8_stats),
+    }
+    for name, data in rows.items():  # written in order: the table keeps it
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    (tmp_path / "rag.json").write_text(json.dumps(_bench("rag", 0.8, float_stats)))
+    (tmp_path / "quant-broken.json").write_text("{")
+    lines = summary.quant_lines(tmp_path)
+    by_row = {line.split()[0]: line.split() for line in lines[2:]}
+    assert by_row["no-share-bf16"][7] == "1.00" and by_row["no-share-bf16"][9] == "16000"
+    assert by_row["no-share-fp8-kv"][3:5] == ["fp8", "float8_e4m3fn"]
+    assert by_row["no-share-fp8-kv"][7] == "1.60"  # 2.0 s / 1.25 s
+    assert by_row["no-share-fp8-kv"][8:] == ["1.000", "32000"]  # GiB, KV tokens
+    assert by_row["rag-fp8"][7] == "1.60"  # against the rag step's kvbatch row
+    assert by_row["broken"][1:3] == ["no", "results"]

@@ -1,6 +1,6 @@
 """The GPU forward (fused projections and kernels; TRITON_INTERPRET=1 on the CPU) with
-quantized layers: their projections stay apart and run their own GEMMs, and the greedy tokens
-are those of the plain forward."""
+quantized layers: their projections stay apart and run kvbatch.kernels' GEMMs, and the greedy
+tokens are those of the plain forward (the dequantized weights)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kvbatch.engine.quant.linear import QuantLinear
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("scheme", ["fp8-dynamic", "w4a16-asym"])
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "fp8-static", "int8-w8a8", "w4a16-asym"])
 def test_fused_forward_runs_quantized_layers(ct_checkpoints, scheme):
     path = str(ct_checkpoints(scheme))
     prompts = [[5, 9, 14, 200, 31], list(range(40, 73))]
@@ -33,4 +33,5 @@ def test_fused_forward_runs_quantized_layers(ct_checkpoints, scheme):
         ]
     layer = llm.engine.model.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, QuantLinear) and layer.self_attn.qkv_weight is None
+    assert layer.self_attn.q_proj.backend == "triton"  # the fused forward runs the kernels
     assert runs["triton"] == runs["torch"]
