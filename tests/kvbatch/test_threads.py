@@ -56,8 +56,9 @@ def test_default_follows_the_affinity_mask_not_the_machine():
 @needs_affinity
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two usable cores")
 def test_default_shares_the_cores_among_local_workers():
-    default, _, torch_threads = _probe(CORES[:2])
-    assert 1 <= default == torch_threads <= 2  # 1 when the machine is busy
+    default, applied, torch_threads = _probe(CORES[:2])
+    # 1 when the machine is busy; the load may change between the two reads of the default
+    assert 1 <= default <= 2 and 1 <= applied == torch_threads <= 2
     assert _probe(CORES[:2], **{LOCAL_WORKERS_ENV: "2"}) == (1, 1, 1)
     # more workers than cores: still one thread each, never zero
     assert _probe(CORES[:2], **{LOCAL_WORKERS_ENV: "5"})[0] == 1
