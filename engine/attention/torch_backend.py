@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvbatch.engine.attention.cascade import cascade_decode
+from kvbatch.engine.attention.cascade import attend, cascade_decode
+from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention
 from kvbatch.engine.attention.metadata import (
     UNIT_KV_SCALES,
     AttentionMetadata,
@@ -33,6 +34,7 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scales: KVScales = UNIT_KV_SCALES,
+        layer: LayerAttention = FULL_ATTENTION,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         write_kv(kv_cache, k, v, meta.slot_mapping, scales)
         if is_fp8(kv_cache):  # the chunks' own K/V as the cache now holds them
@@ -40,10 +42,10 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta, scales)
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scales, layer)
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, span, scales)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, span, scales, layer)
         return out
 
     @staticmethod
@@ -52,6 +54,7 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scales: KVScales = UNIT_KV_SCALES,
+        layer: LayerAttention = FULL_ATTENTION,
     ) -> torch.Tensor:
         """Decodes in one SDPA call per length bucket (length_buckets), each padded to its
         longest: one 2k-token row among 60-token ones would otherwise make every row gather
@@ -59,18 +62,18 @@ class TorchAttentionBackend:
         if meta.decode_groups:
             return cascade_decode(
                 q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.decode_groups,
-                scales,
+                scales, layer,
             )  # fmt: skip
         kv_cache = KVView(kv_cache, scales, q.dtype)
         lens, tables = meta.decode_seq_lens, meta.decode_block_tables
         buckets = length_buckets(lens)
         if buckets is None:
-            return _padded_decode(q, kv_cache, tables, lens)
+            return _padded_decode(q, kv_cache, tables, lens, layer)
         block_size = kv_cache.block_size
         out = torch.empty_like(q)
         for rows in buckets:
             width = -(-int(lens[rows].max()) // block_size)
-            out[rows] = _padded_decode(q[rows], kv_cache, tables[rows, :width], lens[rows])
+            out[rows] = _padded_decode(q[rows], kv_cache, tables[rows, :width], lens[rows], layer)
         return out
 
     @staticmethod
@@ -81,11 +84,13 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         span: PrefillSpan,
         scales: KVScales = UNIT_KV_SCALES,
+        layer: LayerAttention = FULL_ATTENTION,
     ) -> torch.Tensor:
-        """A chunk attends causally to its cached prefix and to itself."""
+        """A chunk attends causally (within the layer's window) to its cached prefix and to
+        itself."""
         cached = span.context_len - span.query_len
         qh = q.transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
-        if cached == 0:  # nothing cached: the chunk's own K/V, plain causal attention
+        if cached == 0 and layer.is_plain:  # nothing cached: plain causal attention
             out = F.scaled_dot_product_attention(
                 qh,
                 k.transpose(0, 1)[None],
@@ -94,19 +99,17 @@ class TorchAttentionBackend:
                 enable_gqa=True,
             )
             return out[0].transpose(0, 1)
-        keys, values = KVView(kv_cache, scales, q.dtype).gather(span.block_ids)
-        keys, values = keys[: span.context_len], values[: span.context_len]
-        # Query i sits at absolute position cached + i and sees keys 0 .. cached + i.
+        if cached == 0:
+            keys, values = k, v
+        else:
+            keys, values = KVView(kv_cache, scales, q.dtype).gather(span.block_ids)
+            keys, values = keys[: span.context_len], values[: span.context_len]
+        # Query i sits at absolute position cached + i and sees keys 0 .. cached + i (and
+        # only the last `sliding_window` of them in a windowed layer).
         q_pos = torch.arange(cached, span.context_len, device=q.device)
         k_pos = torch.arange(span.context_len, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, context_len]
-        out = F.scaled_dot_product_attention(
-            qh,
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            enable_gqa=True,
-        )
+        mask = layer.visible(q_pos, k_pos)  # [q_len, context_len]
+        out = attend(qh, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], mask, layer)
         return out[0].transpose(0, 1)
 
 
@@ -155,7 +158,11 @@ class KVView:
 
 
 def _padded_decode(
-    q: torch.Tensor, kv_cache: KVView, tables: torch.Tensor, seq_lens: torch.Tensor
+    q: torch.Tensor,
+    kv_cache: KVView,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layer: LayerAttention = FULL_ATTENTION,
 ) -> torch.Tensor:
     """One SDPA call for decode rows [B, heads, head_dim] over their block tables [B, blocks],
     keys padded to the table's width and masked past each row's length."""
@@ -170,10 +177,8 @@ def _padded_decode(
     keys = keys.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     values = values.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(max_blocks * block_size, device=q.device)
-    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True
-    )  # [B, heads, 1, head_dim]
+    mask = layer.visible(seq_lens[:, None] - 1, positions)[:, None]  # [B, 1, 1, S]
+    out = attend(q[:, :, None, :], keys, values, mask, layer)  # [B, heads, 1, head_dim]
     return out[:, :, 0, :]
 
 

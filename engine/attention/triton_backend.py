@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention
 from kvbatch.engine.attention.metadata import UNIT_KV_SCALES, AttentionMetadata, KVScales
+from kvbatch.engine.attention.torch_backend import TorchAttentionBackend
 from kvbatch.kernels.kv_quant import is_fp8
 
 
@@ -96,6 +98,7 @@ class TritonAttentionBackend:
         self._write = write_kv_cache
         self._step_meta: AttentionMetadata | None = None
         self._step: StepTensors | None = None
+        self._reference = TorchAttentionBackend()
 
     def step_tensors(self, meta: AttentionMetadata) -> StepTensors:
         """Packed once per step (keyed by the metadata object), reused by every layer."""
@@ -122,7 +125,12 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scales: KVScales = UNIT_KV_SCALES,
+        layer: LayerAttention = FULL_ATTENTION,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        if not layer.is_plain:
+            # The kernels know neither windows nor soft-caps nor other scales yet: such layers
+            # run the torch reference (same metadata, same cache layout, FP8 included).
+            return self._reference.forward(q, k, v, kv_cache, meta, scales, layer)
         if not is_fp8(kv_cache):
             scales = UNIT_KV_SCALES
         kv = dict(k_scale=scales.k, v_scale=scales.v)

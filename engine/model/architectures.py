@@ -3,7 +3,7 @@
 A config names its architecture (`architectures`, or only `model_type` in GGUF-derived
 configs). An architecture outside SUPPORTED_ARCHITECTURES fails with the list; a supported one
 whose config switches on something the forward pass lacks (a vision tower, sliding-window
-layers where they are not capped, an activation other than SiLU) fails naming that feature,
+layers where they are not supported, an activation the MLP does not run) fails naming that feature,
 rather than loading and answering wrongly. RoPE scaling types are checked in rope.py.
 """
 
@@ -17,6 +17,9 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 ARCHITECTURE_BY_MODEL_TYPE = {
@@ -27,6 +30,9 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 """For configs without `architectures` (those transformers reads from GGUF files)."""
 
@@ -38,6 +44,12 @@ BASE_MODEL_ARCHITECTURES = {
 }
 """The same transformers without their language-model head, as sentence-transformers saves an
 embedding model: weights named without the "model." prefix, and no lm_head (embeddings only)."""
+
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+"""engine/model/gemma.py's forward: GeGLU, (1 + w) norms around both sublayers, soft-caps."""
+
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+"""The names of the tanh-approximate GELU that Gemma's MLP runs."""
 
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 """RMSNorm over each head of q and k before RoPE."""
@@ -61,7 +73,16 @@ def _unsupported_features(architecture: str, hf_config):
                 f"a vision or audio tower ({key} in config.json), which is not supported: "
                 "kvbatch runs text-only models; use the text-only checkpoint"
             )
-    act = getattr(hf_config, "hidden_act", "silu")
+    if architecture in GEMMA_ARCHITECTURES:
+        act = getattr(hf_config, "hidden_activation", None) or "gelu_pytorch_tanh"
+        if act not in GEMMA_ACTIVATIONS:
+            yield (
+                f"hidden_activation {act!r}, which is not supported: kvbatch's Gemma MLP is "
+                "GeGLU with the tanh-approximate GELU (gelu_pytorch_tanh)"
+            )
+        act = "silu"  # hidden_act, where a Gemma config also has it, is the same GELU
+    else:
+        act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         yield (
             f"hidden_act {act!r}, which is not supported: kvbatch's MLP is SwiGLU (silu); "
