@@ -31,13 +31,15 @@ def test_the_supported_list_names_every_family():
     for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         assert arch in SUPPORTED_ARCHITECTURES
     assert "MixtralForCausalLM" in SUPPORTED_ARCHITECTURES
+    for arch in ("Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        assert arch in SUPPORTED_ARCHITECTURES
 
 
 def test_an_unsupported_architecture_lists_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(
-        '{"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}'
+        '{"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}'
     )
-    with pytest.raises(ValueError, match="Gemma3ForCausalLM is not supported") as err:
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM is not supported") as err:
         load(tmp_path)
     assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
 
