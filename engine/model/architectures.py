@@ -2,9 +2,9 @@
 
 A config names its architecture (`architectures`, or only `model_type` in GGUF-derived
 configs). An architecture outside SUPPORTED_ARCHITECTURES fails with the list; a supported one
-whose config switches on something the forward pass lacks (a vision tower, sliding-window
-layers where they are not supported, an activation the MLP does not run) fails naming that feature,
-rather than loading and answering wrongly. RoPE scaling types are checked in rope.py.
+whose config switches on something the forward pass lacks (a vision tower, an activation the
+MLP does not run, attention biases) fails naming that feature, rather than loading and
+answering wrongly. Sliding-window layers are supported (engine/attention/layer_spec.py). RoPE scaling types are checked in rope.py.
 """
 
 from __future__ import annotations
@@ -54,9 +54,6 @@ GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 """RMSNorm over each head of q and k before RoPE."""
 
-# Qwen2 keeps its old behaviour: a window on every layer caps the context (engine config).
-_NO_SLIDING_WINDOW = ("Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "vision_tower", "visual")
 
 
@@ -93,15 +90,3 @@ def _unsupported_features(architecture: str, hf_config):
             "attention_bias (biases on q/k/v and o_proj), which is not supported for "
             f"{architecture}"
         )
-    if architecture in _NO_SLIDING_WINDOW and _has_sliding_layers(hf_config):
-        yield (
-            "sliding-window attention on some layers (use_sliding_window or "
-            "'sliding_attention' in layer_types), which is not supported; set "
-            "use_sliding_window to false if the checkpoint was trained without it"
-        )
-
-
-def _has_sliding_layers(hf_config) -> bool:
-    if getattr(hf_config, "use_sliding_window", False):
-        return True
-    return "sliding_attention" in (getattr(hf_config, "layer_types", None) or ())
