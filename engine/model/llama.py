@@ -1,5 +1,6 @@
-"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, and the
-mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in one file.
+"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, Phi-3/4, and
+the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in one file, and the ModelConfig every
+architecture reads (Gemma's own layer is engine/model/gemma.py).
 
 It runs over a flat batch: every scheduled token of every sequence in one [num_tokens, hidden]
 tensor, with positions per token, and attention reading and writing the paged KV cache. Only

@@ -112,3 +112,17 @@ def test_longrope_factors_must_cover_the_rotated_dimensions():
     assert rope_config_from_hf(hf, 8).rope_type == "longrope"
     with pytest.raises(ValueError, match="needs 'long_factor'"):
         RopeConfig(head_dim=8, rope_type="longrope", scaling={"short_factor": [1.0] * 4})
+
+
+def test_phi3_sliding_window_matches_transformers(tiny_models, tmp_path):
+    """Phi-3-mini-4k's config has a window (2047) on every layer, as transformers applies it."""
+    shutil.copytree(tiny_models("phi3"), tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["sliding_window"] = 20
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    model = load_model(tmp_path / "m", torch.float32, CPU).model
+    assert model.config.layer_attention(1).sliding_window == 20
+    ids = random_prompts(512, (50,), seed=8)[0]
+    ref = hf_logits(tmp_path / "m", ids)
+    for chunk in (50, 7):
+        torch.testing.assert_close(prefill_logits(model, ids, chunk), ref, atol=1e-4, rtol=0)
