@@ -133,3 +133,19 @@ def test_an_activation_other_than_tanh_gelu_is_named(tiny_models, tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="Gemma3ForCausalLM checkpoint uses hidden_activation"):
         load_model(tmp_path / "m", torch.float32, CPU)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_fp8_kv_cache_gives_the_same_tokens_on_both_backends(tiny_models, kind):
+    """An FP8 KV cache under windows, soft-caps and Gemma's scale: the triton kernels read the
+    same quantized K/V as the torch reference, shared-prefix groups included."""
+    path = tiny_models(kind)
+    prompts = shared_prefix_prompts()
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            str(path), device="cpu", dtype="float32", kv_cache_dtype="fp8",
+            attention_backend=backend, num_kv_blocks=96, max_model_len=256,
+        )  # fmt: skip
+        outs[backend] = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert outs["triton"] == outs["torch"]
