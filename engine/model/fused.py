@@ -74,6 +74,7 @@ def fused_forward(
     from kvbatch.kernels.activation import silu_and_mul
     from kvbatch.kernels.fused_moe import fused_moe
     from kvbatch.kernels.rms_norm import fused_add_rms_norm, rms_norm
+    from kvbatch.kernels.rotary import apply_rotary_
 
     cfg = model.config
     eps = cfg.rms_norm_eps
@@ -96,7 +97,7 @@ def fused_forward(
         k = qkv[:, q_size : q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         q, k = attn.norm_heads(q, k)  # Qwen3's per-head q/k RMSNorm; others unchanged
-        rotate_(q, k, positions, inv_freq, model.rotary.attention_factor)
+        rotate_(apply_rotary_, q, k, positions, inv_freq, model.rotary.attention_factor)
         out = backend.forward(q, k, v, kv_cache, meta, attn.kv_scales, attn.variant)
         pending = attn.o_proj(out.reshape(t, q_size))
         h, residual = fused_add_rms_norm(
@@ -120,11 +121,10 @@ def fused_forward(
     return F.linear(x, model.output_embedding).float()
 
 
-def rotate_(q, k, positions, inv_freq, attention_factor: float) -> None:
-    """RoPE in place on the rotated dimensions (all of them, or the first ones with a partial
-    rotary factor), times LongRoPE's attention factor (on cos and sin in the plain forward)."""
-    from kvbatch.kernels.rotary import apply_rotary_
-
+def rotate_(apply_rotary_, q, k, positions, inv_freq, attention_factor: float) -> None:
+    """RoPE in place (the kernel `apply_rotary_`) on the rotated dimensions (all of them, or
+    the first ones with a partial rotary factor), times LongRoPE's attention factor (which the
+    plain forward puts on cos and sin)."""
     rot = 2 * inv_freq.shape[0]
     if rot < q.shape[-1]:
         q, k = q[..., :rot], k[..., :rot]

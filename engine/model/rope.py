@@ -3,8 +3,9 @@
 Frequencies follow transformers' rope initialisation so logits match it to float rounding:
 `default` (plain), `linear` (positions divided by a factor), `llama3` (Llama 3.1's
 frequency-dependent smoothing between long and short wavelengths) and `longrope` (Phi-3's
-"su" scaling: a per-frequency divisor, short or long, and a factor on cos and sin). cos/sin are computed for
-the positions of each step rather than cached for the whole context: the cost is one
+"su" scaling: a per-frequency divisor, short or long, and a factor on cos and sin). A partial
+rotary factor (Phi-4-mini) rotates the first dimensions of each head only. cos/sin are
+computed for the positions of each step rather than cached for the whole context: the cost is one
 [num_tokens, head_dim/2] outer product per step, and no cache to size or to outgrow.
 """
 
