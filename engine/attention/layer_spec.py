@@ -8,6 +8,9 @@ that per layer, and the backends take it as an argument of every call:
   convention of transformers' masks);
 - a scale other than head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5);
 - logit soft-capping (Gemma 2): scores become cap * tanh(scores / cap) before the softmax.
+
+`attend` is that attention in plain torch (the torch backend's, and cascade's scores); the
+Triton kernels take the same three settings as arguments.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -44,3 +48,33 @@ class LayerAttention:
 
 
 FULL_ATTENTION = LayerAttention()
+
+
+def attend(
+    q: torch.Tensor,  # [B, heads, Q, head_dim]
+    k: torch.Tensor,  # [B, kv_heads, S, head_dim]
+    v: torch.Tensor,  # [B, kv_heads, S, head_dim]
+    mask: torch.Tensor,  # bool, broadcast to [B, heads, Q, S]
+    layer: LayerAttention = FULL_ATTENTION,
+) -> torch.Tensor:  # [B, heads, Q, head_dim]
+    """Masked softmax attention with the layer's scale and soft-cap. SDPA where it can (it has
+    no soft-cap); otherwise the scores are formed, capped and normalised in float32, as
+    transformers' eager attention does for Gemma 2."""
+    if layer.softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = soft_capped_scores(q, k, layer)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(q.dtype), v)
+
+
+def soft_capped_scores(q: torch.Tensor, k: torch.Tensor, layer: LayerAttention) -> torch.Tensor:
+    """q k^T times the layer's scale, then cap * tanh(scores / cap) when it has a cap."""
+    scale = q.shape[-1] ** -0.5 if layer.scale is None else layer.scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    return scores

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvbatch.engine.attention.cascade import attend, cascade_decode
-from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention
+from kvbatch.engine.attention.cascade import cascade_decode
+from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention, attend
 from kvbatch.engine.attention.metadata import (
     UNIT_KV_SCALES,
     AttentionMetadata,
