@@ -66,6 +66,8 @@ class TorchAttentionBackend:
             )  # fmt: skip
         kv_cache = KVView(kv_cache, scales, q.dtype)
         lens, tables = meta.decode_seq_lens, meta.decode_block_tables
+        if layer.sliding_window is not None:  # read only the blocks inside the window
+            tables, lens = window_tail(tables, lens, layer.sliding_window, kv_cache.block_size)
         buckets = length_buckets(lens)
         if buckets is None:
             return _padded_decode(q, kv_cache, tables, lens, layer)
@@ -99,15 +101,20 @@ class TorchAttentionBackend:
                 enable_gqa=True,
             )
             return out[0].transpose(0, 1)
+        first = 0  # the first key position read (a window skips the blocks before it)
         if cached == 0:
             keys, values = k, v
         else:
-            keys, values = KVView(kv_cache, scales, q.dtype).gather(span.block_ids)
-            keys, values = keys[: span.context_len], values[: span.context_len]
+            view = KVView(kv_cache, scales, q.dtype)
+            if layer.sliding_window is not None:
+                first = max(0, cached - layer.sliding_window + 1) // view.block_size
+                first *= view.block_size
+            keys, values = view.gather(span.block_ids[first // view.block_size :])
+            keys, values = keys[: span.context_len - first], values[: span.context_len - first]
         # Query i sits at absolute position cached + i and sees keys 0 .. cached + i (and
         # only the last `sliding_window` of them in a windowed layer).
         q_pos = torch.arange(cached, span.context_len, device=q.device)
-        k_pos = torch.arange(span.context_len, device=q.device)
+        k_pos = torch.arange(first, span.context_len, device=q.device)
         mask = layer.visible(q_pos, k_pos)  # [q_len, context_len]
         out = attend(qh, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], mask, layer)
         return out[0].transpose(0, 1)
@@ -155,6 +162,21 @@ class KVView:
             keys = dequantize_kv(keys, self.scales.k, self.dtype)
             values = dequantize_kv(values, self.scales.v, self.dtype)
         return keys, values
+
+
+def window_tail(
+    tables: torch.Tensor, lens: torch.Tensor, window: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows' tables and lengths cut to the blocks that hold their last `window` keys:
+    row b keeps the blocks from the one holding key lens[b] - window on (at most
+    window // block_size + 2 of them), and its length counts from that block's start, so
+    positions stay relative to it and the window mask is unchanged."""
+    width = min(tables.shape[1], window // block_size + 2)
+    first = (lens - window).clamp_min(0) // block_size  # [B] first block inside the window
+    columns = (first[:, None] + torch.arange(width, device=lens.device)).clamp_max(
+        tables.shape[1] - 1
+    )  # columns past a row's last block are masked: they lie beyond its length
+    return tables.gather(1, columns), lens - first * block_size
 
 
 def _padded_decode(
