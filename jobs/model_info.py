@@ -26,8 +26,8 @@ def load_tokenizer(model: str):
 
 def max_model_len(model: str, override: int | None = None) -> int:
     """The longest sequence (prompt + output) the engine will run for `model`: the config's
-    max_position_embeddings, capped by its sliding window as kvbatch.engine.model.llama.ModelConfig does
-    (Qwen2 only uses its window when use_sliding_window is set). `override` must fit in it."""
+    max_position_embeddings (a sliding window does not cap it: the engine masks windowed
+    layers). `override` must fit in it."""
     from transformers import AutoConfig
 
     gguf = _split_gguf(model)
@@ -36,12 +36,6 @@ def max_model_len(model: str, override: int | None = None) -> int:
     else:
         cfg = AutoConfig.from_pretrained(str(Path(model).expanduser()), local_files_only=True)
     limit = int(cfg.max_position_embeddings)
-    sliding = getattr(cfg, "sliding_window", None)
-    arch = (getattr(cfg, "architectures", None) or [""])[0]
-    if arch == "Qwen2ForCausalLM" and not getattr(cfg, "use_sliding_window", False):
-        sliding = None
-    if sliding:
-        limit = min(limit, int(sliding))
     if override is not None:
         if override < 1 or override > limit:
             raise ValueError(f"max_model_len={override} must be in [1, {limit}] for {model}")

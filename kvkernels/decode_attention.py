@@ -19,6 +19,11 @@ once for the G heads; the G rows are padded to 16 for tl.dot and masked.
 
 The launch never reads a device tensor on the host (grid and splits come from shapes only),
 so it can be captured in a CUDA graph whose replays change `seq_lens` but not shapes.
+
+Layer variants (kvbatch.engine.attention.layer_spec): a sliding window starts each row's keys
+at seq_len - window (the splits before it are empty); a soft-cap bends every score to
+cap * tanh(score / cap) before the softmax (in log2 units: C * tanh(x / C) with C = cap *
+log2(e), the same function); `scale` replaces head_dim ** -0.5.
 """
 
 from __future__ import annotations
@@ -41,8 +46,17 @@ LONG_TABLE_TOKENS = 8192
 LONG_TOKENS_PER_SPLIT = 2048
 
 
+@triton.jit
+def soft_cap(x, cap):
+    """cap * tanh(x / cap), from one exp of a non-positive number (no overflow)."""
+    y = x / cap
+    t = tl.exp(-2.0 * tl.abs(y))
+    th = (1.0 - t) / (1.0 + t)
+    return cap * tl.where(y < 0, -th, th)
+
+
 @step_varying(
-    ints=("stride_tb", "stride_lb", "stride_lh", "tokens_per_split", "max_tokens"),
+    ints=("stride_tb", "stride_lb", "stride_lh", "tokens_per_split", "max_tokens", "window"),
     pointers=("table_ptr", "seq_lens_ptr"),
 )
 def _decode_split_kernel(
@@ -54,6 +68,8 @@ def _decode_split_kernel(
     lse_ptr,  # [B, H, S] float32 (log2 units), or [B, H] (natural log) when FINAL
     scale_log2,  # softmax scale * log2(e) * k_scale
     v_scale,  # 1.0 unless the cache is FP8
+    window,  # keys per query in a sliding-window layer; 0: every key
+    softcap_log2,  # soft-cap * log2(e), used when SOFTCAP
     stride_qb,
     stride_qh,
     stride_qd,
@@ -80,6 +96,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     FINAL: tl.constexpr,  # one split: write the output and natural-log lse directly
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -88,6 +105,8 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     start = split * tokens_per_split
     end = tl.minimum(tl.minimum(seq_len, start + tokens_per_split), max_tokens)
+    if window > 0:  # the query (position seq_len - 1) sees the last `window` keys
+        start = tl.maximum(start, seq_len - window)
 
     # A split past seq_len (most of a wide table's splits: short rows beside a long one)
     # reads and writes nothing but its lse (-inf): the merge skips its partial output.
@@ -121,6 +140,8 @@ def _decode_split_kernel(
         kv_offs = slots[:, None] + offs_d[None, :] * stride_kd  # [BLOCK_N, BLOCK_D]
         k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # FP8: dequantized
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        if SOFTCAP:
+            qk = soft_cap(qk, softcap_log2)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
@@ -296,6 +317,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     k_scale: float = 1.0,  # FP8 caches: the stored values times these are K and V
     v_scale: float = 1.0,
+    sliding_window: int | None = None,  # keys per query (itself included); None: all
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query token per sequence over its paged context.
 
@@ -333,11 +356,12 @@ def paged_decode_attention(
     def split_kernel(o: torch.Tensor, o_strides, lse_: torch.Tensor, lse_strides, final: bool):
         _decode_split_kernel[(batch, num_kv_heads, num_splits)](
             q, kv_cache, block_tables, seq_lens, o, lse_, scale * LOG2E * k_scale, v_scale,
+            sliding_window or 0, (softcap or 0.0) * LOG2E,
             *q.stride(), *kv_cache.stride(), block_tables.stride(0), *o_strides, *lse_strides,
             tokens_per_split, max_tokens,
             G=g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK_N=tiles.block_n,
-            PRECISION=dot_precision(q.dtype), FINAL=final,
+            PRECISION=dot_precision(q.dtype), FINAL=final, SOFTCAP=softcap is not None,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
 
@@ -377,6 +401,8 @@ def paged_decode_attention_ref(
     num_splits: int | None = None,  # accepted for the same signature; the reference never splits
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch paged decode attention (float32 math), same contract as the kernel."""
     check_attention_inputs(q, kv_cache, block_tables.shape[0], "B")
@@ -393,7 +419,12 @@ def paged_decode_attention_ref(
     keys = (keys.float() * k_scale).repeat_interleave(g, dim=2).transpose(1, 2)
     values = (values.float() * v_scale).repeat_interleave(g, dim=2).transpose(1, 2)
     scores = torch.einsum("bhd,bhsd->bhs", q.float(), keys) * scale
-    valid = torch.arange(max_blocks * block_size, device=q.device)[None, :] < seq_lens[:, None]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    positions = torch.arange(max_blocks * block_size, device=q.device)[None, :]
+    valid = positions < seq_lens[:, None]
+    if sliding_window is not None:
+        valid &= positions >= seq_lens[:, None] - sliding_window
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H]; -inf where seq_len is 0
     probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])

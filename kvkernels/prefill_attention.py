@@ -32,6 +32,14 @@ combines them exactly (the cascade merge's arithmetic,
 kvkernels/decode_attention.merge_split_partials):
 
     keys of seq s:  [ split 0 | split 1 | split 2 ]  ->  (o, lse) each  ->  merge  ->  out
+
+Layer variants (kvbatch.engine.attention.layer_spec), as in the decode kernel: a soft-cap on
+the scores, another scale, and a sliding window. With a window every key tile goes through the
+masked loop (the rows of a tile see different key ranges), starting at the first key the
+tile's first row sees. Non-causal with a window (a cascade group's decode rows against their
+shared prefix) needs each row's own query position: `row_offsets[r]` places row r at key
+position context_len - 1 + row_offsets[r] (its private length), and a row whose window ends
+before the shared keys gets lse -inf.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from kvbatch.kernels.decode_attention import (
     dot_precision,
     merge_split_partials,
     num_sms,
+    soft_cap,
 )
 from kvbatch.kernels.specialize import step_varying
 
@@ -88,12 +97,14 @@ def _attend_tile(
     visible,  # [BLOCK_M, BLOCK_N] bool (or [1, BLOCK_N]), used when MASKED
     n_valid,  # [BLOCK_N] bool: key inside the context, used when MASKED
     scale_log2,
+    softcap_log2,
     stride_kblk,
     stride_kpos,
     stride_kd,
     BLOCK_SIZE: tl.constexpr,
     PRECISION: tl.constexpr,
     MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step of a row tile over the keys offs_n."""
     if MASKED:
@@ -106,6 +117,8 @@ def _attend_tile(
     kv_offs = slots[:, None] + offs_d[None, :] * stride_kd  # [BLOCK_N, BLOCK_D]
     k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # FP8: dequantized
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if SOFTCAP:
+        qk = soft_cap(qk, softcap_log2)
     if MASKED:
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -121,8 +134,14 @@ def _attend_tile(
 
 
 @step_varying(
-    ints=("stride_tb", "num_splits"),
-    pointers=("table_ptr", "query_start_ptr", "query_lens_ptr", "context_lens_ptr"),
+    ints=("stride_tb", "num_splits", "window"),
+    pointers=(
+        "table_ptr",
+        "query_start_ptr",
+        "query_lens_ptr",
+        "context_lens_ptr",
+        "row_offsets_ptr",
+    ),
 )
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
@@ -135,6 +154,9 @@ def _prefill_kernel(
     lse_ptr,  # [T, H] float32 natural log, or the partials' [num_splits, T, H] log2
     scale_log2,  # softmax scale * log2(e) * k_scale
     v_scale,  # 1.0 unless the cache is FP8
+    window,  # keys per query in a sliding-window layer; 0: every key
+    softcap_log2,  # soft-cap * log2(e), used when SOFTCAP
+    row_offsets_ptr,  # [T] non-causal windows: row r's query at context_len - 1 + offset
     num_splits,
     stride_qt,
     stride_qh,
@@ -161,6 +183,8 @@ def _prefill_kernel(
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
     FINAL: tl.constexpr,  # one split: the output and natural-log lse directly
+    SOFTCAP: tl.constexpr,
+    ROW_OFFSETS: tl.constexpr,  # non-causal with a window: read row_offsets_ptr
 ):
     tile = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -189,23 +213,35 @@ def _prefill_kernel(
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
 
+    has_window = (window > 0).to(tl.int32)
     if CAUSAL:
         cached = context_len - query_len
         last_pos = tl.minimum((first_row + BLOCK_M - 1) // G, query_len - 1)
         shared_end = cached + first_row // G + 1  # keys every row of the tile sees
         kv_end = cached + last_pos + 1
+        q_abs = cached + pos  # [BLOCK_M] each row's position among the keys
+        # the key tile holding the first key the tile's first row sees in its window (0
+        # without one): whole tiles, so that a split's tiles never reach into the next split
+        lo = has_window * (tl.maximum(cached + first_row // G - window + 1, 0) // BLOCK_N)
+        lo = lo * BLOCK_N
     else:
         shared_end = context_len
         kv_end = context_len
-    unmasked_end = (shared_end // BLOCK_N) * BLOCK_N
+        q_abs = tl.zeros([BLOCK_M], tl.int32) + context_len  # no window: unused
+        if ROW_OFFSETS:
+            offsets = tl.load(row_offsets_ptr + rows, mask=m_mask, other=1).to(tl.int32)
+            q_abs = context_len - 1 + offsets
+        lo = 0
+    unmasked_end = (shared_end // BLOCK_N) * BLOCK_N * (1 - has_window)
     if FINAL:
-        keys_start = 0
+        keys_start = lo
         keys_end = kv_end
     else:  # this sequence's keys in num_splits ranges of whole key tiles (the last may be
         # short, and a short context leaves some empty: lse -inf, no weight in the merge)
         keys_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
         keys_start = split * keys_per_split
         keys_end = keys_start + keys_per_split
+        keys_start = tl.maximum(keys_start, lo)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -218,8 +254,8 @@ def _prefill_kernel(
         offs_n = start_n + arange_n
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_base, stride_kv, table, offs_n, offs_d, d_mask,
-            unused[None, :], unused, scale_log2, stride_kblk, stride_kpos, stride_kd,
-            BLOCK_SIZE, PRECISION, False,
+            unused[None, :], unused, scale_log2, softcap_log2, stride_kblk, stride_kpos,
+            stride_kd, BLOCK_SIZE, PRECISION, False, SOFTCAP,
         )  # fmt: skip
     for start_n in range(
         tl.maximum(unmasked_end, keys_start), tl.minimum(kv_end, keys_end), BLOCK_N
@@ -229,10 +265,12 @@ def _prefill_kernel(
         visible = n_valid[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= (context_len - query_len + pos)[:, None])
+        in_window = offs_n[None, :] > (q_abs - window)[:, None]
+        visible = visible & (in_window | (has_window == 0))
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_base, stride_kv, table, offs_n, offs_d, d_mask,
-            visible, n_valid, scale_log2, stride_kblk, stride_kpos, stride_kd,
-            BLOCK_SIZE, PRECISION, True,
+            visible, n_valid, scale_log2, softcap_log2, stride_kblk, stride_kpos, stride_kd,
+            BLOCK_SIZE, PRECISION, True, SOFTCAP,
         )  # fmt: skip
 
     empty = l_i == 0.0  # no key in range: non-causal with context_len 0, or an empty split
@@ -358,6 +396,9 @@ def paged_prefill_attention(
     num_splits: int | None = None,
     k_scale: float = 1.0,  # FP8 caches: the stored values times these are K and V
     v_scale: float = 1.0,
+    sliding_window: int | None = None,  # keys per query (itself included); None: all
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
+    row_offsets: torch.Tensor | None = None,  # [T] non-causal windows (see the module doc)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Varlen paged attention of several sequences' query chunks (causal or not).
 
@@ -369,6 +410,11 @@ def paged_prefill_attention(
     sequence's keys are cut in that many ranges, whatever its length).
     """
     check_attention_inputs(q, kv_cache, q.shape[0], "T")
+    if sliding_window is not None and not causal and row_offsets is None:
+        raise ValueError(
+            "a non-causal sliding window needs row_offsets (each row's query position after "
+            "the context): pass the decode rows' private lengths"
+        )
     # The kernel indexes these with unit stride (a column slice of a [S, 3] tensor would be
     # read wrongly): no-ops when already contiguous, so still capturable in a CUDA graph.
     block_tables, query_start, query_lens, context_lens = (
@@ -408,11 +454,13 @@ def paged_prefill_attention(
         split_strides = (0, 0) if final else (o.stride(0), lse_.stride(0))
         _prefill_kernel[(row_tiles * num_splits, num_seqs, num_kv_heads)](
             q, kv_cache, block_tables, query_start, query_lens, context_lens, o, lse_,
-            scale * LOG2E * k_scale, v_scale, num_splits,
+            scale * LOG2E * k_scale, v_scale, sliding_window or 0, (softcap or 0.0) * LOG2E,
+            query_lens if row_offsets is None else row_offsets.contiguous(), num_splits,
             *q.stride(), *kv_cache.stride(), block_tables.stride(0), *o_strides, *lse_strides,
             *split_strides, G=g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n, BLOCK_D=block_d, CAUSAL=causal,
-            PRECISION=dot_precision(q.dtype), FINAL=final,
+            PRECISION=dot_precision(q.dtype), FINAL=final, SOFTCAP=softcap is not None,
+            ROW_OFFSETS=row_offsets is not None and not causal,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
 
@@ -448,6 +496,9 @@ def paged_prefill_attention_ref(
     num_splits: int | None = None,  # never splits
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    row_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch varlen paged prefill attention (float32 math, one sequence at a time)."""
     check_attention_inputs(q, kv_cache, q.shape[0], "T")
@@ -471,10 +522,19 @@ def paged_prefill_attention_ref(
         values = (values.float() * v_scale).repeat_interleave(g, dim=1).transpose(0, 1)
         qs = q[start : start + qlen].float().transpose(0, 1)  # [heads, qlen, D]
         scores = torch.matmul(qs, keys.transpose(1, 2)) * scale  # [heads, qlen, ctx]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        k_pos = torch.arange(ctx, device=q.device)
         if causal:
             q_pos = torch.arange(ctx - qlen, ctx, device=q.device)
-            visible = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-            scores = scores.masked_fill(~visible, float("-inf"))
+        elif row_offsets is not None:
+            q_pos = ctx - 1 + row_offsets[start : start + qlen].long()
+        else:
+            q_pos = torch.full((qlen,), ctx, device=q.device)
+        visible = k_pos[None, :] <= q_pos[:, None] if causal else k_pos[None, :] >= 0
+        if sliding_window is not None:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        scores = scores.masked_fill(~visible, float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # [heads, qlen]
         probs = torch.exp(scores - row_lse.nan_to_num(neginf=0.0)[..., None])
         out[start : start + qlen] = torch.matmul(probs, values).transpose(0, 1).to(out.dtype)

@@ -31,7 +31,14 @@ def _load(path: str, kw: tuple[tuple[str, object], ...]) -> PreTrainedModel:
     if p.suffix == ".gguf":
         options["gguf_file"] = p.name
         p = p.parent
-    model = AutoModelForCausalLM.from_pretrained(p, **options)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, **options)
+    except ValueError as e:  # Gemma 2 has no SDPA path (its soft-cap): eager is its reference
+        if "does not support an attention implementation" not in str(e):
+            raise
+        model = AutoModelForCausalLM.from_pretrained(
+            p, **{**options, "attn_implementation": "eager"}
+        )
     return model.to("cpu").eval()
 
 

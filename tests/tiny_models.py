@@ -18,10 +18,13 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -35,7 +38,16 @@ LLAMA_KINDS = ("llama-gqa", "llama-mha", "llama3-rope", "qwen2", "mistral", "lla
 MOE_KINDS = ("qwen3-moe", "mixtral", "qwen2-moe")
 """Mixture-of-experts kinds (see tiny_config for where their experts sit)."""
 
-KINDS = LLAMA_KINDS + ("qwen3",) + MOE_KINDS
+PHI3_KINDS = ("phi3",)
+"""Phi-3 / Phi-4: fused qkv_proj and gate_up_proj on disk, LongRoPE, partial rotary."""
+
+SLIDING_KINDS = ("mistral-window",)
+"""Sliding-window attention on every layer (Mistral's `sliding_window`)."""
+
+GEMMA_KINDS = ("gemma2", "gemma3")
+"""Gemma's layer (engine/model/gemma.py), local and global layers alternating."""
+
+KINDS = LLAMA_KINDS + ("qwen3",) + MOE_KINDS + PHI3_KINDS + SLIDING_KINDS + GEMMA_KINDS
 """Every kind build_tiny_checkpoint knows."""
 
 _SEED_SALT = {
@@ -49,6 +61,10 @@ _SEED_SALT = {
     "qwen3-moe": 6,
     "mixtral": 7,
     "qwen2-moe": 8,
+    "phi3": 9,
+    "mistral-window": 10,
+    "gemma2": 11,
+    "gemma3": 12,
 }
 
 VOCAB_SIZE = 512
@@ -69,6 +85,9 @@ _SIZES = dict(
     eos_token_id=EOS,
     tie_word_embeddings=False,
 )
+
+PHI3_ORIGINAL_CONTEXT = 64  # the tiny phi3's LongRoPE pretraining length
+SLIDING_WINDOW = 24  # the tiny sliding-window kinds' window: shorter than the tests' prompts
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -122,6 +141,50 @@ def tiny_config(kind: str) -> PretrainedConfig:
             shared_expert_intermediate_size=96,
             norm_topk_prob=False,
             decoder_sparse_step=2,
+        )
+    if kind == "phi3":
+        # Phi-4-mini's shape of RoPE: LongRoPE with short and long factors per rotated pair,
+        # a partial rotary factor (12 of 16 dimensions), and a pretraining length (64) that
+        # the tests' longer prompts pass.
+        pairs = 6
+        return Phi3Config(
+            **{**_SIZES, "pad_token_id": 0},
+            original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.1 * i for i in range(pairs)],
+                "long_factor": [1.0 + 1.5 * i for i in range(pairs)],
+            },
+        )
+    if kind == "mistral-window":
+        return MistralConfig(**_SIZES, sliding_window=SLIDING_WINDOW)
+    if kind == "gemma2":
+        # Soft-caps small enough to bend this tiny model's scores and logits (real Gemma 2:
+        # 50 and 30), and a query scale that is not head_dim's.
+        return Gemma2Config(
+            **{**_SIZES, "tie_word_embeddings": True, "pad_token_id": 0},
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=SLIDING_WINDOW,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=8.0,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    if kind == "gemma3":
+        # Three layers, local, local, global; the global layers' RoPE has a linear factor and a
+        # base of its own, as Gemma 3's real ones.
+        return Gemma3TextConfig(
+            **{**_SIZES, "tie_word_embeddings": True, "pad_token_id": 0, "num_hidden_layers": 3},
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
         )
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(KINDS)}")
 

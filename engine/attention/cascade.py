@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kvbatch.engine.attention.kv_scales import UNIT_KV_SCALES, KVScales
+from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention, soft_capped_scores
 from kvbatch.kernels.kv_quant import dequantize_kv, is_fp8
 
 
@@ -87,14 +88,18 @@ def attention_with_lse(
     q: torch.Tensor,  # [B, kv_heads, q_per_kv, head_dim]
     k: torch.Tensor,  # [B, kv_heads, S, head_dim]
     v: torch.Tensor,  # [B, kv_heads, S, head_dim]
-    valid: torch.Tensor | None,  # [B, S] bool, or None when every key is valid
+    valid: torch.Tensor | None,  # [B, S] or [B, 1, q_per_kv, S] bool; None: every key valid
+    layer: LayerAttention = FULL_ATTENTION,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention that also returns log-sum-exp: ([B, kvh, g, d], [B, kvh, g])."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, kvh, g, S]
+    """Softmax attention that also returns log-sum-exp: ([B, kvh, g, d], [B, kvh, g]).
+    A row with no valid key (a window that ends before a shared prefix does) gets output 0
+    and log-sum-exp -inf, so that merging it adds nothing."""
+    scores = soft_capped_scores(q, k, layer)  # [B, kvh, g, S]
     if valid is not None:
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        valid = valid[:, None, None, :] if valid.dim() == 2 else valid
+        scores = scores.masked_fill(~valid, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, kvh, g]
-    probs = torch.exp(scores - lse[..., None])
+    probs = torch.exp(scores - lse.clamp_min(torch.finfo(lse.dtype).min)[..., None])
     return torch.matmul(probs, v), lse
 
 
@@ -105,7 +110,11 @@ def cascade_decode(
     private_lens: torch.Tensor,  # [B] tokens in those blocks (>= 1)
     groups: list[DecodeGroup],
     scales: KVScales = UNIT_KV_SCALES,  # an FP8 cache's (ignored by a float cache)
+    layer: LayerAttention = FULL_ATTENTION,
 ) -> torch.Tensor:  # [B, heads, head_dim]
+    """A sliding window may end inside a group's shared prefix: the shared part is then
+    masked per row (each row's query sits at its own position), still read once per group;
+    rows whose window has left the prefix entirely take nothing from it."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     g = num_heads // num_kv_heads
@@ -120,8 +129,12 @@ def cascade_decode(
             flat = dequantize_kv(flat, (scales.k, scales.v)[which], q.dtype)
         return flat.view(table.shape[0], -1, num_kv_heads, head_dim).transpose(1, 2)
 
-    valid = torch.arange(width, device=q.device)[None, :] < private_lens[:, None]
-    out, lse = attention_with_lse(qg, gather(0, private_tables), gather(1, private_tables), valid)
+    # Row b's query sits at private position private_lens[b] - 1 (after its shared prefix).
+    private_pos = torch.arange(width, device=q.device)
+    valid = layer.visible(private_lens - 1, private_pos)  # [B, width]
+    out, lse = attention_with_lse(
+        qg, gather(0, private_tables), gather(1, private_tables), valid, layer
+    )
 
     # Shared part: each group's queries together against its prefix, read once.
     for grp in groups:
@@ -130,7 +143,15 @@ def cascade_decode(
         values = gather(1, grp.block_ids[None])
         # [n, kvh, g, d] -> [1, kvh, n * g, d]: the group's queries become one batch
         qs = qg[grp.start : grp.end].transpose(0, 1).reshape(1, num_kv_heads, n * g, head_dim)
-        out_s, lse_s = attention_with_lse(qs, keys, values, None)
+        shared_mask = None
+        if layer.sliding_window is not None:
+            shared_len = grp.block_ids.numel() * block_size
+            q_pos = shared_len + private_lens[grp.start : grp.end] - 1  # [n]
+            k_pos = torch.arange(shared_len, device=q.device)
+            rows_mask = layer.visible(q_pos, k_pos)  # [n, S]
+            # the group's queries in qs's order: [n * g] rows, each row's g heads together
+            shared_mask = rows_mask.repeat_interleave(g, dim=0)[None, None]  # [1, 1, n*g, S]
+        out_s, lse_s = attention_with_lse(qs, keys, values, shared_mask, layer)
         out_s = out_s.view(num_kv_heads, n, g, head_dim).transpose(0, 1)
         lse_s = lse_s.view(num_kv_heads, n, g).transpose(0, 1)
         rows = slice(grp.start, grp.end)

@@ -24,6 +24,7 @@ import torch
 
 from kvbatch.engine.attention.cascade import DecodeGroup
 from kvbatch.engine.attention.kv_scales import UNIT_KV_SCALES, KVScales
+from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention
 
 
 @dataclass
@@ -85,4 +86,5 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scales: KVScales = UNIT_KV_SCALES,
+        layer: LayerAttention = FULL_ATTENTION,  # the layer's window, scale and soft-cap
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbatch.engine.attention.cascade import cascade_decode
+from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention, attend
 from kvbatch.engine.attention.metadata import (
     UNIT_KV_SCALES,
     AttentionMetadata,
@@ -33,6 +34,7 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scales: KVScales = UNIT_KV_SCALES,
+        layer: LayerAttention = FULL_ATTENTION,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         write_kv(kv_cache, k, v, meta.slot_mapping, scales)
         if is_fp8(kv_cache):  # the chunks' own K/V as the cache now holds them
@@ -40,10 +42,10 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta, scales)
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scales, layer)
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, span, scales)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, span, scales, layer)
         return out
 
     @staticmethod
@@ -52,6 +54,7 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scales: KVScales = UNIT_KV_SCALES,
+        layer: LayerAttention = FULL_ATTENTION,
     ) -> torch.Tensor:
         """Decodes in one SDPA call per length bucket (length_buckets), each padded to its
         longest: one 2k-token row among 60-token ones would otherwise make every row gather
@@ -59,17 +62,19 @@ class TorchAttentionBackend:
         if meta.decode_groups:
             return cascade_decode(
                 q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.decode_groups,
-                scales,
+                scales, layer,
             )  # fmt: skip
         view = KVView(kv_cache, scales, q.dtype)
         lens, tables = meta.decode_seq_lens, meta.decode_block_tables
+        if layer.sliding_window is not None:  # read only the blocks inside the window
+            tables, lens = window_tail(tables, lens, layer.sliding_window, view.block_size)
         buckets = length_buckets(lens)
         if buckets is None:
-            return _padded_decode(q, view, tables, lens)
+            return _padded_decode(q, view, tables, lens, layer)
         out = torch.empty_like(q)
         for rows in buckets:
             width = -(-int(lens[rows].max()) // view.block_size)
-            out[rows] = _padded_decode(q[rows], view, tables[rows, :width], lens[rows])
+            out[rows] = _padded_decode(q[rows], view, tables[rows, :width], lens[rows], layer)
         return out
 
     @staticmethod
@@ -80,11 +85,13 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         span: PrefillSpan,
         scales: KVScales = UNIT_KV_SCALES,
+        layer: LayerAttention = FULL_ATTENTION,
     ) -> torch.Tensor:
-        """A chunk attends causally to its cached prefix and to itself."""
+        """A chunk attends causally (within the layer's window) to its cached prefix and to
+        itself."""
         cached = span.context_len - span.query_len
         qh = q.transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
-        if cached == 0:  # nothing cached: the chunk's own K/V, plain causal attention
+        if cached == 0 and layer.is_plain:  # nothing cached: plain causal attention
             out = F.scaled_dot_product_attention(
                 qh,
                 k.transpose(0, 1)[None],
@@ -93,19 +100,22 @@ class TorchAttentionBackend:
                 enable_gqa=True,
             )
             return out[0].transpose(0, 1)
-        keys, values = KVView(kv_cache, scales, q.dtype).gather(span.block_ids)
-        keys, values = keys[: span.context_len], values[: span.context_len]
-        # Query i sits at absolute position cached + i and sees keys 0 .. cached + i.
+        first = 0  # the first key position read (a window skips the blocks before it)
+        if cached == 0:
+            keys, values = k, v
+        else:
+            view = KVView(kv_cache, scales, q.dtype)
+            if layer.sliding_window is not None:
+                first = max(0, cached - layer.sliding_window + 1) // view.block_size
+                first *= view.block_size
+            keys, values = view.gather(span.block_ids[first // view.block_size :])
+            keys, values = keys[: span.context_len - first], values[: span.context_len - first]
+        # Query i sits at absolute position cached + i and sees keys 0 .. cached + i (and
+        # only the last `sliding_window` of them in a windowed layer).
         q_pos = torch.arange(cached, span.context_len, device=q.device)
-        k_pos = torch.arange(span.context_len, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, context_len]
-        out = F.scaled_dot_product_attention(
-            qh,
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            enable_gqa=True,
-        )
+        k_pos = torch.arange(first, span.context_len, device=q.device)
+        mask = layer.visible(q_pos, k_pos)  # [q_len, context_len]
+        out = attend(qh, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], mask, layer)
         return out[0].transpose(0, 1)
 
 
@@ -153,8 +163,27 @@ class KVView:
         return keys, values
 
 
+def window_tail(
+    tables: torch.Tensor, lens: torch.Tensor, window: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows' tables and lengths cut to the blocks that hold their last `window` keys:
+    row b keeps the blocks from the one holding key lens[b] - window on (at most
+    window // block_size + 2 of them), and its length counts from that block's start, so
+    positions stay relative to it and the window mask is unchanged."""
+    width = min(tables.shape[1], window // block_size + 2)
+    first = (lens - window).clamp_min(0) // block_size  # [B] first block inside the window
+    columns = (first[:, None] + torch.arange(width, device=lens.device)).clamp_max(
+        tables.shape[1] - 1
+    )  # columns past a row's last block are masked: they lie beyond its length
+    return tables.gather(1, columns), lens - first * block_size
+
+
 def _padded_decode(
-    q: torch.Tensor, view: KVView, tables: torch.Tensor, seq_lens: torch.Tensor
+    q: torch.Tensor,
+    view: KVView,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layer: LayerAttention = FULL_ATTENTION,
 ) -> torch.Tensor:
     """One SDPA call for decode rows [B, heads, head_dim] over their block tables [B, blocks],
     keys padded to the table's width and masked past each row's length."""
@@ -165,10 +194,8 @@ def _padded_decode(
     keys = keys.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     values = values.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(max_blocks * block_size, device=q.device)
-    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True
-    )  # [B, heads, 1, head_dim]
+    mask = layer.visible(seq_lens[:, None] - 1, positions)[:, None]  # [B, 1, 1, S]
+    out = attend(q[:, :, None, :], keys, values, mask, layer)  # [B, heads, 1, head_dim]
     return out[:, :, 0, :]
 
 

@@ -9,7 +9,8 @@ Per layer it runs at most four launches, whatever the number of sequences:
                             (the prefill kernel, non-causal) merged by log-sum-exp
 
 An FP8 cache passes the layer's k_scale and v_scale to every launch: the write quantizes, the
-attention kernels dequantize in registers.
+attention kernels dequantize in registers. The layer's variant (sliding window, scale,
+soft-cap: engine/attention/layer_spec.py) goes to every attention launch too.
 
 The step's packed tensors (prefill tables and lengths, cascade groups) are built once per step
 on first use and reused by every layer (`StepTensors`), so a layer pays for launches only.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention
 from kvbatch.engine.attention.metadata import UNIT_KV_SCALES, AttentionMetadata, KVScales
 from kvbatch.kernels.kv_quant import is_fp8
 
@@ -122,11 +124,14 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scales: KVScales = UNIT_KV_SCALES,
+        layer: LayerAttention = FULL_ATTENTION,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         if not is_fp8(kv_cache):
             scales = UNIT_KV_SCALES
         kv = dict(k_scale=scales.k, v_scale=scales.v)
-        self._write(kv_cache, k, v, meta.slot_mapping, **kv)
+        # the layer's variant, passed to every attention kernel
+        kv.update(scale=layer.scale, softcap=layer.softcap, sliding_window=layer.sliding_window)
+        self._write(kv_cache, k, v, meta.slot_mapping, k_scale=scales.k, v_scale=scales.v)
         step = self.step_tensors(meta)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
@@ -171,6 +176,9 @@ class TritonAttentionBackend:
             causal=False,
             out=torch.empty_like(q),
             return_lse=True,
+            # a window may end inside the shared prefix: each row's query sits after it, at
+            # its private length
+            row_offsets=lens if kv["sliding_window"] is not None else None,
             **kv,
         )
         self._merge(private, lse_p, shared, lse_s, out=out)

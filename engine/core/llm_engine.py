@@ -91,6 +91,7 @@ class LLMEngine:
         )
         self.tokenizer = loaded.tokenizer
         self.max_model_len = self._max_model_len()
+        self.model.rotary.fit_context(self.max_model_len)  # LongRoPE: short or long factors
         scheduler_config = self._resolved_scheduler_config()
         self.async_scheduling = self._async_scheduling()
         backend = get_backend(config.attention_backend, self.device, self.kv_dtype)
@@ -240,9 +241,7 @@ class LLMEngine:
 
     def _max_model_len(self) -> int:
         cfg = self.model_config
-        limit = cfg.max_position_embeddings
-        if cfg.sliding_window:  # without windowed attention, stay inside the window
-            limit = min(limit, cfg.sliding_window)
+        limit = cfg.max_position_embeddings  # windowed layers mask, so no cap at the window
         asked = self.config.scheduler.max_model_len
         if asked > limit:
             raise ValueError(f"max_model_len={asked} exceeds the model's context of {limit}")

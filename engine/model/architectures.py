@@ -2,9 +2,9 @@
 
 A config names its architecture (`architectures`, or only `model_type` in GGUF-derived
 configs). An architecture outside SUPPORTED_ARCHITECTURES fails with the list; a supported one
-whose config switches on something the forward pass lacks (a vision tower, sliding-window
-layers where they are not capped, an activation other than SiLU) fails naming that feature,
-rather than loading and answering wrongly. RoPE scaling types are checked in rope.py.
+whose config switches on something the forward pass lacks (a vision tower, an activation the
+MLP does not run, attention biases) fails naming that feature, rather than loading and
+answering wrongly. Sliding-window layers are supported (engine/attention/layer_spec.py). RoPE scaling types are checked in rope.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 ARCHITECTURE_BY_MODEL_TYPE = {
@@ -27,6 +30,9 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 """For configs without `architectures` (those transformers reads from GGUF files)."""
 
@@ -39,11 +45,14 @@ BASE_MODEL_ARCHITECTURES = {
 """The same transformers without their language-model head, as sentence-transformers saves an
 embedding model: weights named without the "model." prefix, and no lm_head (embeddings only)."""
 
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+"""engine/model/gemma.py's forward: GeGLU, (1 + w) norms around both sublayers, soft-caps."""
+
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+"""The names of the tanh-approximate GELU that Gemma's MLP runs."""
+
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 """RMSNorm over each head of q and k before RoPE."""
-
-# Qwen2 keeps its old behaviour: a window on every layer caps the context (engine config).
-_NO_SLIDING_WINDOW = ("Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "vision_tower", "visual")
 
@@ -61,7 +70,16 @@ def _unsupported_features(architecture: str, hf_config):
                 f"a vision or audio tower ({key} in config.json), which is not supported: "
                 "kvbatch runs text-only models; use the text-only checkpoint"
             )
-    act = getattr(hf_config, "hidden_act", "silu")
+    if architecture in GEMMA_ARCHITECTURES:
+        act = getattr(hf_config, "hidden_activation", None) or "gelu_pytorch_tanh"
+        if act not in GEMMA_ACTIVATIONS:
+            yield (
+                f"hidden_activation {act!r}, which is not supported: kvbatch's Gemma MLP is "
+                "GeGLU with the tanh-approximate GELU (gelu_pytorch_tanh)"
+            )
+        act = "silu"  # hidden_act, where a Gemma config also has it, is the same GELU
+    else:
+        act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         yield (
             f"hidden_act {act!r}, which is not supported: kvbatch's MLP is SwiGLU (silu); "
@@ -72,15 +90,3 @@ def _unsupported_features(architecture: str, hf_config):
             "attention_bias (biases on q/k/v and o_proj), which is not supported for "
             f"{architecture}"
         )
-    if architecture in _NO_SLIDING_WINDOW and _has_sliding_layers(hf_config):
-        yield (
-            "sliding-window attention on some layers (use_sliding_window or "
-            "'sliding_attention' in layer_types), which is not supported; set "
-            "use_sliding_window to false if the checkpoint was trained without it"
-        )
-
-
-def _has_sliding_layers(hf_config) -> bool:
-    if getattr(hf_config, "use_sliding_window", False):
-        return True
-    return "sliding_attention" in (getattr(hf_config, "layer_types", None) or ())

@@ -28,7 +28,7 @@ def model_forward(model, fused: bool):
     """The forward a runner calls, `(input_ids, positions, kv_caches, meta, backend,
     logits_indices=None) -> logits`: the fused one (after fusing the projections) or the plain
     module. The fused forward runs quantized layers on kvbatch.kernels' GEMMs too."""
-    if not fused:
+    if not fused or not getattr(model, "fusable", True):  # Gemma: its plain modules
         return model
     fuse_projections(model)
     use_gemm_backend(model, "triton")
@@ -99,8 +99,8 @@ def fused_forward(
         k = qkv[:, q_size : q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, q_size + kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         q, k = attn.norm_heads(q, k)  # Qwen3's per-head q/k RMSNorm; others unchanged
-        apply_rotary_(q, k, positions, inv_freq)
-        out = backend.forward(q, k, v, kv_cache, meta, attn.kv_scales)
+        rotate_(apply_rotary_, q, k, positions, inv_freq, model.rotary.attention_factor)
+        out = backend.forward(q, k, v, kv_cache, meta, attn.kv_scales, attn.variant)
         pending = attn.o_proj(out.reshape(t, q_size))
         h, residual = fused_add_rms_norm(
             pending, residual, layer.post_attention_layernorm.weight, eps
@@ -121,3 +121,16 @@ def fused_forward(
         residual = residual[logits_indices]
     x = rms_norm(residual, model.model.norm.weight, eps)
     return F.linear(x, model.output_embedding).float()
+
+
+def rotate_(apply_rotary_, q, k, positions, inv_freq, attention_factor: float) -> None:
+    """RoPE in place (the kernel `apply_rotary_`) on the rotated dimensions (all of them, or
+    the first ones with a partial rotary factor), times LongRoPE's attention factor (which the
+    plain forward puts on cos and sin)."""
+    rot = 2 * inv_freq.shape[0]
+    if rot < q.shape[-1]:
+        q, k = q[..., :rot], k[..., :rot]
+    apply_rotary_(q, k, positions, inv_freq)
+    if attention_factor != 1.0:
+        q.mul_(attention_factor)
+        k.mul_(attention_factor)

@@ -1,5 +1,6 @@
-"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, and the
-mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in one file.
+"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, Phi-3/4, and
+the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in one file, and the ModelConfig every
+architecture reads (Gemma's own layer is engine/model/gemma.py).
 
 It runs over a flat batch: every scheduled token of every sequence in one [num_tokens, hidden]
 tensor, with positions per token, and attention reading and writing the paged KV cache. Only
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbatch.engine.attention.layer_spec import LayerAttention
 from kvbatch.engine.attention.metadata import UNIT_KV_SCALES, AttentionMetadata, KVScales
 from kvbatch.engine.model.architectures import (
     ARCHITECTURE_BY_MODEL_TYPE,
@@ -22,6 +24,7 @@ from kvbatch.engine.model.architectures import (
     SUPPORTED_ARCHITECTURES,
     check_supported_features,
 )
+from kvbatch.engine.model.gemma import GemmaConfig, global_rope_params
 from kvbatch.engine.model.moe import MoeConfig, SparseMoeBlock
 from kvbatch.engine.model.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
 
@@ -44,9 +47,13 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     rope: RopeConfig | None = None
     sliding_window: int | None = None
+    # "sliding_attention" or "full_attention" per layer (transformers' layer_types); empty:
+    # every layer has the window when there is one (Mistral, Phi-3).
+    layer_types: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     moe: MoeConfig | None = None  # the experts of mixture-of-experts models
+    gemma: GemmaConfig | None = None  # Gemma 2 / 3 (engine/model/gemma.py)
     has_lm_head: bool = True  # False for a base model (BASE_MODEL_ARCHITECTURES): embeds only
 
     def __post_init__(self) -> None:
@@ -59,6 +66,19 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) attends within the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """Layer `layer`'s attention variant: its window, and Gemma's scale and soft-cap."""
+        window = self.sliding_window if self.is_sliding(layer) else None
+        if self.gemma is not None:
+            return self.gemma.layer_attention(window)
+        return LayerAttention(sliding_window=window)
 
     @property
     def attention_break_even_context(self) -> int:
@@ -95,6 +115,9 @@ class ModelConfig:
         sliding = getattr(hf_config, "sliding_window", None)
         if arch.startswith("Qwen") and not getattr(hf_config, "use_sliding_window", False):
             sliding = None
+        layer_types = tuple(getattr(hf_config, "layer_types", None) or ())
+        if layer_types and "sliding_attention" not in layer_types:
+            sliding = None
         return cls(
             architecture=arch,
             vocab_size=hf_config.vocab_size,
@@ -109,11 +132,13 @@ class ModelConfig:
             qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
             or bool(getattr(hf_config, "attention_bias", 0)),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            rope=rope_config_from_hf(hf_config, head_dim),
+            rope=rope_config_from_hf(hf_config, head_dim, global_rope_params(hf_config)),
             sliding_window=sliding,
+            layer_types=layer_types if sliding else (),
             eos_token_ids=eos_ids,
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             moe=MoeConfig.from_hf(arch, hf_config),
+            gemma=GemmaConfig.from_hf(arch, hf_config, head_dim),
             has_lm_head=has_lm_head,
         )
 
@@ -132,8 +157,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.variant: LayerAttention = cfg.layer_attention(layer)  # window, scale, soft-cap
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -158,7 +184,7 @@ class Attention(nn.Module):
         q, k = self.norm_heads(q, k)
         q = RotaryEmbedding.apply(q, cos, sin)
         k = RotaryEmbedding.apply(k, cos, sin)
-        out = backend.forward(q, k, v, kv_cache, meta, self.kv_scales)  # [T, heads, head_dim]
+        out = backend.forward(q, k, v, kv_cache, meta, self.kv_scales, self.variant)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +217,7 @@ def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.mlp = feed_forward(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -223,6 +249,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope)
         if not cfg.tie_word_embeddings and cfg.has_lm_head:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def rebuild_rotary(self, device) -> None:
+        """RoPE buffers on `device` (the loader builds modules on the meta device)."""
+        self.rotary = RotaryEmbedding(self.config.rope).to(device)
 
     @property
     def output_embedding(self) -> torch.Tensor:

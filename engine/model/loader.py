@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
+from kvbatch.engine.model.gemma import GemmaForCausalLM
 from kvbatch.engine.model.llama import LlamaForCausalLM, ModelConfig
 from kvbatch.engine.model.moe import stack_expert_weights
-from kvbatch.engine.model.rope import RotaryEmbedding
+from kvbatch.engine.model.phi3 import PHI3_ARCHITECTURES, split_fused_projections
 from kvbatch.engine.quant.apply import quantize_linears, reject_quantized_leftovers, weight_bytes
 from kvbatch.engine.quant.detect import detect_quantization
 from kvbatch.engine.quant.scheme import QuantConfig
@@ -30,7 +31,7 @@ KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")  # a quantized KV cache's, kept for
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | GemmaForCausalLM
     tokenizer: object | None  # a transformers tokenizer, or None for token-id-only checkpoints
     eos_token_ids: tuple[int, ...]
     quantization: QuantConfig | None = None  # the checkpoint's, or the online one asked for
@@ -74,6 +75,13 @@ def load_model(
             k if k.startswith("model.") else f"model.{k}": v for k, v in state_dict.items()
         }
     kv_scales = {k: state_dict.pop(k) for k in list(state_dict) if k.endswith(KV_SCALE_SUFFIXES)}
+    if cfg.architecture in PHI3_ARCHITECTURES:
+        state_dict = split_fused_projections(
+            state_dict,
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+            cfg.intermediate_size,
+        )
     if cfg.moe is not None:
         if quant is not None:
             raise ValueError(
@@ -93,11 +101,11 @@ def load_model(
 
 def _build(
     cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device, quant: QuantConfig | None
-) -> LlamaForCausalLM:
+) -> LlamaForCausalLM | GemmaForCausalLM:
     """Create the modules without initialising them, swap in the quantized layers (which
     arrive with their tensors), then adopt the checkpoint's remaining tensors."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = (GemmaForCausalLM if cfg.gemma is not None else LlamaForCausalLM)(cfg)
     if cfg.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)
     if quant is not None:
@@ -112,7 +120,7 @@ def _build(
     weights = {k: state_dict[k].to(device=device, dtype=dtype) for k in expected}
     weights.update((k, v) for k, v in owned.items() if k not in expected)
     model.load_state_dict(weights, assign=True, strict=True)
-    model.rotary = RotaryEmbedding(cfg.rope).to(device)  # its buffer was built on meta
+    model.rebuild_rotary(device)  # its buffers were built on meta
     return model.eval()
 
 

@@ -4,7 +4,6 @@ the engine with prefix caching and chunked prefill."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -88,16 +87,6 @@ def test_logprobs_are_transformers(tiny_models):
         row = ref[len(prompt) - 1 + i]
         assert lp.token_id == int(row.argmax())
         assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
-
-
-def test_sliding_window_layers_are_refused_by_name(tiny_models, tmp_path):
-    shutil.copytree(tiny_models("qwen3"), tmp_path / "m")
-    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    cfg.update(use_sliding_window=True, sliding_window=16, max_window_layers=1)
-    cfg.pop("layer_types", None)
-    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="Qwen3ForCausalLM checkpoint uses sliding-window"):
-        load_model(tmp_path / "m", torch.float32, torch.device("cpu"))
 
 
 def test_triton_backend_matches_transformers(tiny_models):
