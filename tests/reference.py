@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from kvbatch.engine import LLM, SamplingParams
+
 
 def hf_model(path: str | Path, **kw) -> PreTrainedModel:
     """transformers' model for `path` (a folder, or a .gguf file) in float32, eval, CPU, SDPA.
@@ -93,3 +95,21 @@ def hf_logits(path: str | Path, token_ids: Sequence[int]) -> torch.Tensor:
     with torch.inference_mode():
         logits = hf_model(path)(ids, attention_mask=torch.ones_like(ids)).logits
     return logits[0].float()
+
+
+def assert_logprobs_match_transformers(
+    path: str | Path, prompt: list[int], *, num_kv_blocks: int, max_model_len: int
+) -> None:
+    """kvbatch's greedy tokens and their logprobs over three steps equal transformers' log-softmax
+    of the same sequence (float32, CPU), to 1e-4."""
+    llm = LLM(
+        model=str(path), device="cpu", num_kv_blocks=num_kv_blocks, max_model_len=max_model_len
+    )
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True)
+    lps = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].logprobs
+    generated = [lp.token_id for lp in lps]
+    ref = torch.log_softmax(hf_logits(path, prompt + generated[:2]), -1)
+    for i, lp in enumerate(lps):
+        row = ref[len(prompt) - 1 + i]
+        assert lp.token_id == int(row.argmax())
+        assert abs(lp.logprob - row[lp.token_id].item()) <= 1e-4, (i, lp, row[lp.token_id])

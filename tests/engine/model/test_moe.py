@@ -14,7 +14,7 @@ from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.model.moe import SparseMoeBlock, route, stack_expert_weights
 from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts, tokens
 from tests.engine.model.test_model import prefill_logits
-from tests.reference import hf_greedy, hf_logits
+from tests.reference import assert_logprobs_match_transformers, hf_greedy, hf_logits
 from tests.tiny_models import MOE_KINDS
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -99,17 +99,9 @@ def test_triton_backend_runs_the_fused_kernel_and_matches_transformers(
 
 
 def test_logprobs_are_transformers(tiny_models):
-    path = tiny_models("qwen3-moe")
-    prompt = shared_prefix_prompts()[0]
-    llm = LLM(model=str(path), device="cpu", num_kv_blocks=64, max_model_len=256)
-    params = SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True)
-    lps = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].logprobs
-    generated = [lp.token_id for lp in lps]
-    ref = torch.log_softmax(hf_logits(path, prompt + generated[:2]), -1)
-    for i, lp in enumerate(lps):
-        row = ref[len(prompt) - 1 + i]
-        assert lp.token_id == int(row.argmax())
-        assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
+    assert_logprobs_match_transformers(
+        tiny_models("qwen3-moe"), shared_prefix_prompts()[0], num_kv_blocks=64, max_model_len=256
+    )
 
 
 def test_route_renormalises_only_when_asked():

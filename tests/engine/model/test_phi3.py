@@ -18,7 +18,7 @@ from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.model.rope import RopeConfig, rope_config_from_hf
 from tests.engine.core.test_llm import random_prompts, tokens
 from tests.engine.model.test_model import prefill_logits
-from tests.reference import hf_greedy, hf_logits
+from tests.reference import assert_logprobs_match_transformers, hf_greedy, hf_logits
 from tests.tiny_models import PHI3_ORIGINAL_CONTEXT
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -63,17 +63,12 @@ def test_greedy_matches_transformers(tiny_models, lengths, engine_args):
 
 
 def test_logprobs_are_transformers(tiny_models):
-    path = tiny_models("phi3")
-    prompt = random_prompts(512, (30,), seed=7)[0]
-    llm = LLM(model=str(path), device="cpu", num_kv_blocks=16, max_model_len=64)
-    params = SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True)
-    lps = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].logprobs
-    generated = [lp.token_id for lp in lps]
-    ref = torch.log_softmax(hf_logits(path, prompt + generated[:2]), -1)
-    for i, lp in enumerate(lps):
-        row = ref[len(prompt) - 1 + i]
-        assert lp.token_id == int(row.argmax())
-        assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
+    assert_logprobs_match_transformers(
+        tiny_models("phi3"),
+        random_prompts(512, (30,), seed=7)[0],
+        num_kv_blocks=16,
+        max_model_len=64,
+    )
 
 
 def test_triton_backend_matches_transformers(tiny_models):

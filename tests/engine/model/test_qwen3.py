@@ -13,7 +13,7 @@ from kvbatch.engine import LLM, SamplingParams
 from kvbatch.engine.model.loader import load_model
 from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts, tokens
 from tests.engine.model.test_model import prefill_logits
-from tests.reference import hf_greedy, hf_logits
+from tests.reference import assert_logprobs_match_transformers, hf_greedy, hf_logits
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -76,17 +76,9 @@ def test_greedy_matches_transformers(tiny_models, engine_args):
 
 
 def test_logprobs_are_transformers(tiny_models):
-    path = tiny_models("qwen3")
-    prompt = shared_prefix_prompts()[0]
-    llm = LLM(model=str(path), device="cpu", num_kv_blocks=64, max_model_len=256)
-    params = SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True)
-    lps = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].logprobs
-    generated = [lp.token_id for lp in lps]
-    ref = torch.log_softmax(hf_logits(path, prompt + generated[:2]), -1)
-    for i, lp in enumerate(lps):
-        row = ref[len(prompt) - 1 + i]
-        assert lp.token_id == int(row.argmax())
-        assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
+    assert_logprobs_match_transformers(
+        tiny_models("qwen3"), shared_prefix_prompts()[0], num_kv_blocks=64, max_model_len=256
+    )
 
 
 def test_triton_backend_matches_transformers(tiny_models):
