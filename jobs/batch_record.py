@@ -1,9 +1,10 @@
 """batch.json: an OpenAI-style batch object for a job run by kvbatch (it validates as
 `openai.types.Batch` in every state).
 
-Status follows OpenAI: a job with at least one answered line is `completed`, however many
-lines failed; a job where nothing could run (an empty file, every line bad) is `failed`, its
-`errors` listing the first line errors ({code, message, line, param}) as OpenAI lists a file's
+Status follows OpenAI: a job with at least one line that passed validation is `completed`,
+however many of its requests then failed (their records are in errors.jsonl, as OpenAI's error
+file); a job where nothing could run (an empty file, every line bad) is `failed`, its `errors`
+listing the first line errors ({code, message, line, param}) as OpenAI lists a file's
 validation errors.
 """
 
@@ -69,11 +70,14 @@ class BatchRecord:
         self.completion_tokens += usage.get("completion_tokens", 0)  # none for embeddings
         self.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
-    def finish(self, *, completed: int, failed: int, samples: Iterable[dict] = ()) -> None:
-        """Counts and final status. `samples`: error records' `error` objects, shown in
-        `errors` when nothing was answered."""
+    def finish(
+        self, *, completed: int, failed: int, ran: int, samples: Iterable[dict] = ()
+    ) -> None:
+        """Counts and final status. `ran`: the lines that passed validation (answered or
+        failed while running). `samples`: error records' `error` objects, shown in `errors`
+        when no line could run."""
         self.completed, self.failed, self.total = completed, failed, completed + failed
-        if completed:
+        if completed or ran:
             self.status, self.completed_at = "completed", int(time.time())
             return
         self.status, self.failed_at = "failed", int(time.time())

@@ -167,6 +167,7 @@ def try_finalize(job: Storage) -> BatchRecord | None:
     record.finish(
         completed=len(answered),
         failed=len(errors),
+        ran=int(manifest.get("num_requests") or 0),
         samples=(json.loads(raw)["error"] for _, raw in errors[:MAX_BATCH_ERRORS]),
     )
     record.finalizing_at = record.completed_at = completed_at

@@ -465,6 +465,7 @@ def _finalize(
     record.finish(
         completed=len(answered),
         failed=len(errors),
+        ran=len(answered) + len(engine_errors),
         samples=(json.loads(raw)["error"] for _, raw in errors[:MAX_BATCH_ERRORS]),
     )
     _write(paths.batch, [json.dumps(record.to_dict(), indent=2).encode() + b"\n"])
