@@ -3,11 +3,12 @@
     kvbatch_time_to_first_token_seconds     arrival -> first output token   (vllm:time_to_first_token_seconds)
     kvbatch_time_per_output_token_seconds   mean gap after the first token  (vllm:time_per_output_token_seconds)
     kvbatch_e2e_request_latency_seconds     arrival -> last output token    (vllm:e2e_request_latency_seconds)
+    kvbatch_request_queue_time_seconds      arrival -> first scheduled      (vllm:request_queue_time_seconds)
 
 A request's clock starts when the shard hands it to the engine (kvbatch.jobs.grouping's
-window), so time to first token includes its wait in the engine's queue. vLLM's separate
-queue-time histogram has no counterpart yet: the engine does not record when a request is
-first scheduled. Embedding requests generate no token and are not observed here.
+window), so time to first token includes its wait in the engine's queue, which the queue-time
+histogram shows apart (until the scheduler first admits it into the running batch). Embedding
+requests generate no token and are not observed here.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class RequestLatency:
-    """The three histograms, observed once per finished request."""
+    """The four histograms, observed once per finished request."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
@@ -40,6 +41,13 @@ class RequestLatency:
             "Mean seconds between a request's output tokens after the first",
             ["model_name"],
             buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "kvbatch_request_queue_time_seconds",
+            "Seconds from a request's arrival in the engine to its first admission to a step",
+            ["model_name"],
+            buckets=E2E_BUCKETS,
             registry=r,
         )
         self.e2e_latency = Histogram(
@@ -61,5 +69,7 @@ class RequestLatency:
             self.time_per_output_token.labels(model_name=model_name).observe(
                 m.time_per_output_token
             )
+        if getattr(m, "queue_time", None) is not None:
+            self.queue_time.labels(model_name=model_name).observe(m.queue_time)
         if m.finished_time is not None:
             self.e2e_latency.labels(model_name=model_name).observe(m.finished_time - m.arrival_time)

@@ -690,4 +690,7 @@ def _metrics(seq: Sequence) -> RequestMetrics:
         time_per_output_token=(last - first) / (n - 1) if first is not None and n > 1 else None,
         max_token_gap=seq.max_token_gap,
         finished_time=last,
+        queue_time=None
+        if seq.first_scheduled_time is None
+        else seq.first_scheduled_time - seq.arrival_time,
     )

@@ -35,6 +35,7 @@ class RequestMetrics:
     time_per_output_token: float | None  # mean gap after the first token; None below 2 tokens
     max_token_gap: float  # the longest wait between two consecutive output tokens
     finished_time: float | None
+    queue_time: float | None = None  # arrival -> first scheduled (waiting for room in the batch)
 
 
 @dataclass

@@ -72,6 +72,7 @@ class Sequence:
     # Wall-clock timing (time.perf_counter): arrival, first and latest output token, and the
     # longest wait between two output tokens (what chunked prefill must keep short).
     arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None  # first admitted to run: ends its queue time
     first_token_time: float | None = None
     last_token_time: float | None = None
     max_token_gap: float = 0.0

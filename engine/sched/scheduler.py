@@ -26,6 +26,7 @@ accepted drafts' KV and releases the slots of the rejected ones.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from typing import NamedTuple
 
@@ -199,6 +200,8 @@ class Scheduler:
             seq.num_computed_tokens = computed.num_tokens
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = computed.num_tokens
+            if seq.first_scheduled_time is None:  # a preempted one keeps its first admission
+                seq.first_scheduled_time = time.perf_counter()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen[seq] = n

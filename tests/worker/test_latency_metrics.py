@@ -42,10 +42,12 @@ def test_latency_histograms_and_model_label(spec_llm):
         "kvbatch_time_to_first_token_seconds",
         "kvbatch_time_per_output_token_seconds",
         "kvbatch_e2e_request_latency_seconds",
+        "kvbatch_request_queue_time_seconds",
     ):
         assert s[(name + "_count", label)] == 2, name
-        assert s[(name + "_sum", label)] > 0, name
+        assert s[(name + "_sum", label)] >= 0, name
     ttft = s[("kvbatch_time_to_first_token_seconds_sum", label)]
+    assert ttft > 0 and s[("kvbatch_request_queue_time_seconds_sum", label)] <= ttft
     assert s[("kvbatch_e2e_request_latency_seconds_sum", label)] >= ttft
 
     stats = spec_llm.stats()

@@ -236,3 +236,16 @@ def test_invalid_engine_settings_name_the_field(tiny_models):
     ]:
         with pytest.raises(ValueError, match=field):
             LLM(model=str(tiny_models("llama-gqa")), device="cpu", num_kv_blocks=64, **kw)
+
+
+def test_queue_time_ends_when_the_scheduler_first_admits_a_request(tiny_models):
+    """With one sequence at a time, the second request waits in the queue until the first has
+    produced its last token: its queue time covers that wait, the first's is near zero."""
+    llm = LLM(model=str(tiny_models("llama-gqa")), device="cpu", num_kv_blocks=32,
+              max_model_len=128, max_num_seqs=1)  # fmt: skip
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first, second = llm.generate([[5, 6, 7], [8, 9, 10]], params, use_tqdm=False)
+    m1, m2 = first.metrics, second.metrics
+    assert 0 <= m1.queue_time <= m1.time_to_first_token
+    assert m2.queue_time >= m1.finished_time - m2.arrival_time > 0
+    assert m2.queue_time <= m2.time_to_first_token
