@@ -94,12 +94,15 @@ def loads_the_real_model(item: pytest.Item) -> bool:
 
 
 def mark_tiers(items: list[pytest.Item], root: Path) -> None:
-    """Add the tier markers: by TIER_MODULES, and by the fixtures a test uses."""
+    """Add the tier markers: by TIER_MODULES, by a test named for the triton backend, and by
+    the fixtures a test uses."""
     for item in items:
         where = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
         for tier, modules in TIER_MODULES.items():
             if where.startswith(modules):
                 item.add_marker(tier)
+        if "triton" in item.name:  # a triton-backend case of a test elsewhere: the interpreter
+            item.add_marker("interpreter")
         if loads_the_real_model(item):
             item.add_marker("real_model")
         if set(getattr(item, "fixturenames", ())) & DISTRIBUTED_FIXTURES:

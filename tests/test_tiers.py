@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +34,7 @@ def collected(*args: str) -> list[str]:
     return [line for line in out.splitlines() if "::" in line]
 
 
+@pytest.mark.slow
 def test_the_fast_tier_leaves_out_the_slow_kinds_and_keeps_the_rest():
     every = collected(*SAMPLES)
     fast = collected("-m", FAST_MARKERS, *SAMPLES)

@@ -183,6 +183,7 @@ def test_kvbatch_prefix_cache_accounting(tiny_model):
 LATENCY_KEYS = {"ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "floor_fraction", "long_prefill"}
 
 
+@pytest.mark.slow
 def test_cli_rag_tiny_with_hf_static_end_to_end(random_cache, tmp_path, capsys):
     """`kvbatch bench rag --tiny --peers hf-static,kvbatch-sync`: the GPU check's path."""
     from kvbatch.cli import main as kvbatch_main

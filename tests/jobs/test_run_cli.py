@@ -73,6 +73,7 @@ def test_missing_input_exits_1_naming_it(tmp_path: Path):
     assert not any(p.name != "cache" for p in tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_missing_s3_object_and_bucket_exit_1_naming_them(s3_server: S3Server, tmp_path: Path):
     bucket = s3_server.make_bucket()
     model = str(tmp_path / "no-model")

@@ -128,6 +128,7 @@ def test_a_second_run_on_a_locked_output_refuses_naming_the_holder(tmp_path: Pat
         pass
 
 
+@pytest.mark.slow
 def test_two_runs_at_once_write_each_answer_once(tiny_chat_model: Path, tmp_path: Path):
     lines = [completion(f"r{i}", f"number {i} is", max_tokens=4) for i in range(200)]
     source = write_jsonl(tmp_path / "in.jsonl", lines)
@@ -327,6 +328,7 @@ def tiny_disk(tmp_path: Path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_message_and_resume_finishes(
     tiny_chat_model: Path, tiny_disk: Path, tmp_path: Path
 ):

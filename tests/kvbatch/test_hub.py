@@ -179,6 +179,7 @@ def test_workers_on_one_machine_download_once(hub, tmp_path):
     assert len(gets) == len(set(gets)), "a file was downloaded twice"
 
 
+@pytest.mark.slow
 def test_generate_from_a_hub_id_answers_as_from_the_folder(hub, tiny_chat_model, tmp_path):
     env = _env(hub, tmp_path / "hf")
     answers = []
@@ -230,6 +231,7 @@ def test_is_hub_id_only_for_what_is_not_a_path(tiny_chat_model, tmp_path):
     assert not is_hub_id("./models/missing")
 
 
+@pytest.mark.slow
 def test_llm_takes_a_hub_id_and_a_revision(hub, tmp_path):
     script = (
         "import sys; from kvbatch.engine import LLM; "

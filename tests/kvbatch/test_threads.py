@@ -115,6 +115,7 @@ def test_threads_flag_is_documented_and_checked(command):
     assert bad.returncode == 2 and "--threads" in bad.stderr
 
 
+@pytest.mark.slow
 def test_generate_runs_with_the_threads_it_was_given(tiny_chat_model):
     script = (
         "import sys, torch; from kvbatch.cli import main; "

@@ -54,6 +54,7 @@ def test_the_image_hides_the_packages_it_lacks(namespace):
     assert "No module named 'pydantic'" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_the_gpu_tests_collect_without_them(namespace):
     r = run_as_image(
         namespace,
