@@ -113,3 +113,20 @@ def assert_logprobs_match_transformers(
         row = ref[len(prompt) - 1 + i]
         assert lp.token_id == int(row.argmax())
         assert abs(lp.logprob - row[lp.token_id].item()) <= 1e-4, (i, lp, row[lp.token_id])
+
+
+def assert_greedy_matches_transformers(
+    path: str | Path, prompts: list[list[int]], params: SamplingParams, engine_args: dict
+) -> None:
+    """kvbatch's greedy tokens for `prompts` (which share prefixes) equal transformers', the
+    prefix cache was read, a pool small enough to preempt did preempt (`num_kv_blocks` in
+    `engine_args`), and the KV manager's invariants hold afterwards."""
+    kw = dict(device="cpu", num_kv_blocks=96, max_model_len=256) | engine_args
+    llm = LLM(model=str(path), **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == hf_greedy(path, prompts, params.max_tokens, ignore_eos=True)
+    stats = llm.stats()
+    assert stats.prefix_hits > 0  # the shared prefixes were read from the cache
+    assert stats.num_preemptions > 0 or "num_kv_blocks" not in engine_args
+    llm.engine.kv.check_integrity()

@@ -16,7 +16,12 @@ from kvbatch.engine.model.gemma import GemmaForCausalLM
 from kvbatch.engine.model.loader import load_model
 from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts, tokens
 from tests.engine.model.test_model import prefill_logits
-from tests.reference import assert_logprobs_match_transformers, hf_greedy, hf_logits
+from tests.reference import (
+    assert_greedy_matches_transformers,
+    assert_logprobs_match_transformers,
+    hf_greedy,
+    hf_logits,
+)
 from tests.tiny_models import SLIDING_WINDOW
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -91,15 +96,7 @@ def test_each_gemma2_feature_changes_the_logits(tiny_models, tmp_path, change):
 )
 def test_greedy_matches_transformers(tiny_models, kind, engine_args):
     path = tiny_models(kind)
-    prompts = shared_prefix_prompts()
-    kw = dict(device="cpu", num_kv_blocks=96, max_model_len=256) | engine_args
-    llm = LLM(model=str(path), **kw)
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert tokens(outs) == hf_greedy(path, prompts, GREEDY.max_tokens, ignore_eos=True)
-    stats = llm.stats()
-    assert stats.prefix_hits > 0
-    assert stats.num_preemptions > 0 or "num_kv_blocks" not in engine_args
-    llm.engine.kv.check_integrity()
+    assert_greedy_matches_transformers(path, shared_prefix_prompts(), GREEDY, engine_args)
 
 
 def test_logprobs_are_transformers(tiny_models):

@@ -13,7 +13,12 @@ from kvbatch.engine import LLM, SamplingParams
 from kvbatch.engine.model.loader import load_model
 from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts, tokens
 from tests.engine.model.test_model import prefill_logits
-from tests.reference import assert_logprobs_match_transformers, hf_greedy, hf_logits
+from tests.reference import (
+    assert_greedy_matches_transformers,
+    assert_logprobs_match_transformers,
+    hf_greedy,
+    hf_logits,
+)
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -64,15 +69,7 @@ def test_qk_norm_weights_are_used(tiny_models, tmp_path):
 )
 def test_greedy_matches_transformers(tiny_models, engine_args):
     path = tiny_models("qwen3")
-    prompts = shared_prefix_prompts()
-    kw = dict(device="cpu", num_kv_blocks=96, max_model_len=256) | engine_args
-    llm = LLM(model=str(path), **kw)
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert tokens(outs) == hf_greedy(path, prompts, GREEDY.max_tokens, ignore_eos=True)
-    stats = llm.stats()
-    assert stats.prefix_hits > 0  # the shared prefixes were read from the cache
-    assert stats.num_preemptions > 0 or "num_kv_blocks" not in engine_args
-    llm.engine.kv.check_integrity()
+    assert_greedy_matches_transformers(path, shared_prefix_prompts(), GREEDY, engine_args)
 
 
 def test_logprobs_are_transformers(tiny_models):
