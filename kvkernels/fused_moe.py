@@ -34,6 +34,7 @@ import triton.language as tl
 
 from kvbatch.kernels.activation import silu_and_mul
 from kvbatch.kernels.interpreter import interpreting
+from kvbatch.kernels.moe_weights import ExpertWeights, expert_shape, reference_expert_linear
 from kvbatch.kernels.specialize import step_varying
 
 
@@ -199,45 +200,46 @@ def fused_moe(
 
 def fused_moe_ref(
     x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: ExpertWeights,
+    w_down: ExpertWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
     block_m: int | None = None,  # accepted for the same signature; the reference has no blocks
 ) -> torch.Tensor:
     """Plain-torch reference: one dense SwiGLU per expert over the rows routed to it, each row
-    scaled by its routing weight, then the k rows of a token summed (float32)."""
+    scaled by its routing weight, then the k rows of a token summed (float32). Quantized
+    experts compute as their dense layers do (reference_expert_linear), and only the experts
+    routed to are dequantized."""
     _check(x, w_gate_up, w_down, topk_weights, topk_ids)
     t, top_k = topk_ids.shape
-    inter, hidden = w_gate_up.shape[1] // 2, w_down.shape[1]
+    inter, hidden = expert_shape(w_gate_up)[1] // 2, expert_shape(w_down)[1]
     flat_ids = topk_ids.reshape(-1)
     route_w = topk_weights.reshape(-1).float()
     out = torch.zeros(t * top_k, hidden, dtype=torch.float32, device=x.device)
     for e in flat_ids.unique().tolist():
         pairs = (flat_ids == e).nonzero().squeeze(1)  # [n]
-        h = F.linear(x[pairs // top_k], w_gate_up[e])  # [n, 2I]
-        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w_down[e])  # [n, H]
+        h = reference_expert_linear(x[pairs // top_k], w_gate_up, e)  # [n, 2I]
+        y = reference_expert_linear(F.silu(h[:, :inter]) * h[:, inter:], w_down, e)  # [n, H]
         out[pairs] = y.float() * route_w[pairs, None]
     return out.view(t, top_k, hidden).sum(1).to(x.dtype)
 
 
-def _check(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
-    if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
+def _check(x, w_gate_up: ExpertWeights, w_down: ExpertWeights, topk_weights, topk_ids) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"expected x [T, H], got {tuple(x.shape)}")
+    e, two_i, h = expert_shape(w_gate_up)
+    down_shape = expert_shape(w_down)
+    if h != x.shape[1] or two_i % 2 or down_shape != (e, h, two_i // 2):
         raise ValueError(
-            f"expected x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I]; got "
-            f"{tuple(x.shape)}, {tuple(w_gate_up.shape)}, {tuple(w_down.shape)}"
+            f"weight shapes disagree: x {tuple(x.shape)}, w_gate_up {(e, two_i, h)} "
+            f"(want [E, 2I, {x.shape[1]}]), w_down {down_shape} (want [E, H, I])"
         )
-    e, two_i, h = w_gate_up.shape
-    if h != x.shape[1] or two_i % 2 or tuple(w_down.shape) != (e, h, two_i // 2):
+    float_dtypes = [w.dtype for w in (w_gate_up, w_down) if isinstance(w, torch.Tensor)]
+    if any(dtype != x.dtype for dtype in float_dtypes):
         raise ValueError(
-            f"weight shapes disagree: x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)} "
-            f"(want [E, 2I, {x.shape[1]}]), w_down {tuple(w_down.shape)} (want [E, H, I])"
-        )
-    if x.dtype != w_gate_up.dtype or x.dtype != w_down.dtype:
-        raise ValueError(
-            f"x and the expert weights must share a dtype; got {x.dtype}, {w_gate_up.dtype}, "
-            f"{w_down.dtype}"
+            f"x and the float expert weights must share a dtype; got {x.dtype} and "
+            f"{', '.join(map(str, float_dtypes))}"
         )
     if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
         raise ValueError(
