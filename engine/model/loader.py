@@ -14,9 +14,14 @@ from pathlib import Path
 
 import torch
 
+from kvbatch.engine.model.experts_loader import (
+    install_quantized_experts,
+    quantize_experts_online,
+    split_experts,
+)
 from kvbatch.engine.model.gemma import GemmaForCausalLM
 from kvbatch.engine.model.llama import LlamaForCausalLM, ModelConfig
-from kvbatch.engine.model.moe import stack_expert_weights
+from kvbatch.engine.model.moe import CheckpointExperts
 from kvbatch.engine.model.phi3 import PHI3_ARCHITECTURES, split_fused_projections
 from kvbatch.engine.quant.apply import quantize_linears, reject_quantized_leftovers, weight_bytes
 from kvbatch.engine.quant.detect import detect_quantization
@@ -82,15 +87,10 @@ def load_model(
             cfg.num_kv_heads * cfg.head_dim,
             cfg.intermediate_size,
         )
+    quantized_experts: list[CheckpointExperts] = []
     if cfg.moe is not None:
-        if quant is not None:
-            raise ValueError(
-                f"{path}: quantization {quant.method!r} of a mixture-of-experts model is not "
-                "supported yet (the fused MoE kernel takes float expert weights): load a float "
-                "checkpoint of this model without a quantization option"
-            )
-        state_dict = stack_expert_weights(state_dict, cfg.moe.num_experts)
-    model = _build(cfg, state_dict, dtype, device, quant)
+        state_dict, quantized_experts = split_experts(state_dict, cfg.moe.num_experts, quant)
+    model = _build(cfg, state_dict, dtype, device, quant, quantized_experts)
     eos = list(cfg.eos_token_ids) + generation_eos
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.append(tokenizer.eos_token_id)
@@ -100,16 +100,25 @@ def load_model(
 
 
 def _build(
-    cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device, quant: QuantConfig | None
+    cfg: ModelConfig,
+    state_dict: dict,
+    dtype: torch.dtype,
+    device,
+    quant: QuantConfig | None,
+    quantized_experts: list[CheckpointExperts] = (),
 ) -> LlamaForCausalLM | GemmaForCausalLM:
-    """Create the modules without initialising them, swap in the quantized layers (which
-    arrive with their tensors), then adopt the checkpoint's remaining tensors."""
+    """Create the modules without initialising them, swap in the quantized layers and experts
+    (which arrive with their tensors), then adopt the checkpoint's remaining tensors."""
     with torch.device("meta"):
         model = (GemmaForCausalLM if cfg.gemma is not None else LlamaForCausalLM)(cfg)
     if cfg.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)
     if quant is not None:
         quantize_linears(model, state_dict, quant, dtype, device)
+        install_quantized_experts(
+            model, quantized_experts, cfg.moe.num_experts if cfg.moe else 0, quant, dtype, device
+        )
+        quantize_experts_online(model, state_dict, quant, device)
     reject_quantized_leftovers(state_dict, quant)  # before "missing": it names the cause
     owned = model.state_dict()
     expected = {k for k, v in owned.items() if v.is_meta}

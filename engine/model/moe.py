@@ -103,10 +103,12 @@ def route(
 
 
 # One expert's tensor in a checkpoint: Mixtral's w1 (gate), w3 (up), w2 (down) under
-# block_sparse_moe, or the Qwen MoEs' gate_proj, up_proj, down_proj under mlp.
+# block_sparse_moe, or the Qwen MoEs' gate_proj, up_proj, down_proj under mlp; `weight` for a
+# float checkpoint, a quantized format's tensors (weight_packed, qweight, weight_scale, ...)
+# otherwise.
 _PER_EXPERT = re.compile(
-    r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
-    r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+    r"^(?P<layer>.+)\.(?P<block>mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
+    r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.(?P<tensor>\w+)$"
 )
 _PROJ = {
     "w1": "gate",
@@ -116,39 +118,86 @@ _PROJ = {
     "up_proj": "up",
     "down_proj": "down",
 }
+PROJECTIONS = ("gate", "up", "down")
 
 
-def stack_expert_weights(state_dict: dict[str, torch.Tensor], num_experts: int) -> dict:
-    """Checkpoint tensors with one tensor per expert -> the engine's names: each layer's
-    experts stacked into `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj`
-    [E, H, I], Mixtral's `block_sparse_moe.*` renamed `mlp.*`. Already stacked tensors (as
-    transformers 5 names them) pass through. Tensors are taken out of `state_dict` and a
-    layer's pieces dropped once stacked: one layer's experts are held twice at most."""
-    out: dict[str, torch.Tensor] = {}
-    layers: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-    for name in list(state_dict):
-        m = _PER_EXPERT.match(name)
-        if m is None:
-            out[name.replace(".block_sparse_moe.", ".mlp.")] = state_dict.pop(name)
-            continue
-        parts = layers.setdefault(m["layer"], {})
-        parts[int(m["expert"]), _PROJ[m["proj"]]] = state_dict.pop(name)
-    while layers:
-        layer, parts = layers.popitem()
+@dataclass
+class CheckpointExperts:
+    """One layer's experts as a checkpoint stores them: per expert and projection, the
+    checkpoint's name of that linear layer ("model.layers.0.block_sparse_moe.experts.3.w1")
+    and its tensors by suffix ("weight", or a quantized format's)."""
+
+    block: str  # the engine's name of the MoE block, "model.layers.0.mlp"
+    linears: dict[tuple[int, str], tuple[str, dict[str, torch.Tensor]]]
+
+    def linear_name(self, expert: int, proj: str) -> str:
+        return self.linears[expert, proj][0]
+
+    def tensors(self, expert: int, proj: str) -> dict[str, torch.Tensor]:
+        return self.linears[expert, proj][1]
+
+    def check_complete(self, num_experts: int) -> None:
         missing = [
-            f"{layer} expert {e} {proj}"
+            f"{self.block} expert {e} {proj}"
             for e in range(num_experts)
-            for proj in ("gate", "up", "down")
-            if (e, proj) not in parts
+            for proj in PROJECTIONS
+            if (e, proj) not in self.linears
         ]
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} expert weights: {shown}")
-        gate_up = [torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(num_experts)]
-        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(gate_up)
-        out[f"{layer}.mlp.experts.down_proj"] = torch.stack(
-            [parts[e, "down"] for e in range(num_experts)]
-        )
+
+    def stack_float(self, num_experts: int) -> dict[str, torch.Tensor]:
+        """The engine's stacked float tensors: `experts.gate_up_proj` [E, 2I, H] and
+        `experts.down_proj` [E, H, I] under the block's name."""
+        for name, tensors in self.linears.values():
+            if set(tensors) != {"weight"}:
+                raise ValueError(
+                    f"expert layer {name} holds {', '.join(sorted(tensors))}: quantized "
+                    "tensors, but config.json's quantization_config (if any) leaves this "
+                    "layer in float"
+                )
+        w = {key: tensors["weight"] for key, (_, tensors) in self.linears.items()}
+        gate_up = [torch.cat([w[e, "gate"], w[e, "up"]]) for e in range(num_experts)]
+        down = [w[e, "down"] for e in range(num_experts)]
+        return {
+            f"{self.block}.experts.gate_up_proj": torch.stack(gate_up),
+            f"{self.block}.experts.down_proj": torch.stack(down),
+        }
+
+
+def collect_expert_tensors(
+    state_dict: dict[str, torch.Tensor], num_experts: int
+) -> tuple[dict[str, torch.Tensor], list[CheckpointExperts]]:
+    """Split a checkpoint into its per-expert tensors, grouped by layer (taken out of
+    `state_dict`), and everything else, Mixtral's `block_sparse_moe.*` renamed `mlp.*`.
+    Already stacked tensors (as transformers 5 saves them) stay with everything else."""
+    rest: dict[str, torch.Tensor] = {}
+    layers: dict[str, CheckpointExperts] = {}
+    for name in list(state_dict):
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            rest[name.replace(".block_sparse_moe.", ".mlp.")] = state_dict.pop(name)
+            continue
+        block = f"{m['layer']}.mlp"
+        linear = name[: -len(m["tensor"]) - 1]
+        experts = layers.setdefault(block, CheckpointExperts(block, {}))
+        _, tensors = experts.linears.setdefault((int(m["expert"]), _PROJ[m["proj"]]), (linear, {}))
+        tensors[m["tensor"]] = state_dict.pop(name)
+    for experts in layers.values():
+        experts.check_complete(num_experts)
+    return rest, list(layers.values())
+
+
+def stack_expert_weights(state_dict: dict[str, torch.Tensor], num_experts: int) -> dict:
+    """Checkpoint tensors with one float tensor per expert -> the engine's names: each layer's
+    experts stacked into `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj`
+    [E, H, I], Mixtral's `block_sparse_moe.*` renamed `mlp.*`. Already stacked tensors (as
+    transformers 5 names them) pass through. Tensors are taken out of `state_dict` and a
+    layer's pieces dropped once stacked: one layer's experts are held twice at most."""
+    out, layers = collect_expert_tensors(state_dict, num_experts)
+    while layers:
+        out.update(layers.pop().stack_float(num_experts))
     return out
 
 

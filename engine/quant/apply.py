@@ -19,7 +19,11 @@ from kvbatch.engine.quant.layer_tensors import CheckpointFormatError, LayerTenso
 from kvbatch.engine.quant.linear import QuantLinear
 from kvbatch.engine.quant.scheme import QuantConfig
 
-KEPT_IN_FLOAT = ("lm_head",)  # the output projection is never quantized here
+# Never quantized here: the output projection, and a mixture-of-experts model's routers (the
+# block's `gate`, Qwen2-MoE's `shared_expert_gate`), which vLLM keeps in float as well: their
+# few weights pick the experts, and checkpoints leave them in float without always saying so.
+KEPT_IN_FLOAT = ("lm_head",)
+ROUTER_SUFFIXES = (".mlp.gate", ".mlp.shared_expert_gate")
 # Suffixes that only quantized checkpoints have: left over after loading, they mean the
 # checkpoint is quantized in a way config.json does not say (or a layer was skipped).
 QUANT_SUFFIXES = (
@@ -50,18 +54,17 @@ def quantize_linears(
     replaced = []
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, module in linears:
-        if name in KEPT_IN_FLOAT:
+        if name in KEPT_IN_FLOAT or name.endswith(ROUTER_SUFFIXES):
             _check_kept_in_float(name, state_dict, quant)
             continue
-        scheme = quant.scheme_for(name)
-        if scheme is None:
+        if quant.scheme_for(name) is None:
             continue
         prefix = name + "."
         tensors = {
             k[len(prefix) :]: state_dict.pop(k) for k in list(state_dict) if k.startswith(prefix)
         }
-        t = LayerTensors(name, _format_name(quant), tensors)
-        layer = _load_layer(t, quant, scheme, dtype, device).to(device)
+        t = LayerTensors(name, format_name(quant), tensors)
+        layer = load_quantized_linear(t, quant, dtype, device)
         _check_shape(t, layer, module)
         layer.prepare(dtype)
         parent_name, _, child = name.rpartition(".")
@@ -107,6 +110,17 @@ def _check_kept_in_float(name: str, state_dict: dict, quant: QuantConfig) -> Non
         )
 
 
+def load_quantized_linear(
+    t: LayerTensors, quant: QuantConfig, dtype: torch.dtype, device: torch.device
+) -> QuantLinear:
+    """The quantized module of the layer `t` holds, by its scheme and the checkpoint's format,
+    on `device` (its float copy for the CPU is not made yet: QuantLinear.prepare)."""
+    scheme = quant.scheme_for(t.layer)
+    if scheme is None:
+        raise ValueError(f"layer {t.layer} is not quantized by the {quant.method} config")
+    return _load_layer(t, quant, scheme, dtype, device).to(device)
+
+
 def _load_layer(t: LayerTensors, quant: QuantConfig, scheme, dtype, device) -> QuantLinear:
     if quant.format == "compressed-tensors":
         return load_ct_linear(t, scheme, dtype)
@@ -121,7 +135,7 @@ def _load_layer(t: LayerTensors, quant: QuantConfig, scheme, dtype, device) -> Q
     raise ValueError(f"no loader for quantization format {quant.format!r}")
 
 
-def _format_name(quant: QuantConfig) -> str:
+def format_name(quant: QuantConfig) -> str:
     return {"online-fp8": "float (for online FP8)"}.get(quant.format, quant.format)
 
 

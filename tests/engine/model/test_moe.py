@@ -152,7 +152,7 @@ def test_stacking_puts_gate_then_up_and_renames_mixtral():
 def test_a_missing_expert_is_named():
     sd = mixtral_layer(3)
     del sd["model.layers.0.block_sparse_moe.experts.1.w3.weight"]
-    with pytest.raises(ValueError, match="missing 1 expert weights: model.layers.0 expert 1 up"):
+    with pytest.raises(ValueError, match="missing 1 expert weights: model.layers.0.mlp expert 1 up"):
         stack_expert_weights(sd, 3)
 
 

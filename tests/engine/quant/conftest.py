@@ -26,3 +26,22 @@ def ct_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
             return built[scheme]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def moe_ct_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    """`get(kind, scheme) -> (path, reference model)`: a tiny MoE model of `kind` quantized
+    with `scheme` by compressed-tensors (moe_checkpoints.py), built on first request."""
+    from tests.engine.quant.moe_checkpoints import build_moe_ct_checkpoint
+
+    root = tmp_path_factory.mktemp("moe_ct_checkpoints")
+    built: dict[tuple[str, str], tuple] = {}
+    lock = threading.Lock()
+
+    def get(kind: str, scheme: str):
+        with lock:
+            if (kind, scheme) not in built:
+                built[kind, scheme] = build_moe_ct_checkpoint(kind, scheme, root / kind / scheme)
+            return built[kind, scheme]
+
+    return get

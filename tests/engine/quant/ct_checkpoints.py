@@ -9,6 +9,7 @@ weight packing, config.json's `quantization_config` and every tensor name are it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,9 +67,15 @@ def build_ct_checkpoint(
 
 
 def quantize_and_save(
-    model, scheme: str, path: Path, seed: int = 0, ignore: tuple[str, ...] = ("lm_head",)
+    model,
+    scheme: str,
+    path: Path,
+    seed: int = 0,
+    ignore: tuple[str, ...] = ("lm_head",),
+    before_compressing: Callable[[torch.nn.Module], None] | None = None,
 ) -> Path:
-    """Quantize a transformers model in place with `scheme` and save it compressed."""
+    """Quantize a transformers model in place with `scheme` and save it compressed;
+    `before_compressing` sees the calibrated, frozen (fake-quantizing) model."""
     group = QuantizationScheme(targets=["Linear"], **SCHEMES[scheme])
     config = QuantizationConfig(config_groups={"group_0": group}, ignore=list(ignore))
     apply_quantization_config(model, config)
@@ -76,6 +83,8 @@ def quantize_and_save(
     for module in model.modules():
         if getattr(module, "quantization_scheme", None) is not None:
             module.quantization_status = QuantizationStatus.FROZEN
+    if before_compressing is not None:
+        before_compressing(model)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     path = Path(path)

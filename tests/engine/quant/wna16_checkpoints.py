@@ -5,6 +5,7 @@ dequantization of the same bytes: what transformers would run."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -12,25 +13,39 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from tests.engine.quant import published_wna16 as published
-from tests.tiny_models import BOS, EOS, randomize_weights, tiny_config
+from tests.engine.quant.moe_checkpoints import linearized_moe_model
+from tests.tiny_models import BOS, EOS, MOE_KINDS, randomize_weights, tiny_config
 
 GROUP_SIZE = 32
+# An expert's gate and up projections read the same input: GPTQ's act order (from that
+# input's statistics) is the same for both.
+_SHARED_INPUT = re.compile(r"\.experts\.(\d+)\.(?:gate_proj|up_proj|w1|w3)$")
 
 
-def build_wna16_checkpoint(fmt: str, bits: int, act_order: bool, path: Path, seed: int = 0):
+def build_wna16_checkpoint(
+    fmt: str, bits: int, act_order: bool, path: Path, seed: int = 0, kind: str = "llama-gqa"
+):
     """Write `path/quantized` (format "gptq", "gptq_v2" or "awq") and `path/reference` (float
-    weights = the library's dequantization); return both folders."""
-    model = AutoModelForCausalLM.from_config(tiny_config("llama-gqa"), dtype=torch.float32)
-    randomize_weights(model, seed)
-    model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
+    weights = the library's dequantization); return both folders. A mixture-of-experts `kind`
+    has its experts quantized one projection at a time, as the GPTQ/AWQ tools write them."""
+    if kind in MOE_KINDS:
+        model = linearized_moe_model(kind, seed)
+    else:
+        model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+        randomize_weights(model, seed)
+        model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
     g = torch.Generator().manual_seed(seed + 7)
     quantized_dir, reference_dir = Path(path) / "quantized", Path(path) / "reference"
     tensors: dict[str, torch.Tensor] = {}
+    orders: dict[str, torch.Tensor] = {}  # g_idx by input: an expert's gate and up share one
     with torch.no_grad():
         for name, linear in model.named_modules():
             if not isinstance(linear, torch.nn.Linear) or name == "lm_head":
                 continue
-            packed, dequantized = _quantize(linear.weight, fmt, bits, act_order, g)
+            key = _SHARED_INPUT.sub(r".experts.\1.gate_up", name)
+            if key not in orders:
+                orders[key] = _group_index(linear.in_features, act_order, g)
+            packed, dequantized = _quantize(linear.weight, fmt, bits, orders[key])
             tensors.update({f"{name}.{k}": v for k, v in packed.items()})
             linear.weight.copy_(dequantized.t())
     model.save_pretrained(reference_dir)
@@ -61,15 +76,19 @@ def _config(fmt: str, bits: int, act_order: bool) -> dict:
     )
 
 
-def _quantize(weight: torch.Tensor, fmt: str, bits: int, act_order: bool, g: torch.Generator):
-    """Asymmetric min-max quantization of weight [N, K] by groups of input rows (permuted
-    when act_order) -> (the format's tensors, the library's dequantized weight [K, N])."""
+def _group_index(k: int, act_order: bool, g: torch.Generator) -> torch.Tensor:
+    """Each input row's group: in order, or (act_order) in a random order of importance."""
+    if not act_order:
+        return torch.arange(k, dtype=torch.int32) // GROUP_SIZE
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[torch.randperm(k, generator=g)] = torch.arange(k, dtype=torch.int32) // GROUP_SIZE
+    return g_idx
+
+
+def _quantize(weight: torch.Tensor, fmt: str, bits: int, g_idx: torch.Tensor):
+    """Asymmetric min-max quantization of weight [N, K] by groups of input rows (g_idx) ->
+    (the format's tensors, the library's dequantized weight [K, N])."""
     n, k = weight.shape
-    if act_order:
-        g_idx = torch.empty(k, dtype=torch.int32)
-        g_idx[torch.randperm(k, generator=g)] = torch.arange(k, dtype=torch.int32) // GROUP_SIZE
-    else:
-        g_idx = torch.arange(k, dtype=torch.int32) // GROUP_SIZE
     groups, qmax = k // GROUP_SIZE, (1 << bits) - 1
     w = weight.t()  # [K, N]
     lo = torch.stack([w[g_idx == i].amin(0) for i in range(groups)]).clamp(max=0)
@@ -84,7 +103,7 @@ def _quantize(weight: torch.Tensor, fmt: str, bits: int, act_order: bool, g: tor
         dequantized = published.awq_dequantize(qweight, qzeros, scales.float(), 4, GROUP_SIZE)
         return packed, dequantized
     qweight, qzeros = published.gptq_pack(intweight, zeros, bits, v1=fmt == "gptq")
-    packed = dict(qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx)
+    packed = dict(qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx.clone())
     dequantized = published.gptq_dequantize(
         qweight, qzeros, scales.float(), g_idx, bits, v1=fmt == "gptq"
     )
