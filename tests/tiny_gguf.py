@@ -18,14 +18,15 @@ architecture, as the converter does:
 - Phi-3 and Gemma: a SentencePiece vocabulary (tokenizer model "llama": the family's special
   tokens, the 256 byte tokens, a few pieces, unused fillers, with scores and token types).
 
-transformers' GGUF reader leaves some fields it needs out of the file, so the kinds here are
-shaped to the values it assumes: it keeps Qwen3Config's head_dim 128 and Qwen3MoeConfig's
-moe_intermediate_size 768; for Phi-3 it reads neither LongRoPE nor a partial rotary factor
-(plain RoPE over the whole head); for Gemma 2 it keeps the default soft-caps (50, 30) and, for
-both Gemmas, query_pre_attn_scalar 256; Gemma 3 gets its layer pattern from the default
-sliding_window_pattern 6 (six layers here: five local, one global) and no RoPE scaling. The
-tests.tiny_models kinds that differ (LongRoPE, small soft-caps, a linear factor) are what the
-engine refuses from GGUF (engine/model/gguf.py).
+transformers' GGUF reader does not take every field it needs from the file, so the kinds here
+are shaped to the values it assumes: it keeps Qwen3Config's head_dim 128 and Qwen3MoeConfig's
+moe_intermediate_size 768; for Phi-3 it reads neither LongRoPE, a partial rotary factor nor a
+sliding window (plain RoPE over the whole head, full attention); for Gemma 2 it keeps the
+default soft-caps (50, 30) and, for both Gemmas, query_pre_attn_scalar 256; Gemma 3 gets its
+layer pattern from the default sliding_window_pattern 6 (six layers here: five local, one
+global) and no RoPE scaling. Files stating other values (tests.tiny_models' own phi3, gemma2
+and gemma3: LongRoPE, small soft-caps, a linear factor) are what the engine refuses
+(engine/model/gguf.py).
 """
 
 from __future__ import annotations
@@ -160,8 +161,8 @@ def _add_metadata(writer: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         writer.add_rope_freq_base(rope["rope_theta"])
         writer.add_sliding_window(cfg.get("sliding_window") or 0)  # 0: none (Phi-4)
         if rope.get("long_factor"):
-            scale = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
             orig = cfg["original_max_position_embeddings"]
+            scale = cfg["max_position_embeddings"] / orig
             attn_factor = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
             writer.add_rope_scaling_attn_factors(attn_factor)
     if arch in _GEMMA_ARCHS:
