@@ -1,64 +1,109 @@
-"""Tiny GGUF files of Qwen3 and Qwen3-MoE, written from a tiny Hugging Face checkpoint.
+"""Tiny GGUF files written from tiny Hugging Face checkpoints, as llama.cpp's converter writes them.
 
-llama.cpp's converter is not a Python package, so this writes what it would for these two
-architectures with the gguf package: llama.cpp's metadata keys, its tensor names (experts
-stacked as ffn_{gate,up,down}_exps), float32 tensors, and a byte-level BPE vocabulary of the
-checkpoint's size (the 256 byte symbols, one merge, filler tokens) so that transformers can
-build a tokenizer from the file, as the engine's GGUF loader asks it to.
+llama.cpp's converter (convert_hf_to_gguf.py) is not a Python package, so this writes what it
+would with the gguf package: llama.cpp's metadata keys, its tensor names (gguf's TensorNameMap,
+the converter's own table), float32 tensors, and a vocabulary of the checkpoint's size so that
+transformers can build a tokenizer from the file, as the engine's GGUF loader asks it to. Per
+architecture, as the converter does:
 
-transformers' GGUF reader takes neither head_dim nor the experts' intermediate size from the
-file (it keeps Qwen3Config's head_dim 128 and Qwen3MoeConfig's moe_intermediate_size 768, the
-values of the released models), so checkpoints written here must have those values.
+- Qwen3 / Qwen3-MoE: a byte-level BPE vocabulary (the 256 byte symbols, one merge, filler
+  tokens); experts stacked as ffn_{gate,up,down}_exps.
+- Phi-3: q, k, v fused as attn_qkv and [gate; up] as ffn_up (the checkpoint's own qkv_proj and
+  gate_up_proj); the rotary dimensions and pretraining length as metadata, LongRoPE factors as
+  the rope_factors_long/short tensors; sliding_window 0 when the checkpoint has none.
+- Gemma 2 / Gemma 3: every RMSNorm weight stored with 1 added (llama.cpp's norm multiplies by
+  w where Gemma's multiplies by 1 + w), no output tensor (the head is the token embedding), the
+  soft-caps and sliding window as metadata; Gemma 3's global RoPE base as rope.freq_base and its
+  linear factor as rope.scaling.
+- Phi-3 and Gemma: a SentencePiece vocabulary (tokenizer model "llama": the family's special
+  tokens, the 256 byte tokens, a few pieces, unused fillers, with scores and token types).
+
+transformers' GGUF reader does not take every field it needs from the file, so the kinds here
+are shaped to the values it assumes: it keeps Qwen3Config's head_dim 128 and Qwen3MoeConfig's
+moe_intermediate_size 768; for Phi-3 it reads neither LongRoPE, a partial rotary factor nor a
+sliding window (plain RoPE over the whole head, full attention); for Gemma 2 it keeps the
+default soft-caps (50, 30) and, for both Gemmas, query_pre_attn_scalar 256; Gemma 3 gets its
+layer pattern from the default sliding_window_pattern 6 (six layers here: five local, one
+global) and no RoPE scaling. Files stating other values (tests.tiny_models' own phi3, gemma2
+and gemma3: LongRoPE, small soft-caps, a linear factor) are what the engine refuses
+(engine/model/gguf.py).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import gguf
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tests.tiny_models import BOS, EOS, randomize_weights, tiny_config
 
 GGUF_KINDS = ("qwen3", "qwen3-moe")
+"""The Qwen3 kinds (tests/engine/model/test_gguf_qwen3.py)."""
 
-_LAYER_TENSORS = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "mlp.gate": "ffn_gate_inp",  # the MoE router
+PHI3_GEMMA_GGUF_KINDS = ("phi3", "gemma2", "gemma3")
+"""Phi-3 and the Gemmas (tests/engine/model/test_gguf_phi3_gemma.py)."""
+
+_ALL_KINDS = GGUF_KINDS + PHI3_GEMMA_GGUF_KINDS
+
+_ARCH = {
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+    "phi3": "phi3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
 }
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-_ARCH = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+_GEMMA_ARCHS = ("gemma2", "gemma3")
+GEMMA3_LAYERS = 6  # transformers' default sliding_window_pattern: five local layers, one global
 
 
-def build_tiny_gguf(kind: str, folder: Path, seed: int = 0) -> tuple[Path, Path]:
-    """A tiny random `kind` (see GGUF_KINDS) saved both as a Hugging Face folder and as a
-    GGUF file in `folder`: (hf_folder, gguf_path). The shapes are tests.tiny_models' with
-    head_dim 128 and, for Qwen3-MoE, experts of intermediate size 768 on every layer (see the
-    module docstring)."""
-    if kind not in GGUF_KINDS:
-        raise ValueError(f"no tiny GGUF of {kind!r}; expected one of {', '.join(GGUF_KINDS)}")
+def gguf_config(kind: str) -> PretrainedConfig:
+    """tests.tiny_models' config of `kind`, with the values transformers' GGUF reader assumes
+    where it reads none from the file (see the module docstring)."""
+    if kind not in _ALL_KINDS:
+        raise ValueError(f"no tiny GGUF of {kind!r}; expected one of {', '.join(_ALL_KINDS)}")
     config = tiny_config(kind)
-    config.head_dim = 128
+    if kind in GGUF_KINDS:
+        config.head_dim = 128
     if kind == "qwen3-moe":
         config.moe_intermediate_size = 768
         config.mlp_only_layers = []
+    if kind == "phi3":
+        config.rope_parameters = {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 1.0,
+        }
+    if kind in ("gemma2", "gemma3"):
+        config.query_pre_attn_scalar = 256
+    if kind == "gemma2":
+        config.attn_logit_softcapping, config.final_logit_softcapping = 50.0, 30.0
+    if kind == "gemma3":
+        config.num_hidden_layers = GEMMA3_LAYERS
+        config.layer_types = ["sliding_attention"] * (GEMMA3_LAYERS - 1) + ["full_attention"]
+        config.rope_parameters = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        }
+    return config
+
+
+def build_tiny_gguf(
+    kind: str, folder: Path, seed: int = 0, config: PretrainedConfig | None = None
+) -> tuple[Path, Path]:
+    """A tiny random `kind` (GGUF_KINDS or PHI3_GEMMA_GGUF_KINDS) of gguf_config's shape, or of
+    `config` when given, saved both as a Hugging Face folder and as a GGUF file in `folder`:
+    (hf_folder, gguf_path)."""
+    config = gguf_config(kind) if config is None else config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize_weights(model, 1000 + seed * len(GGUF_KINDS) + GGUF_KINDS.index(kind))
+    randomize_weights(model, 1000 + seed * len(_ALL_KINDS) + _ALL_KINDS.index(kind))
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
     hf_folder = Path(folder) / "hf"
     model.save_pretrained(hf_folder)
@@ -66,29 +111,20 @@ def build_tiny_gguf(kind: str, folder: Path, seed: int = 0) -> tuple[Path, Path]
 
 
 def write_tiny_gguf(hf_folder: Path, path: Path) -> Path:
-    """Write the checkpoint in `hf_folder` (model_type qwen3 or qwen3_moe) as the GGUF `path`."""
+    """Write the checkpoint in `hf_folder` (model_type qwen3, qwen3_moe, phi3, gemma2 or
+    gemma3_text) as the GGUF `path`, as llama.cpp's converter would."""
     cfg = json.loads((Path(hf_folder) / "config.json").read_text())
     arch = _ARCH[cfg["model_type"]]
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_key_length(cfg["head_dim"])
-    writer.add_value_length(cfg["head_dim"])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    if arch == "qwen3moe":
-        writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
-        writer.add_expert_used_count(cfg["num_experts_per_tok"])
-        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    _add_vocabulary(writer, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
-    for name, tensor in sorted(
-        _gguf_tensors(load_file(str(Path(hf_folder) / "model.safetensors")))
-    ):
+    _add_metadata(writer, arch, cfg)
+    if arch.startswith("qwen3"):
+        _add_byte_level_vocabulary(
+            writer, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"]
+        )
+    else:
+        _add_sentencepiece_vocabulary(writer, arch, cfg)
+    state_dict = load_file(str(Path(hf_folder) / "model.safetensors"))
+    for name, tensor in sorted(_gguf_tensors(arch, cfg, state_dict)):
         writer.add_tensor(name, tensor.contiguous().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -97,7 +133,56 @@ def write_tiny_gguf(hf_folder: Path, path: Path) -> Path:
     return path
 
 
-def _add_vocabulary(writer, vocab_size: int, bos: int, eos: int) -> None:
+def _add_metadata(writer: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
+    """The hyperparameters each architecture's converter class writes (its set_gguf_parameters)."""
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    rope = cfg["rope_parameters"]
+    if arch.startswith("qwen3"):
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+        writer.add_rope_freq_base(rope["rope_theta"])
+    if arch == "qwen3moe":
+        writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "phi3":
+        n_embd, n_head = cfg["hidden_size"], cfg["num_attention_heads"]
+        writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        writer.add_rope_dimension_count(
+            int(rope.get("partial_rotary_factor", 1.0) * n_embd) // n_head
+        )
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)  # 0: none (Phi-4)
+        if rope.get("long_factor"):
+            orig = cfg["original_max_position_embeddings"]
+            scale = cfg["max_position_embeddings"] / orig
+            attn_factor = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+            writer.add_rope_scaling_attn_factors(attn_factor)
+    if arch in _GEMMA_ARCHS:
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+        writer.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "gemma3":
+        full = rope["full_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])  # the global layers' (llama.cpp: 10000 local)
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+        if cfg.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+
+
+def _add_byte_level_vocabulary(writer, vocab_size: int, bos: int, eos: int) -> None:
     symbols = list(bytes_to_unicode().values())  # the 256 byte-level symbols
     tokens = symbols + ["ab"] + [f"<filler{i}>" for i in range(vocab_size - len(symbols) - 1)]
     writer.add_tokenizer_model("gpt2")
@@ -109,20 +194,72 @@ def _add_vocabulary(writer, vocab_size: int, bos: int, eos: int) -> None:
     writer.add_eos_token_id(eos)
 
 
-def _gguf_tensors(state_dict: dict[str, torch.Tensor]):
+_PIECES = ("\u2581", "a", "b", "\u2581a", "ab", "\u2581ab")
+_T = gguf.TokenType
+# Each family's special tokens in its own spelling (at the tiny checkpoints' ids: BOS 1, EOS 2,
+# padding 0), so that transformers' tokenizer class for the family finds them in the vocabulary.
+_SPECIALS = {
+    "phi3": (("<unk>", _T.UNKNOWN), ("<s>", _T.CONTROL), ("</s>", _T.CONTROL)),
+    "gemma": (
+        ("<pad>", _T.CONTROL),
+        ("<bos>", _T.CONTROL),
+        ("<eos>", _T.CONTROL),
+        ("<unk>", _T.UNKNOWN),
+        ("<mask>", _T.CONTROL),
+    ),
+}
+
+
+def _add_sentencepiece_vocabulary(writer, arch: str, cfg: dict) -> None:
+    """A SentencePiece vocabulary as the converter writes one (its _set_vocab_sentencepiece):
+    the special tokens, the 256 byte tokens, a few pieces with descending scores, and unused
+    [PAD] fillers up to the checkpoint's vocabulary size."""
+    specials = _SPECIALS["gemma" if arch in _GEMMA_ARCHS else arch]
+    tokens = [t for t, _ in specials] + [f"<0x{b:02X}>" for b in range(256)] + list(_PIECES)
+    toktypes = [k for _, k in specials] + [_T.BYTE] * 256 + [_T.NORMAL] * len(_PIECES)
+    scores = [0.0] * (len(specials) + 256) + [-float(i) for i in range(len(_PIECES))]
+    fillers = cfg["vocab_size"] - len(tokens)
+    tokens += [f"[PAD{i}]" for i in range(fillers)]
+    toktypes += [_T.UNUSED] * fillers
+    scores += [-10000.0] * fillers
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(toktypes)
+    writer.add_unk_token_id(tokens.index("<unk>"))
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    if cfg.get("pad_token_id") is not None:
+        writer.add_pad_token_id(cfg["pad_token_id"])
+    if arch in _GEMMA_ARCHS:
+        writer.add_add_space_prefix(False)
+
+
+def _gguf_tensors(arch: str, cfg: dict, state_dict: dict[str, torch.Tensor]):
+    """(GGUF name, tensor) pairs: names from gguf's TensorNameMap, Gemma's norms + 1, the tied
+    head left out, experts stacked, Phi-3's LongRoPE factors added."""
+    names = gguf.get_tensor_name_map(
+        next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), cfg["num_hidden_layers"]
+    )
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, tensor in state_dict.items():
         if m := _EXPERT.fullmatch(name):
             experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = tensor
-        elif name == "model.embed_tokens.weight":
-            yield "token_embd.weight", tensor
-        elif name == "model.norm.weight":
-            yield "output_norm.weight", tensor
-        elif name == "lm_head.weight":
-            yield "output.weight", tensor
-        else:
-            _, _, layer, *module, leaf = name.split(".")
-            yield f"blk.{layer}.{_LAYER_TENSORS['.'.join(module)]}.{leaf}", tensor
+            continue
+        if name == "lm_head.weight" and (arch in _GEMMA_ARCHS or cfg.get("tie_word_embeddings")):
+            continue  # the converter skips Gemma's lm_head; a tied one is not saved
+        if arch in _GEMMA_ARCHS and name.endswith("norm.weight"):
+            tensor = tensor + 1
+        module, _, leaf = name.rpartition(".")
+        gguf_name = names.get_name(module)
+        if gguf_name is None:
+            raise ValueError(f"gguf has no {arch} tensor name for {name}")
+        yield f"{gguf_name}.{leaf}", tensor
     for (layer, proj), by_expert in experts.items():
         stacked = torch.stack([by_expert[e] for e in sorted(by_expert)])
         yield f"blk.{layer}.ffn_{proj}_exps.weight", stacked
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "phi3" and rope.get("long_factor"):
+        yield "rope_factors_long.weight", torch.tensor(rope["long_factor"], dtype=torch.float32)
+        yield "rope_factors_short.weight", torch.tensor(rope["short_factor"], dtype=torch.float32)
