@@ -19,8 +19,14 @@ MegaBlocks' block-sparse grouping (Gale et al. 2022, arXiv 2211.15841), written 
 
 The routing is laid out on the device without reading anything back to the host: the padded
 length is bounded by num_pairs + num_experts * (BLOCK_M - 1), blocks past the used ones carry
-expert -1 and return at once. A step's grid therefore depends only on its token count, as a
-CUDA graph needs.
+expert -1 and return at once (kvkernels/moe_blocks.py). A step's grid therefore depends only
+on its token count, as a CUDA graph needs.
+
+The experts may be quantized, each projection in its own format (kvkernels/moe_weights.py):
+a float tensor [E, N, K] runs the kernel below; weight-only 4/8-bit experts and FP8/int8 W8A8
+experts run its siblings in kvkernels/fused_moe_quant.py, which read the same blocks and
+compute what the format's dense layer computes. fused_moe_ref is the plain-torch answer for
+every format.
 """
 
 from __future__ import annotations

@@ -110,10 +110,12 @@ def test_wna16_experts_under_uneven_loads(device, case):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("fmt", ["grouped-asym", "act-order-sym"])
-def test_wna16_experts_in_float16(device, bits, fmt):
+def test_wna16_experts_in_each_dtype(device, dtype, bits, fmt):
+    """float32 and float16 (and bfloat16 on CUDA): scales and zeros in the activations' dtype,
+    the dequantized tile rounded to it before the dot, as the reference rounds its weight."""
     num_experts, topk_weights, topk_ids = routing("top2-uneven", device)
-    gate_up, down = wna16_pair(num_experts, bits, fmt, torch.float16, device)
-    x = randn(len(topk_ids), HIDDEN, gen=generator(5), dtype=torch.float16, device=device)
+    gate_up, down = wna16_pair(num_experts, bits, fmt, dtype, device)
+    x = randn(len(topk_ids), HIDDEN, gen=generator(5), dtype=dtype, device=device)
     check_against_reference(x, gate_up, down, topk_weights, topk_ids)
 
 
