@@ -19,13 +19,17 @@ MegaBlocks' block-sparse grouping (Gale et al. 2022, arXiv 2211.15841), written 
 
 The routing is laid out on the device without reading anything back to the host: the padded
 length is bounded by num_pairs + num_experts * (BLOCK_M - 1), blocks past the used ones carry
-expert -1 and return at once. A step's grid therefore depends only on its token count, as a
-CUDA graph needs.
+expert -1 and return at once (kvkernels/moe_blocks.py). A step's grid therefore depends only
+on its token count, as a CUDA graph needs.
+
+The experts may be quantized, each projection in its own format (kvkernels/moe_weights.py):
+a float tensor [E, N, K] runs the kernel below; weight-only 4/8-bit experts and FP8/int8 W8A8
+experts run its siblings in kvkernels/fused_moe_quant.py, which read the same blocks and
+compute what the format's dense layer computes. fused_moe_ref is the plain-torch answer for
+every format.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,42 +37,16 @@ import triton
 import triton.language as tl
 
 from kvbatch.kernels.activation import silu_and_mul
-from kvbatch.kernels.interpreter import interpreting
-from kvbatch.kernels.moe_weights import ExpertWeights, expert_shape, reference_expert_linear
+from kvbatch.kernels.fused_moe_quant import w8a8_grouped_gemm, wna16_grouped_gemm
+from kvbatch.kernels.moe_blocks import ExpertBlocks, align_to_blocks, block_m_for, tile_nk
+from kvbatch.kernels.moe_weights import (
+    ExpertWeights,
+    W8A8Experts,
+    WNA16Experts,
+    expert_shape,
+    reference_expert_linear,
+)
 from kvbatch.kernels.specialize import step_varying
-
-
-@dataclass(frozen=True)
-class ExpertBlocks:
-    """The routing of one step sorted by expert and padded to blocks of `block_m` rows."""
-
-    sorted_pairs: torch.Tensor  # [num_blocks * block_m] int32: pair index t*k + j, or num_pairs
-    block_experts: torch.Tensor  # [num_blocks] int32: each block's expert, -1 when unused
-    num_pairs: int  # tokens x top_k
-    block_m: int
-
-
-def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """Sort the (token, slot) pairs of `topk_ids` [T, k] by expert, each expert's run padded to
-    a multiple of `block_m`; sizes are upper bounds, so nothing is read back to the host."""
-    flat = topk_ids.flatten().long()  # [P]
-    num_pairs, device = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    padded_start = padded_end - padded
-    order = torch.sort(flat, stable=True).indices  # pair ids, grouped by expert
-    expert_of = flat[order]
-    first_of_expert = counts.cumsum(0) - counts  # where each expert's run starts in `order`
-    rank = torch.arange(num_pairs, device=device) - first_of_expert[expert_of]
-    num_blocks = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
-    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pairs[padded_start[expert_of] + rank] = order.to(torch.int32)
-    block_start = torch.arange(num_blocks, device=device) * block_m
-    block_experts = torch.searchsorted(padded_end, block_start, right=True)
-    block_experts = torch.where(block_experts < num_experts, block_experts, -1).to(torch.int32)
-    return ExpertBlocks(sorted_pairs, block_experts, num_pairs, block_m)
 
 
 @step_varying(ints=("num_pairs",))
@@ -129,7 +107,7 @@ def _grouped_gemm_kernel(
 def _grouped_gemm(a, w, out, route_w, blocks: ExpertBlocks, a_row_div: int) -> None:
     """out[p] = a[p // a_row_div] @ w[expert(p)].T (x route_w[p] when given), for every pair."""
     n, k = w.shape[1], w.shape[2]
-    block_n, block_k = _tile_nk(n, k)
+    block_n, block_k = tile_nk(n, k)
     num_blocks = blocks.block_experts.numel()
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(n, block_n))](
         a,
@@ -153,28 +131,10 @@ def _grouped_gemm(a, w, out, route_w, blocks: ExpertBlocks, a_row_div: int) -> N
     )
 
 
-def _tile_nk(n: int, k: int) -> tuple[int, int]:
-    """BLOCK_N, BLOCK_K: wide tiles under the interpreter (each program costs milliseconds
-    whatever its size), GEMM-sized ones when compiled."""
-    if interpreting():
-        return _pow2_between(n, 16, 128), _pow2_between(k, 16, 128)
-    return 64, 64
-
-
-def _pow2_between(n: int, low: int, high: int) -> int:
-    """The power of two at or above n, clamped to [low, high] (tl.dot needs tiles of 16+)."""
-    return max(low, min(high, triton.next_power_of_2(n)))
-
-
-def block_m_for(num_pairs: int, num_experts: int) -> int:
-    """Rows per block: 16 when experts average few rows (decode), 64 when they fill blocks."""
-    return 16 if num_pairs <= 4 * num_experts or interpreting() else 64
-
-
 def fused_moe(
     x: torch.Tensor,  # [T, H]
-    w_gate_up: torch.Tensor,  # [E, 2I, H]: gate rows first, then up
-    w_down: torch.Tensor,  # [E, H, I]
+    w_gate_up: ExpertWeights,  # [E, 2I, H]: gate rows first, then up
+    w_down: ExpertWeights,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] routing weights
     topk_ids: torch.Tensor,  # [T, k] expert ids
     *,
@@ -183,19 +143,29 @@ def fused_moe(
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]."""
     _check(x, w_gate_up, w_down, topk_weights, topk_ids)
     t, top_k = topk_ids.shape
-    num_experts, two_i, _ = w_gate_up.shape
-    hidden, inter = w_down.shape[1], two_i // 2
+    num_experts, two_i, _ = expert_shape(w_gate_up)
+    hidden, inter = expert_shape(w_down)[1], two_i // 2
     if t == 0:
         return x.new_zeros(0, hidden)
     num_pairs = t * top_k
     blocks = align_to_blocks(topk_ids, num_experts, block_m or block_m_for(num_pairs, num_experts))
     route_w = topk_weights.reshape(num_pairs).float().contiguous()
     gate_up = x.new_empty(num_pairs, two_i)  # [P, 2I]
-    _grouped_gemm(x, w_gate_up, gate_up, None, blocks, a_row_div=top_k)
+    _project(x, w_gate_up, gate_up, None, blocks, a_row_div=top_k)
     act = silu_and_mul(gate_up[:, :inter], gate_up[:, inter:], out=gate_up[:, :inter])
     down = x.new_empty(num_pairs, hidden)  # [P, H], already weighted
-    _grouped_gemm(act, w_down, down, route_w, blocks, a_row_div=1)
+    _project(act, w_down, down, route_w, blocks, a_row_div=1)
     return down.view(t, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def _project(a, w: ExpertWeights, out, route_w, blocks: ExpertBlocks, a_row_div: int) -> None:
+    """One grouped GEMM in the experts' format (float, weight-only, or W8A8)."""
+    if isinstance(w, WNA16Experts):
+        wna16_grouped_gemm(a, w, out, route_w, blocks, a_row_div)
+    elif isinstance(w, W8A8Experts):
+        w8a8_grouped_gemm(a, w, out, route_w, blocks, a_row_div)
+    else:
+        _grouped_gemm(a, w, out, route_w, blocks, a_row_div)
 
 
 def fused_moe_ref(

@@ -10,15 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from kvbatch.kernels.fp8_gemm import (
-    FP8_DTYPE,
     quantize_fp8_per_token_reference,
     quantize_fp8_static_reference,
 )
 from kvbatch.kernels.fused_moe import fused_moe_ref
 from kvbatch.kernels.int8_gemm import quantize_int8_per_token_reference
 from kvbatch.kernels.moe_weights import W8A8Experts, WNA16Experts, expert_shape
-from kvbatch.kernels.wna16_gemm import dequantize_wna16, pack_qweight
+from kvbatch.kernels.wna16_gemm import dequantize_wna16
 from tests.kernels.conftest import generator, randn
+from tests.kernels.quantized_experts import random_w8a8_experts, random_wna16_experts
 
 # K of both projections is ragged for the packing: 34 and 20 are not multiples of 8 (4-bit)
 # and 34 is not one of 4 (8-bit).
@@ -28,45 +28,13 @@ HIDDEN, INTER, NUM_EXPERTS = 34, 20, 5
 def wna16_experts(
     n: int, k: int, bits: int, group_size: int, *, act_order: bool, sym: bool, seed: int
 ) -> WNA16Experts:
-    """Random stacked experts [E, N, K] in the canonical layout; every group used."""
-    g = generator(seed)
-    groups = -(-k // group_size)
-    q = torch.randint(0, 2**bits, (NUM_EXPERTS, k, n), generator=g)
-    scales = (torch.rand(NUM_EXPERTS, groups, n, generator=g) + 0.5) * (0.4 / 2**bits)
-    if sym:
-        zeros = torch.full((NUM_EXPERTS, groups, n), 2.0 ** (bits - 1))
-    else:
-        zeros = torch.randint(0, 2**bits, (NUM_EXPERTS, groups, n), generator=g).float()
-    g_idx = None
-    if act_order:
-        g_idx = torch.stack(
-            [(torch.arange(k) // group_size)[torch.randperm(k, generator=g)] for _ in q]
-        ).to(torch.int32)
-    return WNA16Experts(
-        qweight=torch.stack([pack_qweight(qe, bits) for qe in q]),
-        scales=scales,
-        zeros=zeros,
-        g_idx=g_idx,
-        group_size=group_size,
-        bits=bits,
-        in_features=k,
+    return random_wna16_experts(
+        NUM_EXPERTS, n, k, bits, group_size, act_order=act_order, sym=sym, gen=generator(seed)
     )
 
 
 def w8a8_experts(n: int, k: int, kind: str, seed: int) -> W8A8Experts:
-    """Random float experts quantized per output channel to FP8 or int8."""
-    g = generator(seed)
-    w = torch.randn(NUM_EXPERTS, n, k, generator=g) * 0.2
-    if kind == "int8":
-        scale = w.abs().amax(-1, keepdim=True) / 127.0
-        weight = (w / scale).round().clamp(-128, 127).to(torch.int8)
-    else:
-        scale = w.abs().amax(-1, keepdim=True) / 448.0
-        weight = (w / scale).to(FP8_DTYPE)
-    input_scale = (
-        torch.rand(NUM_EXPERTS, generator=g) * 0.02 + 0.01 if kind == "fp8-static" else None
-    )
-    return W8A8Experts(weight=weight, weight_scale=scale.float(), input_scale=input_scale)
+    return random_w8a8_experts(NUM_EXPERTS, n, k, kind, gen=generator(seed))
 
 
 def routing(num_tokens: int, top_k: int, seed: int):
