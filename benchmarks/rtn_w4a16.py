@@ -9,7 +9,10 @@ offset by the symmetric zero point 8:
 
     q[k, n] = clamp(round(w[n, k] / scale[g, n]), -8, 7) + 8,   scale = absmax / 7
 
-Embeddings, norms and the output projection stay in float, as in published W4A16 models.
+Embeddings, norms, the output projection and MoE routers stay in float, as in published W4A16
+models. A mixture-of-experts model's stacked experts (`mlp.experts.gate_up_proj` [E, 2I, H],
+`mlp.experts.down_proj` [E, H, I], as transformers names them) are written one projection per
+expert (`mlp.experts.3.gate_proj.qweight`, ...), as GPTQ tools write MoE checkpoints.
 Not for quality figures: a real checkpoint is quantized by its own tools (tests/engine/quant).
 """
 
@@ -53,7 +56,7 @@ def quantize_rtn(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     when there is one (a few seconds for billions of weights), the result is on the CPU."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
+    for name, tensor in _per_expert(weights):
         if not name.endswith(QUANTIZED_SUFFIXES):
             out[name] = tensor
             continue
@@ -61,6 +64,22 @@ def quantize_rtn(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         packed = gptq_tensors(tensor.to(device))
         out.update({prefix + k: v.cpu() for k, v in packed.items()})
     return out
+
+
+def _per_expert(weights: dict[str, torch.Tensor]):
+    """(name, tensor) of `weights` with stacked experts split into one linear per expert."""
+    for name, tensor in weights.items():
+        if name.endswith(".experts.gate_up_proj"):
+            base, inter = name.removesuffix("gate_up_proj"), tensor.shape[1] // 2
+            for e, w in enumerate(tensor):
+                yield f"{base}{e}.gate_proj.weight", w[:inter]
+                yield f"{base}{e}.up_proj.weight", w[inter:]
+        elif name.endswith(".experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e, w in enumerate(tensor):
+                yield f"{base}{e}.down_proj.weight", w
+        else:
+            yield name, tensor
 
 
 def gptq_tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -35,13 +35,15 @@
 #                 of the 32k prompt sized from timed steps, long_prefill_step_ratio 2.5)
 #   quant-greedy  scripts/quant_greedy_check.py: online FP8 and a W4A16 (GPTQ, rounded random
 #                 weights) model on kvbatch.kernels' GEMMs against the reference path, float32,
-#                 tiny and rag-shape models (--cpu: tiny, the Triton interpreter)
+#                 tiny, rag-shape and tiny Qwen3-MoE models (quantized experts in the fused
+#                 MoE kernel; --cpu: the tiny ones, the Triton interpreter)
 #   moe-greedy    scripts/greedy_check.py --models tiny-moe: a tiny Qwen3-MoE (fused MoE kernel)
 #                 against transformers, float32 (--cpu: the Triton interpreter)
 #   quant-ROW     kvbatch bench rows of the quantized formats, kvbatch alone, into quant-ROW.json,
 #                 most wanted first: no-share-gpu bf16 / FP8 / FP8 + FP8 KV, rag FP8, then
 #                 decode-small-batch (Llama-3.1-8B's layers, 8 of them) at batch 1 and 8 in
-#                 bf16 / W4A16 / FP8, then W4A16 and FP8 KV rows of rag and no-share-gpu
+#                 bf16 / W4A16 / FP8, then W4A16 and FP8 KV rows of rag and no-share-gpu,
+#                 then rag-moe with FP8 and W4A16 experts (moe-fp8, moe-w4a16)
 #                 ($QUANT_ROWS picks them, empty skips them); each skipped past BUDGET_S
 #   rag-moe       kvbatch bench rag-moe --peers hf-static --repeat 1 --json moe-rag.json: rag's
 #                 prompts on Qwen3-30B-A3B's layer shapes, 4 of its 48 layers, random weights
@@ -132,7 +134,7 @@ if [ "$CPU" = 1 ]; then
   PER_TEST_TIMEOUT=${PER_TEST_TIMEOUT:-120}  # the interpreter: slower than CUDA per test
   GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-180}
   QUANT_GREEDY=(env TRITON_INTERPRET=1 "$PY" scripts/quant_greedy_check.py --device cpu
-                --models tiny)
+                --models tiny,tiny-moe)
   QUANT_GREEDY_TIMEOUT=${QUANT_GREEDY_TIMEOUT:-240}
   MOE_GREEDY=(env TRITON_INTERPRET=1 "$PY" scripts/greedy_check.py --device cpu --backend triton
               --models tiny-moe)
@@ -148,7 +150,7 @@ else
   MODE=gpu
   TINY=()
   GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny,rag)
-  QUANT_GREEDY=("$PY" scripts/quant_greedy_check.py --device cuda --models tiny,rag)
+  QUANT_GREEDY=("$PY" scripts/quant_greedy_check.py --device cuda --models tiny,rag,tiny-moe)
   MOE_GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny-moe)
   SPLITS=()
   QUANT_GEMM=()
@@ -308,10 +310,12 @@ declare -A QUANT_ROW_FLAGS=(
   [no-share-w4a16]="no-share-gpu --weights w4a16"
   [rag-fp8-kv]="rag --quantization fp8 --kv-cache-dtype fp8"
   [rag-w4a16]="rag --weights w4a16"
+  [moe-fp8]="rag-moe --quantization fp8"
+  [moe-w4a16]="rag-moe --weights w4a16"
 )
 read -r -a QUANT_ROW_LIST <<< "${QUANT_ROWS-no-share-bf16 no-share-fp8 rag-fp8 no-share-fp8-kv \
 decode-b1-bf16 decode-b1-w4a16 decode-b1-fp8 decode-b8-bf16 decode-b8-w4a16 decode-b8-fp8 \
-no-share-w4a16 rag-fp8-kv rag-w4a16}"
+no-share-w4a16 rag-fp8-kv rag-w4a16 moe-fp8 moe-w4a16}"
 for row in ${QUANT_ROW_LIST[@]+"${QUANT_ROW_LIST[@]}"}; do
   if [ -z "${QUANT_ROW_FLAGS[$row]+set}" ]; then skip "quant-$row" "unknown row"; continue; fi
   wanted "quant-$row" || { skip "quant-$row" "not in --only"; continue; }

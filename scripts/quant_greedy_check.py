@@ -2,12 +2,13 @@
 backend) against its reference path (the torch backend: dequantized weights, the same
 activation quantization in plain torch), on the same device, float32, random-weight Llama.
 
-    python scripts/quant_greedy_check.py --device cuda --models tiny,rag --schemes fp8,w4a16
-    TRITON_INTERPRET=1 python scripts/quant_greedy_check.py --device cpu --models tiny
+    python scripts/quant_greedy_check.py --device cuda --models tiny,rag,tiny-moe
+    TRITON_INTERPRET=1 python scripts/quant_greedy_check.py --device cpu --models tiny,tiny-moe
 
 Schemes: `fp8` is online FP8 W8A8 (quantization="fp8": per-channel weight scales, per-token
 activation scales); `w4a16` is the random model rounded to 4 bits and written as a GPTQ
-checkpoint (kvbatch.bench.rtn_w4a16). Both runs quantize alike, so they differ only in the
+checkpoint (kvbatch.bench.rtn_w4a16). `tiny-moe` (a tiny Qwen3-MoE) runs its quantized experts
+in the fused MoE kernel against their torch reference. Both runs quantize alike, so they differ only in the
 order of float32 sums, and an activation that lands on a rounding boundary can flip one
 quantization step: a broken kernel answers garbage from the first token, a correct one agrees
 for many. Each prompt must agree on its first MIN_AGREE tokens and the chosen tokens'
@@ -26,9 +27,15 @@ import time
 import numpy as np
 import torch
 
-from kvbatch.bench.models import LLAMA_3_2_1B, TINY_LLAMA, ModelSpec, random_model_dir
+from kvbatch.bench.models import (
+    LLAMA_3_2_1B,
+    TINY_LLAMA,
+    TINY_QWEN3_MOE,
+    ModelSpec,
+    random_model_dir,
+)
 
-MODELS: dict[str, ModelSpec] = {"tiny": TINY_LLAMA, "rag": LLAMA_3_2_1B}
+MODELS: dict[str, ModelSpec] = {"tiny": TINY_LLAMA, "rag": LLAMA_3_2_1B, "tiny-moe": TINY_QWEN3_MOE}
 SCHEMES = ("fp8", "w4a16")
 MIN_AGREE = 4  # tokens every prompt must share before its first difference
 LOGPROB_TOL = 0.05  # |logprob difference| of a chosen token where both paths agree

@@ -22,8 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
-
 
 @dataclass(frozen=True)
 class GgufFile:
@@ -35,6 +33,10 @@ class GgufFile:
 
     @classmethod
     def read(cls, path: Path) -> GgufFile:
+        # imported here, when a GGUF file is read: the H200 image has no gguf package and
+        # every engine import must work there (scripts/h200_image)
+        import gguf
+
         reader = gguf.GGUFReader(str(path))
         metadata = {
             key: field.contents()

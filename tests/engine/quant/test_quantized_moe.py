@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import kvbatch.kernels.fused_moe as fused_moe_kernel
 from kvbatch.engine import LLM, SamplingParams
 from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.model.moe import SparseMoeBlock
@@ -236,3 +237,24 @@ def _copy(path, tmp_path):
     folder = tmp_path / "copy"
     shutil.copytree(path, folder)
     return folder
+
+
+@pytest.mark.parametrize(
+    ("kind", "scheme"), [("qwen3-moe", "w4a16-asym"), ("qwen3-moe", "fp8-dynamic")]
+)
+def test_the_triton_kernel_runs_quantized_experts(moe_ct_checkpoints, monkeypatch, kind, scheme):
+    """With the triton backend (the interpreter on the CPU) the quantized experts run in the
+    fused MoE kernel, not the reference, and give the reference's greedy tokens."""
+    calls = []
+    for name in ("wna16_grouped_gemm", "w8a8_grouped_gemm"):
+        real = getattr(fused_moe_kernel, name)
+        monkeypatch.setattr(
+            fused_moe_kernel, name, lambda *a, real=real, **kw: calls.append(1) or real(*a, **kw)
+        )
+    path, reference = moe_ct_checkpoints(kind, scheme)
+    prompts = random_prompts(512, (7, 19), seed=8)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(path), device="cpu", dtype="float32", attention_backend="triton")
+    got = tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert calls
+    assert got == reference_greedy(reference, prompts, params.max_tokens)
