@@ -235,11 +235,15 @@ def quant_lines(folder: Path) -> list[str]:
         rows.append((path.stem, data["workload"]["name"], data["options"], kv))
     if not rows:
         return []
-    rag = _load(folder / "rag.json")  # the rag step's kvbatch row: rag's float baseline
-    rag_kv = next((e for e in (rag or {}).get("engines", []) if e["engine"] == "kvbatch"), None)
     floats = [(w, o, kv) for _, w, o, kv in rows if kv is not None]
-    if rag_kv is not None:
-        floats.append((rag["workload"]["name"], rag["options"], rag_kv))
+    # the rag and rag-moe steps' kvbatch rows: the float baselines of those workloads' rows
+    for step in ("rag.json", "moe-rag.json"):
+        data = _load(folder / step)
+        step_kv = next(
+            (e for e in (data or {}).get("engines", []) if e["engine"] == "kvbatch"), None
+        )
+        if step_kv is not None:
+            floats.append((data["workload"]["name"], data["options"], step_kv))
     base = {(w, o["max_num_seqs"]): kv["seconds"] for w, o, kv in floats if not _quantized(o, kv)}
     table = [["row", "workload", "seqs", "weights", "KV", "seconds", "out tok/s", "x float"]]
     table[0] += ["weights GiB", "KV tokens"]

@@ -135,8 +135,8 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
 
 @pytest.mark.slow
 def test_the_quantized_and_moe_steps_run_and_are_summed_up(tmp_path: Path):
-    """quant-greedy (the kernels against the reference path, interpreted, dense and MoE), three
-    benchmark rows (one with 4-bit experts),
+    """quant-greedy (the kernels against the reference path, interpreted), three benchmark
+    rows (one with 4-bit experts in the fused MoE kernel),
     moe-greedy and rag-moe, with the H200 image's packages only; the summary's table gives the
     FP8 row's speed against the float row and each row's weights and KV capacity."""
     out = tmp_path / "out"
@@ -161,5 +161,7 @@ def test_the_quantized_and_moe_steps_run_and_are_summed_up(tmp_path: Path):
     assert "quantized rows" in summary
     fp8_row = next(line for line in summary.splitlines() if line.startswith("no-share-fp8-kv"))
     assert " fp8 " in fp8_row and "float8_e4m3fn" in fp8_row
+    moe_row = next(line for line in summary.splitlines() if line.startswith("moe-w4a16")).split()
+    assert moe_row[3] == "gptq" and moe_row[7] != "-"  # against the rag-moe step's float row
     float_row = next(line for line in summary.splitlines() if line.startswith("no-share-bf16"))
     assert " 1.00 " in float_row  # the float row is the baseline of its workload
