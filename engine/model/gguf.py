@@ -13,19 +13,21 @@ read them:
   loader drops as it maps no parameter to them; the pretraining length
   `rope.scaling.original_context_length`; the attention factor `rope.scaling.attn_factor`), the
   rotary dimensions `rope.dimension_count` (a partial rotary factor, as Phi-4-mini's) and the
-  sliding window (Phi-3-mini-4k's 2047; 0 means none). llama.cpp itself currently runs Phi-3
-  without its window (llama_model_phi3::load_arch_hparams); the window is taken here because it
-  is the converted model's (transformers applies it to the Hugging Face checkpoint).
+  sliding window (Phi-3-mini-4k's 2047; 0 means none). llama.cpp itself runs Phi-3 without
+  its window (it warns so when loading the hyperparameters); the window is taken here because
+  it is the converted model's (transformers applies it to the Hugging Face checkpoint).
 - Gemma 2: the two soft-caps (`attn_logit_softcapping`, `final_logit_softcapping`).
-- Gemma 3: the final soft-cap; the global layers' RoPE (`rope.freq_base` and a linear
+- Gemma 3: the final soft-cap (the Hugging Face model applies it whenever set; llama.cpp's
+  graph only for files without a sliding window; Gemma 3's own files state none); the global
+  layers' RoPE (`rope.freq_base` and a linear
   `rope.scaling` factor, Gemma 3 4B and larger); the local layers' RoPE base
   (`rope.freq_base_swa`, 10000 when absent, llama.cpp's value); which layers are local: none
   without a (positive) `attention.sliding_window`, else `attention.sliding_window_pattern` (a
   period p, layer i local when i % p < p - 1, or a per-layer list of booleans) or llama.cpp's
   default period 6.
 - Both Gemmas: query_pre_attn_scalar, which no file states. llama.cpp decides it by model size
-  (llama_model_loader hparams for LLM_ARCH_GEMMA2 / LLM_ARCH_GEMMA3, after gemma_pytorch's
-  config.py): queries are scaled by 1 / sqrt(n_embd / n_head) (integer division) for the 27B
+  (src/llama-model.cpp, load_hparams for LLM_ARCH_GEMMA2 / LLM_ARCH_GEMMA3, after
+  gemma_pytorch's config.py): queries are scaled by 1 / sqrt(n_embd / n_head) (integer division) for the 27B
   models, recognised by their layer count (Gemma 2: 46, Gemma 3: 62), and by
   1 / sqrt(head_dim) (`attention.key_length`) for every other size. That is the runtime that
   defines how its files run, and it matches the Hugging Face configs: 144 = 4608 / 32 for
