@@ -18,15 +18,20 @@ architecture, as the converter does:
 - Phi-3 and Gemma: a SentencePiece vocabulary (tokenizer model "llama": the family's special
   tokens, the 256 byte tokens, a few pieces, unused fillers, with scores and token types).
 
-transformers' GGUF reader does not take every field it needs from the file, so the kinds here
-are shaped to the values it assumes: it keeps Qwen3Config's head_dim 128 and Qwen3MoeConfig's
-moe_intermediate_size 768; for Phi-3 it reads neither LongRoPE, a partial rotary factor nor a
-sliding window (plain RoPE over the whole head, full attention); for Gemma 2 it keeps the
-default soft-caps (50, 30) and, for both Gemmas, query_pre_attn_scalar 256; Gemma 3 gets its
-layer pattern from the default sliding_window_pattern 6 (six layers here: five local, one
-global) and no RoPE scaling. Files stating other values (tests.tiny_models' own phi3, gemma2
-and gemma3: LongRoPE, small soft-caps, a linear factor) are what the engine refuses
+transformers' GGUF reader does not take every field it needs from the file, so gguf_config
+shapes each kind to the values it assumes: it keeps Qwen3Config's head_dim 128 and
+Qwen3MoeConfig's moe_intermediate_size 768; for Phi-3 it reads neither LongRoPE, a partial rotary
+factor nor a sliding window (plain RoPE over the whole head, full attention); for Gemma 2 it
+keeps the default soft-caps (50, 30) and, for both Gemmas, query_pre_attn_scalar 256 (so
+head_dim 256 here, where llama.cpp's rule gives the same); Gemma 3 gets its layer pattern from
+the default sliding_window_pattern 6 (six layers here: five local, one global) and no RoPE
+scaling. Files stating other values (tests.tiny_models' own phi3, gemma2 and gemma3: LongRoPE,
+small soft-caps, a linear factor) are what the engine completes the config from
 (engine/model/gguf.py).
+
+Gemma 3's converter writes no layer pattern (llama.cpp assumes period 6); for a checkpoint whose
+layer_types follow another period (tests.tiny_models' gemma3: local, local, global) this writes
+it as attention.sliding_window_pattern, the key llama.cpp reads a period from.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ _ARCH = {
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _GEMMA_ARCHS = ("gemma2", "gemma3")
 GEMMA3_LAYERS = 6  # transformers' default sliding_window_pattern: five local layers, one global
+GEMMA3_SWA_PERIOD = 6  # llama.cpp's default for gemma3 (a file states another period)
 
 
 def gguf_config(kind: str) -> PretrainedConfig:
@@ -82,7 +88,7 @@ def gguf_config(kind: str) -> PretrainedConfig:
             "partial_rotary_factor": 1.0,
         }
     if kind in ("gemma2", "gemma3"):
-        config.query_pre_attn_scalar = 256
+        config.head_dim = config.query_pre_attn_scalar = 256
     if kind == "gemma2":
         config.attn_logit_softcapping, config.final_logit_softcapping = 50.0, 30.0
     if kind == "gemma3":
@@ -180,6 +186,18 @@ def _add_metadata(writer: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
             writer.add_rope_scaling_factor(full["factor"])
         if cfg.get("final_logit_softcapping"):
             writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        period = _layer_period(cfg["layer_types"])
+        if period != GEMMA3_SWA_PERIOD:
+            writer.add_sliding_window_pattern(period)
+
+
+def _layer_period(layer_types: list[str]) -> int:
+    """The period p of layer types that are local but every p-th (llama.cpp's swa pattern)."""
+    for period in range(1, len(layer_types) + 2):
+        local = [i % period < period - 1 for i in range(len(layer_types))]
+        if local == [t == "sliding_attention" for t in layer_types]:
+            return period
+    raise ValueError(f"layer types {layer_types} have no llama.cpp period")
 
 
 def _add_byte_level_vocabulary(writer, vocab_size: int, bos: int, eos: int) -> None:

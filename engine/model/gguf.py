@@ -1,35 +1,70 @@
-"""GGUF hyperparameters that transformers' reader leaves out: refuse such a file by name.
+"""Complete transformers' config of a GGUF file from the file itself, as llama.cpp reads it.
 
 The engine reads GGUF files through transformers, which builds the config from a table of
 llama.cpp metadata keys per architecture (transformers/integrations/ggml.py) and keeps its config
 class's defaults for every key the table lacks. For Phi-3 and the Gemmas, llama.cpp's converter
-writes some hyperparameters that table does not read, so a file that states a non-default value
-loads, in transformers and so in the engine, as a different model than the one it was converted
-from (other positions, other attention, other logits) without a word. This module compares what
-the file states with the config transformers built and fails naming each difference, before any
-weight is read.
+(convert_hf_to_gguf.py) writes hyperparameters that table does not read, so transformers runs
+such a file as another model than the one it was converted from. The forward pass here is the
+engine's own (only the config and the tensors come from transformers), so this module sets those
+values on the config before the model is built, where ModelConfig.from_hf, rope.py and gemma.py
+read them:
 
-Checked: Phi-3's LongRoPE (the rope_factors_long/short tensors), its rotary dimensions (a
-partial rotary factor, as Phi-4-mini's) and its sliding window (Phi-3-mini's 2047); Gemma 2's
-two soft-caps; Gemma 3's linear RoPE factor on the global layers (Gemma 3 4B and larger) and its
-final soft-cap. Not checkable: Gemma's query_pre_attn_scalar, which the file does not state
-(transformers assumes 256, right for Gemma 2 2B / 9B and Gemma 3, not for Gemma 2 27B's 144).
+- Phi-3: LongRoPE (the `rope_factors_long/short.weight` tensors, which transformers' tensor
+  loader drops as it maps no parameter to them; the pretraining length
+  `rope.scaling.original_context_length`; the attention factor `rope.scaling.attn_factor`), the
+  rotary dimensions `rope.dimension_count` (a partial rotary factor, as Phi-4-mini's) and the
+  sliding window (Phi-3-mini-4k's 2047; 0 means none). llama.cpp itself runs Phi-3 without
+  its window (it warns so when loading the hyperparameters); the window is taken here because
+  it is the converted model's (transformers applies it to the Hugging Face checkpoint).
+- Gemma 2: the two soft-caps (`attn_logit_softcapping`, `final_logit_softcapping`).
+- Gemma 3: the final soft-cap (the Hugging Face model applies it whenever set; llama.cpp's
+  graph only for files without a sliding window; Gemma 3's own files state none); the global
+  layers' RoPE (`rope.freq_base` and a linear
+  `rope.scaling` factor, Gemma 3 4B and larger); the local layers' RoPE base
+  (`rope.freq_base_swa`, 10000 when absent, llama.cpp's value); which layers are local: none
+  without a (positive) `attention.sliding_window`, else `attention.sliding_window_pattern` (a
+  period p, layer i local when i % p < p - 1, or a per-layer list of booleans) or llama.cpp's
+  default period 6.
+- Both Gemmas: query_pre_attn_scalar, which no file states. llama.cpp decides it by model size
+  (src/llama-model.cpp, load_hparams for LLM_ARCH_GEMMA2 / LLM_ARCH_GEMMA3, after
+  gemma_pytorch's config.py): queries are scaled by 1 / sqrt(n_embd / n_head) (integer division) for the 27B
+  models, recognised by their layer count (Gemma 2: 46, Gemma 3: 62), and by
+  1 / sqrt(head_dim) (`attention.key_length`) for every other size. That is the runtime that
+  defines how its files run, and it matches the Hugging Face configs: 144 = 4608 / 32 for
+  Gemma 2 27B, 168 = 5376 / 32 for Gemma 3 27B, 256 = head_dim for the others (transformers
+  assumes 256 everywhere).
+
+What the engine cannot represent still fails, naming the key: LongRoPE factors without both
+tensors or without a pretraining length, rotary dimensions the head cannot hold, a Gemma 3 RoPE
+scaling other than linear, a layer pattern that does not fit the layer count.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's LLM_TYPE_27B, by layer count
+GEMMA3_SWA_PERIOD = 6  # llama.cpp's default for gemma3: five local layers, then one global
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3
+BY_LLAMA_CPP_RULE = ("query_pre_attn_scalar",)  # set by llama.cpp's rule, stated by no file
+
 
 @dataclass(frozen=True)
 class GgufFile:
-    """What the checks read: the metadata (values as Python scalars) and the tensor names."""
+    """What the completion reads: the metadata (values as Python scalars or lists) and the
+    RoPE factor tensors (float32 values), the only tensors it needs."""
 
     architecture: str
     metadata: dict[str, object]
-    tensor_names: frozenset[str]
+    rope_factors: dict[str, list[float]]
 
     @classmethod
     def read(cls, path: Path) -> GgufFile:
@@ -41,96 +76,172 @@ class GgufFile:
         metadata = {
             key: field.contents()
             for key, field in reader.fields.items()
-            if not key.startswith("tokenizer.")  # the vocabulary: large, and not checked here
+            if not key.startswith("tokenizer.")  # the vocabulary: large, and not read here
         }
-        return cls(
-            str(metadata["general.architecture"]),
-            metadata,
-            frozenset(t.name for t in reader.tensors),
-        )
+        factors = {
+            t.name: gguf.quants.dequantize(t.data, t.tensor_type)
+            .astype(np.float32)
+            .reshape(-1)
+            .tolist()
+            for t in reader.tensors
+            if t.name in LONGROPE_TENSORS
+        }
+        return cls(str(metadata["general.architecture"]), metadata, factors)
+
+    def key(self, key: str) -> str:
+        """The full metadata key: `<architecture>.<key>`."""
+        return f"{self.architecture}.{key}"
 
     def get(self, key: str):
         """The value of `<architecture>.<key>`, or None when the file does not state it."""
-        return self.metadata.get(f"{self.architecture}.{key}")
+        return self.metadata.get(self.key(key))
 
 
-Check = Callable[[GgufFile, object], list[str]]
+Taken = dict[str, object]  # config field -> the value set on it, for the log line
+Completion = Callable[[GgufFile, object], Taken]
 
 
-def check_gguf_config(path: Path, hf_config) -> None:
-    """Fail when the GGUF file at `path` states a hyperparameter that transformers' config for
-    it (`hf_config`) does not carry; the error names each one and what transformers kept."""
-    file = GgufFile.read(path)
-    problems = [p for check in _CHECKS.get(file.architecture, ()) for p in check(file, hf_config)]
-    if problems:
-        raise ValueError(
-            f"{path.name}: this {file.architecture} GGUF file states what transformers' GGUF "
-            f"reader (which the engine loads GGUF files with) does not read: "
-            f"{'; '.join(problems)}. Loaded, it would run a different model than the one the "
-            "file was converted from; load that Hugging Face checkpoint instead"
-        )
+def complete_gguf_config(path: Path, hf_config) -> Taken:
+    """Set on `hf_config` (transformers' config of the GGUF file at `path`) what the file states
+    and transformers' reader left out, and llama.cpp's query scale for the Gemmas; log what
+    changed in one line and return it. Fails naming the key for what the engine cannot run."""
+    taken = complete_config(GgufFile.read(path), hf_config)
+    stated = [f"{k}={_short(v)}" for k, v in taken.items() if k not in BY_LLAMA_CPP_RULE]
+    ruled = [f"{k}={_short(v)}" for k, v in taken.items() if k in BY_LLAMA_CPP_RULE]
+    parts = []
+    if stated:
+        parts.append(f"from the file {', '.join(stated)}")
+    if ruled:
+        parts.append(f"by llama.cpp's rule for the model's size {', '.join(ruled)}")
+    if parts:
+        log.info("%s: set beyond transformers' reading of it: %s", path.name, "; ".join(parts))
+    return taken
 
 
-def _phi3(file: GgufFile, hf_config) -> list[str]:
-    problems = []
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    if "rope_factors_long.weight" in file.tensor_names and rope.get("rope_type") != "longrope":
-        problems.append(
-            "LongRoPE factors (tensors rope_factors_long/short, pretraining length "
-            f"{file.get('rope.scaling.original_context_length')}), but transformers builds "
-            f"rope_type {rope.get('rope_type')!r}"
-        )
+def complete_config(file: GgufFile, hf_config) -> Taken:
+    """complete_gguf_config on a file already read: what changed on `hf_config`."""
+    completion = _COMPLETIONS.get(file.architecture)
+    return {} if completion is None else completion(file, hf_config)
+
+
+def _phi3(file: GgufFile, cfg) -> Taken:
+    taken: Taken = {}
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    rope = dict(cfg.rope_parameters or {})
     rotary = file.get("rope.dimension_count")
-    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
-    read_rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
-    if rotary is not None and rotary != read_rotary:
-        problems.append(
-            f"phi3.rope.dimension_count = {rotary} rotary dimensions per head, but transformers "
-            f"rotates {read_rotary} of {head_dim}"
+    if rotary is not None:
+        if rotary % 2 or not 0 < rotary <= head_dim:
+            raise _unrepresentable(
+                file.key("rope.dimension_count"), f"{rotary} rotary dimensions, heads of {head_dim}"
+            )
+        rope["partial_rotary_factor"] = rotary / head_dim
+    original = file.get("rope.scaling.original_context_length")
+    if any(name in file.rope_factors for name in LONGROPE_TENSORS):
+        missing = [n for n in LONGROPE_TENSORS if n not in file.rope_factors]
+        if missing or original is None:
+            absent = missing[0] if missing else file.key("rope.scaling.original_context_length")
+            stated = next(n for n in LONGROPE_TENSORS if n in file.rope_factors)
+            raise _unrepresentable(stated, f"LongRoPE factors without {absent}")
+        long, short = (file.rope_factors[n] for n in LONGROPE_TENSORS)
+        _set(cfg, "original_max_position_embeddings", int(original), taken)
+        rope.update(
+            rope_type="longrope",
+            long_factor=long,
+            short_factor=short,
+            original_max_position_embeddings=int(original),
         )
+        if (attention_factor := file.get("rope.scaling.attn_factor")) is not None:
+            rope["attention_factor"] = float(attention_factor)
+    _set(cfg, "rope_parameters", rope, taken)
     window = file.get("attention.sliding_window")
-    if window and window != getattr(hf_config, "sliding_window", None):
-        problems.append(
-            f"phi3.attention.sliding_window = {window}, but transformers builds "
-            f"sliding_window = {getattr(hf_config, 'sliding_window', None)}"
+    if window:  # 0: none (Phi-4's files)
+        _set(cfg, "sliding_window", int(window), taken)
+    return taken
+
+
+def _gemma2(file: GgufFile, cfg) -> Taken:
+    taken: Taken = {}
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if (cap := file.get(name)) is not None:
+            _set(cfg, name, float(cap), taken)
+    _set(cfg, "query_pre_attn_scalar", _llama_cpp_query_scalar(file, cfg), taken)
+    return taken
+
+
+def _gemma3(file: GgufFile, cfg) -> Taken:
+    taken: Taken = {}
+    if (cap := file.get("final_logit_softcapping")) is not None:
+        _set(cfg, "final_logit_softcapping", float(cap), taken)
+    built = cfg.rope_parameters or {}
+    full = {
+        "rope_type": "default",
+        "rope_theta": float(
+            file.get("rope.freq_base") or built.get("full_attention", {}).get("rope_theta")
+        ),
+    }
+    scaling = file.get("rope.scaling.type")
+    if scaling == "linear":
+        full.update(rope_type="linear", factor=float(file.get("rope.scaling.factor")))
+    elif scaling not in (None, "none"):
+        raise _unrepresentable(
+            file.key("rope.scaling.type"), f"{scaling!r}, where Gemma 3 scales linearly or not"
         )
-    return problems
+    local_base = file.get("rope.freq_base_swa") or GEMMA3_LOCAL_ROPE_BASE
+    local = {"rope_type": "default", "rope_theta": float(local_base)}
+    _set(cfg, "rope_parameters", {"sliding_attention": local, "full_attention": full}, taken)
+    _set(cfg, "layer_types", _gemma3_layer_types(file, cfg.num_hidden_layers), taken)
+    _set(cfg, "query_pre_attn_scalar", _llama_cpp_query_scalar(file, cfg), taken)
+    return taken
 
 
-def _soft_caps(*names: str) -> Check:
-    def check(file: GgufFile, hf_config) -> list[str]:
-        problems = []
-        for name in names:
-            stated, built = file.get(name), getattr(hf_config, name, None)
-            if stated is not None and not _same(stated, built):
-                problems.append(
-                    f"{file.architecture}.{name} = {stated:g}, but transformers builds {built}"
-                )
-        return problems
-
-    return check
-
-
-def _gemma3_rope(file: GgufFile, hf_config) -> list[str]:
-    if file.get("rope.scaling.type") != "linear":
-        return []
-    factor = file.get("rope.scaling.factor")
-    built = (getattr(hf_config, "rope_parameters", None) or {}).get("full_attention", {})
-    if built.get("rope_type") == "linear" and _same(factor, built.get("factor")):
-        return []
-    return [
-        f"gemma3.rope.scaling.type = linear with factor {factor:g} on the global layers, but "
-        f"transformers builds rope_type {built.get('rope_type')!r} there"
-    ]
+def _gemma3_layer_types(file: GgufFile, num_layers: int) -> list[str]:
+    """llama.cpp's local ("sliding_attention") and global layers of a gemma3 file."""
+    window = file.get("attention.sliding_window")
+    if not window:
+        return ["full_attention"] * num_layers
+    pattern = file.get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise _unrepresentable(
+                file.key("attention.sliding_window_pattern"),
+                f"{len(pattern)} layers where the file has {num_layers}",
+            )
+        local = [bool(p) for p in pattern]
+    else:  # llama_hparams::set_swa_pattern: period 0, every layer local; 1, none
+        period = GEMMA3_SWA_PERIOD if pattern is None else int(pattern)
+        local = [period == 0 or i % period < period - 1 for i in range(num_layers)]
+    return ["sliding_attention" if s else "full_attention" for s in local]
 
 
-def _same(stated: float, built: float | None) -> bool:
-    """Equal up to the float32 the file stores."""
-    return built is not None and abs(float(stated) - float(built)) <= 1e-6 * abs(float(built))
+def _llama_cpp_query_scalar(file: GgufFile, cfg) -> int:
+    """llama.cpp's f_attention_scale, as the scalar whose inverse square root it is."""
+    if cfg.num_hidden_layers == GEMMA_27B_LAYERS[file.architecture]:
+        return cfg.hidden_size // cfg.num_attention_heads
+    return int(file.get("attention.key_length") or cfg.head_dim)
 
 
-_CHECKS: dict[str, tuple[Check, ...]] = {
-    "phi3": (_phi3,),
-    "gemma2": (_soft_caps("attn_logit_softcapping", "final_logit_softcapping"),),
-    "gemma3": (_gemma3_rope, _soft_caps("final_logit_softcapping")),
-}
+def _set(cfg, name: str, value, taken: Taken) -> None:
+    """Set `name` on the config, noting it in `taken` when transformers built another value."""
+    if getattr(cfg, name, None) != value:
+        taken[name] = value
+    setattr(cfg, name, value)
+
+
+def _unrepresentable(name: str, what: str) -> ValueError:
+    """The error for a value the engine has no way to run: `name` is the key or tensor."""
+    return ValueError(
+        f"GGUF {name}: {what}; the engine cannot run this file as llama.cpp does (load the "
+        "Hugging Face checkpoint it was converted from instead)"
+    )
+
+
+def _short(value) -> str:
+    """A config value for the log line: factor lists by their length."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_short(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list) and len(value) > 4:
+        return f"[{len(value)} values]"
+    return repr(value)
+
+
+_COMPLETIONS: dict[str, Completion] = {"phi3": _phi3, "gemma2": _gemma2, "gemma3": _gemma3}

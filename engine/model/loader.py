@@ -20,7 +20,7 @@ from kvbatch.engine.model.experts_loader import (
     split_experts,
 )
 from kvbatch.engine.model.gemma import GemmaForCausalLM
-from kvbatch.engine.model.gguf import check_gguf_config
+from kvbatch.engine.model.gguf import complete_gguf_config
 from kvbatch.engine.model.llama import LlamaForCausalLM, ModelConfig
 from kvbatch.engine.model.moe import CheckpointExperts
 from kvbatch.engine.model.phi3 import PHI3_ARCHITECTURES, split_fused_projections
@@ -190,7 +190,8 @@ def _generation_eos(path: Path) -> list[int]:
 def _read_gguf(path: Path):
     """GGUF through transformers: config, dequantised tensors with HF names, tokenizer.
 
-    A file stating hyperparameters transformers' reader drops fails here (engine/model/gguf.py).
+    What the file states and transformers' reader drops is set on the config before the model
+    is built, as llama.cpp reads it (engine/model/gguf.py); what the engine cannot run fails.
     Phi-3's fused qkv_proj / gate_up_proj arrive as in a Hugging Face folder (load_model splits
     them); Gemma's norms arrive without llama.cpp's + 1 (transformers' reader subtracts it)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -199,7 +200,7 @@ def _read_gguf(path: Path):
     folder, name = str(path.parent), path.name
     hf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
     ModelConfig.from_hf(hf_config)
-    check_gguf_config(path, hf_config)
+    complete_gguf_config(path, hf_config)
     with torch.device("meta"):  # only its parameter names are used, to map GGUF tensor names
         shell = AutoModelForCausalLM.from_config(hf_config)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=shell)["tensors"]
