@@ -3,7 +3,7 @@
 Why not ``(total - done) * elapsed / done``. Requests run concurrently (continuous batching,
 up to ``max_num_seqs`` at once), so when the first one finishes the elapsed time is about one
 request's whole latency, and dividing it by one finished request makes the first estimate
-roughly the concurrency times too long (a job that took 143 s first showed "ETA 774 s").
+roughly the concurrency times too long (users saw a first ETA five times the whole job).
 
 The model here counts work in the unit the engine runs: tokens through the model
 (``EngineStats.computed_tokens``: prefill, decode and recompute). Before the job starts it knows
@@ -14,7 +14,9 @@ The model here counts work in the unit the engine runs: tokens through the model
   number of choices (``n``; an embedding generates nothing).
 
 Output lengths are learned from the finished requests: every unfinished choice is expected to
-generate the mean output of the finished choices, bounded by its own cap. A sequence feeds
+generate the mean output of the finished choices, bounded by its own cap (and the outputs
+expected in all are at least the tokens generated so far, in-flight requests' included,
+should those have outrun the mean). A sequence feeds
 every output token back except its last (the first comes from the prefill step), so the job's
 expected work is::
 
@@ -34,7 +36,11 @@ the counters it was given (tests drive it with a fake clock).
 What it cannot know: until a request finishes there is no output length to go by, so no
 estimate (``seconds_left`` returns None; Progress shows "ETA ?"), unless no request generates
 at all (embeddings). The first requests to finish are the shortest of their window, so when
-output lengths vary the first estimate is low and rises as longer answers come in. Recompute
+output lengths vary the first estimate is low and rises as longer answers come in: at the
+first finish nothing says how much longer the others run, short of assuming a length
+distribution. Counting every token alike also makes a prefill token cost what a decode token
+does, while a decode step's fixed cost makes its tokens dearer: a start heavy with prefill
+reads as a fast rate until the window has moved past it. Recompute
 after a preemption counts as progress. The job's last stretch runs fewer sequences at once,
 hence fewer tokens a second, than the recent window suggests.
 """
