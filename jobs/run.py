@@ -27,6 +27,7 @@ from typing import Protocol
 from kvbatch.jobs.batch_record import MAX_BATCH_ERRORS, BatchRecord
 from kvbatch.jobs.embedding_lines import EmbeddingLines
 from kvbatch.jobs.endpoint import EndpointRule
+from kvbatch.jobs.eta import JobWork
 from kvbatch.jobs.grouping import feed_in_order, group_by_prefix
 from kvbatch.jobs.output_lock import OutputBusy, output_lock
 from kvbatch.jobs.partial import PartialError, PartialOutput
@@ -268,7 +269,8 @@ def _answer(opts: RunOptions, engine, store: TokenStore, job: PreparedJob, parti
     )
     window = opts.window or 4 * engine.config.scheduler.max_num_seqs
     feed = ((str(i), store[i], _engine_params(job.requests[i])) for i in order.order)
-    progress = Progress(total=len(store), engine=engine)
+    work = JobWork.of(job.requests, order.prompt_tokens, order.ideal_cached_tokens)
+    progress = Progress(engine, work)
     vectors = EmbeddingLines(job.model_name, engine, record.id)
     monitor = opts.monitor
     watch = None if monitor is None else lambda: monitor.step(engine) or False
