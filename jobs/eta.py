@@ -35,10 +35,11 @@ the counters it was given (tests drive it with a fake clock).
 
 What it cannot know: until a request finishes there is no output length to go by, so no
 estimate (``seconds_left`` returns None; Progress shows "ETA ?"), unless no request generates
-at all (embeddings). The first requests to finish are the shortest of their window, so when
-output lengths vary the first estimate is low and rises as longer answers come in: at the
-first finish nothing says how much longer the others run, short of assuming a length
-distribution. Counting every token alike also makes a prefill token cost what a decode token
+at all (embeddings). The first requests to finish are the shortest of the cohort that was
+running when the first one finished, so when output lengths vary the estimate is low until
+that cohort has finished, and rises as longer answers come in: at the first finish nothing says
+how much longer the others run, short of assuming a length distribution. Until then the
+estimate is marked a lower bound (``settled`` is False; Progress shows "ETA >N s"). Counting every token alike also makes a prefill token cost what a decode token
 does, while a decode step's fixed cost makes its tokens dearer: a start heavy with prefill
 reads as a fast rate until the window has moved past it. Recompute
 after a preemption counts as progress. The job's last stretch runs fewer sequences at once,
@@ -59,10 +60,11 @@ __all__ = ["EtaEstimator", "JobWork", "TokenCounts", "format_eta"]
 
 
 class TokenCounts(Protocol):
-    """The engine's cumulative counters the estimate reads (EngineStats has them)."""
+    """The engine's counters the estimate reads (EngineStats has them)."""
 
-    computed_tokens: int
-    generation_tokens: int
+    computed_tokens: int  # cumulative
+    generation_tokens: int  # cumulative
+    num_running: int  # sequences running now
 
 
 class _Params(Protocol):
@@ -158,6 +160,8 @@ class EtaEstimator:
         # (its last output token is never fed back).
         self._base_work = work.prompt_tokens - work.cached_tokens - self._unfinished.choices
         self._done_choices = self._done_output = 0
+        self._done_requests = 0
+        self._cohort: int | None = None  # requests finished once the first cohort is done
         self._samples: deque[tuple[float, int]] = deque([(clock(), 0)])
 
     def finished(self, request_id: str | int, output_tokens: int) -> None:
@@ -171,6 +175,7 @@ class EtaEstimator:
         n = self.work.choices[i]
         self._unfinished.add(self.work.max_tokens[i], -n)
         self._left -= 1
+        self._done_requests += 1
         self._done_choices += n
         self._done_output += output_tokens
 
@@ -179,6 +184,9 @@ class EtaEstimator:
         work measured yet)."""
         if self._left <= 0:
             return 0.0
+        if self._cohort is None and self._done_requests:
+            # the sequences running at the first finish (this one included) started together
+            self._cohort = self._done_requests + now.num_running
         computed = now.computed_tokens - self._computed0
         rate = self._rate(computed)
         output = self._expected_output()
@@ -187,6 +195,14 @@ class EtaEstimator:
         generated = now.generation_tokens - self._generated0  # in-flight requests' included
         total = self._base_work + max(output, generated)
         return max(total - computed, self._left) / rate
+
+    @property
+    def settled(self) -> bool:
+        """Whether the output lengths seen so far speak for the job: the cohort running when
+        the first request finished has finished (before, the estimate is a lower bound)."""
+        if self._left <= 0 or self._unfinished.choices == 0:
+            return True
+        return self._cohort is not None and self._done_requests >= self._cohort
 
     def _expected_output(self) -> float | None:
         """All output tokens the job is expected to generate, finished requests' included."""
@@ -210,8 +226,11 @@ class EtaEstimator:
         return (computed - c0) / (now - t0)
 
 
-def format_eta(seconds: float | None) -> str:
-    """The postfix's ETA: whole seconds, or "?" while there is no estimate."""
+def format_eta(seconds: float | None, lower_bound: bool = False) -> str:
+    """The postfix's ETA: whole seconds ("ETA >N s" for a lower bound), or "?" while there is
+    no estimate."""
     if seconds is None or seconds != seconds or seconds in (float("inf"), float("-inf")):
         return "ETA ?"
+    if lower_bound:
+        return "ETA ?" if seconds < 1 else f"ETA >{seconds:.0f} s"  # "more than 0 s": no news
     return f"ETA {seconds:.0f} s"

@@ -82,7 +82,7 @@ class Progress:
         elapsed = max(self.clock() - self.start, 1e-9)
         return (
             f"{self.tokens / elapsed:.1f} tok/s, prefix hit {stats.prefix_hit_rate:.0%}, "
-            f"{format_eta(seconds)}"
+            f"{format_eta(seconds, lower_bound=not self.eta.settled)}"
         )
 
     def close(self) -> None:

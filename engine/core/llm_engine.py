@@ -655,6 +655,7 @@ class LLMEngine:
         return EngineStats(
             num_requests=len(self.requests) + self._num_finished,
             num_finished=self._num_finished,
+            num_running=len(self.scheduler.running),
             num_steps=self._num_steps,
             prompt_tokens=self._prompt_tokens,
             computed_tokens=self._computed,

@@ -68,6 +68,7 @@ class EngineStats:
     weight_bytes: int = 0  # the model's weights as loaded (quantized ones at their own size)
     quantization: str | None = None  # the quantization method, None for a float model
     kv_cache_dtype: str = ""  # the pool's element dtype: the model's, or float8_e4m3fn
+    num_running: int = 0  # sequences admitted and not finished (waiting ones not counted)
     # Speculative decoding: draft tokens proposed and accepted, and acceptance by position in
     # the draft (accepted / proposed at that position).
     spec_draft_tokens: int = 0

@@ -59,6 +59,7 @@ class SimulatedEngine:
         return EngineStats(
             num_requests=self._next,
             num_finished=self.finished,
+            num_running=len(self._running),
             num_steps=0,
             prompt_tokens=sum(self.prompts[: self._next]),
             computed_tokens=self.computed,

@@ -186,5 +186,29 @@ def test_format_eta(seconds, shown):
 
 
 class Counts:
-    def __init__(self, computed_tokens: int, generation_tokens: int) -> None:
+    def __init__(self, computed_tokens: int, generation_tokens: int, num_running: int = 0) -> None:
         self.computed_tokens, self.generation_tokens = computed_tokens, generation_tokens
+        self.num_running = num_running
+
+
+def test_the_estimate_is_a_lower_bound_until_the_first_cohort_has_finished():
+    """The requests running when the first one finished started together; until all of them
+    have finished the outputs seen are the short ones, so the estimate is marked a lower bound
+    ("ETA >N s"), and it is one here."""
+    n, concurrency = 120, 16
+    outputs = [10 + (i * 37) % 200 for i in range(n)]
+    clock = FakeClock()
+    engine = SimulatedEngine([300] * n, outputs, concurrency, RATE, clock)
+    eta = EtaEstimator(JobWork(300 * n, 0, [256] * n, [1] * n), engine.stats(), clock)
+    assert not eta.settled
+    seen = []
+    for done, out in enumerate(engine.run(), 1):
+        eta.finished(out.request_id, len(out.outputs[0].token_ids))
+        left = eta.seconds_left(engine.stats())
+        seen.append((done, eta.settled))
+        if not eta.settled:
+            assert left <= engine.seconds_left()
+    first_settled = next(done for done, settled in seen if settled)
+    assert concurrency // 2 <= first_settled <= concurrency
+    assert all(settled for done, settled in seen if done >= first_settled)
+    assert format_eta(12.4, lower_bound=True) == "ETA >12 s"
