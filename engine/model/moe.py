@@ -146,6 +146,13 @@ class CheckpointExperts:
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} expert weights: {shown}")
+        extra = sorted({e for e, _ in self.linears if e >= num_experts})
+        if extra:
+            raise ValueError(
+                f"{self.block} has weights of expert {extra[0]}, but config.json says "
+                f"{num_experts} experts (0 to {num_experts - 1}): the config and the weights "
+                "are of different models"
+            )
 
     def stack_float(self, num_experts: int) -> dict[str, torch.Tensor]:
         """The engine's stacked float tensors: `experts.gate_up_proj` [E, 2I, H] and

@@ -152,7 +152,9 @@ def test_stacking_puts_gate_then_up_and_renames_mixtral():
 def test_a_missing_expert_is_named():
     sd = mixtral_layer(3)
     del sd["model.layers.0.block_sparse_moe.experts.1.w3.weight"]
-    with pytest.raises(ValueError, match="missing 1 expert weights: model.layers.0.mlp expert 1 up"):
+    with pytest.raises(
+        ValueError, match="missing 1 expert weights: model.layers.0.mlp expert 1 up"
+    ):
         stack_expert_weights(sd, 3)
 
 
@@ -198,3 +200,10 @@ def test_cuda_graphs_and_the_kernel_on_cuda_match_transformers(tiny_models, kind
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
     assert replays  # decode steps ran from graphs
     llm.engine.kv.check_integrity()
+
+
+def test_an_expert_beyond_the_config_is_refused():
+    sd = mixtral_layer(3)
+    sd["model.layers.0.block_sparse_moe.experts.3.w1.weight"] = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match="weights of expert 3, but config.json says 3 experts"):
+        stack_expert_weights(sd, 3)
