@@ -103,8 +103,13 @@ def test_the_kv_cache_scheme_is_kept_for_the_kv_cache():
         ({"quantization_config": {"quant_method": "gptq", "bits": 3}}, "3-bit"),
         ({"quantization_config": {"quant_method": "awq", "bits": 4, "version": "gemv"}}, "gemv"),
         (
-            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
-                                     "activation_scheme": "static"}},
+            {
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "weight_block_size": [128, 128],
+                    "activation_scheme": "static",
+                }
+            },
             "activation_scheme 'static'",
         ),
         (
@@ -112,8 +117,13 @@ def test_the_kv_cache_scheme_is_kept_for_the_kv_cache():
             "weight block size [128]",
         ),
         (
-            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
-                                     "fmt": "e5m2"}},
+            {
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "weight_block_size": [128, 128],
+                    "fmt": "e5m2",
+                }
+            },
             "fmt 'e5m2'",
         ),
         (ct_config("float-quantized", FP8_BLOCK_W, FP8_TOKEN), "activations by token"),
