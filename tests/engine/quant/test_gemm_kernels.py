@@ -75,6 +75,7 @@ LAYERS = {
     "fp8-static-bias": lambda: _fp8_layer(static=True, bias=True),
     "fp8-block": lambda: _fp8_block_layer((32, 32), bias=False),  # N = 40: a partial block
     "fp8-block-bias": lambda: _fp8_block_layer((16, 96), bias=True),
+    "fp8-block-partial-k": lambda: _fp8_block_layer((16, 64), bias=False),  # K = 96 = 64 + 32
     "int8": lambda: _int8_layer(bias=False),
     "int8-bias": lambda: _int8_layer(bias=True),
     "w4a16": lambda: _wna16_layer(4, act_order=False, bias=False),
