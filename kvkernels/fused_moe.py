@@ -23,8 +23,8 @@ expert -1 and return at once (kvkernels/moe_blocks.py). A step's grid therefore 
 on its token count, as a CUDA graph needs.
 
 The experts may be quantized, each projection in its own format (kvkernels/moe_weights.py):
-a float tensor [E, N, K] runs the kernel below; weight-only 4/8-bit experts and FP8/int8 W8A8
-experts run its siblings in kvkernels/fused_moe_quant.py, which read the same blocks and
+a float tensor [E, N, K] runs the kernel below; weight-only 4/8-bit experts, FP8/int8 W8A8
+experts and block-scaled FP8 experts run its siblings in kvkernels/fused_moe_quant.py, which read the same blocks and
 compute what the format's dense layer computes. fused_moe_ref is the plain-torch answer for
 every format.
 """
@@ -37,10 +37,15 @@ import triton
 import triton.language as tl
 
 from kvbatch.kernels.activation import silu_and_mul
-from kvbatch.kernels.fused_moe_quant import w8a8_grouped_gemm, wna16_grouped_gemm
+from kvbatch.kernels.fused_moe_quant import (
+    fp8_block_grouped_gemm,
+    w8a8_grouped_gemm,
+    wna16_grouped_gemm,
+)
 from kvbatch.kernels.moe_blocks import ExpertBlocks, align_to_blocks, block_m_for, tile_nk
 from kvbatch.kernels.moe_weights import (
     ExpertWeights,
+    Fp8BlockExperts,
     W8A8Experts,
     WNA16Experts,
     expert_shape,
@@ -159,11 +164,13 @@ def fused_moe(
 
 
 def _project(a, w: ExpertWeights, out, route_w, blocks: ExpertBlocks, a_row_div: int) -> None:
-    """One grouped GEMM in the experts' format (float, weight-only, or W8A8)."""
+    """One grouped GEMM in the experts' format (float, weight-only, W8A8 or block FP8)."""
     if isinstance(w, WNA16Experts):
         wna16_grouped_gemm(a, w, out, route_w, blocks, a_row_div)
     elif isinstance(w, W8A8Experts):
         w8a8_grouped_gemm(a, w, out, route_w, blocks, a_row_div)
+    elif isinstance(w, Fp8BlockExperts):
+        fp8_block_grouped_gemm(a, w, out, route_w, blocks, a_row_div)
     else:
         _grouped_gemm(a, w, out, route_w, blocks, a_row_div)
 

@@ -11,6 +11,10 @@ BLOCK_M rows, one expert each, with the expert's weight read in its stored forma
   launch by fp8_gemm's / int8_gemm's per-token kernels (x [T, H] for gate|up, the SiLU-and-mul
   activations [P, I] for down), whichever experts its rows go to. A static FP8 scale belongs
   to an expert, so the program quantizes its A tile itself with its block's input_scale[e].
+- Block FP8 (Fp8BlockExperts): A is quantized once per GEMM per token and group of block_k
+  (kvkernels/fp8_block_gemm.py's kernel); each K tile's FP8 dot is scaled by its rows' group
+  scales and the expert's tile scales, weight_scale[e, col // block_n, k // block_k], before
+  it is added to the float32 accumulator.
 
 Triton's interpreter multiplies FP8 and int8 tiles on the CPU, so the tests run these dots as
 compiled; nothing here reads a value back to the host (a step's launches depend on its shapes
@@ -23,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvbatch.kernels.fp8_block_gemm import kernel_block_k, quantize_fp8_per_token_group
 from kvbatch.kernels.fp8_cast import to_e4m3
 from kvbatch.kernels.fp8_gemm import (
     has_fp8_tensor_cores,
@@ -31,7 +36,7 @@ from kvbatch.kernels.fp8_gemm import (
 from kvbatch.kernels.int8_gemm import quantize_int8_per_token
 from kvbatch.kernels.interpreter import interpreting
 from kvbatch.kernels.moe_blocks import ExpertBlocks, tile_nk
-from kvbatch.kernels.moe_weights import W8A8Experts, WNA16Experts
+from kvbatch.kernels.moe_weights import Fp8BlockExperts, W8A8Experts, WNA16Experts
 from kvbatch.kernels.specialize import step_varying
 
 
@@ -272,6 +277,107 @@ def w8a8_grouped_gemm(
         A_ROW_DIV=a_row_div, MUL_ROUTE_W=route_w is not None,
         STATIC=static, INTEGER=w.is_int8, ROUND_FIRST=interpreting(),
         BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+
+
+@step_varying(ints=("num_pairs",))
+def _fp8_block_grouped_gemm_kernel(
+    a_ptr,  # [rows of A, K] fp8
+    a_scale_ptr,  # [rows of A, KB] float32 group scales
+    w_ptr,  # [E, N, K] fp8
+    w_scale_ptr,  # [E, NB, KB] float32 tile scales
+    out_ptr,  # [P, N]
+    route_w_ptr,  # [P] float32 (read when MUL_ROUTE_W)
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    num_pairs,
+    N,
+    K,
+    block_n,
+    block_k,
+    stride_am,
+    stride_ak,
+    stride_asm,
+    stride_asg,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sg,
+    stride_om,
+    stride_on,
+    A_ROW_DIV: tl.constexpr,
+    MUL_ROUTE_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides block_k: a tile lies in one scale block
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = pairs < num_pairs  # [BLOCK_M]
+    a_rows = pairs // A_ROW_DIV
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_mask = cols < N
+    w_base = w_ptr + expert * stride_we
+    w_scale_rows = w_scale_ptr + expert * stride_se + (cols // block_n) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak,
+            mask=valid[:, None] & (ks[None, :] < K),
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        w = tl.load(
+            w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
+            mask=(ks[:, None] < K) & n_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]
+        kb = k0 // block_k
+        a_s = tl.load(a_scale_ptr + a_rows * stride_asm + kb * stride_asg, mask=valid, other=0.0)
+        w_s = tl.load(w_scale_rows + kb * stride_sg, mask=n_mask, other=0.0)
+        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+    if MUL_ROUTE_W:
+        route_w = tl.load(route_w_ptr + pairs, mask=valid, other=0.0)
+        acc = acc * route_w[:, None]
+    tl.store(
+        out_ptr + pairs[:, None] * stride_om + cols[None, :] * stride_on,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=valid[:, None] & n_mask[None, :],
+    )
+
+
+def fp8_block_grouped_gemm(
+    a: torch.Tensor,  # [rows, K] activations
+    w: Fp8BlockExperts,
+    out: torch.Tensor,  # [P, N] in a's dtype
+    route_w: torch.Tensor | None,  # [P] float32, or None
+    blocks: ExpertBlocks,
+    a_row_div: int,
+) -> None:
+    """out[p] = quant(a[p // a_row_div]) @ w[expert(p)].T, each K block scaled by its
+    activation group scale and weight tile scale (x route_w[p] when given)."""
+    if a.is_cuda and not has_fp8_tensor_cores(a):
+        raise NotImplementedError(
+            "block FP8 experts need a GPU with FP8 in Triton (sm_89+); on older GPUs run "
+            "fused_moe_ref or dequantize the experts to the activations' dtype"
+        )
+    a_q, a_scale = quantize_fp8_per_token_group(a, w.block_k)  # [rows, K], [rows, KB]
+    n, k = w.out_features, w.in_features
+    block_n = tile_nk(n, k)[0]
+    _fp8_block_grouped_gemm_kernel[(blocks.block_experts.numel(), triton.cdiv(n, block_n))](
+        a_q, a_scale, w.weight, w.weight_scale, out,
+        route_w if route_w is not None else out,
+        blocks.sorted_pairs, blocks.block_experts, blocks.num_pairs,
+        n, k, w.block_n, w.block_k,
+        *a_q.stride(), *a_scale.stride(), *w.weight.stride(), *w.weight_scale.stride(),
+        *out.stride(),
+        A_ROW_DIV=a_row_div, MUL_ROUTE_W=route_w is not None,
+        BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=kernel_block_k(w.block_k),
     )  # fmt: skip
 
 

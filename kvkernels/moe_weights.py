@@ -1,4 +1,5 @@
-"""Stacked expert weights for the fused MoE kernel: float, weight-only 4/8-bit, or W8A8.
+"""Stacked expert weights for the fused MoE kernel: float, weight-only 4/8-bit, W8A8, or
+block-scaled FP8.
 
 A MoE layer's experts are one projection each, stacked along a leading expert axis E so that
 the grouped GEMM (kvkernels/fused_moe.py) finds expert e's weight at a fixed stride. Each
@@ -10,6 +11,9 @@ quantized format keeps the layout of its dense GEMM, stacked:
 - W8A8Experts: FP8 (E4M3) or int8 weights [N, K] with a float32 scale per output channel;
   activations are quantized to the weight's type per token, or for FP8 with a checkpoint's
   static input scale, one per expert.
+- Fp8BlockExperts: FP8 weights [N, K] with a float32 scale per [block_n, block_k] tile
+  (DeepSeek-V3's, Qwen3-30B-A3B-FP8's), activations quantized per token and group of block_k
+  (kvkernels/fp8_block_gemm.py's scheme, stacked).
 
 `reference_expert_linear` is what one expert computes on the rows routed to it, in plain
 torch: the quantized layer's answer as compressed-tensors' forward and the engine's CPU path
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvbatch.kernels.fp8_block_gemm import quantize_fp8_per_token_group_reference
 from kvbatch.kernels.fp8_gemm import (
     FP8_DTYPE,
     quantize_fp8_per_token_reference,
@@ -190,7 +195,67 @@ class W8A8Experts:
         return (q.float() * scale).to(rows.dtype)
 
 
-ExpertWeights = torch.Tensor | WNA16Experts | W8A8Experts
+@dataclass(frozen=True)
+class Fp8BlockExperts:
+    """Every expert's block-scaled FP8 weight, stacked; activations are quantized per token and
+    group of block_k along K."""
+
+    weight: torch.Tensor  # float8_e4m3fn [E, N, K]
+    weight_scale: torch.Tensor  # float32 [E, ceil(N / block_n), ceil(K / block_k)]
+    block_n: int
+    block_k: int
+
+    def __post_init__(self) -> None:
+        if self.weight.dtype != FP8_DTYPE or self.weight.dim() != 3:
+            raise ValueError(
+                f"weight must be float8_e4m3fn [E, N, K], got {self.weight.dtype} "
+                f"{tuple(self.weight.shape)}"
+            )
+        E, N, K = self.weight.shape
+        want = (E, -(-N // self.block_n), -(-K // self.block_k))
+        if self.weight_scale.dtype != torch.float32 or tuple(self.weight_scale.shape) != want:
+            raise ValueError(
+                f"weight_scale must be float32 {list(want)} (blocks of "
+                f"[{self.block_n}, {self.block_k}]), got {self.weight_scale.dtype} "
+                f"{tuple(self.weight_scale.shape)}"
+            )
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.block_n, self.block_k
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[2]
+
+    def dequantize_expert(self, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert e's weight [N, K]: each tile times its scale in float32, rounded to `dtype`."""
+        n, k = self.weight.shape[1:]
+        scale = self.weight_scale[e].repeat_interleave(self.block_n, 0)[:n]
+        scale = scale.repeat_interleave(self.block_k, 1)[:, :k]
+        return (self.weight[e].float() * scale).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """Every expert's weight [E, N, K] in `dtype`."""
+        return torch.stack([self.dequantize_expert(e, dtype) for e in range(self.num_experts)])
+
+    def fake_quantize_input(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, K] through FP8 per token and group of block_k and back, in rows' dtype."""
+        q, scale = quantize_fp8_per_token_group_reference(rows, self.block_k)
+        k = rows.shape[1]
+        full = scale.repeat_interleave(self.block_k, 1)[:, :k]
+        return (q.float() * full).to(rows.dtype)
+
+
+ExpertWeights = torch.Tensor | WNA16Experts | W8A8Experts | Fp8BlockExperts
 
 
 def expert_shape(w: ExpertWeights) -> tuple[int, int, int]:
@@ -209,4 +274,6 @@ def reference_expert_linear(rows: torch.Tensor, w: ExpertWeights, e: int) -> tor
         return F.linear(rows, w[e])
     if isinstance(w, WNA16Experts):
         return F.linear(rows, w.dequantize_expert(e, rows.dtype))
+    if isinstance(w, Fp8BlockExperts):
+        return F.linear(w.fake_quantize_input(rows), w.dequantize_expert(e, rows.dtype))
     return F.linear(w.fake_quantize_input(rows, e), w.dequantize_expert(e, rows.dtype))

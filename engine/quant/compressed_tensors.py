@@ -2,7 +2,8 @@
 
 As the library (0.20) writes them, per linear layer:
 - float-quantized: `weight` float8_e4m3fn [N, K], `weight_scale` float32 [N, 1] (channel) or [1]
-  (tensor), `input_scale` [1] for static activations;
+  (tensor), `input_scale` [1] for static activations; by blocks (FP8_BLOCK) `weight_scale`
+  [ceil(N / bn), ceil(K / bk)] in the model's dtype, one per tile (partial tiles at the ends);
 - int-quantized: `weight` int8 [N, K], `weight_scale` [N, 1];
 - pack-quantized: `weight_packed` int32 [N, ceil(K * bits / 32)], values packed densely along
   K from the lowest bit (for 4 and 8 bits: value j of a word in bits [bits*j, bits*(j+1))),
@@ -17,9 +18,15 @@ from __future__ import annotations
 import torch
 
 from kvbatch.engine.quant.layer_tensors import LayerTensors
-from kvbatch.engine.quant.linear import Fp8Linear, Int8Linear, QuantLinear, WNA16Linear
+from kvbatch.engine.quant.linear import (
+    Fp8BlockLinear,
+    Fp8Linear,
+    Int8Linear,
+    QuantLinear,
+    WNA16Linear,
+)
 from kvbatch.engine.quant.qdq import FP8_DTYPE
-from kvbatch.engine.quant.scheme import WNA16, Fp8W8A8, Int8W8A8, LinearScheme
+from kvbatch.engine.quant.scheme import WNA16, Fp8BlockW8A8, Fp8W8A8, Int8W8A8, LinearScheme
 from kvbatch.engine.quant.wna16_layout import WNA16Weights, pack_rows, unpack_columns
 
 FORMAT = "compressed-tensors"
@@ -28,6 +35,8 @@ FORMAT = "compressed-tensors"
 def load_ct_linear(t: LayerTensors, scheme: LinearScheme, dtype: torch.dtype) -> QuantLinear:
     """The layer's quantized module from its compressed-tensors tensors."""
     bias = _bias(t, dtype)
+    if isinstance(scheme, Fp8BlockW8A8):
+        return block_fp8_linear(t, scheme, "weight_scale", dtype)
     if isinstance(scheme, Fp8W8A8):
         t.expect(
             ["weight", "weight_scale"] + (["input_scale"] if scheme.static_input_scale else [])
@@ -81,6 +90,24 @@ def ct_wna16_weights(t: LayerTensors, scheme: WNA16, dtype: torch.dtype) -> WNA1
         group_size=group_size,
         bits=bits,
     )
+
+
+def block_fp8_linear(
+    t: LayerTensors, scheme: Fp8BlockW8A8, scale_name: str, dtype: torch.dtype
+) -> Fp8BlockLinear:
+    """A block FP8 layer from `weight` and its block scales `scale_name` (weight_scale here,
+    weight_scale_inv in DeepSeek's and Qwen's fp8 files: the same multiplier either way)."""
+    t.expect(["weight", scale_name])
+    weight = t.get("weight", (FP8_DTYPE,))
+    scale = t.get(scale_name, (torch.float32, torch.bfloat16, torch.float16))
+    (n, k), block = weight.shape, (scheme.block_n, scheme.block_k)
+    want = (-(-n // block[0]), -(-k // block[1]))
+    if tuple(scale.shape) != want:
+        raise t.error(
+            f"{scale_name} has shape {tuple(scale.shape)}; a weight of [{n}, {k}] in blocks of "
+            f"{list(block)} has {list(want)} block scales"
+        )
+    return Fp8BlockLinear(weight, scale.float().contiguous(), block, _bias(t, dtype))
 
 
 def channel_scale(t: LayerTensors, weight: torch.Tensor, per_channel: bool) -> torch.Tensor:

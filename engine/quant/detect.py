@@ -2,11 +2,14 @@
 weight is read, or fail with one message that names the method and what is supported.
 
 Supported, as their writers name them:
-- compressed-tensors (llm-compressor): `float-quantized` (FP8 weights per tensor or channel;
-  activations static per tensor or dynamic per token), `int-quantized` (INT8 W8A8: channel
+- compressed-tensors (llm-compressor): `float-quantized` (FP8 weights per tensor or channel,
+  activations static per tensor or dynamic per token; or FP8 weights by [bn, bk] blocks with
+  activations dynamic per group of bk, the FP8_BLOCK preset), `int-quantized` (INT8 W8A8: channel
   weights, dynamic per-token activations), `pack-quantized` (4/8-bit integer weights by group
   or channel, symmetric or with zero points, act-order allowed; float activations);
-- `fp8` (FP8 weights with weight_scale; input_scale when activation_scheme is static);
+- `fp8` (FP8 weights with weight_scale; input_scale when activation_scheme is static; or with
+  `weight_block_size` [bn, bk], DeepSeek-V3's and Qwen3-*-FP8's block-wise layout:
+  weight_scale_inv per block, activations dynamic per group of bk);
 - `gptq` (4/8 bits, any group size, act-order g_idx, symmetric or not; v1 and v2 zero points);
 - `awq` (4 bits, the GEMM layout, with zero points).
 `quantization="fp8"` on an unquantized checkpoint quantizes it at load (online FP8).
@@ -18,6 +21,7 @@ from collections.abc import Mapping
 
 from kvbatch.engine.quant.scheme import (
     WNA16,
+    Fp8BlockW8A8,
     Fp8W8A8,
     Int8W8A8,
     LayerRule,
@@ -26,8 +30,9 @@ from kvbatch.engine.quant.scheme import (
 )
 
 SUPPORTED = (
-    "compressed-tensors (float-quantized FP8, int-quantized INT8 W8A8, pack-quantized 4/8-bit "
-    "weight-only), fp8, gptq (4/8-bit), awq (4-bit GEMM)"
+    "compressed-tensors (float-quantized FP8 incl. block-wise, int-quantized INT8 W8A8, "
+    "pack-quantized 4/8-bit weight-only), fp8 (incl. weight_block_size), gptq (4/8-bit), "
+    "awq (4-bit GEMM)"
 )
 ONLINE_METHODS = ("fp8",)
 _DEFAULT_IGNORE = ("lm_head",)  # never quantized by our loader unless a rule names it
@@ -114,7 +119,7 @@ def _compressed_tensors(qc: Mapping) -> QuantConfig:
 
 _CT_SUPPORTED = (
     "float-quantized 8-bit float weights (tensor/channel) with static tensor or dynamic token "
-    "activations; int-quantized 8-bit symmetric channel weights with dynamic token "
+    "activations, or by [bn, bk] blocks with dynamic activations by groups of bk; int-quantized 8-bit symmetric channel weights with dynamic token "
     "activations; pack-quantized 4/8-bit int weights (group/channel) without activation "
     "quantization"
 )
@@ -135,6 +140,8 @@ def _ct_scheme(name: str, fmt: str | None, weights, inputs) -> LinearScheme:
     )
     if weights.get("dynamic"):
         raise unsupported("dynamic weight quantization")
+    if fmt == "float-quantized" and w_strategy == "block":
+        return _ct_block_scheme(weights, inputs, unsupported)
     if fmt == "float-quantized":
         if (w_type, w_bits) != ("float", 8) or w_strategy not in ("tensor", "channel"):
             raise unsupported(f"{w_bits}-bit {w_type} weights by {w_strategy}")
@@ -170,6 +177,42 @@ def _ct_scheme(name: str, fmt: str | None, weights, inputs) -> LinearScheme:
     raise unsupported("this format is not supported")
 
 
+def _ct_block_scheme(weights, inputs, unsupported) -> Fp8BlockW8A8:
+    """FP8_BLOCK: symmetric FP8 weights by [bn, bk] blocks, FP8 activations dynamic per group
+    of bk along K (the group a K block of the GEMM needs: one activation scale per row)."""
+    if (weights.get("type"), weights.get("num_bits")) != ("float", 8) or not weights.get(
+        "symmetric", True
+    ):
+        raise unsupported(f"{weights.get('num_bits')}-bit {weights.get('type')} block weights")
+    block_n, block_k = _block_size(weights.get("block_structure"), unsupported)
+    if inputs is None:
+        raise unsupported("block FP8 weights without activation quantization (weight-only)")
+    kind = (inputs.get("type"), inputs.get("num_bits"), inputs.get("strategy"))
+    if kind != ("float", 8, "group") or inputs.get("dynamic") is not True:
+        raise unsupported(
+            f"block FP8 weights with {'dynamic' if inputs.get('dynamic') else 'static'} "
+            f"{inputs.get('num_bits')}-bit {inputs.get('type')} activations by "
+            f"{inputs.get('strategy')}"
+        )
+    if inputs.get("group_size") != block_k or not inputs.get("symmetric", True):
+        raise unsupported(
+            f"activation groups of {inputs.get('group_size')} with weight blocks of "
+            f"[{block_n}, {block_k}] (symmetric groups of the block's K, {block_k}, are)"
+        )
+    return Fp8BlockW8A8(block_n, block_k)
+
+
+def _block_size(block, unsupported) -> tuple[int, int]:
+    ok = (
+        isinstance(block, list | tuple)
+        and len(block) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in block)
+    )
+    if not ok:
+        raise unsupported(f"weight block size {block!r} (two positive integers [bn, bk] are)")
+    return int(block[0]), int(block[1])
+
+
 def _activation_kind(inputs, unsupported) -> bool:
     """True for a static per-tensor scale, False for dynamic per-token scales."""
     strategy, dynamic = inputs.get("strategy"), inputs.get("dynamic")
@@ -181,22 +224,36 @@ def _activation_kind(inputs, unsupported) -> bool:
 
 
 def _fp8(qc: Mapping) -> QuantConfig:
-    if qc.get("weight_block_size"):
-        raise UnsupportedQuantization(
-            f"fp8 with block-wise weight scales (weight_block_size={qc['weight_block_size']}) "
-            f"is not supported; supported: {SUPPORTED}"
-        )
     act = qc.get("activation_scheme", "dynamic")
     if act not in ("dynamic", "static"):
         raise UnsupportedQuantization(
             f"fp8 activation_scheme {act!r} is not supported; supported: dynamic, static"
         )
-    # per_channel_weights is only a default: the loader reads the scale's shape
-    scheme = Fp8W8A8(per_channel_weights=False, static_input_scale=act == "static")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise UnsupportedQuantization(f"fp8 fmt {fmt!r} is not supported; supported: e4m3")
+    block = qc.get("weight_block_size")
+    if block is not None:
+        scheme = _fp8_block_scheme(block, act)
+    else:
+        # per_channel_weights is only a default: the loader reads the scale's shape
+        scheme = Fp8W8A8(per_channel_weights=False, static_input_scale=act == "static")
     ignore = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
     return QuantConfig(
         "fp8", "fp8", (LayerRule(("Linear",), scheme),), ignore=ignore + ("lm_head",)
     )
+
+
+def _fp8_block_scheme(block, act: str) -> Fp8BlockW8A8:
+    def unsupported(why: str) -> UnsupportedQuantization:
+        return UnsupportedQuantization(
+            f"fp8 with weight_block_size={block!r}: {why}; supported: two positive block sizes "
+            "[bn, bk] with activation_scheme dynamic (per token and group of bk)"
+        )
+
+    if act != "dynamic":
+        raise unsupported(f"activation_scheme {act!r}")
+    return Fp8BlockW8A8(*_block_size(block, unsupported))
 
 
 def _gptq(qc: Mapping) -> QuantConfig:

@@ -16,6 +16,9 @@ kvbatch.kernels.moe_weights' layouts:
 - FP8 / int8 W8A8: weights stacked, a per-tensor weight scale widened to one per channel. A
   static FP8 input scale is one per expert and GEMM; gate and up calibrate on the same input,
   so theirs agree, and where a checkpoint's differ the larger is kept (no value clips).
+- Block FP8 (Qwen3-30B-A3B-FP8, DeepSeek-V3): weights stacked, block scales [N / bn, K / bk]
+  of gate and up concatenated along N and stacked along E. Gate's rows must fill whole
+  blocks (I a multiple of bn), or up's first block would share gate's last scale row.
 Online FP8 (`quantization="fp8"` on a float checkpoint) quantizes stacked float experts per
 output channel, as it does a dense layer.
 """
@@ -28,9 +31,20 @@ from dataclasses import fields
 import torch
 from torch import nn
 
-from kvbatch.engine.quant.linear import Fp8Linear, Int8Linear, QuantLinear, WNA16Linear
+from kvbatch.engine.quant.linear import (
+    Fp8BlockLinear,
+    Fp8Linear,
+    Int8Linear,
+    QuantLinear,
+    WNA16Linear,
+)
 from kvbatch.engine.quant.qdq import quantize_fp8_per_channel
-from kvbatch.kernels.moe_weights import ExpertWeights, W8A8Experts, WNA16Experts
+from kvbatch.kernels.moe_weights import (
+    ExpertWeights,
+    Fp8BlockExperts,
+    W8A8Experts,
+    WNA16Experts,
+)
 
 LoadLinear = Callable[[int, str], QuantLinear]
 """(expert, projection) -> that expert's projection as its quantized linear layer."""
@@ -99,6 +113,8 @@ def _stack(
         return _stack_wna16(block, proj, parts)
     if kind in (Fp8Linear, Int8Linear):
         return _stack_scaled(parts)
+    if kind is Fp8BlockLinear:
+        return _stack_blocks(block, proj, parts)
     raise ValueError(f"{block}: no stacked layout for {kind.__name__} experts")
 
 
@@ -157,6 +173,26 @@ def _stack_scaled(parts: list[tuple[QuantLinear, ...]]) -> W8A8Experts:
             ]
         )
     return W8A8Experts(weight=weight, weight_scale=scale.contiguous(), input_scale=input_scale)
+
+
+def _stack_blocks(
+    block: str, proj: str, parts: list[tuple[Fp8BlockLinear, ...]]
+) -> Fp8BlockExperts:
+    first = parts[0][0]
+    bn, bk = first.block
+    if any(layer.block != first.block for layers in parts for layer in layers):
+        raise ValueError(f"{block}: the experts' {proj} projections differ in weight blocks")
+    for layers in parts:
+        for layer in layers[:-1]:  # every part but the last must end on a block boundary
+            if layer.out_features % bn:
+                raise ValueError(
+                    f"{block}: {proj} concatenates projections of {layer.out_features} rows, "
+                    f"not a multiple of the weight block's {bn}: their block scales cannot "
+                    "share one grid"
+                )
+    weight = torch.stack([torch.cat([x.weight for x in layers]) for layers in parts])
+    scale = torch.stack([torch.cat([x.weight_scale for x in layers]) for layers in parts])
+    return Fp8BlockExperts(weight, scale.float().contiguous(), bn, bk)
 
 
 def quantize_experts_fp8(gate_up: torch.Tensor, down: torch.Tensor) -> QuantizedExperts:

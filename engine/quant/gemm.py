@@ -11,7 +11,8 @@ Each function takes the activations x [..., K] and a layer's canonical tensors a
 - "triton" (set with the triton attention backend; on the CPU under TRITON_INTERPRET=1 for
   tests): kvbatch.kernels' GEMMs. FP8 and int8 activations are quantized by a kernel
   (per token, or with the checkpoint's static scale), then multiplied in FP8 or int8 with the
-  scales applied once; W4A16/W8A16 weights are dequantized in registers by wna16_gemm up to
+  scales applied once; block-scaled FP8 quantizes per token and group of block_k and scales
+  each K block's partial sum (kvkernels/fp8_block_gemm.py); W4A16/W8A16 weights are dequantized in registers by wna16_gemm up to
   WNA16_KERNEL_MAX_BATCH rows, and dequantized whole then multiplied by cuBLAS above it
   (a large batch is compute-bound, where cuBLAS's bf16 GEMM is the faster one).
 
@@ -29,14 +30,16 @@ import torch.nn.functional as F
 from kvbatch.engine.quant.qdq import (
     FP8_MAX,
     absmax_scale,
+    dequantize_blocks,
     dequantize_scaled,
     fake_quantize_fp8,
+    fake_quantize_fp8_per_group,
     fake_quantize_int8_per_token,
     quantize_fp8,
     quantize_int8_per_token,
 )
 from kvbatch.engine.quant.wna16_layout import WNA16Weights
-from kvbatch.kernels import fp8_gemm, int8_gemm
+from kvbatch.kernels import fp8_block_gemm, fp8_gemm, int8_gemm
 from kvbatch.kernels.wna16_gemm import wna16_gemm
 
 GemmBackend = Literal["torch", "triton"]
@@ -68,6 +71,24 @@ def fp8_linear(
     if float_weight is None:  # CUDA where _scaled_mm does not serve: dequantize per call
         float_weight = dequantize_scaled(weight, weight_scale, x.dtype)
     return F.linear(fake_quantize_fp8(x, input_scale), float_weight, bias)
+
+
+def fp8_block_linear(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # float8_e4m3fn [N, K]
+    weight_scale: torch.Tensor,  # float32 [ceil(N / bn), ceil(K / bk)]
+    block: tuple[int, int],  # (bn, bk)
+    bias: torch.Tensor | None,
+    float_weight: torch.Tensor | None,  # the dequantized weight, off CUDA
+    backend: GemmBackend = "torch",
+) -> torch.Tensor:
+    """Block-scaled FP8 W8A8: x quantized per token and group of bk, times the FP8 weight, each
+    K block's sum scaled by its activation and weight scales, + bias."""
+    if backend == "triton":
+        return _on_rows(x, lambda rows: _fp8_block_kernels(rows, weight, weight_scale, block, bias))
+    if float_weight is None:  # on CUDA: dequantize per call
+        float_weight = dequantize_blocks(weight, weight_scale, block, x.dtype)
+    return F.linear(fake_quantize_fp8_per_group(x, block[1]), float_weight, bias)
 
 
 def int8_linear(
@@ -129,6 +150,13 @@ def _fp8_kernels(x, weight, weight_scale, input_scale, bias) -> torch.Tensor:
     else:
         x_fp8, x_scale = fp8_gemm.quantize_fp8_static(x, input_scale), input_scale.reshape(1, 1)
     return fp8_gemm.fp8_scaled_mm(x_fp8, x_scale, weight, weight_scale, x.dtype, bias)
+
+
+def _fp8_block_kernels(x, weight, weight_scale, block, bias) -> torch.Tensor:
+    x_fp8, x_scale = fp8_block_gemm.quantize_fp8_per_token_group(x, block[1])  # [M, K / bk]
+    return fp8_block_gemm.fp8_block_scaled_mm(
+        x_fp8, x_scale, weight, weight_scale, block, x.dtype, bias
+    )
 
 
 def _int8_kernels(x, weight, weight_scale, bias) -> torch.Tensor:

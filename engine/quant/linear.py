@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kvbatch.engine.quant import gemm
-from kvbatch.engine.quant.qdq import dequantize_scaled
+from kvbatch.engine.quant.qdq import dequantize_blocks, dequantize_scaled
 from kvbatch.engine.quant.wna16_layout import WNA16Weights
 
 
@@ -68,6 +68,35 @@ class Fp8Linear(QuantLinear):
             self.float_weight,
             self.backend,
         )
+
+
+class Fp8BlockLinear(QuantLinear):
+    """FP8 weights [N, K] with a float32 scale per [block_n, block_k] tile, `weight_scale`
+    [ceil(N / block_n), ceil(K / block_k)]; activations quantized per token and group of
+    block_k along K."""
+
+    def __init__(self, weight, weight_scale, block: tuple[int, int], bias) -> None:
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        self.block = tuple(block)
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", weight_scale)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_blocks(self.weight, self.weight_scale, self.block, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemm.fp8_block_linear(
+            x,
+            self.weight,
+            self.weight_scale,
+            self.block,
+            self.bias,
+            self.float_weight,
+            self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, block={list(self.block)}"
 
 
 class Int8Linear(QuantLinear):

@@ -10,6 +10,7 @@ range, 255 / 2 = 127.5, values round to nearest and clamp to [-128, 127].
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -59,3 +60,26 @@ def dequantize_scaled(
 ) -> torch.Tensor:
     """An FP8 or int8 weight [N, K] times its float32 scale ([N, 1] or [1, 1]) in `dtype`."""
     return (weight.float() * scale).to(dtype)
+
+
+def dequantize_blocks(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """An FP8 weight [N, K] times its block scales [ceil(N / bn), ceil(K / bk)] in `dtype`:
+    each [bn, bk] tile (the last ones partial) times its own scale."""
+    n, k = weight.shape
+    bn, bk = block
+    full = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (weight.float() * full).to(dtype)
+
+
+def fake_quantize_fp8_per_group(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [..., K] through E4M3 and back with one scale per token and group of `group_size`
+    along K (absmax / 448; a last group shorter than `group_size` has its own), as
+    compressed-tensors' dynamic group strategy and DeepSeek's activation quantization do."""
+    k = x.shape[-1]
+    pad = -k % group_size  # zeros change no group's absmax
+    padded = F.pad(x.float(), (0, pad)).unflatten(-1, (-1, group_size))
+    scale = absmax_scale(padded, FP8_MAX, dim=-1)
+    out = quantize_fp8(padded, scale).float() * scale
+    return out.flatten(-2)[..., :k].to(x.dtype)

@@ -1,9 +1,14 @@
 """What a quantized linear layer is, independent of the file format it came from.
 
-Three schemes cover the supported formats:
+Four schemes cover the supported formats:
 
 - `Fp8W8A8`: FP8 E4M3 weights [N, K] with a float32 scale per output channel (or one per
   tensor) and FP8 activations, scaled per token on the fly (dynamic) or by one static scale.
+- `Fp8BlockW8A8`: FP8 E4M3 weights [N, K] with a float32 scale per [block_n, block_k] tile
+  ([ceil(N / block_n), ceil(K / block_k)] scales) and FP8 activations scaled on the fly per
+  token and group of block_k along K (DeepSeek-V3's and Qwen3-*-FP8's layout,
+  compressed-tensors' FP8_BLOCK): each K block of the GEMM then has one scale per row of A and
+  one per column tile of B.
 - `Int8W8A8`: int8 weights [N, K], a float32 scale per output channel, int8 activations scaled
   symmetrically per token on the fly.
 - `WNA16`: 4- or 8-bit integer weights, float activations, one scale (and zero point) per group
@@ -25,6 +30,18 @@ class Fp8W8A8:
 
 
 @dataclass(frozen=True)
+class Fp8BlockW8A8:
+    block_n: int  # weight rows (output channels) per scale tile
+    block_k: int  # weight columns per scale tile, and activation values per group
+
+    def __post_init__(self) -> None:
+        if self.block_n < 1 or self.block_k < 1:
+            raise ValueError(
+                f"FP8 weight blocks must be positive, got [{self.block_n}, {self.block_k}]"
+            )
+
+
+@dataclass(frozen=True)
 class Int8W8A8:
     """Per-channel weight scales, dynamic symmetric per-token activations."""
 
@@ -43,7 +60,7 @@ class WNA16:
             raise ValueError(f"group_size must be >= 1 or None, got {self.group_size}")
 
 
-LinearScheme = Fp8W8A8 | Int8W8A8 | WNA16
+LinearScheme = Fp8W8A8 | Fp8BlockW8A8 | Int8W8A8 | WNA16
 
 # The file layouts a scheme's tensors may come in (each has its converter).
 FORMATS = ("compressed-tensors", "fp8", "gptq", "gptq_v2", "awq", "online-fp8")

@@ -1,5 +1,5 @@
 """kvkernels/fused_moe_quant.py through fused_moe: the grouped GEMMs on quantized experts
-(weight-only 4/8-bit, FP8 dynamic and static, int8) against fused_moe_ref, whose quantized
+(weight-only 4/8-bit, FP8 dynamic and static, int8, block-scaled FP8) against fused_moe_ref, whose quantized
 experts compute as the dense quantized layers do (tests/kernels/test_moe_weights.py).
 
 Uneven loads (experts with no tokens, one expert taking every token), top-1 to top-4, token
@@ -14,10 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbatch.kernels.fp8_gemm import FP8_DTYPE
 from kvbatch.kernels.fused_moe import fused_moe, fused_moe_ref
-from kvbatch.kernels.fused_moe_quant import w8a8_grouped_gemm
+from kvbatch.kernels.fused_moe_quant import fp8_block_grouped_gemm, w8a8_grouped_gemm
 from kvbatch.kernels.moe_blocks import align_to_blocks
-from kvbatch.kernels.moe_weights import reference_expert_linear
+from kvbatch.kernels.moe_weights import Fp8BlockExperts, reference_expert_linear
 from tests.kernels.conftest import assert_close, generator, randn
 from tests.kernels.quantized_experts import (
     W8A8_KINDS,
@@ -65,6 +66,19 @@ def wna16_pair(num_experts, bits, fmt, dtype, device, hidden=HIDDEN, inter=INTER
     gate_up = random_wna16_experts(num_experts, 2 * inter, hidden, bits, group_size or hidden, **kw)
     down = random_wna16_experts(num_experts, hidden, inter, bits, group_size or inter, **kw)
     return gate_up, down
+
+
+def random_fp8_block_experts(num_experts, n, k, block, *, gen, device) -> Fp8BlockExperts:
+    """Random float experts [E, N, K] quantized per [block_n, block_k] tile (absmax / 448),
+    the last tiles partial where N or K is ragged."""
+    bn, bk = block
+    w = torch.randn(num_experts, n, k, generator=gen) * 0.2
+    padded = torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn))
+    tiles = padded.unflatten(2, (-1, bk)).unflatten(1, (-1, bn))  # [E, NB, bn, KB, bk]
+    scale = tiles.abs().amax((2, 4)) / 448.0  # [E, NB, KB]
+    full = scale.repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)[:, :, :k]
+    weight = (w / full).clamp(-448, 448).to(FP8_DTYPE)
+    return Fp8BlockExperts(weight.to(device), scale.float().to(device), bn, bk)
 
 
 def check_against_reference(x, gate_up, down, topk_weights, topk_ids, **kw):
@@ -219,3 +233,58 @@ def test_no_tokens_gives_an_empty_result(device):
     x = torch.zeros(0, HIDDEN, device=device)
     ids = torch.zeros(0, 2, dtype=torch.long, device=device)
     assert fused_moe(x, gate_up, down, ids.float(), ids).shape == (0, HIDDEN)
+
+
+# N = 40 and 34 rows in blocks of 16, K = 34 and 20 in blocks of 32: partial tiles both ways
+FP8_BLOCK = (16, 32)
+
+
+@pytest.mark.parametrize("case", ROUTINGS)
+def test_fp8_block_grouped_gemm_matches_each_experts_dense_layer(device, case):
+    """Both GEMMs on the same activations as the reference: per-group quantization of each
+    row of A, each K block scaled by the expert's tile scales."""
+    num_experts, topk_weights, topk_ids = routing(case, device)
+    num_tokens, top_k = topk_ids.shape
+    w = random_fp8_block_experts(
+        num_experts, 40, HIDDEN, FP8_BLOCK, gen=generator(16), device=device
+    )
+    flat_ids = topk_ids.reshape(-1).tolist()
+    route_w = topk_weights.reshape(-1).float().contiguous()
+    blocks = align_to_blocks(topk_ids, num_experts, block_m=16)
+    for a, a_row_div, weights in [
+        (
+            randn(num_tokens, HIDDEN, gen=generator(17), dtype=torch.float32, device=device),
+            top_k,
+            None,
+        ),
+        (
+            randn(
+                num_tokens * top_k, HIDDEN, gen=generator(18), dtype=torch.float32, device=device
+            ),
+            1,
+            route_w,
+        ),
+    ]:
+        out = torch.full((num_tokens * top_k, 40), float("nan"), device=device)
+        fp8_block_grouped_gemm(a, w, out, weights, blocks, a_row_div)
+        expected = torch.stack(
+            [
+                reference_expert_linear(a[p // a_row_div][None], w, e)[0]
+                for p, e in enumerate(flat_ids)
+            ]
+        )
+        if weights is not None:
+            expected = expected * weights[:, None]
+        assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("case", ["top2-uneven", "top4", "idle-experts"])
+def test_fp8_block_experts_match_the_reference(device, case, block_m):
+    num_experts, topk_weights, topk_ids = routing(case, device)
+    g = generator(19)
+    kw = dict(gen=g, device=device)
+    gate_up = random_fp8_block_experts(num_experts, 2 * INTER, HIDDEN, FP8_BLOCK, **kw)
+    down = random_fp8_block_experts(num_experts, HIDDEN, INTER, FP8_BLOCK, **kw)
+    x = randn(len(topk_ids), HIDDEN, gen=generator(20), dtype=torch.float32, device=device)
+    check_against_reference(x, gate_up, down, topk_weights, topk_ids, block_m=block_m)

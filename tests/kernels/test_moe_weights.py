@@ -9,13 +9,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvbatch.engine.quant.linear import Fp8BlockLinear
 from kvbatch.kernels.fp8_gemm import (
+    FP8_DTYPE,
     quantize_fp8_per_token_reference,
     quantize_fp8_static_reference,
 )
 from kvbatch.kernels.fused_moe import fused_moe_ref
 from kvbatch.kernels.int8_gemm import quantize_int8_per_token_reference
-from kvbatch.kernels.moe_weights import W8A8Experts, WNA16Experts, expert_shape
+from kvbatch.kernels.moe_weights import (
+    Fp8BlockExperts,
+    W8A8Experts,
+    WNA16Experts,
+    expert_shape,
+    reference_expert_linear,
+)
 from kvbatch.kernels.wna16_gemm import dequantize_wna16
 from tests.kernels.conftest import generator, randn
 from tests.kernels.quantized_experts import random_w8a8_experts, random_wna16_experts
@@ -185,3 +193,30 @@ def test_fused_moe_ref_names_disagreeing_expert_shapes():
     ids = torch.zeros(3, 2, dtype=torch.long)
     with pytest.raises(ValueError, match="weight shapes disagree"):
         fused_moe_ref(x, gate_up, down, ids.float(), ids)
+
+
+def _fp8_block_experts(seed: int) -> Fp8BlockExperts:
+    g = generator(seed)
+    weight = (torch.randn(3, 40, HIDDEN, generator=g) * 60).clamp(-448, 448).to(FP8_DTYPE)
+    scale = torch.rand(3, 3, 2, generator=g) * 1e-3 + 1e-4  # blocks of [16, 32], partial
+    return Fp8BlockExperts(weight, scale, 16, 32)
+
+
+def test_fp8_block_reference_is_the_dense_block_layers_answer():
+    """Each expert computes what a dense block FP8 layer with its tensors computes on the
+    CPU path (engine/quant: blocks dequantized, activations through per-group FP8)."""
+    w = _fp8_block_experts(21)
+    rows = randn(7, HIDDEN, gen=generator(22), dtype=torch.float32, device="cpu")
+    for e in range(w.num_experts):
+        dense = Fp8BlockLinear(w.weight[e], w.weight_scale[e], w.block, None)
+        dense.prepare(torch.float32)
+        assert torch.equal(reference_expert_linear(rows, w, e), dense(rows))
+    assert expert_shape(w) == (3, 40, HIDDEN)
+
+
+def test_fp8_block_validation_errors_are_named():
+    w = _fp8_block_experts(23)
+    with pytest.raises(ValueError, match=r"weight_scale must be float32 \[3, 3, 2\]"):
+        Fp8BlockExperts(w.weight, w.weight_scale[:, :2], 16, 32)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        Fp8BlockExperts(w.weight.float(), w.weight_scale, 16, 32)

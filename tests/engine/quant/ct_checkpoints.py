@@ -22,7 +22,10 @@ from compressed_tensors.quantization import (
     apply_quantization_config,
 )
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
-from compressed_tensors.quantization.utils.helpers import calculate_qparams
+from compressed_tensors.quantization.utils.helpers import (
+    calculate_qparams,
+    maybe_pad_tensor_for_block_quant,
+)
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from tests.tiny_models import BOS, EOS, randomize_weights, tiny_config
@@ -44,6 +47,18 @@ def _int_weights(bits: int, symmetric: bool, strategy: str = "group", actorder=N
     )
 
 
+def _fp8_block(block_n: int, block_k: int) -> dict:
+    """FP8_BLOCK with another block: FP8 weights by [block_n, block_k] tiles, FP8 activations
+    dynamic per token and group of block_k (the preset's [128, 128] needs K >= 128)."""
+    weights = PRESET_SCHEMES["FP8_BLOCK"]["weights"].model_copy(
+        update={"block_structure": [block_n, block_k]}
+    )
+    inputs = PRESET_SCHEMES["FP8_BLOCK"]["input_activations"].model_copy(
+        update={"group_size": block_k}
+    )
+    return dict(weights=weights, input_activations=inputs)
+
+
 SCHEMES: dict[str, dict] = {
     "fp8-static": PRESET_SCHEMES["FP8"],  # per-tensor weights, static per-tensor inputs
     "fp8-dynamic": PRESET_SCHEMES["FP8_DYNAMIC"],  # per-channel weights, per-token inputs
@@ -52,15 +67,33 @@ SCHEMES: dict[str, dict] = {
     "w4a16-asym": _int_weights(4, symmetric=False),
     "w8a16": _int_weights(8, symmetric=True),
     "w4a16-channel": _int_weights(4, symmetric=True, strategy="channel"),
+    "fp8-block": _fp8_block(32, 32),  # block FP8 W8A8 (DeepSeek-V3, Qwen3-*-FP8) for K = 64
+    "fp8-block-n48": _fp8_block(48, 32),  # partial blocks along N (64 = 48 + 16 rows)
 }
+# Not in SCHEMES (K must be a multiple of 128): the preset itself, for wide_config() models.
+WIDE_SCHEMES = {"fp8-block-128": PRESET_SCHEMES["FP8_BLOCK"]}
+
+
+def wide_config():
+    """llama-gqa's config with every K a multiple of 128 (hidden 128, intermediate 256), for
+    the FP8_BLOCK preset's [128, 128] blocks and groups of 128."""
+    config = tiny_config("llama-gqa")
+    config.hidden_size, config.intermediate_size = 128, 256
+    config.head_dim = 128 // config.num_attention_heads
+    return config
 
 
 def build_ct_checkpoint(
-    scheme: str, path: Path, seed: int = 0, ignore: tuple[str, ...] = ("lm_head",)
+    scheme: str,
+    path: Path,
+    seed: int = 0,
+    ignore: tuple[str, ...] = ("lm_head",),
+    config=None,
 ) -> Path:
-    """Save a tiny random Llama (llama-gqa's shape) quantized with `scheme` (see SCHEMES) as
-    compressed-tensors writes it; the layers in `ignore` stay in float."""
-    model = AutoModelForCausalLM.from_config(tiny_config("llama-gqa"), dtype=torch.float32)
+    """Save a tiny random Llama (llama-gqa's shape, or `config`) quantized with `scheme` (see
+    SCHEMES) as compressed-tensors writes it; the layers in `ignore` stay in float."""
+    config = tiny_config("llama-gqa") if config is None else config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize_weights(model, seed)
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
     return quantize_and_save(model, scheme, path, seed, ignore)
@@ -76,7 +109,7 @@ def quantize_and_save(
 ) -> Path:
     """Quantize a transformers model in place with `scheme` and save it compressed;
     `before_compressing` sees the calibrated, frozen (fake-quantizing) model."""
-    group = QuantizationScheme(targets=["Linear"], **SCHEMES[scheme])
+    group = QuantizationScheme(targets=["Linear"], **{**SCHEMES, **WIDE_SCHEMES}[scheme])
     config = QuantizationConfig(config_groups={"group_0": group}, ignore=list(ignore))
     apply_quantization_config(model, config)
     _calibrate(model, seed)
@@ -147,6 +180,11 @@ def _weight_range(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     if args.strategy == "group":
         grouped = w.reshape(w.shape[0], -1, args.group_size)
         return grouped.amin(-1), grouped.amax(-1)
+    if args.strategy == "block":  # partial blocks padded with zeros, as the library does
+        bn, bk = args.block_structure
+        padded = maybe_pad_tensor_for_block_quant(w, args.block_structure)
+        tiles = padded.reshape(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+        return tiles.amin((1, 3)), tiles.amax((1, 3))
     raise ValueError(f"no calibration for weight strategy {args.strategy}")
 
 

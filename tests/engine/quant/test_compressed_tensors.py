@@ -9,9 +9,14 @@ import torch
 
 from kvbatch.engine import LLM, SamplingParams
 from kvbatch.engine.model.loader import load_model
-from kvbatch.engine.quant.linear import Fp8Linear, Int8Linear, WNA16Linear
+from kvbatch.engine.quant.linear import Fp8BlockLinear, Fp8Linear, Int8Linear, WNA16Linear
 from tests.engine.model.test_model import prefill_logits
-from tests.engine.quant.ct_checkpoints import SCHEMES, reference_model
+from tests.engine.quant.ct_checkpoints import (
+    SCHEMES,
+    build_ct_checkpoint,
+    reference_model,
+    wide_config,
+)
 
 LAYER_TYPE = {
     "fp8-static": Fp8Linear,
@@ -21,6 +26,8 @@ LAYER_TYPE = {
     "w4a16-asym": WNA16Linear,
     "w8a16": WNA16Linear,
     "w4a16-channel": WNA16Linear,
+    "fp8-block": Fp8BlockLinear,
+    "fp8-block-n48": Fp8BlockLinear,
 }
 
 
@@ -51,7 +58,22 @@ def test_logits_match_transformers(ct_checkpoints, scheme):
         )
 
 
-@pytest.mark.parametrize("scheme", ["fp8-static", "int8-w8a8", "w4a16-asym"])
+def test_fp8_block_preset_on_128_wide_layers_matches_transformers(tmp_path):
+    """compressed-tensors' FP8_BLOCK preset itself: [128, 128] weight blocks (k/v_proj's 64
+    rows a partial block) and activation groups of 128, on a model whose every K is a
+    multiple of 128."""
+    path = build_ct_checkpoint("fp8-block-128", tmp_path / "ckpt", config=wide_config())
+    loaded = load_model(path, torch.float32, torch.device("cpu"))
+    attn = loaded.model.model.layers[0].self_attn
+    assert isinstance(attn.k_proj, Fp8BlockLinear) and attn.k_proj.block == (128, 128)
+    assert attn.k_proj.weight_scale.shape == (1, 1) and attn.q_proj.in_features == 128
+    ids = prompt(45, seed=5)
+    with torch.no_grad():
+        ref = reference_model(path)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill_logits(loaded.model, ids, 16), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-static", "int8-w8a8", "w4a16-asym", "fp8-block"])
 def test_greedy_tokens_match_transformers(ct_checkpoints, scheme):
     """Through the engine (batching, paged KV, sampler): transformers' greedy tokens."""
     path = ct_checkpoints(scheme)

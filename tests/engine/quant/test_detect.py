@@ -10,7 +10,7 @@ from kvbatch.engine.quant.detect import (
     UnsupportedQuantization,
     detect_quantization,
 )
-from kvbatch.engine.quant.scheme import WNA16, Fp8W8A8, Int8W8A8
+from kvbatch.engine.quant.scheme import WNA16, Fp8BlockW8A8, Fp8W8A8, Int8W8A8
 from kvbatch.engine_args import QUANTIZATION_CHOICES
 
 
@@ -24,6 +24,8 @@ FP8_W = {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": Tru
 FP8_TOKEN = {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}
 INT8_W = {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True}
 INT8_TOKEN = {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}
+FP8_BLOCK_W = {**FP8_W, "strategy": "block", "block_structure": [128, 128]}
+FP8_GROUP = {**FP8_TOKEN, "strategy": "group", "group_size": 128, "symmetric": True}
 W4 = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": False}
 
 
@@ -43,6 +45,17 @@ def test_a_float_checkpoint_has_no_quantization():
                 {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False},
             ),
             Fp8W8A8(False, True),
+        ),
+        (ct_config("float-quantized", FP8_BLOCK_W, FP8_GROUP), Fp8BlockW8A8(128, 128)),
+        (
+            ct_config("float-quantized", {**FP8_BLOCK_W, "block_structure": [64, 32]},
+                      {**FP8_GROUP, "group_size": 32}),
+            Fp8BlockW8A8(64, 32),
+        ),
+        (
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                     "activation_scheme": "dynamic", "fmt": "e4m3"}},
+            Fp8BlockW8A8(128, 128),
         ),
         (ct_config("int-quantized", INT8_W, INT8_TOKEN), Int8W8A8()),
         (ct_config("pack-quantized", W4), WNA16(4, 128, symmetric=False)),
@@ -90,12 +103,38 @@ def test_the_kv_cache_scheme_is_kept_for_the_kv_cache():
         ({"quantization_config": {"quant_method": "gptq", "bits": 3}}, "3-bit"),
         ({"quantization_config": {"quant_method": "awq", "bits": 4, "version": "gemv"}}, "gemv"),
         (
-            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-            "block-wise",
+            {
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "weight_block_size": [128, 128],
+                    "activation_scheme": "static",
+                }
+            },
+            "activation_scheme 'static'",
         ),
+        (
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}},
+            "weight block size [128]",
+        ),
+        (
+            {
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "weight_block_size": [128, 128],
+                    "fmt": "e5m2",
+                }
+            },
+            "fmt 'e5m2'",
+        ),
+        (ct_config("float-quantized", FP8_BLOCK_W, FP8_TOKEN), "activations by token"),
+        (
+            ct_config("float-quantized", FP8_BLOCK_W, {**FP8_GROUP, "group_size": 64}),
+            "activation groups of 64",
+        ),
+        (ct_config("float-quantized", FP8_BLOCK_W, None), "block FP8 weights without"),
         (ct_config("nvfp4-pack-quantized", W4), "format 'nvfp4-pack-quantized'"),
         (ct_config("float-quantized", FP8_W), "FP8 weight-only"),
-        (ct_config("float-quantized", {**FP8_W, "strategy": "block"}, FP8_TOKEN), "by block"),
+        (ct_config("float-quantized", {**FP8_W, "strategy": "group"}, FP8_TOKEN), "by group"),
         (ct_config("int-quantized", INT8_W, None), "int weights without"),
         (ct_config("pack-quantized", {**W4, "num_bits": 2}), "2-bit int"),
         (ct_config("pack-quantized", W4, FP8_TOKEN), "activation quantization with packed"),

@@ -1,7 +1,7 @@
 """gemm.py's "triton" path (kvbatch.kernels' GEMMs; TRITON_INTERPRET=1 on the CPU, compiled on
 CUDA) against its "torch" path (the dequantized float weight) on the same quantized layers:
 every scheme, static and dynamic activation scales, act-order groups, a bias, 3-D inputs, and
-the W4A16 rule's two sides of WNA16_KERNEL_MAX_BATCH."""
+the W4A16 rule's two sides of WNA16_KERNEL_MAX_BATCH; block-scaled FP8 with partial blocks."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import torch
 
 from kvbatch.engine.quant import gemm
 from kvbatch.engine.quant.linear import (
+    Fp8BlockLinear,
     Fp8Linear,
     Int8Linear,
     QuantLinear,
     WNA16Linear,
     use_gemm_backend,
 )
-from kvbatch.engine.quant.qdq import absmax_scale, quantize_fp8_per_channel
+from kvbatch.engine.quant.qdq import FP8_DTYPE, absmax_scale, quantize_fp8_per_channel
 from kvbatch.engine.quant.wna16_layout import WNA16Weights, pack_rows
 
 K, N = 96, 40  # not multiples of the kernels' tiles
@@ -35,6 +36,14 @@ def _fp8_layer(static: bool, bias: bool) -> Fp8Linear:
     w8, scale = quantize_fp8_per_channel(torch.randn(N, K, generator=g))
     input_scale = torch.tensor([[0.02]]) if static else None
     return Fp8Linear(w8, scale, input_scale, torch.randn(N, generator=g) if bias else None)
+
+
+def _fp8_block_layer(block: tuple[int, int], bias: bool) -> Fp8BlockLinear:
+    """Random E4M3 values and block scales: the layer need not come from a float weight."""
+    g = _gen(4)
+    weight = (torch.randn(N, K, generator=g) * 40).clamp(-448, 448).to(FP8_DTYPE)
+    scale = torch.rand(-(-N // block[0]), -(-K // block[1]), generator=g) * 0.01 + 1e-3
+    return Fp8BlockLinear(weight, scale, block, torch.randn(N, generator=g) if bias else None)
 
 
 def _int8_layer(bias: bool) -> Int8Linear:
@@ -64,6 +73,9 @@ def _wna16_layer(bits: int, act_order: bool, bias: bool) -> WNA16Linear:
 LAYERS = {
     "fp8-dynamic": lambda: _fp8_layer(static=False, bias=False),
     "fp8-static-bias": lambda: _fp8_layer(static=True, bias=True),
+    "fp8-block": lambda: _fp8_block_layer((32, 32), bias=False),  # N = 40: a partial block
+    "fp8-block-bias": lambda: _fp8_block_layer((16, 96), bias=True),
+    "fp8-block-partial-k": lambda: _fp8_block_layer((16, 64), bias=False),  # K = 96 = 64 + 32
     "int8": lambda: _int8_layer(bias=False),
     "int8-bias": lambda: _int8_layer(bias=True),
     "w4a16": lambda: _wna16_layer(4, act_order=False, bias=False),

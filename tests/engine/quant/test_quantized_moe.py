@@ -20,9 +20,9 @@ from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.model.moe import SparseMoeBlock
 from kvbatch.engine.quant.experts import QuantizedExperts, stack_quantized_experts
 from kvbatch.engine.quant.layer_tensors import CheckpointFormatError
-from kvbatch.engine.quant.linear import Fp8Linear, Int8Linear, WNA16Linear
+from kvbatch.engine.quant.linear import Fp8BlockLinear, Fp8Linear, Int8Linear, WNA16Linear
 from kvbatch.engine.quant.wna16_layout import WNA16Weights, pack_rows
-from kvbatch.kernels.moe_weights import W8A8Experts, WNA16Experts
+from kvbatch.kernels.moe_weights import Fp8BlockExperts, W8A8Experts, WNA16Experts
 from tests.engine.attention.test_triton_backend import poison_new_float_tensors
 from tests.engine.core.test_llm import random_prompts, tokens
 from tests.engine.model.test_model import prefill_logits
@@ -39,7 +39,9 @@ CT_CASES = [("qwen3-moe", s) for s in ("w4a16", "w4a16-asym", "w8a16", "w4a16-ch
     ("qwen3-moe", "fp8-dynamic"),
     ("qwen3-moe", "fp8-static"),
     ("qwen3-moe", "int8-w8a8"),
+    ("qwen3-moe", "fp8-block"),  # Qwen3-30B-A3B-FP8's scheme
     ("mixtral", "w4a16-asym"),
+    ("mixtral", "fp8-block"),
     ("mixtral", "fp8-dynamic"),
     ("qwen2-moe", "w8a16"),
     # Not int8-w8a8: transformers runs Qwen2-MoE's shared expert on [tokens, H] rows, where
@@ -49,6 +51,8 @@ CT_CASES = [("qwen3-moe", s) for s in ("w4a16", "w4a16-asym", "w8a16", "w4a16-ch
 
 
 def record_type(scheme: str) -> type:
+    if scheme.startswith("fp8-block"):
+        return Fp8BlockExperts
     return W8A8Experts if scheme.startswith(("fp8", "int8")) else WNA16Experts
 
 
@@ -234,6 +238,26 @@ def test_stacking_refuses_what_one_gemm_cannot_run():
     assert stacked.gate_up_proj.weight_scale.shape == (2, 2 * n, 1)
 
 
+def test_block_fp8_gate_and_up_stack_only_on_whole_blocks():
+    """Gate's rows must fill whole weight blocks for gate|up to share one grid of block
+    scales; the stacked scales are gate's block rows, then up's."""
+
+    def block_fp8(inter: int):
+        def load_linear(e, proj):
+            n, k = (inter, 64) if proj != "down" else (64, inter)
+            scale = torch.full((-(-n // 32), -(-k // 32)), {"gate": 1.0, "up": 2.0}.get(proj, 3.0))
+            return Fp8BlockLinear(torch.zeros(n, k).to(torch.float8_e4m3fn), scale, (32, 32), None)
+
+        return load_linear
+
+    stacked = stack_quantized_experts("model.layers.0.mlp", 2, block_fp8(64))
+    assert isinstance(stacked.gate_up_proj, Fp8BlockExperts)
+    assert stacked.gate_up_proj.weight_scale[:, :, 0].tolist() == [[1.0, 1.0, 2.0, 2.0]] * 2
+    assert stacked.down_proj.weight_scale.shape == (2, 2, 2)
+    with pytest.raises(ValueError, match="48 rows, not a multiple of the weight block's 32"):
+        stack_quantized_experts("model.layers.0.mlp", 2, block_fp8(48))
+
+
 def _copy(path, tmp_path):
     folder = tmp_path / "copy"
     shutil.copytree(path, folder)
@@ -241,13 +265,14 @@ def _copy(path, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("kind", "scheme"), [("qwen3-moe", "w4a16-asym"), ("qwen3-moe", "fp8-dynamic")]
+    ("kind", "scheme"),
+    [("qwen3-moe", "w4a16-asym"), ("qwen3-moe", "fp8-dynamic"), ("qwen3-moe", "fp8-block")],
 )
 def test_the_triton_kernel_runs_quantized_experts(moe_ct_checkpoints, monkeypatch, kind, scheme):
     """With the triton backend (the interpreter on the CPU) the quantized experts run in the
     fused MoE kernel, not the reference, and give the reference's greedy tokens."""
     calls = []
-    for name in ("wna16_grouped_gemm", "w8a8_grouped_gemm"):
+    for name in ("wna16_grouped_gemm", "w8a8_grouped_gemm", "fp8_block_grouped_gemm"):
         real = getattr(fused_moe_kernel, name)
         monkeypatch.setattr(
             fused_moe_kernel, name, lambda *a, real=real, **kw: calls.append(1) or real(*a, **kw)
