@@ -149,8 +149,9 @@ def build_parser(workload: str | None = None) -> argparse.ArgumentParser:
         "--weights",
         choices=WEIGHT_FORMATS,
         default="float",
-        help="the random model's weights: float, or w4a16 (rounded to 4 bits in groups of "
-        "128 and written as a GPTQ checkpoint; kvbatch only)",
+        help="the random model's weights: float, w4a16 (rounded to 4 bits in groups of "
+        "128 and written as a GPTQ checkpoint) or fp8-block (FP8 with a scale per 128 x 128 "
+        "tile, as Qwen3-*-FP8 checkpoints; kvbatch only for both)",
     )
     e.add_argument(
         "--freeze-gc",
@@ -209,7 +210,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> BenchConfig:
     others = [n for n in peers if not n.startswith("kvbatch")]
     if args.weights != "float" and others:
         raise BenchError(
-            f"--weights {args.weights} is a GPTQ checkpoint that only kvbatch loads here: drop "
+            f"--weights {args.weights} is a quantized checkpoint that only kvbatch runs here: drop "
             f"--peers {','.join(others)} (compare with a float run of kvbatch instead)"
         )
     options = EngineOptions(

@@ -414,7 +414,7 @@ def resolve_model(
 ) -> str:
     """The model path to benchmark: `model` if given, else the workload's default weights
     (the random-weight models are built from their config on first use, then cached), in
-    `weights`' format ("float", or "w4a16": rounded to 4 bits, benchmarks/rtn_w4a16.py)."""
+    `weights`' format ("float", "w4a16" or "fp8-block": benchmarks/models.py)."""
     if model is not None:
         if weights != "float":
             raise BenchError(f"--weights {weights} applies to the random models: drop --model")

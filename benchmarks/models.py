@@ -26,6 +26,11 @@ from typing import Any
 
 import torch
 
+from kvbatch.bench.fp8_block import (
+    block_size_for,
+    fp8_block_quantization_config,
+    quantize_fp8_block,
+)
 from kvbatch.bench.rtn_w4a16 import gptq_quantization_config, quantize_rtn
 from kvbatch.bench.workloads import WEIGHT_FORMATS
 
@@ -51,7 +56,8 @@ class ModelSpec:
     initializer_range: float = 0.02
     dtype: str = "bfloat16"  # what the safetensors hold
     seed: int = 0
-    # "float", or "w4a16": the decoder linears rounded to 4 bits (benchmarks/rtn_w4a16.py)
+    # "float", "w4a16" (the decoder linears rounded to 4 bits, benchmarks/rtn_w4a16.py) or
+    # "fp8-block" (FP8 with a scale per 128 x 128 tile, benchmarks/fp8_block.py)
     weights: str = "float"
     # Qwen3-MoE when num_experts > 0: every layer's MLP is num_experts experts of
     # moe_intermediate_size, num_experts_per_tok of them per token (renormalised)
@@ -286,7 +292,7 @@ def random_model_dir(
     spec: ModelSpec | str, cache_dir: str | Path | None = None, weights: str | None = None
 ) -> Path:
     """The folder of `spec`'s random model, built on first use and cached (no network);
-    `weights` ("float", "w4a16") overrides the spec's format."""
+    `weights` ("float", "w4a16", "fp8-block") overrides the spec's format."""
     if isinstance(spec, str):
         try:
             spec = MODEL_SPECS[spec]
@@ -325,6 +331,11 @@ def build_random_model(spec: ModelSpec, folder: str | Path) -> Path:
     if spec.weights == "w4a16":
         config.quantization_config = gptq_quantization_config()
         weights = quantize_rtn(weights)
+    elif spec.weights == "fp8-block":
+        dims = [spec.hidden_size, spec.intermediate_size, spec.moe_intermediate_size]
+        block = block_size_for([d for d in dims if d] + [spec.head_dim])
+        config.quantization_config = fp8_block_quantization_config(block)
+        weights = quantize_fp8_block(weights, block)
     config.save_pretrained(str(folder))
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "kvbatch-spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2))

@@ -9,10 +9,7 @@ offset by the symmetric zero point 8:
 
     q[k, n] = clamp(round(w[n, k] / scale[g, n]), -8, 7) + 8,   scale = absmax / 7
 
-Embeddings, norms, the output projection and MoE routers stay in float, as in published W4A16
-models. A mixture-of-experts model's stacked experts (`mlp.experts.gate_up_proj` [E, 2I, H],
-`mlp.experts.down_proj` [E, H, I], as transformers names them) are written one projection per
-expert (`mlp.experts.3.gate_proj.qweight`, ...), as GPTQ tools write MoE checkpoints.
+Which layers (and MoE experts, one projection each): random_quant.py.
 Not for quality figures: a real checkpoint is quantized by its own tools (tests/engine/quant).
 """
 
@@ -22,20 +19,12 @@ from typing import Any
 
 import torch
 
+from kvbatch.bench.random_quant import quantize_decoder_linears
 from kvbatch.engine.quant.wna16_layout import pack_rows
 
 BITS = 4
 GROUP_SIZE = 128
 ZERO_POINT = 1 << (BITS - 1)  # 8: symmetric
-QUANTIZED_SUFFIXES = (
-    "q_proj.weight",
-    "k_proj.weight",
-    "v_proj.weight",
-    "o_proj.weight",
-    "gate_proj.weight",
-    "up_proj.weight",
-    "down_proj.weight",
-)
 
 
 def gptq_quantization_config() -> dict[str, Any]:
@@ -52,34 +41,8 @@ def gptq_quantization_config() -> dict[str, Any]:
 
 def quantize_rtn(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A float state dict -> the same with every decoder linear as GPTQ tensors (qweight,
-    qzeros, scales) in place of its `weight`; the rest unchanged. The rounding runs on the GPU
-    when there is one (a few seconds for billions of weights), the result is on the CPU."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in _per_expert(weights):
-        if not name.endswith(QUANTIZED_SUFFIXES):
-            out[name] = tensor
-            continue
-        prefix = name.removesuffix("weight")
-        packed = gptq_tensors(tensor.to(device))
-        out.update({prefix + k: v.cpu() for k, v in packed.items()})
-    return out
-
-
-def _per_expert(weights: dict[str, torch.Tensor]):
-    """(name, tensor) of `weights` with stacked experts split into one linear per expert."""
-    for name, tensor in weights.items():
-        if name.endswith(".experts.gate_up_proj"):
-            base, inter = name.removesuffix("gate_up_proj"), tensor.shape[1] // 2
-            for e, w in enumerate(tensor):
-                yield f"{base}{e}.gate_proj.weight", w[:inter]
-                yield f"{base}{e}.up_proj.weight", w[inter:]
-        elif name.endswith(".experts.down_proj"):
-            base = name.removesuffix("down_proj")
-            for e, w in enumerate(tensor):
-                yield f"{base}{e}.down_proj.weight", w
-        else:
-            yield name, tensor
+    qzeros, scales) in place of its `weight` (random_quant.py says which); the rest unchanged."""
+    return quantize_decoder_linears(weights, gptq_tensors)
 
 
 def gptq_tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:

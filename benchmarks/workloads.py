@@ -54,8 +54,9 @@ TINY_RANDOM = "llama-tiny-random"
 TINY_MOE_RANDOM = "qwen3-moe-tiny-random"
 """Qwen3-MoE shrunk (kvbatch.bench.models.TINY_QWEN3_MOE), for `rag-moe --tiny`."""
 
-WEIGHT_FORMATS = ("float", "w4a16")
-"""A random model's weights: float, or rounded to 4 bits (kvbatch.bench.rtn_w4a16)."""
+WEIGHT_FORMATS = ("float", "w4a16", "fp8-block")
+"""A random model's weights: float, rounded to 4 bits (kvbatch.bench.rtn_w4a16), or FP8 with
+block scales (kvbatch.bench.fp8_block)."""
 
 RANDOM_MODELS = (LLAMA_1B_RANDOM, LLAMA_8B_RANDOM, QWEN3_MOE_RANDOM, TINY_RANDOM, TINY_MOE_RANDOM)
 """The models built from a shape with random weights (kvbatch.bench.models.random_model_dir)."""

@@ -7,7 +7,9 @@ activation quantization in plain torch), on the same device, float32, random-wei
 
 Schemes: `fp8` is online FP8 W8A8 (quantization="fp8": per-channel weight scales, per-token
 activation scales); `w4a16` is the random model rounded to 4 bits and written as a GPTQ
-checkpoint (kvbatch.bench.rtn_w4a16). `tiny-moe` (a tiny Qwen3-MoE) runs its quantized experts
+checkpoint (kvbatch.bench.rtn_w4a16); `fp8-block` is the random model written as a block-wise
+FP8 checkpoint (a scale per 128 x 128 tile, kvbatch.bench.fp8_block; activations per token and
+group of 128). `tiny-moe` (a tiny Qwen3-MoE) runs its quantized experts
 in the fused MoE kernel against their torch reference. Both runs quantize alike, so they differ only in the
 order of float32 sums, and an activation that lands on a rounding boundary can flip one
 quantization step: a broken kernel answers garbage from the first token, a correct one agrees
@@ -36,7 +38,7 @@ from kvbatch.bench.models import (
 )
 
 MODELS: dict[str, ModelSpec] = {"tiny": TINY_LLAMA, "rag": LLAMA_3_2_1B, "tiny-moe": TINY_QWEN3_MOE}
-SCHEMES = ("fp8", "w4a16")
+SCHEMES = ("fp8", "w4a16", "fp8-block")
 MIN_AGREE = 4  # tokens every prompt must share before its first difference
 LOGPROB_TOL = 0.05  # |logprob difference| of a chosen token where both paths agree
 
@@ -85,7 +87,7 @@ def agreement(ref: list[int], got: list[int]) -> int:
 def check(model: str, scheme: str, args: argparse.Namespace) -> bool:
     spec = MODELS[model]
     t0 = time.perf_counter()
-    path = random_model_dir(spec, weights="w4a16" if scheme == "w4a16" else "float")
+    path = random_model_dir(spec, weights="float" if scheme == "fp8" else scheme)
     quantization = "fp8" if scheme == "fp8" else None
     prompts = make_prompts(spec.vocab_size, args.seed)
     ref, ref_lp = run(path, quantization, "torch", prompts, args)
