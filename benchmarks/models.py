@@ -80,7 +80,7 @@ class ModelSpec:
                 f"got {self.architecture!r}"
             )
         if self.is_moe and self.architecture != "llama":
-            # the experts make it Qwen3-MoE; a second name for that would be a second truth
+            # the experts alone make a spec Qwen3-MoE; `architecture` is a dense spec's
             raise ValueError(f"model {self.name!r}: a spec with experts is Qwen3-MoE already")
 
     @property
