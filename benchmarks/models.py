@@ -1,4 +1,5 @@
-"""Random-weight models for the GPU workloads, built from a transformers `LlamaConfig`.
+"""Random-weight models for the GPU workloads, built from a transformers config (Llama, dense
+Qwen3 or Qwen3-MoE).
 
 No network: the shape is a config, the weights are drawn from a seeded generator, and the
 result is an ordinary Hugging Face folder (config.json + model.safetensors, no tokenizer:
@@ -37,9 +38,15 @@ from kvbatch.bench.workloads import WEIGHT_FORMATS
 CACHE_ENV = "KVBATCH_CACHE"
 
 
+ARCHITECTURES = ("llama", "qwen3")
+"""A dense spec's architecture: Llama, or Qwen3 (RMSNorm over each head of q and k before
+RoPE, an explicit head_dim, no q/k/v bias). A spec with experts is Qwen3-MoE."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-architecture shape; `config()` turns it into a transformers LlamaConfig."""
+    """A decoder shape; `config()` turns it into a transformers config: LlamaConfig,
+    Qwen3Config (`architecture="qwen3"`) or, with experts, Qwen3MoeConfig."""
 
     name: str
     hidden_size: int
@@ -65,6 +72,7 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     explicit_head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    architecture: str = "llama"  # of a dense spec (ARCHITECTURES)
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -72,6 +80,14 @@ class ModelSpec:
                 f"model {self.name!r}: weights must be one of {', '.join(WEIGHT_FORMATS)}, "
                 f"got {self.weights!r}"
             )
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"model {self.name!r}: architecture must be one of {', '.join(ARCHITECTURES)}, "
+                f"got {self.architecture!r}"
+            )
+        if self.is_moe and self.architecture != "llama":
+            # the experts alone make a spec Qwen3-MoE; `architecture` is a dense spec's
+            raise ValueError(f"model {self.name!r}: a spec with experts is Qwen3-MoE already")
 
     @property
     def head_dim(self) -> int:
@@ -81,10 +97,15 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def has_qk_norm(self) -> bool:
+        """Qwen3, dense or MoE: an RMSNorm weight of head_dim for q and one for k per layer."""
+        return self.is_moe or self.architecture == "qwen3"
+
     def config(self):
-        """The transformers config of this shape, LlamaConfig or (with experts) Qwen3MoeConfig
-        (no BOS/EOS: prompts are raw token ids)."""
-        from transformers import LlamaConfig, Qwen3MoeConfig
+        """The transformers config of this shape, LlamaConfig, Qwen3Config or (with experts)
+        Qwen3MoeConfig (no BOS/EOS: prompts are raw token ids)."""
+        from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
         kwargs: dict[str, Any] = dict(
             vocab_size=self.vocab_size,
@@ -114,14 +135,17 @@ class ModelSpec:
                 decoder_sparse_step=1,
                 mlp_only_layers=[],
             )
+        if self.architecture == "qwen3":  # Qwen3-8B's own config has no q/k/v bias either
+            kwargs.update(attention_bias=False, use_sliding_window=False)
+        config_class = Qwen3Config if self.architecture == "qwen3" else LlamaConfig
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
         try:  # transformers 5 reads RoPE settings from `rope_parameters`
-            config = LlamaConfig(**kwargs, rope_parameters=rope)
+            config = config_class(**kwargs, rope_parameters=rope)
         except TypeError:  # older releases: rope_theta + rope_scaling
             scaling = None if self.rope_scaling is None else dict(self.rope_scaling)
-            config = LlamaConfig(**kwargs, rope_theta=self.rope_theta, rope_scaling=scaling)
+            config = config_class(**kwargs, rope_theta=self.rope_theta, rope_scaling=scaling)
         return config
 
     def num_parameters(self) -> int:
@@ -136,6 +160,8 @@ class ModelSpec:
         if self.is_moe:
             mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts, router
         per_layer = h * q * 2 + h * kv * 2 + mlp + 2 * h
+        if self.has_qk_norm:
+            per_layer += 2 * self.head_dim
         return v * h * (1 if self.tie_word_embeddings else 2) + n * per_layer + h
 
     def key(self) -> str:
@@ -154,6 +180,7 @@ _LATER_FIELDS = (
     "num_experts_per_tok",
     "moe_intermediate_size",
     "explicit_head_dim",
+    "architecture",
 )
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
 
@@ -248,14 +275,56 @@ TINY_QWEN3_MOE = ModelSpec(
 )
 """The same architecture shrunk, for `rag-moe --tiny` and the MoE greedy check."""
 
+QWEN3_8B_8_LAYERS = ModelSpec(
+    name="qwen3-8b-8-layers-random",
+    architecture="qwen3",
+    hidden_size=4096,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    explicit_head_dim=128,
+    intermediate_size=12288,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+    rope_theta=1000000.0,
+)
+"""Qwen3-8B's layer shapes (32 query and 8 KV heads of 128, q/k RMSNorm, MLP of 12288, vocab
+151,936, untied), 8 of its 36 layers (2.8 B parameters), random weights: `rag-qwen3`'s model.
+Every per-layer GEMM and attention shape is the 8B's, so the dense path runs at a realistic
+size, while the weights (5.6 GB in bfloat16, not 16) are drawn, written and loaded twice, by
+kvbatch and by transformers, inside the device time a check gets."""
+
+TINY_QWEN3 = ModelSpec(
+    name="qwen3-tiny-random",
+    architecture="qwen3",
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    # wider than hidden_size // heads, as in the small Qwen3s: a head_dim taken from the
+    # hidden size instead of the config would not load
+    explicit_head_dim=32,
+    intermediate_size=128,
+    vocab_size=512,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    rope_theta=1000000.0,
+    initializer_range=0.1,
+    dtype="float32",
+)
+"""Dense Qwen3 shrunk, for `rag-qwen3 --tiny`."""
+
 MODEL_SPECS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
         LLAMA_3_2_1B,
         LLAMA_3_1_8B_8_LAYERS,
         QWEN3_30B_A3B_4_LAYERS,
+        QWEN3_8B_8_LAYERS,
         TINY_LLAMA,
         TINY_QWEN3_MOE,
+        TINY_QWEN3,
     )
 }
 

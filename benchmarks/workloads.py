@@ -18,7 +18,8 @@ requests above start decoding, and once each has produced `long_prompt_after` to
 prompt arrives. What it measures is the longest wait between two tokens of any decoding
 request while the long prompt is prefilled (chunked prefill keeps it short).
 
-The GPU workloads run on a random-weight model of Llama-3.2-1B's shape (benchmarks/models.py);
+The GPU workloads run on random-weight models of real shapes (benchmarks/models.py:
+Llama-3.2-1B for most, Llama-3.1-8B's, Qwen3-30B-A3B's and Qwen3-8B's layers for the rest);
 each has a tiny variant (`get_workload(name, tiny=True)`, `kvbatch bench NAME --tiny`) of the
 same structure on a tiny model, so the same code path runs on the CPU in seconds.
 """
@@ -48,17 +49,32 @@ QWEN3_MOE_RANDOM = "qwen3-30b-a3b-4-layers-random"
 """Qwen3-30B-A3B's layer shapes, 4 layers, random weights (kvbatch.bench.models), for
 `rag-moe`."""
 
+QWEN3_8B_RANDOM = "qwen3-8b-8-layers-random"
+"""Qwen3-8B's layer shapes, 8 of its 36 layers, random weights (kvbatch.bench.models), for
+`rag-qwen3`."""
+
 TINY_RANDOM = "llama-tiny-random"
 """The same architecture shrunk (kvbatch.bench.models.TINY_LLAMA), for the `--tiny` variants."""
 
 TINY_MOE_RANDOM = "qwen3-moe-tiny-random"
 """Qwen3-MoE shrunk (kvbatch.bench.models.TINY_QWEN3_MOE), for `rag-moe --tiny`."""
 
+TINY_QWEN3_RANDOM = "qwen3-tiny-random"
+"""Dense Qwen3 shrunk (kvbatch.bench.models.TINY_QWEN3), for `rag-qwen3 --tiny`."""
+
 WEIGHT_FORMATS = ("float", "w4a16", "fp8-block")
 """A random model's weights: float, rounded to 4 bits (kvbatch.bench.rtn_w4a16), or FP8 with
 block scales (kvbatch.bench.fp8_block)."""
 
-RANDOM_MODELS = (LLAMA_1B_RANDOM, LLAMA_8B_RANDOM, QWEN3_MOE_RANDOM, TINY_RANDOM, TINY_MOE_RANDOM)
+RANDOM_MODELS = (
+    LLAMA_1B_RANDOM,
+    LLAMA_8B_RANDOM,
+    QWEN3_MOE_RANDOM,
+    QWEN3_8B_RANDOM,
+    TINY_RANDOM,
+    TINY_MOE_RANDOM,
+    TINY_QWEN3_RANDOM,
+)
 """The models built from a shape with random weights (kvbatch.bench.models.random_model_dir)."""
 
 
@@ -275,6 +291,16 @@ _RAG_MOE = dataclasses.replace(
     "the fused MoE kernel against transformers' static generate",
 )
 
+# rag-moe's requests, not rag's 512: the dense and the MoE model answer the same prompts, and
+# transformers' two static batches of the 2.8 B-parameter model fit the optional step's limit
+_RAG_QWEN3 = dataclasses.replace(
+    _RAG_MOE,
+    name="rag-qwen3",
+    model=QWEN3_8B_RANDOM,
+    description="rag's prompts (8 documents x 16 chunks, as rag-moe) on Qwen3-8B's layers "
+    "(8 of 36): the dense path at a realistic size against transformers' static generate",
+)
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -290,6 +316,7 @@ WORKLOADS: dict[str, Workload] = {
         _LONG_PREFILL,
         _DECODE_SMALL_BATCH,
         _RAG_MOE,
+        _RAG_QWEN3,
     )
 }
 """Registry by name (`kvbatch bench NAME`)."""
@@ -338,6 +365,12 @@ TINY_WORKLOADS: dict[str, Workload] = {
         name="rag-moe-tiny",
         model=TINY_MOE_RANDOM,
         description="rag-moe's structure on a tiny Qwen3-MoE, for the CPU",
+    ),
+    "rag-qwen3": dataclasses.replace(
+        _TINY_RAG,
+        name="rag-qwen3-tiny",
+        model=TINY_QWEN3_RANDOM,
+        description="rag-qwen3's structure on a tiny dense Qwen3, for the CPU",
     ),
     "decode-small-batch": dataclasses.replace(
         _DECODE_SMALL_BATCH,

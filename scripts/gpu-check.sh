@@ -49,6 +49,10 @@
 #   rag-moe       kvbatch bench rag-moe --peers hf-static --repeat 1 --json moe-rag.json: rag's
 #                 prompts on Qwen3-30B-A3B's layer shapes, 4 of its 48 layers, random weights
 #                 (skipped past BUDGET_S)
+#   rag-qwen3     kvbatch bench rag-qwen3 --peers hf-static --repeat 1 --json qwen3-rag.json:
+#                 the same prompts on Qwen3-8B's layer shapes (dense; q/k RMSNorm), 8 of its 36
+#                 layers, random weights: the dense path at a realistic size (skipped past
+#                 BUDGET_S)
 #   long-prefill-eager  the same with --cuda-graph-max-chunk 0 into long-prefill-eager.json:
 #                 every step with a chunk eager, as before mixed-step CUDA graphs (what they
 #                 gain; LONG_PREFILL_EAGER=0 skips it; skipped past BUDGET_S like the caps)
@@ -75,15 +79,15 @@
 #
 # The results folder gets gpu-check.log (every step's output), steps.tsv, rag.json,
 # rag-hf-cb.json, long-prefill.json, long-prefill-eager.json, long-prefill-gc.json,
-# rag-sweep.json, quant-ROW.json (one per row), moe-rag.json and summary.txt (more than the
-# eight files the device tool brings back, so there run it with `--out /tmp/gpu-check` and end
-# the command with
+# rag-sweep.json, quant-ROW.json (one per row), moe-rag.json, qwen3-rag.json and summary.txt
+# (more than the eight files the device tool brings back, so there run it with
+# `--out /tmp/gpu-check` and end the command with
 # `tar -czf $OUT/gpu-check.tgz -C /tmp/gpu-check . ; cp /tmp/gpu-check/summary.txt $OUT/`). Each
 # step's time limit can be changed through the environment (e.g. RAG_TIMEOUT=400); the
 # required steps' limits add up to 1035 s, the optional ones (eager, gc, caps, quant rows,
-# rag-moe, hf-cb, sweep) run only while the run can end inside BUDGET_S; before the quantized
-# steps a run took about 5 to 6 minutes (the quantized and MoE ones are not yet timed on a
-# GPU), and if the run is cut short every finished step's files are there.
+# rag-moe, rag-qwen3, hf-cb, sweep) run only while the run can end inside BUDGET_S; before the
+# quantized steps a run took about 5 to 6 minutes (the quantized, MoE and rag-qwen3 steps are
+# not yet timed on a GPU), and if the run is cut short every finished step's files are there.
 # PER_TEST_TIMEOUT (75 s; 120 with --cpu) bounds each test of the kernels and triton-test steps,
 # whose logs also list their slowest tests.
 # LONG_PREFILL_ARGS adds options to the long-prefill bench (e.g.
@@ -158,7 +162,7 @@ else
   LONG_PREFILL_DEFAULTS=()
 fi
 # The required steps' GPU limits add up to 1035 s (first Triton compiles included); the
-# optional steps (caps, quant rows, rag-moe, sweep) keep the run inside BUDGET_S.
+# optional steps (caps, quant rows, rag-moe, rag-qwen3, sweep) keep the run inside BUDGET_S.
 VERSIONS_TIMEOUT=${VERSIONS_TIMEOUT:-20}
 # with a cold Triton cache the compiles are most of this step (hence the workers below); once
 # compiled the tests themselves take seconds
@@ -177,6 +181,7 @@ QUANT_GREEDY_TIMEOUT=${QUANT_GREEDY_TIMEOUT:-120}
 QUANT_ROW_TIMEOUT=${QUANT_ROW_TIMEOUT:-90}
 MOE_GREEDY_TIMEOUT=${MOE_GREEDY_TIMEOUT:-60}
 RAG_MOE_TIMEOUT=${RAG_MOE_TIMEOUT:-150}  # builds the 3.1 B-parameter model; skipped past BUDGET_S
+RAG_QWEN3_TIMEOUT=${RAG_QWEN3_TIMEOUT:-150}  # builds the 2.8 B-parameter model; as rag-moe
 RAG_TIMEOUT=${RAG_TIMEOUT:-200}
 LONG_PREFILL_TIMEOUT=${LONG_PREFILL_TIMEOUT:-70}
 LONG_PREFILL_CAP_TIMEOUT=${LONG_PREFILL_CAP_TIMEOUT:-60}  # each; skipped past BUDGET_S
@@ -190,7 +195,7 @@ OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 LOG="$OUT_DIR/gpu-check.log"
 STEPS="$OUT_DIR/steps.tsv"
 rm -f "$OUT_DIR"/rag*.json "$OUT_DIR"/long-prefill*.json "$OUT_DIR"/quant-*.json \
-  "$OUT_DIR"/moe-*.json "$OUT_DIR/summary.txt"
+  "$OUT_DIR"/moe-*.json "$OUT_DIR"/qwen3-*.json "$OUT_DIR/summary.txt"
 STEP_LOG="$(mktemp)"
 trap 'rm -rf "$STEP_LOG" "$NAMESPACE"' EXIT
 printf 'step\tstatus\trc\tseconds\tlimit\tlast line\n' > "$STEPS"
@@ -331,6 +336,14 @@ if ! wanted rag-moe; then
 elif fits rag-moe "$RAG_MOE_TIMEOUT"; then
   step rag-moe "$RAG_MOE_TIMEOUT" "$PY" -m kvbatch.cli bench rag-moe ${TINY[@]+"${TINY[@]}"} \
     --peers hf-static --repeat 1 --json "$OUT_DIR/moe-rag.json"
+fi
+# rag-qwen3: the dense path on Qwen3-8B's layer shapes against transformers' static generate,
+# if BUDGET_S allows
+if ! wanted rag-qwen3; then
+  skip rag-qwen3 "not in --only"
+elif fits rag-qwen3 "$RAG_QWEN3_TIMEOUT"; then
+  step rag-qwen3 "$RAG_QWEN3_TIMEOUT" "$PY" -m kvbatch.cli bench rag-qwen3 \
+    ${TINY[@]+"${TINY[@]}"} --peers hf-static --repeat 1 --json "$OUT_DIR/qwen3-rag.json"
 fi
 # The same with every mixed step eager (no CUDA graphs for steps with a chunk): what the
 # mixed-step graphs gain; LONG_PREFILL_EAGER=0 skips it

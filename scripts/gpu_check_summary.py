@@ -3,7 +3,8 @@
     python scripts/gpu_check_summary.py RESULTS_DIR [--write summary.txt]
 
 Reads steps.tsv (each step's status), rag.json, long-prefill.json, long-prefill-CAP.json
-(other chunk caps), rag-hf-cb.json, rag-sweep.json and quant-ROW.json (the quantized rows; all
+(other chunk caps), rag-hf-cb.json, rag-sweep.json, moe-rag.json and qwen3-rag.json (rag's
+prompts on a Qwen3-MoE and on a dense Qwen3) and quant-ROW.json (the quantized rows; all
 `kvbatch bench --json`) and prints the steps, the rag tables (seconds, tokens/s, latency,
 ratio, fraction of the floor), the quantized rows (seconds, output tokens/s, weight GiB, KV
 capacity in tokens)
@@ -28,6 +29,10 @@ from kvbatch.bench.text_table import format_rows
 RAG_TARGET_S = 1.5  # at most 1.5 s on an H200 (8x transformers' static generate)
 RAG_GOAL_S = 1.0
 GAP_TARGET = 3.0  # decode steps
+
+OTHER_MODEL_STEPS = (("rag-moe", "moe-rag.json"), ("rag-qwen3", "qwen3-rag.json"))
+"""rag's prompts on another model (a Qwen3-MoE; a dense Qwen3 at 8B's shapes) against
+transformers: a table each, and no verdict (the 1.5 s target is the Llama rag's)."""
 
 
 def _ms(x: float | None) -> str:
@@ -298,9 +303,10 @@ def summary(folder: Path) -> str:
     sweep = sweep_lines(_load(folder / "rag-sweep.json"))
     if sweep:
         lines += [""] + sweep
-    if "rag-moe" in {r["step"] for r in rows} - skipped:  # a mixture of experts
-        lines += ["", "rag-moe (its own step):"]
-        lines += rag_lines(_load(folder / "moe-rag.json"), verdict=False)
+    for step, results in OTHER_MODEL_STEPS:
+        if step in {r["step"] for r in rows} - skipped:
+            lines += ["", f"{step} (its own step):"]
+            lines += rag_lines(_load(folder / results), verdict=False)
     quant = quant_lines(folder)
     if quant:
         lines += [""] + quant

@@ -24,7 +24,8 @@ def test_a_workload_s_help_describes_that_workload(name, capsys):
     assert "--max-num-seqs" in out  # and the options the workload runs with
 
 
-def test_help_without_a_workload_lists_them_and_the_tools(capsys):
+def test_help_without_a_workload_lists_them_and_the_tools(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # argparse would break a name at its hyphen
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out = capsys.readouterr().out

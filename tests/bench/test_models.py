@@ -1,4 +1,5 @@
-"""The random-weight model builder: a config-built Llama folder both engines load, cached."""
+"""The random-weight model builder: a config-built Llama or Qwen3 folder both engines load,
+cached."""
 
 from __future__ import annotations
 
@@ -9,13 +10,19 @@ import pytest
 import torch
 
 from kvbatch.bench.models import (
+    LLAMA_3_1_8B_8_LAYERS,
     LLAMA_3_2_1B,
     MODEL_SPECS,
+    QWEN3_8B_8_LAYERS,
+    QWEN3_30B_A3B_4_LAYERS,
     TINY_LLAMA,
+    TINY_QWEN3,
+    TINY_QWEN3_MOE,
     build_random_model,
     random_model_dir,
     random_weights,
 )
+from kvbatch.engine.model.loader import load_model
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +79,8 @@ def test_cached_folder_is_reused_and_a_changed_spec_gets_its_own(tiny_dir):
         "qwen3-30b-a3b-4-layers-random",
         "llama-tiny-random",
         "qwen3-moe-tiny-random",
+        "qwen3-8b-8-layers-random",
+        "qwen3-tiny-random",
     }
 
 
@@ -113,3 +122,86 @@ def test_build_into_a_given_folder(tmp_path):
     folder = build_random_model(spec, tmp_path / "m")
     spec_json = json.loads((folder / "kvbatch-spec.json").read_text())
     assert spec_json["num_hidden_layers"] == 1 and spec_json["vocab_size"] == 64
+
+
+# --- dense Qwen3 ---------------------------------------------------------------------------
+
+
+def test_qwen3_8b_spec_is_qwen3_8b_s_config_with_8_layers():
+    """Qwen3-8B's config.json, but for num_hidden_layers (36 there)."""
+    from transformers import Qwen3Config
+
+    config = QWEN3_8B_8_LAYERS.config()
+    assert isinstance(config, Qwen3Config) and config.model_type == "qwen3"
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (
+        4096,
+        12288,
+        8,
+    )
+    heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    assert heads == (32, 8, 128)
+    assert (config.vocab_size, config.max_position_embeddings) == (151936, 40960)
+    assert config.tie_word_embeddings is False and config.attention_bias is False
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1000000.0}
+    assert QWEN3_8B_8_LAYERS.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("spec", list(MODEL_SPECS.values()), ids=list(MODEL_SPECS))
+def test_parameter_count_is_that_of_transformers_module_tree(spec):
+    """Qwen3's q/k norms included (on the meta device: nothing is allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(spec.config())
+    assert spec.num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+def test_qwen3_8b_8_layers_is_2_8_b_parameters():
+    assert round(QWEN3_8B_8_LAYERS.num_parameters() / 1e9, 2) == 2.79
+
+
+def test_the_specs_made_before_the_architecture_field_keep_their_cache_keys():
+    """A changed key would rebuild (and on the GPU machine, redraw and rewrite) their folders."""
+    keys = {
+        s.name: s.key()
+        for s in (LLAMA_3_2_1B, LLAMA_3_1_8B_8_LAYERS, QWEN3_30B_A3B_4_LAYERS, TINY_LLAMA)
+    }
+    keys[TINY_QWEN3_MOE.name] = TINY_QWEN3_MOE.key()
+    assert keys == {
+        "llama-3.2-1b-random": "8ebcccfc2764",
+        "llama-3.1-8b-8-layers-random": "87444563d4fd",
+        "qwen3-30b-a3b-4-layers-random": "ae12c69d0664",
+        "llama-tiny-random": "b938412fe66d",
+        "qwen3-moe-tiny-random": "421cf8b98346",
+    }
+    assert TINY_QWEN3.key() != dataclasses.replace(TINY_QWEN3, architecture="llama").key()
+
+
+def test_an_unknown_architecture_or_a_qwen3_with_experts_is_refused():
+    with pytest.raises(ValueError, match="architecture must be one of llama, qwen3"):
+        dataclasses.replace(TINY_LLAMA, architecture="gemma")
+    with pytest.raises(ValueError, match="Qwen3-MoE already"):
+        dataclasses.replace(TINY_QWEN3_MOE, architecture="qwen3")
+
+
+def test_qwen3_folder_loads_as_our_qwen3_with_its_head_dim_and_q_k_norms(tmp_path):
+    folder = random_model_dir(TINY_QWEN3, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "qwen3"  # what the loader picks Qwen3ForCausalLM by
+    assert config["head_dim"] == 32 != config["hidden_size"] // config["num_attention_heads"]
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    assert "lm_head.weight" in weights  # untied
+    assert torch.all(weights["model.layers.1.self_attn.k_norm.weight"] == 1)
+
+    loaded = load_model(folder, torch.float32, torch.device("cpu"))
+    assert loaded.config.architecture == "Qwen3ForCausalLM"
+    assert loaded.config.qk_norm and loaded.config.head_dim == 32
+    assert not loaded.config.qkv_bias and not loaded.config.tie_word_embeddings
+    assert (loaded.config.rope.theta, loaded.config.rope.head_dim) == (1000000.0, 32)
+    attention = loaded.model.model.layers[0].self_attn
+    assert attention.q_proj.weight.shape == (4 * 32, 64)
+    assert attention.k_proj.weight.shape == (2 * 32, 64)
+    assert attention.q_norm.weight.shape == attention.k_norm.weight.shape == (32,)
+    assert torch.equal(loaded.model.lm_head.weight, weights["lm_head.weight"])

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from kvbatch.bench import cli
 from kvbatch.bench.workloads import (
     FIRST_ORDINARY_TOKEN,
     LLAMA_1B_RANDOM,
+    QWEN3_8B_RANDOM,
+    RANDOM_MODELS,
+    TINY_QWEN3_RANDOM,
     TINY_RANDOM,
     WORKLOADS,
     Workload,
@@ -146,6 +150,30 @@ def test_tiny_variants_keep_the_structure(name):
     assert (tiny.dtype, tiny.device, tiny.floor_seconds) == ("float32", "cpu", None)
     assert _job_tokens(tiny) < _job_tokens(full) / 10
     assert tiny.long_prompt_len <= 4096  # fits the tiny model's context
+
+
+def test_rag_qwen3_is_rag_moe_s_requests_on_qwen3_8b_s_layers():
+    qwen3, moe = get_workload("rag-qwen3"), get_workload("rag-moe")
+    assert qwen3.model == QWEN3_8B_RANDOM and QWEN3_8B_RANDOM in RANDOM_MODELS
+    same = ("num_requests", "prompt_len", "output_len", "dtype", "device", "hf_batch_size")
+    assert all(getattr(qwen3, f) == getattr(moe, f) for f in same)
+    assert (qwen3.num_documents, qwen3.chunks_per_document) == (8, 16)
+    assert qwen3.floor_seconds is None
+    assert make_prompts(qwen3, 151936) == make_prompts(moe, 151936)  # the same prompts
+    tiny = get_workload("rag-qwen3", tiny=True)
+    assert (tiny.name, tiny.model) == ("rag-qwen3-tiny", TINY_QWEN3_RANDOM)
+    assert TINY_QWEN3_RANDOM in RANDOM_MODELS
+    assert (tiny.dtype, tiny.device) == ("float32", "cpu")
+
+
+def test_rag_qwen3_tiny_runs_against_transformers(random_cache, capsys):
+    """Through `kvbatch bench`, as the gpu-check step runs it: kvbatch's greedy tokens on the
+    dense Qwen3 (head_dim wider than hidden / heads, q/k norms) equal transformers'."""
+    assert cli.main(["rag-qwen3", "--tiny", "--peers", "hf-static", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rag-qwen3-tiny:" in out and "model qwen3-tiny-random" in out
+    hf_row = next(line for line in out.splitlines() if line.startswith("hf-static "))
+    assert hf_row.split()[-1] == "4/4"  # greedy tokens equal transformers'
 
 
 def test_tiny_is_refused_for_workloads_without_a_variant():

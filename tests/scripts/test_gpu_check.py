@@ -86,11 +86,13 @@ def test_the_greedy_check_runs_without_them(namespace):
 
 @pytest.mark.slow
 def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
-    """scripts/gpu-check.sh itself, on the CPU with --only: steps, limits, results, summary."""
+    """scripts/gpu-check.sh itself, on the CPU with --only: steps, limits, results, summary;
+    rag-qwen3 (the dense Qwen3 against transformers) among the chosen steps."""
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    only = "rag,prefill-*,rag-hf-cb,rag-qwen3"
     r = subprocess.run(
-        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", "rag,prefill-*,rag-hf-cb", "--out", str(out)],
+        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", only, "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -112,11 +114,13 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
         "long-prefill-eager": "skipped",
         "long-prefill-gc": "skipped",  # and no token cap's step: LONG_PREFILL_CAPS is empty
         "rag-hf-cb": "ok",
+        "rag-qwen3": "ok",
         "rag-sweep": "skipped",
         "summary": "ok",
     }
     assert sorted(p.name for p in out.iterdir()) == [
-        "gpu-check.log", "rag-hf-cb.json", "rag.json", "steps.tsv", "summary.txt",
+        "gpu-check.log", "qwen3-rag.json", "rag-hf-cb.json", "rag.json", "steps.tsv",
+        "summary.txt",
     ]  # fmt: skip
     result = json.loads((out / "rag.json").read_text())  # the bench, with the image's packages
     assert result["workload"]["name"] == "rag-tiny"
@@ -127,6 +131,9 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
     assert "long-prefill: skipped" in summary  # not "failed": --only left it out
     assert "rag with hf-cb (its own step):" in summary  # transformers' continuous batching
     assert "greedy tokens hf-cb vs kvbatch: 4/4" in summary
+    qwen3 = summary.split("rag-qwen3 (its own step):")[1]  # with the image's packages too
+    assert "rag-qwen3-tiny on cpu" in qwen3
+    assert "greedy tokens hf-static vs kvbatch: 4/4" in qwen3  # the dense Qwen3's tokens
     bad = subprocess.run(
         ["bash", "scripts/gpu-check.sh", "--bogus"], cwd=ROOT, capture_output=True, text=True
     )

@@ -180,6 +180,35 @@ def test_the_hf_cb_step_gets_its_own_table_and_no_second_verdict(tmp_path):
     assert "rag with hf-cb" not in summary.summary(tmp_path)
 
 
+def test_rag_moe_and_rag_qwen3_get_their_own_tables_and_no_verdict(tmp_path):
+    (tmp_path / "rag.json").write_text(json.dumps(_rag({"kvbatch": 0.82, "hf-static": 10.7})))
+    moe = _rag({"kvbatch": 1.5, "hf-static": 9.0}) | {"workload": {"name": "rag-moe"}}
+    qwen3 = _rag({"kvbatch": 1.25, "hf-static": 7.5}) | {"workload": {"name": "rag-qwen3"}}
+    qwen3["greedy_match"] = [{"engine": "hf-static", "reference": "kvbatch", "matching": 4,
+                              "compared": 4}]  # fmt: skip
+    (tmp_path / "moe-rag.json").write_text(json.dumps(moe))
+    (tmp_path / "qwen3-rag.json").write_text(json.dumps(qwen3))
+    _steps(tmp_path, rag="ok", **{"rag-moe": "ok", "rag-qwen3": "ok"})
+    text = summary.summary(tmp_path)
+    assert text.count("target (<= 1.5 s on an H200)") == 1  # the rag step's alone
+    moe_part, qwen3_part = text.split("rag-moe (its own step):")[1].split(
+        "rag-qwen3 (its own step):"
+    )
+    assert "rag-moe on cuda (NVIDIA H200)" in moe_part and "9.00" in moe_part
+    assert "rag-qwen3 on cuda (NVIDIA H200)" in qwen3_part
+    assert "7.50" in qwen3_part and "6.00" in qwen3_part  # seconds, ratio
+    assert "greedy tokens hf-static vs kvbatch: 4/4" in qwen3_part
+
+    (tmp_path / "qwen3-rag.json").unlink()  # the step failed: said so under its heading
+    _steps(tmp_path, rag="ok", **{"rag-moe": "skipped", "rag-qwen3": "TIMEOUT"})
+    text = summary.summary(tmp_path)
+    assert "rag-moe (its own step)" not in text
+    qwen3_part = text.split("rag-qwen3 (its own step):")[1]
+    assert qwen3_part.lstrip().startswith("rag: no results (the step failed or timed out")
+    _steps(tmp_path, rag="ok", **{"rag-qwen3": "skipped"})  # past BUDGET_S, or not --only
+    assert "rag-qwen3 (its own step)" not in summary.summary(tmp_path)
+
+
 def _bench(workload: str, seconds: float, stats: dict[str, Any], **options) -> dict[str, Any]:
     """A `kvbatch bench --json` result of kvbatch alone with these LLM.stats()."""
     return {
