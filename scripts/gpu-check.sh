@@ -33,9 +33,10 @@
 #                 kernels ranked, and how busy the GPU was)
 #   long-prefill  kvbatch bench long-prefill --json long-prefill.json (the defaults: chunks
 #                 of the 32k prompt sized from timed steps, long_prefill_step_ratio 2.5)
-#   quant-greedy  scripts/quant_greedy_check.py: online FP8 and a W4A16 (GPTQ, rounded random
-#                 weights) model on kvbatch.kernels' GEMMs against the reference path, float32,
-#                 tiny, rag-shape and tiny Qwen3-MoE models (quantized experts in the fused
+#   quant-greedy  scripts/quant_greedy_check.py: online FP8, W4A16 (GPTQ, rounded random
+#                 weights) and block-wise FP8 (Qwen3-*-FP8's layout) models on kvbatch.kernels'
+#                 GEMMs against the reference path, float32, on tiny, rag-shape and tiny
+#                 Qwen3-MoE models (quantized experts in the fused
 #                 MoE kernel; --cpu: tiny only, the Triton interpreter: the quantized experts
 #                 are tried there by the moe-w4a16 row)
 #   moe-greedy    scripts/greedy_check.py --models tiny-moe: a tiny Qwen3-MoE (fused MoE kernel)
@@ -44,7 +45,8 @@
 #                 most wanted first: no-share-gpu bf16 / FP8 / FP8 + FP8 KV, rag FP8, then
 #                 decode-small-batch (Llama-3.1-8B's layers, 8 of them) at batch 1 and 8 in
 #                 bf16 / W4A16 / FP8, then W4A16 and FP8 KV rows of rag and no-share-gpu,
-#                 then rag-moe with FP8 and W4A16 experts (moe-fp8, moe-w4a16)
+#                 then rag-moe with FP8 and W4A16 experts (moe-fp8, moe-w4a16), then block-wise
+#                 FP8 weights on rag and rag-moe (rag-fp8-block, moe-fp8-block)
 #                 ($QUANT_ROWS picks them, empty skips them); each skipped past BUDGET_S
 #   rag-moe       kvbatch bench rag-moe --peers hf-static --repeat 1 --json moe-rag.json: rag's
 #                 prompts on Qwen3-30B-A3B's layer shapes, 4 of its 48 layers, random weights
@@ -318,10 +320,12 @@ declare -A QUANT_ROW_FLAGS=(
   [rag-w4a16]="rag --weights w4a16"
   [moe-fp8]="rag-moe --quantization fp8"
   [moe-w4a16]="rag-moe --weights w4a16"
+  [rag-fp8-block]="rag --weights fp8-block"
+  [moe-fp8-block]="rag-moe --weights fp8-block"
 )
 read -r -a QUANT_ROW_LIST <<< "${QUANT_ROWS-no-share-bf16 no-share-fp8 rag-fp8 no-share-fp8-kv \
 decode-b1-bf16 decode-b1-w4a16 decode-b1-fp8 decode-b8-bf16 decode-b8-w4a16 decode-b8-fp8 \
-no-share-w4a16 rag-fp8-kv rag-w4a16 moe-fp8 moe-w4a16}"
+no-share-w4a16 rag-fp8-kv rag-w4a16 moe-fp8 moe-w4a16 rag-fp8-block moe-fp8-block}"
 for row in ${QUANT_ROW_LIST[@]+"${QUANT_ROW_LIST[@]}"}; do
   if [ -z "${QUANT_ROW_FLAGS[$row]+set}" ]; then skip "quant-$row" "unknown row"; continue; fi
   wanted "quant-$row" || { skip "quant-$row" "not in --only"; continue; }

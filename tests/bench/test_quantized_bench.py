@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from kvbatch.bench import cli
+from kvbatch.bench.fp8_block import fp8_block_quantization_config, fp8_block_tensors
 from kvbatch.bench.models import TINY_LLAMA, random_model_dir
 from kvbatch.bench.rtn_w4a16 import GROUP_SIZE, gptq_tensors
 from kvbatch.bench.workloads import get_workload
+from kvbatch.engine.quant.detect import detect_quantization
+from kvbatch.engine.quant.fp8_checkpoint import load_fp8_linear
 from kvbatch.engine.quant.gptq import gptq_weights
 from kvbatch.engine.quant.layer_tensors import LayerTensors
 from kvbatch.engine.quant.scheme import WNA16
@@ -92,3 +95,25 @@ def test_rag_moe_runs_against_transformers(random_cache, capsys):
     out = capsys.readouterr().out
     assert "rag-moe-tiny:" in out and "model qwen3-moe-tiny-random" in out
     assert "hf-static" in out and "4/4" in out  # greedy tokens equal transformers'
+
+
+@pytest.mark.parametrize(("shape", "block"), [((256, 384), 128), ((48, 64), 32), ((40, 70), 32)])
+def test_fp8_block_writer_is_read_back_within_fp8_rounding(shape, block):
+    """--weights fp8-block: tiles of `block` (partial ones too), each scaled to E4M3's range;
+    the engine's block-FP8 loader dequantizes them to within E4M3's rounding of each tile."""
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(block)) * 0.02
+    tensors = fp8_block_tensors(w, block)
+    rows, cols = -(-shape[0] // block), -(-shape[1] // block)
+    assert tensors["weight_scale_inv"].shape == (rows, cols)
+    config = detect_quantization({"quantization_config": fp8_block_quantization_config(block)})
+    layer = load_fp8_linear(
+        LayerTensors("layer", "fp8", tensors), config.scheme_for("x"), torch.float32
+    )
+    back = layer.dequantize(torch.float32)
+    assert back.shape == w.shape
+    assert ((back - w).abs() <= w.abs() * 2**-3 + 1e-6).all()  # E4M3: 3 mantissa bits
+
+
+def test_fp8_block_rows_run(random_cache, capsys):
+    assert cli.main(["rag-moe", "--tiny", "--weights", "fp8-block"]) == 0
+    assert "(fp8); KV cache float32" in capsys.readouterr().out
