@@ -25,7 +25,7 @@ from kvbatch.kernels.interpreter import rows_per_program
 from kvbatch.kernels.specialize import step_varying
 
 _BLOCK = 1024
-_SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a jit function reads only constexpr globals
 
 
 @triton.jit

@@ -1,7 +1,9 @@
 """engine/model/gemma_fused.py: Gemma's fused forward (triton kernels; TRITON_INTERPRET=1 on the
-CPU) gives the plain forward's logits, fuses the projections without renaming the state dict,
-and is what the triton backend runs. Its greedy tokens against transformers' are
-tests/engine/model/test_gemma.py test_triton_backend_matches_transformers."""
+CPU) gives the plain forward's logits, with float and with quantized projections, fuses the
+projections without renaming the state dict, and is what the triton backend runs. Its greedy
+tokens against transformers' are tests/engine/model/test_gemma.py
+test_triton_backend_matches_transformers (and test_triton_backend_runs_the_fused_forward
+here)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from kvbatch.engine.model.fused import model_forward
 from kvbatch.engine.model.gemma import GemmaForCausalLM
 from kvbatch.engine.model.gemma_fused import gemma_fused_forward
 from kvbatch.engine.model.loader import load_model
+from kvbatch.engine.quant.linear import Fp8Linear
 from kvbatch.kernels.activation import gelu_tanh_and_mul_ref
 from kvbatch.kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kvbatch.kernels.rotary import apply_rotary_ref
@@ -72,6 +75,23 @@ def test_with_the_kernels_references_the_fused_forward_is_the_plain_one_to_the_b
     for chunk in (len(ids), 1):
         expected = prefill_logits(model, ids, chunk)
         assert torch.equal(prefill_logits(fused, ids, chunk), expected), f"{kind} chunk={chunk}"
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_triton_fused_forward_runs_quantized_layers_on_the_kernel_gemms(tiny_models, kind):
+    """Online FP8 projections stay apart (no fused weight) and run kvbatch.kernels' GEMMs;
+    the logits are those of the plain forward over the same quantized weights."""
+    model = load_model(tiny_models(kind), torch.float32, CPU, quantization="fp8").model
+    ids = random_prompts(512, (40,), seed=3)[0]
+    expected = prefill_logits(model, ids, len(ids))  # torch GEMMs
+
+    fused = FusedModel(model)
+
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, Fp8Linear) and attn.qkv_weight is None
+    assert attn.q_proj.backend == "triton" and model.model.layers[0].mlp.gate_up_weight is None
+    got = prefill_logits(fused, ids, len(ids))
+    torch.testing.assert_close(got, expected, atol=5e-5, rtol=0)
 
 
 def test_triton_fusing_keeps_the_state_dict_and_shares_the_weights(tiny_models):
