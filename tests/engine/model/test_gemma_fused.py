@@ -20,7 +20,8 @@ from kvbatch.engine.quant.linear import Fp8Linear
 from kvbatch.kernels.activation import gelu_tanh_and_mul_ref
 from kvbatch.kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kvbatch.kernels.rotary import apply_rotary_ref
-from tests.engine.core.test_llm import random_prompts, tokens
+from tests.engine.attention.test_triton_backend import poison_new_float_tensors
+from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts, tokens
 from tests.engine.model.test_model import prefill_logits
 from tests.reference import hf_greedy
 from tests.tiny_models import SLIDING_WINDOW
@@ -133,3 +134,46 @@ def test_triton_backend_runs_the_fused_forward(tiny_models, monkeypatch):
     got = tokens(llm.generate(prompts, params, use_tqdm=False))
     assert calls
     assert got == hf_greedy(path, prompts, params.max_tokens, ignore_eos=True)
+
+
+def test_triton_padded_decode_graph_path_gives_transformers_tokens(tiny_models, monkeypatch):
+    """The static-buffer path of CUDA graphs, run eagerly (on the CPU under the interpreter):
+    padding rows go through the fused Gemma layers beside the real ones, with fresh buffers
+    full of NaN, and change none of the real rows' tokens."""
+    path = tiny_models("gemma3")
+    prompts = random_prompts(512, (5, 30, 2), seed=3)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = hf_greedy(path, prompts, params.max_tokens, ignore_eos=True)
+    args = dict(device="cpu", dtype="float32", cascade_attention=False)
+    llm = LLM(str(path), attention_backend="triton", **args)
+    llm.engine.runner.capture_step_graphs(max_batch=4, max_model_len=64, capture=False)
+    replays = []
+    graphs = llm.engine.runner.step_graphs
+    real_run = graphs.run
+    graphs.run = lambda key, ids, *a: replays.append(ids.shape[0]) or real_run(key, ids, *a)
+    poison_new_float_tensors(monkeypatch)
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert replays and max(replays) == 3
+    llm.engine.kv.check_integrity()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_cuda_graphs_on_cuda_match_transformers(tiny_models, kind):
+    """On CUDA (float32): the fused forward in eager steps and in decode steps replayed from
+    CUDA graphs gives transformers' greedy tokens."""
+    path = tiny_models(kind)
+    prompts = shared_prefix_prompts()
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = hf_greedy(path, prompts, params.max_tokens, ignore_eos=True)
+    args = dict(device="cuda", dtype="float32", max_model_len=256)
+    eager = LLM(str(path), cuda_graphs=False, **args)
+    assert tokens(eager.generate(prompts, params, use_tqdm=False)) == want
+    llm = LLM(str(path), **args)
+    graphs = llm.engine.runner.step_graphs
+    replays = []
+    real_run = graphs.run
+    graphs.run = lambda key, *a: replays.append(key) or real_run(key, *a)
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert replays  # decode steps ran from graphs
+    llm.engine.kv.check_integrity()
