@@ -37,7 +37,7 @@ ANNOTATION = "kvbatch."  # record_function names this module adds: kvbatch.<step
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention (prefill)", ("_prefill_kernel",)),
     ("attention (decode)", ("_decode_split_kernel", "_merge_splits_kernel", "_merge_kernel")),
-    ("norm, rotary, act, kv write", ("_rms_norm", "_rotary", "_silu_and_mul", "_write_kv")),
+    ("norm, rotary, act, kv write", ("_rms_norm", "_rotary", "_act_and_mul", "_write_kv")),
     (
         "gemm",
         ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm"),

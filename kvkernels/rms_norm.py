@@ -9,6 +9,12 @@ The product with the weight is done in float32 and rounded once to x's dtype, wh
 torch does for a float16/bfloat16 multiply (the product of two such numbers is exact in
 float32), so the kernel matches the module up to the order of the float32 sum.
 
+Gemma's norm (`unit_offset=True`, engine/model/gemma.py GemmaRMSNorm) differs in two places:
+the weight is stored around zero and multiplies as (1 + w), and the product is taken in
+float32 before the only rounding:
+
+    y = (x32 * rsqrt(mean(x32 ** 2) + eps) * (1 + float32(weight))).to(x.dtype)
+
 One program normalises ROWS rows (one when compiled: kvkernels/interpreter.py); a whole row
 (hidden up to 8192) sits in one block, masked where hidden is not a power of two (576 for
 SmolLM2, 64 for the tiny test models).
@@ -37,6 +43,7 @@ def _rms_norm_kernel(
     stride_r,
     stride_out,
     HAS_RESIDUAL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,  # Gemma: times (1 + w) in float32, one rounding
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -53,9 +60,12 @@ def _rms_norm_kernel(
         tl.store(residual_ptr + rows * stride_r + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     mean_sq = tl.sum(x32 * x32, axis=1)[:, None] / hidden  # [ROWS, 1]
-    normed = (x32 * tl.rsqrt(mean_sq + eps)).to(dtype)
-    w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(dtype)
-    y = (normed.to(tl.float32) * w.to(tl.float32)).to(dtype)
+    w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0)
+    if UNIT_OFFSET:
+        y = (x32 * tl.rsqrt(mean_sq + eps) * (1.0 + w.to(tl.float32))).to(dtype)
+    else:
+        normed = (x32 * tl.rsqrt(mean_sq + eps)).to(dtype)
+        y = (normed.to(tl.float32) * w.to(dtype).to(tl.float32)).to(dtype)
     tl.store(out_ptr + rows * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -65,11 +75,13 @@ def rms_norm(
     eps: float,
     *,
     out: torch.Tensor | None = None,  # [T, hidden], x's dtype; may be x itself
+    unit_offset: bool = False,  # Gemma's (1 + w) norm
 ) -> torch.Tensor:  # [T, hidden], x's dtype
-    """RMSNorm of each row of x, as kvbatch.engine.model.llama.RMSNorm computes it."""
+    """RMSNorm of each row of x, as kvbatch.engine.model.llama.RMSNorm computes it (or
+    kvbatch.engine.model.gemma.GemmaRMSNorm with `unit_offset`)."""
     x = _rows(x, weight, "x")
     out = torch.empty_like(x) if out is None else _check_out(out, x)
-    _launch(x, None, weight, out, eps)
+    _launch(x, None, weight, out, eps, unit_offset)
     return out
 
 
@@ -78,6 +90,8 @@ def fused_add_rms_norm(
     residual: torch.Tensor,  # [T, hidden], updated in place
     weight: torch.Tensor,  # [hidden]
     eps: float,
+    *,
+    unit_offset: bool = False,  # Gemma's (1 + w) norm
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual += x`, then RMSNorm of the sum: returns (rms_norm(residual), residual).
 
@@ -88,31 +102,45 @@ def fused_add_rms_norm(
     if x.shape != residual.shape:
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
     out = torch.empty_like(residual)
-    _launch(x, residual, weight, out, eps)
+    _launch(x, residual, weight, out, eps, unit_offset)
     return out, residual
 
 
 def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> torch.Tensor:
-    """Plain-torch reference (kvbatch.engine.model.llama.RMSNorm with the weight in x's dtype)."""
+    """Plain-torch reference: kvbatch.engine.model.llama.RMSNorm with the weight in x's dtype,
+    or with `unit_offset` kvbatch.engine.model.gemma.GemmaRMSNorm."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    y = weight.to(x.dtype) * x32.to(x.dtype)
+    if unit_offset:
+        y = (x32 * (1.0 + weight.float())).to(x.dtype)
+    else:
+        y = weight.to(x.dtype) * x32.to(x.dtype)
     if out is None:
         return y
     return out.copy_(y)
 
 
 def fused_add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference: `residual += x; return rms_norm(residual), residual`."""
     residual += x
-    return rms_norm_ref(residual, weight, eps), residual
+    return rms_norm_ref(residual, weight, eps, unit_offset=unit_offset), residual
 
 
-def _launch(x, residual, weight, out, eps) -> None:
+def _launch(x, residual, weight, out, eps, unit_offset: bool) -> None:
     num_rows, hidden = x.shape
     if num_rows == 0:
         return
@@ -130,6 +158,7 @@ def _launch(x, residual, weight, out, eps) -> None:
         0 if residual is None else residual.stride(0),
         out.stride(0),
         HAS_RESIDUAL=residual is not None,
+        UNIT_OFFSET=unit_offset,
         ROWS=rows,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 8),

@@ -1,4 +1,5 @@
-"""The GPU forward: the same Llama layers as engine/model/llama.py with fused kernels and GEMMs.
+"""The GPU forward: the same Llama layers as engine/model/llama.py with fused kernels and GEMMs
+(Gemma's layers have their own, engine/model/gemma_fused.py, built from the same parts).
 
     embed -> [ norm(+add) -> qkv GEMM -> rotary (in place) -> attention -> o GEMM
                norm(+add) -> gate|up GEMM -> silu*mul -> down GEMM ] x layers -> norm -> lm head
@@ -27,12 +28,15 @@ from kvbatch.engine.quant.linear import use_gemm_backend
 def model_forward(model, fused: bool):
     """The forward a runner calls, `(input_ids, positions, kv_caches, meta, backend,
     logits_indices=None) -> logits`: the fused one (after fusing the projections) or the plain
-    module. The fused forward runs quantized layers on kvbatch.kernels' GEMMs too."""
-    if not fused or not getattr(model, "fusable", True):  # Gemma: its plain modules
+    module. The fused forward runs quantized layers on kvbatch.kernels' GEMMs too. A model
+    whose layers are not Llama's names its own as the class attribute `fused_forward`
+    (Gemma: engine/model/gemma_fused.py); the rest run this file's."""
+    if not fused:
         return model
     fuse_projections(model)
     use_gemm_backend(model, "triton")
-    return functools.partial(fused_forward, model)
+    forward = getattr(type(model), "fused_forward", fused_forward)
+    return functools.partial(forward, model)
 
 
 def fuse_projections(model) -> None:

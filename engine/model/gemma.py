@@ -16,7 +16,8 @@ Per layer, against Llama's:
   their own RoPE base (rope_parameters["sliding_attention"]).
 
 The attention variants (window, scale, soft-cap) reach the backends as a LayerAttention per
-layer; the KV cache, scheduler and backends are Llama's.
+layer; the KV cache, scheduler and backends are Llama's. The triton backend runs the same
+layers with fused GEMMs and kernels (engine/model/gemma_fused.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 from kvbatch.engine.attention.layer_spec import LayerAttention
 from kvbatch.engine.attention.metadata import UNIT_KV_SCALES, AttentionMetadata, KVScales
 from kvbatch.engine.model.architectures import GEMMA_ARCHITECTURES
+from kvbatch.engine.model.gemma_fused import gemma_fused_forward
 from kvbatch.engine.model.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
 
 
@@ -167,10 +169,11 @@ class GemmaBackbone(nn.Module):
 
 
 class GemmaForCausalLM(nn.Module):
-    """Gemma 2 / Gemma 3 text models; the same call as LlamaForCausalLM's. There is no fused
-    GPU forward (engine/model/fused.py) for it: the plain modules run on every backend."""
+    """Gemma 2 / Gemma 3 text models; the same call as LlamaForCausalLM's. The triton backend
+    runs `fused_forward` (engine/model/gemma_fused.py: fused GEMMs and norm kernels) instead,
+    through engine/model/fused.py model_forward."""
 
-    fusable = False
+    fused_forward = gemma_fused_forward
 
     def __init__(self, cfg) -> None:
         super().__init__()

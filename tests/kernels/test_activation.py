@@ -1,4 +1,4 @@
-"""kvkernels/activation.py: SiLU-and-mul against its reference and the engine's MLP arithmetic.
+"""kvkernels/activation.py: SiLU- and GELU(tanh)-and-mul against their references and the MLPs.
 
 On the CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)."""
 
@@ -8,7 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvbatch.kernels.activation import silu_and_mul, silu_and_mul_ref
+from kvbatch.kernels.activation import (
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
 
 
 def _device() -> torch.device:
@@ -75,3 +80,42 @@ def test_mismatched_shapes_are_named():
     gate = torch.zeros(2, 64, device=_device())
     with pytest.raises(ValueError, match="gate and up"):
         silu_and_mul(gate, torch.zeros(2, 32, device=_device()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens, ffn", [(1, 64), (7, 576), (3, 3000)])
+def test_gelu_tanh_matches_reference(dtype, num_tokens, ffn, rows_per_program):
+    """GeGLU's gate, over the whole range of the tanh: large |gate| saturates it without
+    overflow, near zero it is nearly linear."""
+    gate, up = _inputs(num_tokens, ffn, dtype)
+    gate[:, :8] = torch.tensor([-60.0, -9.0, -1e-3, 0.0, 1e-3, 0.7, 9.0, 60.0], dtype=dtype)
+    out = torch.full_like(gate, float("nan"))
+
+    result = gelu_tanh_and_mul(gate, up, out=out)
+
+    assert result is out
+    _close(out, gelu_tanh_and_mul_ref(gate, up), dtype)
+    # not SiLU's gate
+    assert (out.float() - silu_and_mul_ref(gate, up).float()).abs().max() > 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_in_place_on_gate_of_fused_gate_up(dtype):
+    torch.manual_seed(8)
+    gate_up = torch.randn(5, 2 * 1100, dtype=dtype, device=_device()) * 4
+    gate, up = gate_up[:, :1100], gate_up[:, 1100:]
+    expected = gelu_tanh_and_mul_ref(gate, up)
+
+    gelu_tanh_and_mul(gate, up, out=gate)
+
+    _close(gate, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gelu_tanh_reference_matches_gemma_mlp(dtype):
+    """kvbatch.engine.model.gemma.GemmaMLP computes F.gelu(gate, approximate="tanh") * up."""
+    gate, up = _inputs(7, 576, dtype)
+    expected = F.gelu(gate, approximate="tanh") * up
+    assert torch.equal(gelu_tanh_and_mul_ref(gate, up), expected)
+    out = torch.empty_like(gate)
+    assert torch.equal(gelu_tanh_and_mul_ref(gate, up, out=out), expected)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbatch.engine.model.gemma import GemmaRMSNorm
 from kvbatch.engine.model.llama import RMSNorm
 from kvbatch.kernels.rms_norm import (
     fused_add_rms_norm,
@@ -104,3 +105,46 @@ def test_bad_shapes_are_named():
         rms_norm(x, torch.ones(32, device=_device()), EPS)
     with pytest.raises(ValueError, match="out must be"):
         rms_norm(x, torch.ones(64, device=_device()), EPS, out=torch.empty(2, 32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 64), (7, 576), (3, 2304)])
+def test_unit_offset_matches_reference(dtype, num_tokens, hidden, rows_per_program):
+    """Gemma's (1 + w) norm, alone and after the residual add; w around zero, as Gemma stores it."""
+    x, weight = _inputs(num_tokens, hidden, dtype)
+    weight = weight * 0.1
+    residual = torch.randn_like(x)
+    ref_residual = residual.clone()
+
+    alone = rms_norm(x, weight, EPS, unit_offset=True)
+    out, _ = fused_add_rms_norm(x, residual, weight, EPS, unit_offset=True)
+    ref_out, _ = fused_add_rms_norm_ref(x, ref_residual, weight, EPS, unit_offset=True)
+
+    _close(alone, rms_norm_ref(x, weight, EPS, unit_offset=True), dtype)
+    torch.testing.assert_close(residual, ref_residual, rtol=0, atol=0)
+    _close(out, ref_out, dtype)
+    # the offset is really applied: (1 + w) is not w
+    assert (alone.float() - rms_norm_ref(x, weight, EPS).float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unit_offset_in_place(dtype):
+    """out may be x (the fused Gemma forward norms each sublayer's output where it lies)."""
+    x, weight = _inputs(5, 576, dtype)
+    expected = rms_norm_ref(x, weight, EPS, unit_offset=True)
+
+    rms_norm(x, weight, EPS, out=x, unit_offset=True)
+
+    _close(x, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_unit_offset_reference_matches_gemma_rmsnorm(dtype):
+    """The unit-offset reference is the engine's Gemma module to the bit, with a float32
+    weight (as loaded beside float16 activations or not) and one in x's dtype."""
+    x, weight = _inputs(7, 576, dtype)
+    module = GemmaRMSNorm(576, EPS).to(device=_device())
+    for w in (weight.float(), weight):
+        with torch.no_grad():
+            module.to(w.dtype).weight.copy_(w)
+            assert torch.equal(rms_norm_ref(x, w, EPS, unit_offset=True), module(x))

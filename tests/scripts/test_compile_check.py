@@ -21,7 +21,7 @@ KERNELS = {
     "_rms_norm_kernel",
     "_rotary_kernel",
     "_write_kv_kernel",
-    "_silu_and_mul_kernel",
+    "_act_and_mul_kernel",  # SiLU- or GELU(tanh)-and-mul
     "_decode_split_kernel",
     "_merge_splits_kernel",
     "_prefill_kernel",
