@@ -59,7 +59,7 @@ def _quantize_groups_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask)
     x = x.to(tl.float32)
     amax = tl.max(tl.where(mask, tl.abs(x), 0.0), 1)
-    scale = tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
+    scale = tl.maximum(amax / 448.0, 1.1754943508222875e-38)  # MIN_SCALE: float32 tiny
     tl.store(scale_ptr + rows * stride_sm + group * stride_sg, scale, mask=rows < num_rows)
     q = tl.clamp(x / scale[:, None], -448.0, 448.0)
     tl.store(

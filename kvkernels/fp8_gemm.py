@@ -32,9 +32,11 @@ from kvbatch.kernels.specialize import step_varying
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-# A floor under the scale: an all-zero row quantizes to zeros with a finite scale, and a tiny
-# row keeps its values inside E4M3's normal range (vLLM's choice too).
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+# A floor under the scale, so that an all-zero row quantizes to zeros with a finite scale: the
+# smallest normal float32, as compressed-tensors (whose checkpoints these layers run) and the
+# engine's torch path (engine/quant/qdq.py) floor it. A higher floor (vLLM's 1 / (448 * 512))
+# would quantize rows of magnitude below ~0.002 differently from the reference.
+MIN_SCALE = float(torch.finfo(torch.float32).tiny)
 
 
 @step_varying(ints=("num_rows",))
@@ -64,7 +66,7 @@ def _quantize_fp8_kernel(
             mask = row_mask[:, None] & (cols < K)[None, :]
             x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask)
             amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(x.to(tl.float32)), 0.0), 1))
-        scale = tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
+        scale = tl.maximum(amax / 448.0, 1.1754943508222875e-38)  # MIN_SCALE: float32 tiny
         tl.store(scale_ptr + rows, scale, mask=row_mask)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)

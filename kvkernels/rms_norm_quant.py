@@ -68,7 +68,7 @@ def _rms_norm_quant_kernel(
     w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(dtype)
     y = (normed.to(tl.float32) * w.to(tl.float32)).to(dtype).to(tl.float32)  # [ROWS, BLOCK]
     amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1)  # [ROWS]
-    scale = tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
+    scale = tl.maximum(amax / 448.0, 1.1754943508222875e-38)  # MIN_SCALE: float32 tiny
     tl.store(scale_ptr + row_ids, scale, mask=row_ids < num_rows)
     q = tl.clamp(y / scale[:, None], -448.0, 448.0)
     tl.store(
