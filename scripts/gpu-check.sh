@@ -141,7 +141,7 @@ if [ "$CPU" = 1 ]; then
   PER_TEST_TIMEOUT=${PER_TEST_TIMEOUT:-120}  # the interpreter: slower than CUDA per test
   GREEDY_TIMEOUT=${GREEDY_TIMEOUT:-180}
   QUANT_GREEDY=(env TRITON_INTERPRET=1 "$PY" scripts/quant_greedy_check.py --device cpu
-                --models tiny)
+                --models tiny --max-tokens 6)
   QUANT_GREEDY_TIMEOUT=${QUANT_GREEDY_TIMEOUT:-240}
   MOE_GREEDY=(env TRITON_INTERPRET=1 "$PY" scripts/greedy_check.py --device cpu --backend triton
               --models tiny-moe)
