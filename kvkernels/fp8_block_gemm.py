@@ -34,7 +34,7 @@ from kvbatch.kernels.interpreter import interpreting, rows_per_program
 from kvbatch.kernels.specialize import step_varying
 
 
-@step_varying(ints=("num_rows",))
+@step_varying(ints=("num_rows", "stride_sm"))  # stride_sm: the layer's group count
 def _quantize_groups_kernel(
     x_ptr,  # [M, K]
     q_ptr,  # [M, K] fp8

@@ -19,7 +19,7 @@ import triton.language as tl
 from kvbatch.kernels.specialize import step_varying
 
 
-@step_varying(ints=("M",))
+@step_varying(ints=("M", "stride_as"))  # stride_as: 0 for one row or a tensor scale, else 1
 def _scaled_mm_kernel(
     a_ptr,  # [M, K] fp8 or int8
     b_ptr,  # [N, K]

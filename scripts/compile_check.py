@@ -2,6 +2,7 @@
 a GPU: compile errors, shared memory and register spills show up before any GPU time is spent.
 
     python scripts/compile_check.py [--arch 90] [--dtypes bfloat16,float32] [--json FILE]
+                                    [--models llama,moe,gemma,quantized]
 
 Triton ships ptxas, so the whole chain (Python -> TTIR -> TTGIR -> LLVM -> PTX -> cubin) runs on
 the CPU once the runtime is told the target instead of asking a driver. This script puts a
@@ -10,7 +11,11 @@ engine's own GPU path on the CPU: the fused forward (engine/model/fused.py) and 
 backend of a one-layer model of `rag`'s shape (hidden 2048, 32 heads, 8 KV heads, head dim 64,
 ffn 8192, llama3 rope), through a scheduler and the model runner over shared-prefix requests,
 chunked prefill and the padded decode-graph path, so each kernel is compiled with exactly the
-constexprs and argument specialisations the engine gives it. Outputs are never computed (the
+constexprs and argument specialisations the engine gives it. `--models` adds the other GPU
+paths, each one layer of a real shape: `moe` (Qwen3-30B-A3B's expert shapes, 16 of its
+experts: float, W4A16, online FP8 and block-FP8 experts in the fused MoE kernels), `gemma`
+(Gemma 3 1B's shapes on Gemma's fused forward) and `quantized` (rag's layer with W4A16, online
+FP8 and block-FP8 projections on kvbatch.kernels' GEMMs). Outputs are never computed (the
 torch ops between kernels run on the CPU on uninitialised data).
 
 For each compiled kernel: shared memory (from Triton's metadata; must fit the 227 KiB an
@@ -132,6 +137,87 @@ def drive_engine(dtype: torch.dtype) -> None:
         run_steps(model, dtype, prompts, lens, max_num_batched_tokens=budget)
 
 
+def drive_moe(dtype: torch.dtype, cache: Path) -> None:
+    """One layer of Qwen3-30B-A3B's shapes with 16 of its 128 experts (per-expert shapes and
+    top 8 as released), its experts float, W4A16, online FP8 and block FP8."""
+    import dataclasses
+
+    from kvbatch.bench.models import QWEN3_30B_A3B_4_LAYERS
+
+    spec = dataclasses.replace(
+        QWEN3_30B_A3B_4_LAYERS, num_hidden_layers=1, num_experts=16, vocab_size=2048
+    )
+    for weights, quantization in (("float", None), ("w4a16", None), ("float", "fp8")):
+        drive_random_model(spec, weights, quantization, dtype, cache)
+    drive_random_model(spec, "fp8-block", None, dtype, cache)
+
+
+def drive_quantized(dtype: torch.dtype, cache: Path) -> None:
+    """rag's layer (Llama-3.2-1B's shapes) with quantized projections: W4A16 (GPTQ), online
+    FP8, block FP8."""
+    import dataclasses
+
+    from kvbatch.bench.models import LLAMA_3_2_1B
+
+    spec = dataclasses.replace(LLAMA_3_2_1B, num_hidden_layers=1, vocab_size=2048)
+    for weights, quantization in (("w4a16", None), ("float", "fp8"), ("fp8-block", None)):
+        drive_random_model(spec, weights, quantization, dtype, cache)
+
+
+def drive_random_model(spec, weights: str, quantization, dtype, cache: Path) -> None:
+    """Load the random model `spec` in `weights`' format as the engine does and run steps:
+    a few prompts of uneven lengths, a long one chunked, decodes after."""
+    from kvbatch.bench.models import random_model_dir
+    from kvbatch.engine.model.loader import load_model
+
+    path = random_model_dir(spec, cache_dir=cache, weights=weights)
+    model = load_model(path, dtype, torch.device("cpu"), quantization=quantization).model
+    for t in list(model.parameters()) + list(model.buffers()):
+        # tensors read from the file keep its offsets; on a GPU every weight is a fresh,
+        # aligned allocation, and the kernels are compiled for those
+        t.data = t.data.clone()
+    prompts = [[3 + i] * (9 + 13 * i) for i in range(5)] + [list(range(3, 203))]
+    run_steps(model, dtype, prompts, [3] * len(prompts), max_num_batched_tokens=128)
+
+
+def drive_gemma(dtype: torch.dtype) -> None:
+    """One global and one local layer of Gemma 3 1B's shapes (head dim 256, one KV head,
+    GELU(tanh) MLP, (1 + w) norms, a 512-token window) on Gemma's fused forward."""
+    from transformers import Gemma3TextConfig
+
+    from kvbatch.engine.model.gemma import GemmaForCausalLM
+    from kvbatch.engine.model.llama import ModelConfig
+
+    hf = Gemma3TextConfig(
+        vocab_size=2048,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=True,
+    )
+    cfg = ModelConfig.from_hf(hf)
+    with torch.device("meta"):
+        model = GemmaForCausalLM(cfg)
+    model = model.to_empty(device="cpu").to(dtype)
+    model.rebuild_rotary(torch.device("cpu"))
+    prompts = [[3 + i] * (9 + 13 * i) for i in range(5)] + [list(range(3, 703))]
+    run_steps(model, dtype, prompts, [3] * len(prompts), max_num_batched_tokens=256)
+
+
+DRIVERS = {
+    "llama": lambda dtype, cache: drive_engine(dtype),
+    "moe": drive_moe,
+    "gemma": lambda dtype, cache: drive_gemma(dtype),
+    "quantized": drive_quantized,
+}
+
+
 def run_steps(model, dtype, prompts, max_tokens, max_num_batched_tokens):
     """Greedy requests through a scheduler and the model runner with the triton backend, to
     the end; returns the runner."""
@@ -226,15 +312,17 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
     return (int(regs.group(1)) if regs else None, max(spills) if spills else None)
 
 
-def check(arch: int, dtypes: list[str]) -> dict:
+def check(arch: int, dtypes: list[str], models: list[str] = ("llama",)) -> dict:
     compiled = record_compiles(arch)
     rows, errors, specs = [], [], []
+    cache = Path(tempfile.mkdtemp(prefix="compile-check-models-"))  # random weights, if any
     for name in dtypes:
         start = len(compiled)
-        try:
-            drive_engine(getattr(torch, name))
-        except Exception as e:  # a kernel that does not compile: the finding itself
-            errors.append(f"{name}: {type(e).__name__}: {e}")
+        for kind in models:
+            try:
+                DRIVERS[kind](getattr(torch, name), cache)
+            except Exception as e:  # a kernel that does not compile: the finding itself
+                errors.append(f"{name} {kind}: {type(e).__name__}: {e}")
         for spec in specialisations(compiled[start:]):
             specs.append(spec | {"dtype": name})
             if spec["variants"] > spec["constexpr_sets"]:
@@ -306,8 +394,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     ap.add_argument("--dtypes", default="bfloat16,float32", help="model dtypes to drive")
     ap.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    ap.add_argument(
+        "--models",
+        default="llama",
+        help=f"comma-separated GPU paths to drive: {', '.join(DRIVERS)} (default: llama)",
+    )
     args = ap.parse_args(argv)
-    report = check(args.arch, [d.strip() for d in args.dtypes.split(",") if d.strip()])
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in DRIVERS]
+    if unknown:
+        ap.error(f"unknown --models {', '.join(unknown)}; choose from {', '.join(DRIVERS)}")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    report = check(args.arch, dtypes, models)
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
