@@ -26,6 +26,7 @@ from kvbatch.engine.model.architectures import (
 )
 from kvbatch.engine.model.gemma import GemmaConfig, global_rope_params
 from kvbatch.engine.model.moe import MoeConfig, SparseMoeBlock
+from kvbatch.engine.model.multimodal import TEXT_MODEL_OF
 from kvbatch.engine.model.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
 
 
@@ -105,7 +106,8 @@ class ModelConfig:
             found = ", ".join(archs) or model_type or "unknown"
             raise ValueError(
                 f"architecture {found} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES))}"
+                f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES))}, and "
+                f"the text model of {', '.join(TEXT_MODEL_OF)}"
             )
         check_supported_features(arch, hf_config)
         num_heads = hf_config.num_attention_heads

@@ -23,6 +23,7 @@ from kvbatch.engine.model.gemma import GemmaForCausalLM
 from kvbatch.engine.model.gguf import complete_gguf_config
 from kvbatch.engine.model.llama import LlamaForCausalLM, ModelConfig
 from kvbatch.engine.model.moe import CheckpointExperts
+from kvbatch.engine.model.multimodal import language_model_config, language_model_weights
 from kvbatch.engine.model.phi3 import PHI3_ARCHITECTURES, split_fused_projections
 from kvbatch.engine.quant.apply import quantize_linears, reject_quantized_leftovers, weight_bytes
 from kvbatch.engine.quant.detect import detect_quantization
@@ -145,9 +146,13 @@ def _read_hf_folder(path: Path):
 
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
-    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    hf_config, multimodal = language_model_config(
+        AutoConfig.from_pretrained(str(path), local_files_only=True)
+    )
     ModelConfig.from_hf(hf_config)  # fail on an unsupported architecture before reading weights
     state_dict = _read_weights(path)
+    if multimodal:  # the text model of a vision-language checkpoint
+        state_dict = language_model_weights(state_dict)
     tokenizer = None
     if any((path / name).is_file() for name in TOKENIZER_FILES):
         from transformers import AutoTokenizer
