@@ -20,8 +20,8 @@ from kvbatch.engine.quant.linear import Fp8Linear
 from kvbatch.kernels.activation import gelu_tanh_and_mul_ref
 from kvbatch.kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kvbatch.kernels.rotary import apply_rotary_ref
-from tests.engine.attention.test_triton_backend import poison_new_float_tensors
 from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts, tokens
+from tests.engine.exec.padded_graphs import padded_graph_tokens
 from tests.engine.model.test_model import prefill_logits
 from tests.reference import hf_greedy
 from tests.tiny_models import SLIDING_WINDOW
@@ -144,17 +144,7 @@ def test_triton_padded_decode_graph_path_gives_transformers_tokens(tiny_models, 
     prompts = random_prompts(512, (5, 30, 2), seed=3)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     want = hf_greedy(path, prompts, params.max_tokens, ignore_eos=True)
-    args = dict(device="cpu", dtype="float32", cascade_attention=False)
-    llm = LLM(str(path), attention_backend="triton", **args)
-    llm.engine.runner.capture_step_graphs(max_batch=4, max_model_len=64, capture=False)
-    replays = []
-    graphs = llm.engine.runner.step_graphs
-    real_run = graphs.run
-    graphs.run = lambda key, ids, *a: replays.append(ids.shape[0]) or real_run(key, ids, *a)
-    poison_new_float_tensors(monkeypatch)
-    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
-    assert replays and max(replays) == 3
-    llm.engine.kv.check_integrity()
+    assert padded_graph_tokens(path, prompts, params, monkeypatch) == want
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ from kvbatch.engine import LLM, SamplingParams
 from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.model.moe import SparseMoeBlock, route, stack_expert_weights
 from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts, tokens
+from tests.engine.exec.padded_graphs import padded_graph_tokens
 from tests.engine.model.test_model import prefill_logits
 from tests.reference import (
     assert_greedy_matches_transformers,
@@ -162,23 +163,11 @@ def test_padded_decode_graph_path_runs_the_experts(tiny_models, monkeypatch):
     """The static-buffer path of CUDA graphs, run eagerly (on the CPU under the interpreter):
     padding rows go through the router and the fused kernel beside the real ones and change
     none of the real rows' tokens."""
-    from tests.engine.attention.test_triton_backend import poison_new_float_tensors
-
     path = tiny_models("qwen3-moe")
     prompts = random_prompts(512, (5, 19, 2), seed=3)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     want = hf_greedy(path, prompts, params.max_tokens, ignore_eos=True)
-    args = dict(device="cpu", dtype="float32", cascade_attention=False)
-    llm = LLM(str(path), attention_backend="triton", **args)
-    llm.engine.runner.capture_step_graphs(max_batch=4, max_model_len=64, capture=False)
-    replays = []
-    graphs = llm.engine.runner.step_graphs
-    real_run = graphs.run
-    graphs.run = lambda key, ids, *a: replays.append(ids.shape[0]) or real_run(key, ids, *a)
-    poison_new_float_tensors(monkeypatch)
-    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
-    assert replays and max(replays) == 3
-    llm.engine.kv.check_integrity()
+    assert padded_graph_tokens(path, prompts, params, monkeypatch) == want
 
 
 @pytest.mark.gpu

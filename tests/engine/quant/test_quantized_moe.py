@@ -23,8 +23,8 @@ from kvbatch.engine.quant.layer_tensors import CheckpointFormatError
 from kvbatch.engine.quant.linear import Fp8BlockLinear, Fp8Linear, Int8Linear, WNA16Linear
 from kvbatch.engine.quant.wna16_layout import WNA16Weights, pack_rows
 from kvbatch.kernels.moe_weights import Fp8BlockExperts, W8A8Experts, WNA16Experts
-from tests.engine.attention.test_triton_backend import poison_new_float_tensors
 from tests.engine.core.test_llm import random_prompts, tokens
+from tests.engine.exec.padded_graphs import padded_graph_tokens
 from tests.engine.model.test_model import prefill_logits
 from tests.engine.quant.moe_checkpoints import save_float_moe
 from tests.engine.quant.wna16_checkpoints import build_wna16_checkpoint
@@ -293,16 +293,5 @@ def test_padded_graph_steps_run_quantized_experts_on_triton(moe_ct_checkpoints, 
     path, reference = moe_ct_checkpoints("qwen3-moe", "int8-w8a8")
     prompts = random_prompts(512, (5, 19, 2), seed=3)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    args = dict(device="cpu", dtype="float32", cascade_attention=False)
-    llm = LLM(str(path), attention_backend="triton", **args)
-    llm.engine.runner.capture_step_graphs(max_batch=4, max_model_len=64, capture=False)
-    replays = []
-    graphs = llm.engine.runner.step_graphs
-    real_run = graphs.run
-    graphs.run = lambda key, ids, *a: replays.append(ids.shape[0]) or real_run(key, ids, *a)
-    poison_new_float_tensors(monkeypatch)
-    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == reference_greedy(
-        reference, prompts, params.max_tokens
-    )
-    assert replays and max(replays) == 3
-    llm.engine.kv.check_integrity()
+    want = reference_greedy(reference, prompts, params.max_tokens)
+    assert padded_graph_tokens(path, prompts, params, monkeypatch) == want
