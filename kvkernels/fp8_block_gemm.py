@@ -221,11 +221,17 @@ def fp8_block_scaled_mm_reference(
     return out.to(out_dtype)
 
 
+def kernel_serves_block_k(block_k: int) -> bool:
+    """Whether the kernels tile weight blocks of block_k columns (a multiple of 32: FP8 dots
+    take K tiles of 32 or more); callers run the reference path for other blocks."""
+    return block_k > 0 and (block_k & -block_k) >= 32
+
+
 def kernel_block_k(block_k: int) -> int:
     """The kernel's K tile for weight blocks of block_k columns: the largest power of two up to
     128 dividing it, at least 32 (FP8 dots take K tiles of 32 or more)."""
     tile = min(128, block_k & -block_k)
-    if tile < 32:
+    if not kernel_serves_block_k(block_k):
         raise ValueError(
             f"the block FP8 kernel needs weight blocks of a multiple of 32 columns, got "
             f"block_k = {block_k}"

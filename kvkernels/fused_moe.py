@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from kvbatch.kernels.activation import silu_and_mul
+from kvbatch.kernels.fp8_block_gemm import kernel_serves_block_k
 from kvbatch.kernels.fused_moe_quant import (
     fp8_block_grouped_gemm,
     w8a8_grouped_gemm,
@@ -147,6 +148,8 @@ def fused_moe(
 ) -> torch.Tensor:  # [T, H], x's dtype
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]."""
     _check(x, w_gate_up, w_down, topk_weights, topk_ids)
+    if not all(_kernel_serves(w) for w in (w_gate_up, w_down)):
+        return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids)
     t, top_k = topk_ids.shape
     num_experts, two_i, _ = expert_shape(w_gate_up)
     hidden, inter = expert_shape(w_down)[1], two_i // 2
@@ -161,6 +164,12 @@ def fused_moe(
     down = x.new_empty(num_pairs, hidden)  # [P, H], already weighted
     _project(act, w_down, down, route_w, blocks, a_row_div=1)
     return down.view(t, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def _kernel_serves(w: ExpertWeights) -> bool:
+    """Whether the grouped GEMMs take these experts: all but block FP8 with blocks the kernel
+    does not tile (fewer than 32 columns), which run the reference."""
+    return not isinstance(w, Fp8BlockExperts) or kernel_serves_block_k(w.block_k)
 
 
 def _project(a, w: ExpertWeights, out, route_w, blocks: ExpertBlocks, a_row_div: int) -> None:

@@ -40,6 +40,7 @@ from kvbatch.engine.quant.qdq import (
 )
 from kvbatch.engine.quant.wna16_layout import WNA16Weights
 from kvbatch.kernels import fp8_block_gemm, fp8_gemm, int8_gemm
+from kvbatch.kernels.fp8_block_gemm import kernel_serves_block_k
 from kvbatch.kernels.wna16_gemm import wna16_gemm
 
 GemmBackend = Literal["torch", "triton"]
@@ -84,7 +85,7 @@ def fp8_block_linear(
 ) -> torch.Tensor:
     """Block-scaled FP8 W8A8: x quantized per token and group of bk, times the FP8 weight, each
     K block's sum scaled by its activation and weight scales, + bias."""
-    if backend == "triton":
+    if backend == "triton" and kernel_serves_block_k(block[1]):
         return _on_rows(x, lambda rows: _fp8_block_kernels(rows, weight, weight_scale, block, bias))
     if float_weight is None:  # on CUDA: dequantize per call
         float_weight = dequantize_blocks(weight, weight_scale, block, x.dtype)

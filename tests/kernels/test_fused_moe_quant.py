@@ -288,3 +288,17 @@ def test_fp8_block_experts_match_the_reference(device, case, block_m):
     down = random_fp8_block_experts(num_experts, HIDDEN, INTER, FP8_BLOCK, **kw)
     x = randn(len(topk_ids), HIDDEN, gen=generator(20), dtype=torch.float32, device=device)
     check_against_reference(x, gate_up, down, topk_weights, topk_ids, block_m=block_m)
+
+
+def test_fp8_block_experts_the_kernel_does_not_tile_run_the_reference(device):
+    """Blocks of fewer than 32 columns (FP8 dots take K tiles of 32 or more): fused_moe gives
+    the reference's answer instead of failing at the first request."""
+    num_experts, topk_weights, topk_ids = routing("top2-uneven", device)
+    g = generator(31)
+    gate_up = random_fp8_block_experts(
+        num_experts, 2 * INTER, HIDDEN, (16, 16), gen=g, device=device
+    )
+    down = random_fp8_block_experts(num_experts, HIDDEN, INTER, (16, 16), gen=g, device=device)
+    x = randn(len(topk_ids), HIDDEN, gen=generator(32), dtype=torch.float32, device=device)
+    out = fused_moe(x, gate_up, down, topk_weights, topk_ids)
+    assert torch.equal(out, fused_moe_ref(x, gate_up, down, topk_weights, topk_ids))

@@ -134,3 +134,14 @@ def test_use_gemm_backend_reaches_every_quantized_layer_and_refuses_unknown_name
     assert [m.backend for m in model if isinstance(m, QuantLinear)] == ["triton", "triton"]
     with pytest.raises(ValueError, match="choose one of"):
         use_gemm_backend(model, "cutlass")
+
+
+def test_block_fp8_blocks_the_kernel_does_not_tile_run_the_torch_path():
+    """A weight block of 16 columns (the kernels tile 32 or more): the triton backend gives the
+    torch path's answer instead of failing at the first request."""
+    layer = _fp8_block_layer((16, 16), bias=False)
+    layer.prepare(torch.float32)
+    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(3))
+    want = layer(x)
+    layer.use_backend("triton")
+    assert torch.equal(layer(x), want)
