@@ -43,7 +43,14 @@ from kvbatch.kernels.fused_moe_quant import (
     w8a8_grouped_gemm,
     wna16_grouped_gemm,
 )
-from kvbatch.kernels.moe_blocks import ExpertBlocks, align_to_blocks, block_m_for, tile_nk
+from kvbatch.kernels.moe_blocks import (
+    ExpertBlocks,
+    align_to_blocks,
+    block_m_for,
+    block_rows,
+    store_rows,
+    tile_nk,
+)
 from kvbatch.kernels.moe_weights import (
     ExpertWeights,
     Fp8BlockExperts,
@@ -80,14 +87,12 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    expert = tl.load(block_experts_ptr + tl.program_id(0)).to(tl.int64)
     if expert < 0:
         return
-    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = pairs < num_pairs  # [BLOCK_M]
-    a_rows = pairs // A_ROW_DIV
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    pairs, valid, a_rows, cols, n_mask = block_rows(
+        sorted_pairs_ptr, num_pairs, N, A_ROW_DIV, BLOCK_M, BLOCK_N
+    )
     w_base = w_ptr + expert * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -99,15 +104,13 @@ def _grouped_gemm_kernel(
         )  # [BLOCK_M, BLOCK_K]
         w = tl.load(
             w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
-            mask=(ks[:, None] < K) & (cols[None, :] < N),
+            mask=(ks[:, None] < K) & n_mask[None, :],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    if MUL_ROUTE_W:
-        route_w = tl.load(route_w_ptr + pairs, mask=valid, other=0.0)
-        acc = acc * route_w[:, None]
-    out = out_ptr + pairs[:, None] * stride_om + cols[None, :] * stride_on
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+    store_rows(
+        out_ptr, acc, route_w_ptr, pairs, valid, cols, n_mask, stride_om, stride_on, MUL_ROUTE_W
+    )
 
 
 def _grouped_gemm(a, w, out, route_w, blocks: ExpertBlocks, a_row_div: int) -> None:

@@ -35,7 +35,7 @@ from kvbatch.kernels.fp8_gemm import (
 )
 from kvbatch.kernels.int8_gemm import quantize_int8_per_token
 from kvbatch.kernels.interpreter import interpreting
-from kvbatch.kernels.moe_blocks import ExpertBlocks, tile_nk
+from kvbatch.kernels.moe_blocks import ExpertBlocks, block_rows, store_rows, tile_nk
 from kvbatch.kernels.moe_weights import Fp8BlockExperts, W8A8Experts, WNA16Experts
 from kvbatch.kernels.specialize import step_varying
 
@@ -81,15 +81,12 @@ def _wna16_grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    expert = tl.load(block_experts_ptr + tl.program_id(0)).to(tl.int64)
     if expert < 0:
         return
-    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = pairs < num_pairs  # [BLOCK_M]
-    a_rows = pairs // A_ROW_DIV
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    n_mask = cols < N
+    pairs, valid, a_rows, cols, n_mask = block_rows(
+        sorted_pairs_ptr, num_pairs, N, A_ROW_DIV, BLOCK_M, BLOCK_N
+    )
     q_base = qweight_ptr + expert * stride_qe
     s_base = scales_ptr + expert * stride_se
     z_base = zeros_ptr + expert * stride_ze
@@ -129,11 +126,9 @@ def _wna16_grouped_gemm_kernel(
         # masked entries have q = 0 but arbitrary s, z: zero them so 0 * a never meets inf/nan
         w = tl.where(wk_mask, (q - z) * s, 0.0).to(a_dtype)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    if MUL_ROUTE_W:
-        route_w = tl.load(route_w_ptr + pairs, mask=valid, other=0.0)
-        acc = acc * route_w[:, None]
-    out = out_ptr + pairs[:, None] * stride_om + cols[None, :] * stride_on
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    store_rows(
+        out_ptr, acc, route_w_ptr, pairs, valid, cols, n_mask, stride_om, stride_on, MUL_ROUTE_W
+    )
 
 
 def wna16_grouped_gemm(
@@ -195,15 +190,12 @@ def _w8a8_grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    expert = tl.load(block_experts_ptr + tl.program_id(0)).to(tl.int64)
     if expert < 0:
         return
-    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = pairs < num_pairs  # [BLOCK_M]
-    a_rows = pairs // A_ROW_DIV
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    n_mask = cols < N
+    pairs, valid, a_rows, cols, n_mask = block_rows(
+        sorted_pairs_ptr, num_pairs, N, A_ROW_DIV, BLOCK_M, BLOCK_N
+    )
     w_base = w_ptr + expert * stride_we
     if STATIC:
         a_scale = tl.zeros((BLOCK_M,), tl.float32) + tl.load(a_scale_ptr + expert * stride_as)
@@ -231,13 +223,8 @@ def _w8a8_grouped_gemm_kernel(
         acc += tl.dot(a, w)
     w_scale = tl.load(w_scale_ptr + expert * stride_se + cols * stride_sn, mask=n_mask, other=0.0)
     out = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
-    if MUL_ROUTE_W:
-        route_w = tl.load(route_w_ptr + pairs, mask=valid, other=0.0)
-        out = out * route_w[:, None]
-    tl.store(
-        out_ptr + pairs[:, None] * stride_om + cols[None, :] * stride_on,
-        out.to(out_ptr.dtype.element_ty),
-        mask=valid[:, None] & n_mask[None, :],
+    store_rows(
+        out_ptr, out, route_w_ptr, pairs, valid, cols, n_mask, stride_om, stride_on, MUL_ROUTE_W
     )
 
 
@@ -313,15 +300,12 @@ def _fp8_block_grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides block_k: a tile lies in one scale block
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    expert = tl.load(block_experts_ptr + tl.program_id(0)).to(tl.int64)
     if expert < 0:
         return
-    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = pairs < num_pairs  # [BLOCK_M]
-    a_rows = pairs // A_ROW_DIV
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    n_mask = cols < N
+    pairs, valid, a_rows, cols, n_mask = block_rows(
+        sorted_pairs_ptr, num_pairs, N, A_ROW_DIV, BLOCK_M, BLOCK_N
+    )
     w_base = w_ptr + expert * stride_we
     w_scale_rows = w_scale_ptr + expert * stride_se + (cols // block_n) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -341,13 +325,8 @@ def _fp8_block_grouped_gemm_kernel(
         a_s = tl.load(a_scale_ptr + a_rows * stride_asm + kb * stride_asg, mask=valid, other=0.0)
         w_s = tl.load(w_scale_rows + kb * stride_sg, mask=n_mask, other=0.0)
         acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-    if MUL_ROUTE_W:
-        route_w = tl.load(route_w_ptr + pairs, mask=valid, other=0.0)
-        acc = acc * route_w[:, None]
-    tl.store(
-        out_ptr + pairs[:, None] * stride_om + cols[None, :] * stride_on,
-        acc.to(out_ptr.dtype.element_ty),
-        mask=valid[:, None] & n_mask[None, :],
+    store_rows(
+        out_ptr, acc, route_w_ptr, pairs, valid, cols, n_mask, stride_om, stride_on, MUL_ROUTE_W
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 from kvbatch.kernels.interpreter import interpreting
 
@@ -43,6 +44,47 @@ def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     block_experts = torch.searchsorted(padded_end, block_start, right=True)
     block_experts = torch.where(block_experts < num_experts, block_experts, -1).to(torch.int32)
     return ExpertBlocks(sorted_pairs, block_experts, num_pairs, block_m)
+
+
+@triton.jit
+def block_rows(
+    sorted_pairs_ptr,
+    num_pairs,
+    N,
+    A_ROW_DIV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """A grouped GEMM program's rows and columns: the pairs of its block (program 0's index),
+    which of them are real (not padding), the row of A each reads (pair // A_ROW_DIV), and its
+    output columns (program 1's index) with their mask."""
+    block = tl.program_id(0)
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    return pairs, pairs < num_pairs, pairs // A_ROW_DIV, cols, cols < N
+
+
+@triton.jit
+def store_rows(
+    out_ptr,
+    acc,  # [BLOCK_M, BLOCK_N] float32
+    route_w_ptr,
+    pairs,
+    valid,
+    cols,
+    n_mask,
+    stride_om,
+    stride_on,
+    MUL_ROUTE_W: tl.constexpr,
+):
+    """out[pair, col] = acc (x the pair's routing weight when MUL_ROUTE_W), real rows only."""
+    if MUL_ROUTE_W:
+        acc = acc * tl.load(route_w_ptr + pairs, mask=valid, other=0.0)[:, None]
+    tl.store(
+        out_ptr + pairs[:, None] * stride_om + cols[None, :] * stride_on,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=valid[:, None] & n_mask[None, :],
+    )
 
 
 def tile_nk(n: int, k: int) -> tuple[int, int]:
