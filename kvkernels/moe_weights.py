@@ -123,8 +123,26 @@ class WNA16Experts:
         return torch.stack([self.dequantize_expert(e, dtype) for e in range(self.num_experts)])
 
 
+class _StackedWeight:
+    """(E, N, K) of records that hold every expert's weight as one [E, N, K] tensor."""
+
+    weight: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[2]
+
+
 @dataclass(frozen=True)
-class W8A8Experts:
+class W8A8Experts(_StackedWeight):
     """Every expert's FP8 or int8 weight with per-output-channel scales, stacked; activations are
     quantized to the weight's type: per token (input_scale None) or with a static scale per
     expert (FP8 only)."""
@@ -159,18 +177,6 @@ class W8A8Experts:
             )
 
     @property
-    def num_experts(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[2]
-
-    @property
     def is_int8(self) -> bool:
         return self.weight.dtype == torch.int8
 
@@ -196,7 +202,7 @@ class W8A8Experts:
 
 
 @dataclass(frozen=True)
-class Fp8BlockExperts:
+class Fp8BlockExperts(_StackedWeight):
     """Every expert's block-scaled FP8 weight, stacked; activations are quantized per token and
     group of block_k along K."""
 
@@ -223,18 +229,6 @@ class Fp8BlockExperts:
     @property
     def block(self) -> tuple[int, int]:
         return self.block_n, self.block_k
-
-    @property
-    def num_experts(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[2]
 
     def dequantize_expert(self, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert e's weight [N, K]: each tile times its scale in float32, rounded to `dtype`."""

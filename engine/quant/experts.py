@@ -52,12 +52,13 @@ LoadLinear = Callable[[int, str], QuantLinear]
 
 class QuantizedExperts(nn.Module):
     """Stand-in for StackedExperts: `gate_up_proj` and `down_proj` are the kernel's quantized
-    weight records, rebuilt from this module's buffers (so `.to(device)` moves them and the
-    state dict lists them)."""
+    weight records over this module's buffers (so `.to(device)` moves them and the state dict
+    lists them). A record is built (and validated) once per set of buffers, not every step."""
 
     def __init__(self, gate_up: ExpertWeights, down: ExpertWeights) -> None:
         super().__init__()
         self._records: dict[str, tuple[type, dict, tuple[str, ...]]] = {}
+        self._built: dict[str, tuple[tuple[int, ...], ExpertWeights]] = {}
         for proj, weights in (("gate_up_proj", gate_up), ("down_proj", down)):
             values = {f.name: getattr(weights, f.name) for f in fields(weights)}
             tensors = tuple(k for k, v in values.items() if isinstance(v, torch.Tensor))
@@ -66,8 +67,17 @@ class QuantizedExperts(nn.Module):
             self._records[proj] = (type(weights), values, tensors)
 
     def _weights(self, proj: str) -> ExpertWeights:
-        cls, values, tensors = self._records[proj]
-        return cls(**values, **{name: getattr(self, f"{proj}_{name}") for name in tensors})
+        cls, values, names = self._records[proj]
+        tensors = {name: getattr(self, f"{proj}_{name}") for name in names}
+        key = tuple(id(t) for t in tensors.values())  # new after .to() or a state-dict load
+        built = self._built.get(proj)
+        if built is None or built[0] != key:
+            built = self._built[proj] = (key, cls(**values, **tensors))
+        return built[1]
+
+    def _apply(self, fn, *args, **kwargs):
+        self._built.clear()  # .to() and the like: the old buffers are not kept alive here
+        return super()._apply(fn, *args, **kwargs)
 
     @property
     def gate_up_proj(self) -> ExpertWeights:
