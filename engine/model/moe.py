@@ -7,7 +7,7 @@ routing weights. The experts' weights are stacked at load, as the fused kernel w
     experts.down_proj     [E, H, I]
 
 (transformers 5 holds them the same way; checkpoints on disk keep one tensor per expert, which
-engine/model/loader.py stacks). Tokens run through kvkernels/fused_moe.py: the Triton kernel on
+engine/model/experts_loader.py stacks). Tokens run through kvkernels/fused_moe.py: the Triton kernel on
 CUDA, its torch reference elsewhere; both compute the same sum.
 
 Routers differ by model, as their configs say:
@@ -194,18 +194,6 @@ def collect_expert_tensors(
     for experts in layers.values():
         experts.check_complete(num_experts)
     return rest, list(layers.values())
-
-
-def stack_expert_weights(state_dict: dict[str, torch.Tensor], num_experts: int) -> dict:
-    """Checkpoint tensors with one float tensor per expert -> the engine's names: each layer's
-    experts stacked into `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj`
-    [E, H, I], Mixtral's `block_sparse_moe.*` renamed `mlp.*`. Already stacked tensors (as
-    transformers 5 names them) pass through. Tensors are taken out of `state_dict` and a
-    layer's pieces dropped once stacked: one layer's experts are held twice at most."""
-    out, layers = collect_expert_tensors(state_dict, num_experts)
-    while layers:
-        out.update(layers.pop().stack_float(num_experts))
-    return out
 
 
 class StackedExperts(nn.Module):

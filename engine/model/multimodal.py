@@ -35,7 +35,6 @@ _TEXT_PREFIXES = (
     ("model.language_model.", "model."),
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
-    ("lm_head.", "lm_head."),
 )
 _VISION_PREFIXES = (
     "model.vision_tower.",

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvbatch.engine import LLM, SamplingParams
+from kvbatch.engine.model.experts_loader import split_experts
 from kvbatch.engine.model.loader import load_model
-from kvbatch.engine.model.moe import SparseMoeBlock, route, stack_expert_weights
+from kvbatch.engine.model.moe import SparseMoeBlock, route
 from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts, tokens
 from tests.engine.exec.padded_graphs import padded_graph_tokens
 from tests.engine.model.test_model import prefill_logits
@@ -128,10 +129,15 @@ def mixtral_layer(num_experts: int, hidden: int = 4, inter: int = 3) -> dict:
     return sd
 
 
+def stack_float_experts(state_dict: dict, num_experts: int) -> dict:
+    """What the loader makes of a float checkpoint's experts (no quantization)."""
+    return split_experts(state_dict, num_experts, None)[0]
+
+
 def test_stacking_puts_gate_then_up_and_renames_mixtral():
     sd = mixtral_layer(3)
     original = dict(sd)
-    out = stack_expert_weights(sd, 3)
+    out = stack_float_experts(sd, 3)
     assert sd == {}  # taken out as stacked
     assert sorted(out) == [
         "model.layers.0.mlp.experts.down_proj",
@@ -147,7 +153,7 @@ def test_stacking_puts_gate_then_up_and_renames_mixtral():
     assert torch.equal(gate_up[2, :3], original[f"{prefix}.w1.weight"])
     assert torch.equal(gate_up[2, 3:], original[f"{prefix}.w3.weight"])
     assert torch.equal(down[2], original[f"{prefix}.w2.weight"])
-    assert stack_expert_weights(dict(out), 3).keys() == out.keys()  # stacked ones pass through
+    assert stack_float_experts(dict(out), 3).keys() == out.keys()  # stacked ones pass through
 
 
 def test_a_missing_expert_is_named():
@@ -156,7 +162,7 @@ def test_a_missing_expert_is_named():
     with pytest.raises(
         ValueError, match="missing 1 expert weights: model.layers.0.mlp expert 1 up"
     ):
-        stack_expert_weights(sd, 3)
+        stack_float_experts(sd, 3)
 
 
 def test_padded_decode_graph_path_runs_the_experts(tiny_models, monkeypatch):
@@ -195,4 +201,4 @@ def test_an_expert_beyond_the_config_is_refused():
     sd = mixtral_layer(3)
     sd["model.layers.0.block_sparse_moe.experts.3.w1.weight"] = torch.zeros(3, 4)
     with pytest.raises(ValueError, match="weights of expert 3, but config.json says 3 experts"):
-        stack_expert_weights(sd, 3)
+        stack_float_experts(sd, 3)
