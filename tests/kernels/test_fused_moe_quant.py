@@ -81,6 +81,33 @@ def random_fp8_block_experts(num_experts, n, k, block, *, gen, device) -> Fp8Blo
     return Fp8BlockExperts(weight.to(device), scale.float().to(device), bn, bk)
 
 
+def check_grouped_gemm_rows(gemm, w, topk_weights, topk_ids, seed: int) -> None:
+    """Both of a step's GEMMs through `gemm` on the same activations as the reference (so no
+    rounding tie can part them): gate|up reads row p // k of x, down reads row p and applies
+    the routing weight; every pair's row equals its expert's dense layer's."""
+    num_tokens, top_k = topk_ids.shape
+    device, n = topk_ids.device, w.out_features
+    flat_ids = topk_ids.reshape(-1).tolist()
+    route_w = topk_weights.reshape(-1).float().contiguous()
+    blocks = align_to_blocks(topk_ids, w.num_experts, block_m=16)
+    x = randn(num_tokens, HIDDEN, gen=generator(seed), dtype=torch.float32, device=device)
+    act = randn(
+        num_tokens * top_k, HIDDEN, gen=generator(seed + 1), dtype=torch.float32, device=device
+    )
+    for a, a_row_div, weights in [(x, top_k, None), (act, 1, route_w)]:
+        out = torch.full((num_tokens * top_k, n), float("nan"), device=device)
+        gemm(a, w, out, weights, blocks, a_row_div)
+        expected = torch.stack(
+            [
+                reference_expert_linear(a[p // a_row_div][None], w, e)[0]
+                for p, e in enumerate(flat_ids)
+            ]
+        )
+        if weights is not None:
+            expected = expected * weights[:, None]
+        assert_close(out, expected, torch.float32)
+
+
 def check_against_reference(x, gate_up, down, topk_weights, topk_ids, **kw):
     out = fused_moe(x, gate_up, down, topk_weights, topk_ids, **kw)
     assert out.shape == x.shape and out.dtype == x.dtype
@@ -152,36 +179,8 @@ def test_w8a8_grouped_gemm_matches_each_experts_dense_layer(device, kind, case):
     """Both GEMMs on the same activations as the reference (so no rounding tie can part
     them): gate|up reads row p // k of x, down reads row p and applies the routing weight."""
     num_experts, topk_weights, topk_ids = routing(case, device)
-    num_tokens, top_k = topk_ids.shape
     w = random_w8a8_experts(num_experts, 24, HIDDEN, kind, gen=generator(13), device=device)
-    flat_ids = topk_ids.reshape(-1).tolist()
-    route_w = topk_weights.reshape(-1).float().contiguous()
-    blocks = align_to_blocks(topk_ids, num_experts, block_m=16)
-    for a, a_row_div, weights in [
-        (
-            randn(num_tokens, HIDDEN, gen=generator(14), dtype=torch.float32, device=device),
-            top_k,
-            None,
-        ),
-        (
-            randn(
-                num_tokens * top_k, HIDDEN, gen=generator(15), dtype=torch.float32, device=device
-            ),
-            1,
-            route_w,
-        ),
-    ]:
-        out = torch.full((num_tokens * top_k, 24), float("nan"), device=device)
-        w8a8_grouped_gemm(a, w, out, weights, blocks, a_row_div)
-        expected = torch.stack(
-            [
-                reference_expert_linear(a[p // a_row_div][None], w, e)[0]
-                for p, e in enumerate(flat_ids)
-            ]
-        )
-        if weights is not None:
-            expected = expected * weights[:, None]
-        assert_close(out, expected, torch.float32)
+    check_grouped_gemm_rows(w8a8_grouped_gemm, w, topk_weights, topk_ids, seed=14)
 
 
 @pytest.mark.parametrize("case", ROUTINGS)
@@ -244,38 +243,10 @@ def test_fp8_block_grouped_gemm_matches_each_experts_dense_layer(device, case):
     """Both GEMMs on the same activations as the reference: per-group quantization of each
     row of A, each K block scaled by the expert's tile scales."""
     num_experts, topk_weights, topk_ids = routing(case, device)
-    num_tokens, top_k = topk_ids.shape
     w = random_fp8_block_experts(
         num_experts, 40, HIDDEN, FP8_BLOCK, gen=generator(16), device=device
     )
-    flat_ids = topk_ids.reshape(-1).tolist()
-    route_w = topk_weights.reshape(-1).float().contiguous()
-    blocks = align_to_blocks(topk_ids, num_experts, block_m=16)
-    for a, a_row_div, weights in [
-        (
-            randn(num_tokens, HIDDEN, gen=generator(17), dtype=torch.float32, device=device),
-            top_k,
-            None,
-        ),
-        (
-            randn(
-                num_tokens * top_k, HIDDEN, gen=generator(18), dtype=torch.float32, device=device
-            ),
-            1,
-            route_w,
-        ),
-    ]:
-        out = torch.full((num_tokens * top_k, 40), float("nan"), device=device)
-        fp8_block_grouped_gemm(a, w, out, weights, blocks, a_row_div)
-        expected = torch.stack(
-            [
-                reference_expert_linear(a[p // a_row_div][None], w, e)[0]
-                for p, e in enumerate(flat_ids)
-            ]
-        )
-        if weights is not None:
-            expected = expected * weights[:, None]
-        assert_close(out, expected, torch.float32)
+    check_grouped_gemm_rows(fp8_block_grouped_gemm, w, topk_weights, topk_ids, seed=17)
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
