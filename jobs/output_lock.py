@@ -30,6 +30,7 @@ from pathlib import Path
 from kvbatch.jobs.storage import Storage, StorageError, open_storage
 
 LEASE_SECONDS = 120.0
+HOLDER_WRITE_GRACE = 2.0  # seconds a losing run waits to read the holder's record
 
 
 class OutputBusy(Exception):
@@ -49,6 +50,18 @@ class Holder:
     @classmethod
     def me(cls, input_uri: str) -> Holder:
         return cls(socket.gethostname(), os.getpid(), input_uri, time.time())
+
+    def is_live(self) -> bool:
+        """False only for a record that names a process on this host that has exited."""
+        if self.host != socket.gethostname():
+            return True
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True  # alive, owned by another user
+        return True
 
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
@@ -96,7 +109,7 @@ def _flock(output: Path, me: Holder) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = Holder.parse(os.pread(fd, 4096, 0))
+            holder = _read_holder(fd)
             os.close(fd)
             who = holder.describe() if holder else "another kvbatch run"
             raise OutputBusy(
@@ -112,12 +125,29 @@ def _flock(output: Path, me: Holder) -> Iterator[None]:
             break
         os.close(fd)
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, me.to_bytes(), 0)
+        # Written over the old record, then cut to length: a reader never sees a whole record
+        # of a holder that is gone, only this one or bytes that do not parse (and waits).
+        record = me.to_bytes()
+        os.pwrite(fd, record, 0)
+        os.ftruncate(fd, len(record))
         yield
     finally:
         path.unlink(missing_ok=True)
         os.close(fd)
+
+
+def _read_holder(fd: int) -> Holder | None:
+    """The holder's record, waiting briefly for it: a run writes it just after taking the lock,
+    so a run that loses the race by microseconds can find the file empty, or still holding the
+    record of a killed run (a process on this host that no longer exists)."""
+    deadline = time.monotonic() + HOLDER_WRITE_GRACE
+    while True:
+        holder = Holder.parse(os.pread(fd, 4096, 0))
+        if holder is not None and holder.is_live():
+            return holder
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
 
 
 @contextmanager

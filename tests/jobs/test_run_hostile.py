@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbatch.jobs.output_lock import LEASE_SECONDS, output_lock
+from kvbatch.jobs.output_lock import LEASE_SECONDS, OutputBusy, output_lock
 from kvbatch.jobs.partial import PartialError, PartialOutput
 from kvbatch.jobs.run import JobError, RunOptions, resolve_paths, run_job
 from kvbatch.jobs.storage import open_storage
@@ -126,6 +127,42 @@ def test_a_second_run_on_a_locked_output_refuses_naming_the_holder(tmp_path: Pat
     # The kernel released the dead holder's lock: the output is free again.
     with output_lock(str(output), str(source)):
         pass
+
+
+def test_a_run_losing_the_race_names_the_new_holder_not_a_killed_one(tmp_path: Path):
+    """The window between a run taking the lock and writing its record: the loser must not
+    name the killed run whose record is still in the file, and waits for the new one."""
+    output = tmp_path / "out.jsonl"
+    lock = tmp_path / ".out.jsonl.lock"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = {"host": socket.gethostname(), "pid": dead.pid, "input": "old.jsonl", "since": 0.0}
+    lock.write_text(json.dumps(stale) + " " * 64)  # longer than the new record
+    # The new holder locks at once and writes its record (as output_lock does) 0.3 s later.
+    script = (
+        "import fcntl, json, os, socket, sys, time\n"
+        f"fd = os.open({str(lock)!r}, os.O_RDWR)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(0.3)\n"
+        "record = json.dumps({'host': socket.gethostname(), 'pid': os.getpid(),\n"
+        "                     'input': 'new.jsonl', 'since': time.time()}).encode()\n"
+        "os.pwrite(fd, record, 0)\n"
+        "os.ftruncate(fd, len(record))\n"
+        "time.sleep(60)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(OutputBusy) as busy:
+            with output_lock(str(output), "mine.jsonl"):
+                pass
+        message = str(busy.value)
+        assert f"pid {holder.pid}" in message and "new.jsonl" in message
+        assert "old.jsonl" not in message
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 @pytest.mark.slow
