@@ -48,10 +48,14 @@ def _drop_rope_parameters(cfg: dict, **v4_keys) -> None:
 
 
 VARIANTS: dict[str, tuple[Callable, Callable | None]] = {
-    # Llama 3.2: tied embeddings and llama3 RoPE scaling
+    # Llama 3.2 as its config.json ships: tied embeddings, llama3 scaling in rope_scaling
     "llama3.2": (
-        lambda: LlamaConfig(**{**_SIZES, "tie_word_embeddings": True}, rope_parameters=LLAMA3_ROPE),
-        None,
+        lambda: LlamaConfig(**{**_SIZES, "tie_word_embeddings": True}),
+        lambda cfg: _drop_rope_parameters(
+            cfg,
+            rope_theta=500000.0,
+            rope_scaling={k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"},
+        ),
     ),
     # Mistral-Nemo: head_dim 32 where hidden / heads is 16
     "mistral-nemo": (lambda: MistralConfig(**_SIZES, head_dim=32, sliding_window=None), None),
@@ -117,6 +121,19 @@ VARIANTS: dict[str, tuple[Callable, Callable | None]] = {
             rope_scaling={"rope_type": "linear", "factor": 8.0},
             sliding_window_pattern=3,
         ),
+    ),
+    # Gemma 3 with soft-caps set: transformers applies the final one and never reads the
+    # attention one (Gemma 3 has q/k norms instead)
+    "gemma3-softcaps": (
+        lambda: Gemma3TextConfig(
+            **{**_SIZES, "tie_word_embeddings": True, "pad_token_id": 0},
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=8.0,
+        ),
+        None,
     ),
     "llama-mlp-bias": (lambda: LlamaConfig(**_SIZES, mlp_bias=True), None),
     "llama-attention-bias": (lambda: LlamaConfig(**_SIZES, attention_bias=True), None),
