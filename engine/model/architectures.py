@@ -4,8 +4,9 @@ A config names its architecture (`architectures`, or only `model_type` in GGUF-d
 configs). An architecture outside SUPPORTED_ARCHITECTURES fails with the list; a supported one
 whose config switches on something the forward pass lacks (a vision tower, an activation the
 MLP does not run, biases where its modules have none) fails naming that feature, rather than
-loading and answering wrongly. Sliding-window layers are supported (engine/attention/layer_spec.py). RoPE
-scaling types (default, linear, llama3, longrope, yarn; dynamic refused) are checked in rope.py.
+loading and answering wrongly. Sliding-window layers are supported (engine/attention/
+layer_spec.py). RoPE scaling types (default, linear, llama3, longrope, yarn; dynamic refused)
+are checked in rope.py.
 """
 
 from __future__ import annotations
