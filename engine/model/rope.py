@@ -2,14 +2,14 @@
 
 Frequencies follow transformers' rope initialisation so logits match it to float rounding:
 `default` (plain), `linear` (positions divided by a factor), `llama3` (Llama 3.1's
-frequency-dependent smoothing between long and short wavelengths), `longrope` (Phi-3's
-"su" scaling: a per-frequency divisor, short or long, and a factor on cos and sin) and `yarn`
+frequency-dependent smoothing between long and short wavelengths), `longrope` (Phi-3's "su"
+scaling: a per-frequency divisor, short or long, and a factor on cos and sin) and `yarn`
 (Qwen2.5 / Qwen3 long-context configs: a per-frequency blend of the plain and the interpolated
 speeds, and a factor on cos and sin). `dynamic` (NTK) is refused: transformers recomputes its
 frequencies from each forward's longest position, so keys already cached were rotated with
-other speeds than later ones and no paged KV cache reproduces that. A partial
-rotary factor (Phi-4-mini) rotates the first dimensions of each head only. cos/sin are
-computed for the positions of each step rather than cached for the whole context: the cost is one
+other speeds than later ones, which no paged KV cache reproduces. A partial rotary factor
+(Phi-4-mini) rotates the first dimensions of each head only. cos/sin are computed for the
+positions of each step rather than cached for the whole context: the cost is one
 [num_tokens, head_dim/2] outer product per step, and no cache to size or to outgrow.
 """
 
