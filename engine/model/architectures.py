@@ -3,8 +3,10 @@
 A config names its architecture (`architectures`, or only `model_type` in GGUF-derived
 configs). An architecture outside SUPPORTED_ARCHITECTURES fails with the list; a supported one
 whose config switches on something the forward pass lacks (a vision tower, an activation the
-MLP does not run, attention biases) fails naming that feature, rather than loading and
-answering wrongly. Sliding-window layers are supported (engine/attention/layer_spec.py). RoPE scaling types are checked in rope.py.
+MLP does not run, biases where its modules have none) fails naming that feature, rather than
+loading and answering wrongly. Sliding-window layers are supported (engine/attention/
+layer_spec.py). RoPE scaling types (default, linear, llama3, longrope, yarn; dynamic refused)
+are checked in rope.py.
 """
 
 from __future__ import annotations
@@ -54,6 +56,14 @@ GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 """RMSNorm over each head of q and k before RoPE."""
 
+ATTENTION_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+"""Those whose `attention_bias` puts biases on q, k, v and o_proj (transformers' modules read
+it); the other architectures' modules ignore the key, Gemma's included, so it is refused there
+rather than guessed."""
+
+MLP_BIAS_ARCHITECTURES = ("LlamaForCausalLM",)
+"""Those whose `mlp_bias` puts biases on gate, up and down (only Llama's MLP reads it)."""
+
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "vision_tower", "visual")
 
 
@@ -86,7 +96,10 @@ def _unsupported_features(architecture: str, hf_config):
             "set hidden_act to silu only if the checkpoint really uses it"
         )
     if bool(getattr(hf_config, "attention_bias", False)):
-        yield (
-            "attention_bias (biases on q/k/v and o_proj), which is not supported for "
-            f"{architecture}"
-        )
+        if architecture not in ATTENTION_BIAS_ARCHITECTURES:
+            yield (
+                "attention_bias (biases on q/k/v and o_proj), which is not supported for "
+                f"{architecture} (supported for {', '.join(ATTENTION_BIAS_ARCHITECTURES)})"
+            )
+    if bool(getattr(hf_config, "mlp_bias", False)) and architecture not in MLP_BIAS_ARCHITECTURES:
+        yield f"mlp_bias (biases on the MLP's projections), which is not supported for {architecture}"

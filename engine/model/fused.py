@@ -47,7 +47,7 @@ def fuse_projections(model) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_weight, attn.qkv_bias = _concat(attn.q_proj, attn.k_proj, attn.v_proj)
         if not isinstance(mlp, SparseMoeBlock):  # experts are stacked already
-            mlp.gate_up_weight, _ = _concat(mlp.gate_proj, mlp.up_proj)
+            mlp.gate_up_weight, mlp.gate_up_bias = _concat(mlp.gate_proj, mlp.up_proj)
 
 
 def _concat(*linears):
@@ -113,7 +113,7 @@ def fused_forward(
             pending = mlp(h, experts_fn=fused_moe)  # router, then the fused experts kernel
         else:
             if mlp.gate_up_weight is not None:
-                gate_up = F.linear(h, mlp.gate_up_weight)  # [T, 2 ffn]
+                gate_up = F.linear(h, mlp.gate_up_weight, mlp.gate_up_bias)  # [T, 2 ffn]
             else:  # quantized gate and up projections run their own GEMMs
                 gate_up = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1)
             ffn = cfg.intermediate_size

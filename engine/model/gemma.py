@@ -41,8 +41,8 @@ class GemmaConfig:
     """What a Gemma config adds to ModelConfig's shape."""
 
     query_pre_attn_scalar: float
-    attn_logit_softcap: float | None = None  # Gemma 2
-    final_logit_softcap: float | None = None  # Gemma 2
+    attn_logit_softcap: float | None = None  # Gemma 2 (Gemma 3's config key is unused)
+    final_logit_softcap: float | None = None  # Gemma 2, and Gemma 3 where its config sets one
     qk_norm: bool = False  # Gemma 3
     local_rope: RopeConfig | None = None  # Gemma 3: the sliding layers' RoPE (base 10k)
 
@@ -59,9 +59,12 @@ class GemmaConfig:
         elif gemma3:  # a transformers 4 config: rope_local_base_freq
             theta = getattr(hf_config, "rope_local_base_freq", 10000.0)
             local_rope = RopeConfig(head_dim=head_dim, theta=float(theta))
+        # Gemma 3 replaced the attention soft-cap by q/k norms: transformers' Gemma 3 attention
+        # never reads attn_logit_softcapping, so a value there changes nothing
+        attn_cap = None if gemma3 else getattr(hf_config, "attn_logit_softcapping", None)
         return cls(
             query_pre_attn_scalar=float(hf_config.query_pre_attn_scalar),
-            attn_logit_softcap=getattr(hf_config, "attn_logit_softcapping", None),
+            attn_logit_softcap=attn_cap,
             final_logit_softcap=getattr(hf_config, "final_logit_softcapping", None),
             qk_norm=gemma3,
             local_rope=local_rope,

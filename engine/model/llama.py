@@ -19,7 +19,9 @@ from kvbatch.engine.attention.layer_spec import LayerAttention
 from kvbatch.engine.attention.metadata import UNIT_KV_SCALES, AttentionMetadata, KVScales
 from kvbatch.engine.model.architectures import (
     ARCHITECTURE_BY_MODEL_TYPE,
+    ATTENTION_BIAS_ARCHITECTURES,
     BASE_MODEL_ARCHITECTURES,
+    MLP_BIAS_ARCHITECTURES,
     QK_NORM_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     check_supported_features,
@@ -45,6 +47,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     head_dim: int = 0  # 0: hidden_size // num_heads
     qkv_bias: bool = False
+    o_bias: bool = False  # attention_bias of Llama / Qwen3: o_proj has a bias too
+    mlp_bias: bool = False  # Llama's mlp_bias: gate, up and down have biases
     tie_word_embeddings: bool = False
     rope: RopeConfig | None = None
     sliding_window: int | None = None
@@ -131,8 +135,10 @@ class ModelConfig:
             max_position_embeddings=hf_config.max_position_embeddings,
             rms_norm_eps=hf_config.rms_norm_eps,
             head_dim=head_dim,
-            qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-            or bool(getattr(hf_config, "attention_bias", 0)),
+            qkv_bias=_has_qkv_bias(arch, hf_config),
+            o_bias=arch in ATTENTION_BIAS_ARCHITECTURES
+            and bool(getattr(hf_config, "attention_bias", False)),
+            mlp_bias=arch in MLP_BIAS_ARCHITECTURES and bool(getattr(hf_config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             rope=rope_config_from_hf(hf_config, head_dim, global_rope_params(hf_config)),
             sliding_window=sliding,
@@ -143,6 +149,18 @@ class ModelConfig:
             gemma=GemmaConfig.from_hf(arch, hf_config, head_dim),
             has_lm_head=has_lm_head,
         )
+
+
+def _has_qkv_bias(architecture: str, hf_config) -> bool:
+    """q/k/v biases as transformers builds them: always for Qwen2, Qwen2-MoE's `qkv_bias`
+    (default on), and `attention_bias` where the architecture reads it."""
+    if architecture == "Qwen2ForCausalLM":
+        return True
+    if architecture == "Qwen2MoeForCausalLM":
+        return bool(getattr(hf_config, "qkv_bias", True))
+    return architecture in ATTENTION_BIAS_ARCHITECTURES and bool(
+        getattr(hf_config, "attention_bias", False)
+    )
 
 
 class RMSNorm(nn.Module):
@@ -170,7 +188,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         # An FP8 KV cache's scales for this layer: the loader sets a checkpoint's calibrated
         # k_scale / v_scale (kv_cache_scheme); float caches ignore them.
         self.kv_scales: KVScales = UNIT_KV_SCALES
@@ -199,9 +217,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        bias = cfg.mlp_bias
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = F.silu(self.gate_proj(x), inplace=True)  # in place: one [T, ffn] buffer less

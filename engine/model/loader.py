@@ -123,6 +123,7 @@ def _build(
         quantize_experts_online(model, state_dict, quant, device)
     reject_quantized_leftovers(state_dict, quant)  # before "missing": it names the cause
     owned = model.state_dict()
+    _reject_unused_biases(state_dict, owned)
     expected = {k for k, v in owned.items() if v.is_meta}
     missing = sorted(expected - set(state_dict))
     if missing:
@@ -133,6 +134,19 @@ def _build(
     model.load_state_dict(weights, assign=True, strict=True)
     model.rebuild_rotary(device)  # its buffers were built on meta
     return model.eval()
+
+
+def _reject_unused_biases(state_dict: dict, owned: dict) -> None:
+    """Biases no module takes mean the config leaves out a switch the weights need (Llama's
+    mlp_bias, an attention_bias): dropping them would load and answer wrongly."""
+    unused = sorted(k for k in state_dict if k.endswith(".bias") and k not in owned)
+    if unused:
+        shown = ", ".join(unused[:3]) + (" ..." if len(unused) > 3 else "")
+        raise ValueError(
+            f"checkpoint has {len(unused)} bias tensors the model built from config.json has "
+            f"no place for ({shown}): config.json does not switch on the biases its weights "
+            "have (attention_bias, mlp_bias), or the architecture does not use them"
+        )
 
 
 def _config_dict(path: Path) -> dict | None:

@@ -2,10 +2,14 @@
 
 Frequencies follow transformers' rope initialisation so logits match it to float rounding:
 `default` (plain), `linear` (positions divided by a factor), `llama3` (Llama 3.1's
-frequency-dependent smoothing between long and short wavelengths) and `longrope` (Phi-3's
-"su" scaling: a per-frequency divisor, short or long, and a factor on cos and sin). A partial
-rotary factor (Phi-4-mini) rotates the first dimensions of each head only. cos/sin are
-computed for the positions of each step rather than cached for the whole context: the cost is one
+frequency-dependent smoothing between long and short wavelengths), `longrope` (Phi-3's "su"
+scaling: a per-frequency divisor, short or long, and a factor on cos and sin) and `yarn`
+(Qwen2.5 / Qwen3 long-context configs: a per-frequency blend of the plain and the interpolated
+speeds, and a factor on cos and sin). `dynamic` (NTK) is refused: transformers recomputes its
+frequencies from each forward's longest position, so keys already cached were rotated with
+other speeds than later ones, which no paged KV cache reproduces. A partial rotary factor
+(Phi-4-mini) rotates the first dimensions of each head only. cos/sin are computed for the
+positions of each step rather than cached for the whole context: the cost is one
 [num_tokens, head_dim/2] outer product per step, and no cache to size or to outgrow.
 """
 
@@ -16,8 +20,19 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 ROPE_TYPE_ALIASES = {"su": "longrope"}  # the name of Phi-3's first 128k checkpoints
+REFUSED_ROPE_TYPES = {
+    "dynamic": (
+        "transformers recomputes dynamic-NTK frequencies from the longest position of each "
+        "forward once a sequence passes max_position_embeddings, so the keys it cached earlier "
+        "were rotated with other frequencies than later ones; a paged KV cache cannot reproduce "
+        "that. Up to max_position_embeddings tokens it equals the default RoPE: remove "
+        "rope_scaling / rope_parameters' scaling from config.json to run it that way, or use a "
+        "checkpoint with yarn or linear scaling"
+    ),
+}
+"""RoPE types known and refused on purpose, with the reason and what to do instead."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +49,11 @@ class RopeConfig:
     max_position_embeddings: int = 0  # longrope's default attention factor is derived from it
 
     def __post_init__(self) -> None:
+        if self.rope_type in REFUSED_ROPE_TYPES:
+            raise ValueError(
+                f"rope type {self.rope_type!r} is not supported: "
+                f"{REFUSED_ROPE_TYPES[self.rope_type]}"
+            )
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"rope type {self.rope_type!r} is not supported; supported: "
@@ -49,6 +69,10 @@ class RopeConfig:
                         f"longrope {key} has {len(self.scaling[key])} values; the rotated "
                         f"head dimension {self.head_dim} needs {self.head_dim // 2}"
                     )
+        if self.rope_type == "yarn":
+            for key in ("factor", "original_max_position_embeddings"):
+                if self.scaling.get(key) is None:
+                    raise ValueError(f"yarn scaling needs {key!r} in rope_scaling")
 
     def with_context_len(self, max_model_len: int) -> RopeConfig:
         """The RoPE a context of up to `max_model_len` tokens runs with. longrope's short and
@@ -63,7 +87,10 @@ class RopeConfig:
 
     @property
     def attention_factor(self) -> float:
-        """The factor on cos and sin (LongRoPE's, from the context extension; 1 for others)."""
+        """The factor on cos and sin (LongRoPE's and YaRN's, from the context extension; 1 for
+        others)."""
+        if self.rope_type == "yarn":
+            return _yarn_attention_factor(self.scaling)
         if self.rope_type != "longrope":
             return 1.0
         given = self.scaling.get("attention_factor")
@@ -87,7 +114,52 @@ def inverse_frequencies(cfg: RopeConfig) -> torch.Tensor:
     if cfg.rope_type == "longrope":
         ext = cfg.scaling["long_factor" if cfg.long_context else "short_factor"]
         return inv_freq / torch.tensor(ext, dtype=torch.float32)
+    if cfg.rope_type == "yarn":
+        return _yarn_inverse_frequencies(cfg.theta, dim, cfg.scaling)
     return inv_freq
+
+
+def _yarn_attention_factor(s: dict) -> float:
+    """YaRN's factor on cos and sin (the paper's mscale, 0.1 ln(factor) + 1), or the config's
+    attention_factor; with mscale and mscale_all_dim (DeepSeek's configs) their ratio, as
+    transformers' `_compute_yarn_parameters`."""
+    given = s.get("attention_factor")
+    if given is not None:
+        return float(given)
+    factor = float(s["factor"])
+    mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inverse_frequencies(base: float, dim: int, s: dict) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): pairs that turn more than beta_fast times over the pretraining
+    length keep their speed (extrapolation), those that turn fewer than beta_slow times are
+    slowed by `factor` (interpolation), with a linear ramp between; the same float32
+    arithmetic as transformers' `_compute_yarn_parameters`."""
+    factor = float(s["factor"])
+    original = float(s["original_max_position_embeddings"])
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # 1: the pair keeps its speed; 0: slowed by factor
+    return interpolation * (1 - keep) + extrapolation * keep
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -162,11 +234,17 @@ def rope_config_from_hf(hf_config, head_dim: int, params: dict | None = None) ->
     partial = float(
         params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
     )
-    if rope_type == "longrope":
+    max_positions = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    if rope_type in ("longrope", "yarn"):
         params.setdefault(
             "original_max_position_embeddings",
             getattr(hf_config, "original_max_position_embeddings", None),
         )
+    if rope_type == "yarn":  # transformers' defaults: the whole context, and its ratio
+        if params.get("original_max_position_embeddings") is None:
+            params["original_max_position_embeddings"] = max_positions
+        if params.get("factor") is None and params["original_max_position_embeddings"]:
+            params["factor"] = max_positions / params["original_max_position_embeddings"]
     skip = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
     scaling = {k: v for k, v in params.items() if k not in skip and v is not None}
     return RopeConfig(
@@ -174,5 +252,5 @@ def rope_config_from_hf(hf_config, head_dim: int, params: dict | None = None) ->
         theta=theta,
         rope_type=rope_type,
         scaling=scaling,
-        max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 0) or 0),
+        max_position_embeddings=max_positions,
     )
