@@ -78,7 +78,7 @@ def read_compressed_tensors(qc: Mapping) -> QuantConfig | None:
             f"compressed-tensors quantization_status {status!r} (format "
             f"{qc.get('format')!r}): the weights are stored as fake-quantized floats, which the "
             "library's forward quantizes again with their stored scales; running them as "
-            "plain floats would not give the quantized model's answers. Supported: "
+            "plain floats would not give the quantized model's answers; supported: "
             "checkpoints saved compressed (llm-compressor's save_compressed=True)"
         )
     rules = []
