@@ -237,6 +237,13 @@ def test_stacking_refuses_what_one_gemm_cannot_run():
     assert stacked.gate_up_proj.input_scale.tolist() == [0.5, 0.5]
     assert stacked.gate_up_proj.weight_scale.shape == (2, 2 * n, 1)
 
+    def half_static(e, proj):  # expert 1 calibrated static input scales, expert 0 dynamic
+        layer = static_fp8(e, proj)
+        return layer if e == 1 else Fp8Linear(layer.weight, layer.weight_scale, None, None)
+
+    with pytest.raises(ValueError, match="mix static and dynamic activation scales"):
+        stack_quantized_experts("model.layers.0.mlp", 2, half_static)
+
 
 def test_block_fp8_gate_and_up_stack_only_on_whole_blocks():
     """Gate's rows must fill whole weight blocks for gate|up to share one grid of block
