@@ -86,6 +86,13 @@ def reject_quantized_leftovers(
     )
     if not odd:
         return
+    head = [k for k in odd if k.startswith(tuple(n + "." for n in KEPT_IN_FLOAT))]
+    if head and quant is not None:  # e.g. a tied lm_head, which the model has no Linear for
+        raise UnsupportedQuantization(
+            f"the checkpoint's lm_head is quantized ({', '.join(head)}); supported: lm_head in "
+            f"float (list it in `ignore` when quantizing with {quant.method}; with "
+            "tie_word_embeddings the output projection is the float embedding)"
+        )
     shown = ", ".join(f"{k} ({str(state_dict[k].dtype).removeprefix('torch.')})" for k in odd[:4])
     more = f" and {len(odd) - 4} more" if len(odd) > 4 else ""
     if quant is None:

@@ -14,8 +14,10 @@ import torch
 from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.quant.detect import UnsupportedQuantization
 from kvbatch.engine.quant.layer_tensors import CheckpointFormatError
-from tests.engine.quant.ct_checkpoints import build_ct_checkpoint
+from tests.engine.model.test_model import prefill_logits
+from tests.engine.quant.ct_checkpoints import build_ct_checkpoint, reference_model
 from tests.engine.quant.wna16_checkpoints import build_wna16_checkpoint
+from tests.tiny_models import tiny_config
 
 CT = "compressed-tensors"
 
@@ -124,7 +126,18 @@ def test_awq_tensors_without_g_idx_read_as_gptq_by_shape_fail(gptq_and_awq, tmp_
         load(path)
 
 
-def test_a_quantized_lm_head_is_refused(tmp_path):
-    path = build_ct_checkpoint("w8a16", tmp_path / "ckpt", ignore=())
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3"])  # qwen3: tie_word_embeddings
+def test_a_quantized_lm_head_is_refused(tmp_path, kind):
+    path = build_ct_checkpoint("w8a16", tmp_path / "ckpt", ignore=(), config=tiny_config(kind))
     with pytest.raises(UnsupportedQuantization, match="lm_head is quantized .*weight_packed"):
         load(path)
+
+
+def test_a_tied_checkpoint_with_its_lm_head_in_float_matches_transformers(tmp_path):
+    path = build_ct_checkpoint("w4a16", tmp_path / "ckpt", config=tiny_config("qwen3"))
+    loaded = load(path)
+    assert loaded.config.tie_word_embeddings
+    ids = list(range(5, 40))
+    with torch.no_grad():
+        ref = reference_model(path)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill_logits(loaded.model, ids, 16), ref, atol=1e-4, rtol=0)
