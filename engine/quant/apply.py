@@ -39,6 +39,14 @@ QUANT_SUFFIXES = (
     "qzeros",
     "scales",
     "g_idx",
+    # attention (query) and KV zero points, and the FP4 formats' global scales: quantization
+    # the engine does not run, left behind by a config that named it in a way not caught earlier
+    "q_scale",
+    "q_zero_point",
+    "k_zero_point",
+    "v_zero_point",
+    "weight_global_scale",
+    "input_global_scale",
 )
 
 
