@@ -194,6 +194,11 @@ def ct_scheme(
             symmetric=bool(weights["symmetric"]),
             act_order=actorder == "group",
         )
+    if fmt in (None, "dense"):
+        raise unsupported(
+            "weights stored dense (float weights that the library's forward quantizes with the "
+            "stored scales; as plain floats they are not the quantized model)"
+        )
     raise unsupported("this format is not supported")
 
 

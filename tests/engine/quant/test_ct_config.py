@@ -327,3 +327,8 @@ def test_unknown_sections_and_preset_groups_are_refused():
     refused({"quantization_config": moe}, "moe_sparsity_config")
     other = {**base, "config_groups": {"g": group("W4A16").model_dump()}, "new_feature": {"a": 1}}
     refused({"quantization_config": other}, "new_feature")
+
+
+def test_quantized_groups_stored_dense_are_refused(tmp_path):
+    """A format forced to "dense" keeps float weights next to their scales."""
+    refused(written(tmp_path, {"group_0": group("W4A16")}, "dense"), "weights stored dense")
