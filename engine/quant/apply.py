@@ -94,12 +94,14 @@ def reject_quantized_leftovers(
     )
     if not odd:
         return
-    head = [k for k in odd if k.startswith(tuple(n + "." for n in KEPT_IN_FLOAT))]
-    if head and quant is not None:  # e.g. a tied lm_head, which the model has no Linear for
+    # a tied lm_head (the model has no Linear for it) or an embedding: kept in float here
+    head = [k for k in odd if k.split(".")[-2:-1] in (["lm_head"], ["embed_tokens"])]
+    if head and quant is not None:
+        layers = " and ".join(sorted({k.rsplit(".", 1)[0] for k in head}))
         raise UnsupportedQuantization(
-            f"the checkpoint's lm_head is quantized ({', '.join(head)}); supported: lm_head in "
-            f"float (list it in `ignore` when quantizing with {quant.method}; with "
-            "tie_word_embeddings the output projection is the float embedding)"
+            f"the checkpoint's {layers} is quantized ({', '.join(head)}); supported: lm_head and "
+            f"embeddings in float (list them in `ignore` when quantizing with {quant.method}; "
+            "with tie_word_embeddings the output projection is the float embedding)"
         )
     shown = ", ".join(f"{k} ({str(state_dict[k].dtype).removeprefix('torch.')})" for k in odd[:4])
     more = f" and {len(odd) - 4} more" if len(odd) > 4 else ""

@@ -201,3 +201,12 @@ def test_attention_quantization_left_in_the_checkpoint_is_refused(ct_checkpoints
     path = with_tensors(ct_checkpoints("fp8-dynamic"), tmp_path / "ckpt", add)
     with pytest.raises(CheckpointFormatError, match="self_attn.q_scale"):
         load(path)
+
+
+def test_a_quantized_embedding_is_refused(tmp_path):
+    """compressed-tensors quantizes an Embedding a "re:" target reaches; the engine does not."""
+    path = build_ct_checkpoint(
+        "w8a16", tmp_path / "ckpt", more_groups={"w8a16": [r"re:.*embed_tokens$"]}
+    )
+    with pytest.raises(UnsupportedQuantization, match="model.embed_tokens is quantized"):
+        load(path)
