@@ -26,7 +26,7 @@ from kvbatch.kernels.moe_weights import Fp8BlockExperts, W8A8Experts, WNA16Exper
 from tests.engine.core.test_llm import random_prompts, tokens
 from tests.engine.exec.padded_graphs import padded_graph_tokens
 from tests.engine.model.test_model import prefill_logits
-from tests.engine.quant.moe_checkpoints import save_float_moe
+from tests.engine.quant.moe_checkpoints import build_moe_ct_checkpoint, save_float_moe
 from tests.engine.quant.wna16_checkpoints import build_wna16_checkpoint
 from tests.reference import hf_greedy, hf_logits
 
@@ -173,6 +173,19 @@ def test_experts_half_quantized_are_refused(moe_ct_checkpoints, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"some of model\.layers\.0\.mlp's experts.*3\.up_proj"):
         load(folder)
+
+
+def test_an_expert_quantized_unlike_the_others_is_refused(tmp_path):
+    """One expert's down_proj in 8 bits, the others' in 4 (a second group compressed-tensors
+    gives it): one stacked GEMM cannot run both, and the layer is named."""
+    path, _ = build_moe_ct_checkpoint(
+        "qwen3-moe",
+        "w4a16",
+        tmp_path / "ckpt",
+        more_groups={"w8a16": [r"re:.*experts\.0\.down_proj$"]},
+    )
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp.*down projections differ in bits"):
+        load_model(path, torch.float32, CPU)
 
 
 def test_quantized_experts_without_a_config_are_refused(moe_ct_checkpoints, tmp_path):
