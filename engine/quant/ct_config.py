@@ -60,7 +60,8 @@ _KNOWN_KEYS = {
     "moe_sparsity_config",
 }
 _OFFLINE_TRANSFORMS = ("weight_input", "weight_output")
-# Non-regex targets that name a layer rather than a module class: lower-case, dotted paths.
+# The one module class a target may name; any other capitalised target is a class (layer
+# names are lower-case, dotted paths).
 _LINEAR_CLASS = "Linear"
 
 

@@ -81,8 +81,9 @@ class LayerRule:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """The quantization of one checkpoint: its method and format, a scheme per layer (rules in
-    order, the first match wins), and the layers kept in float (`ignore`, same target syntax).
+    """The quantization of one checkpoint: its method and format, a scheme per layer (rules;
+    a layer several match takes its most specific target's, see scheme_for), and the layers
+    kept in float (`ignore`, same target syntax).
 
     `kv_cache_scheme` is the checkpoint's KV-cache quantization (compressed-tensors'
     QuantizationArgs with its defaults filled in, or None), for the KV cache (kv_cache.py)."""
