@@ -110,7 +110,7 @@ def _fp8(qc: Mapping) -> QuantConfig:
     else:
         # per_channel_weights is only a default: the loader reads the scale's shape
         scheme = Fp8W8A8(per_channel_weights=False, static_input_scale=act == "static")
-    ignore = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
+    ignore = tuple(qc.get("ignored_layers") or ()) + tuple(qc.get("modules_to_not_convert") or ())
     return QuantConfig(
         "fp8", "fp8", (LayerRule(("Linear",), scheme),), ignore=ignore + ("lm_head",)
     )

@@ -10,6 +10,7 @@ import pytest
 from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.config import BitmaskConfig, DenseSparsityConfig, Sparse24BitMaskConfig
 from compressed_tensors.quantization import (
+    ActivationOrdering,
     QuantizationArgs,
     QuantizationConfig,
     QuantizationScheme,
@@ -17,6 +18,7 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
 
+from kvbatch.engine.quant.ct_config import args
 from kvbatch.engine.quant.detect import UnsupportedQuantization, detect_quantization
 from kvbatch.engine.quant.scheme import WNA16, Fp8W8A8, Int8W8A8
 
@@ -332,3 +334,25 @@ def test_unknown_sections_and_preset_groups_are_refused():
 def test_quantized_groups_stored_dense_are_refused(tmp_path):
     """A format forced to "dense" keeps float weights next to their scales."""
     refused(written(tmp_path, {"group_0": group("W4A16")}, "dense"), "weights stored dense")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"num_bits": 4, "group_size": 128},
+        {"num_bits": 4, "group_size": -1, "symmetric": False},
+        {"type": "FLOAT", "strategy": "TOKEN", "dynamic": True},
+        {},
+        {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group",
+         "dynamic": "LOCAL"},
+        {"num_bits": 8, "strategy": "block", "block_structure": "64x32", "type": "float"},
+        {"num_bits": 4, "group_size": 32, "actorder": "static"},
+    ],
+)  # fmt: skip
+def test_args_are_filled_in_as_the_library_fills_them(raw):
+    ours = args(raw)
+    lib = QuantizationArgs.model_validate(raw)
+    for name in ("type", "num_bits", "symmetric", "strategy", "dynamic"):
+        assert ours[name] == getattr(lib, name), name
+    aliases = ActivationOrdering.get_aliases()  # "static" is "weight"
+    assert ours["actorder"] == aliases.get(lib.actorder, lib.actorder)
