@@ -52,6 +52,7 @@ from kvbatch.engine.model.fused import model_forward
 from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.pooling.config import PoolingConfig, read_pooling_config
 from kvbatch.engine.pooling.outputs import EmbeddingOutput
+from kvbatch.engine.quant.kv_cache import apply_kv_cache_scales
 from kvbatch.engine.sched.scheduler import Scheduler
 from kvbatch.engine.sched.step_cost import StepCostModel
 
@@ -83,6 +84,9 @@ class LLMEngine:
         self.kv_dtype = config.cache.kv_torch_dtype(self.dtype)  # kv_cache_dtype
         loaded = load_model(config.model, self.dtype, self.device, config.quantization)
         self.model, self.model_config = loaded.model, loaded.config
+        apply_kv_cache_scales(
+            self.model, loaded.kv_cache_scales, loaded.quantization, self.kv_dtype
+        )
         self.quantization, self.weight_bytes = loaded.quantization_method, loaded.weight_bytes
         log.info(
             "weights: %.1f MiB (%s)",

@@ -39,6 +39,14 @@ QUANT_SUFFIXES = (
     "qzeros",
     "scales",
     "g_idx",
+    # attention (query) and KV zero points, and the FP4 formats' global scales: quantization
+    # the engine does not run, left behind by a config that named it in a way not caught earlier
+    "q_scale",
+    "q_zero_point",
+    "k_zero_point",
+    "v_zero_point",
+    "weight_global_scale",
+    "input_global_scale",
 )
 
 
@@ -86,6 +94,15 @@ def reject_quantized_leftovers(
     )
     if not odd:
         return
+    # a tied lm_head (the model has no Linear for it) or an embedding: kept in float here
+    head = [k for k in odd if k.split(".")[-2:-1] in (["lm_head"], ["embed_tokens"])]
+    if head and quant is not None:
+        layers = " and ".join(sorted({k.rsplit(".", 1)[0] for k in head}))
+        raise UnsupportedQuantization(
+            f"the checkpoint's {layers} is quantized ({', '.join(head)}); supported: lm_head and "
+            f"embeddings in float (list them in `ignore` when quantizing with {quant.method}; "
+            "with tie_word_embeddings the output projection is the float embedding)"
+        )
     shown = ", ".join(f"{k} ({str(state_dict[k].dtype).removeprefix('torch.')})" for k in odd[:4])
     more = f" and {len(odd) - 4} more" if len(odd) > 4 else ""
     if quant is None:

@@ -43,9 +43,7 @@ def load_ct_linear(t: LayerTensors, scheme: LinearScheme, dtype: torch.dtype) ->
         )
         weight = t.get("weight", (FP8_DTYPE,))
         scale = channel_scale(t, weight, per_channel=scheme.per_channel_weights)
-        input_scale = None
-        if scheme.static_input_scale:
-            input_scale = t.get("input_scale").float().reshape(1, 1)
+        input_scale = static_input_scale(t) if scheme.static_input_scale else None
         return Fp8Linear(weight, scale, input_scale, bias)
     if isinstance(scheme, Int8W8A8):
         t.expect(["weight", "weight_scale"])
@@ -119,6 +117,16 @@ def channel_scale(t: LayerTensors, weight: torch.Tensor, per_channel: bool) -> t
     if scale.numel() == 1:
         return scale.reshape(1, 1)
     raise t.error(f"weight_scale has shape {tuple(scale.shape)} for a weight of {n} rows")
+
+
+def static_input_scale(t: LayerTensors) -> torch.Tensor:
+    """input_scale as float32 [1, 1]: one static scale for every activation of the layer."""
+    scale = t.get("input_scale", (torch.float32, torch.bfloat16, torch.float16))
+    if scale.numel() != 1:
+        raise t.error(
+            f"input_scale has shape {tuple(scale.shape)}; a static activation scale is one value"
+        )
+    return scale.float().reshape(1, 1)
 
 
 def _bias(t: LayerTensors, dtype: torch.dtype) -> torch.Tensor | None:

@@ -2,44 +2,53 @@
 weight is read, or fail with one message that names the method and what is supported.
 
 Supported, as their writers name them:
-- compressed-tensors (llm-compressor): `float-quantized` (FP8 weights per tensor or channel,
-  activations static per tensor or dynamic per token; or FP8 weights by [bn, bk] blocks with
-  activations dynamic per group of bk, the FP8_BLOCK preset), `int-quantized` (INT8 W8A8: channel
-  weights, dynamic per-token activations), `pack-quantized` (4/8-bit integer weights by group
-  or channel, symmetric or with zero points, act-order allowed; float activations);
+- compressed-tensors (llm-compressor; ct_config.py reads it): `float-quantized` (FP8 weights
+  per tensor or channel, activations static per tensor or dynamic per token; or FP8 weights by
+  [bn, bk] blocks with activations dynamic per group of bk, the FP8_BLOCK preset),
+  `int-quantized` (INT8 W8A8: channel weights, dynamic per-token activations), `pack-quantized`
+  (4/8-bit integer weights by group or channel, symmetric or with zero points, act-order
+  allowed; float activations); several groups, the most specific target winning; sparsity
+  stored dense; rotations fused into the weights; an FP8 per-tensor kv_cache_scheme
+  (kv_cache.py). Refused: NVFP4/MXFP4 and other formats, compressed sparsity (2:4, bitmask),
+  online rotations, fake-quantized (not compressed) weights, asymmetric or per-group
+  activations, static INT8 activations, class targets other than Linear, quantized embeddings;
 - `fp8` (FP8 weights with weight_scale; input_scale when activation_scheme is static; or with
   `weight_block_size` [bn, bk], DeepSeek-V3's and Qwen3-*-FP8's block-wise layout:
   weight_scale_inv per block, activations dynamic per group of bk);
-- `gptq` (4/8 bits, any group size, act-order g_idx, symmetric or not; v1 and v2 zero points);
-- `awq` (4 bits, the GEMM layout, with zero points).
+- `gptq` (4/8 bits, any group size, act-order g_idx, symmetric or not; v1 and v2 zero points;
+  optimum's modules_in_block_to_quantize). Refused: 2/3 bits, Marlin or other repacked
+  checkpoint formats, a quantized lm_head, pack_dtype other than int32, per-module overrides;
+- `awq` (4 bits, the GEMM layout, with zero points). Refused: GEMV, GEMV-fast, Marlin and
+  ExLlama versions, no zero points.
+Every other quant_method (bitsandbytes, hqq, eetq, mxfp4, torchao, quark, exl2/exl3, marlin,
+aqlm, vptq, higgs, fbgemm_fp8, modelopt, ...) is refused by name.
 `quantization="fp8"` on an unquantized checkpoint quantizes it at load (online FP8).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
+from kvbatch.engine.quant.ct_config import block_size, read_compressed_tensors
 from kvbatch.engine.quant.scheme import (
     WNA16,
     Fp8BlockW8A8,
     Fp8W8A8,
-    Int8W8A8,
     LayerRule,
-    LinearScheme,
     QuantConfig,
+    UnsupportedQuantization,
 )
+
+__all__ = ["SUPPORTED", "UnsupportedQuantization", "detect_quantization"]
 
 SUPPORTED = (
     "compressed-tensors (float-quantized FP8 incl. block-wise, int-quantized INT8 W8A8, "
-    "pack-quantized 4/8-bit weight-only), fp8 (incl. weight_block_size), gptq (4/8-bit), "
-    "awq (4-bit GEMM)"
+    "pack-quantized 4/8-bit weight-only; FP8 per-tensor kv_cache_scheme), fp8 (incl. "
+    "weight_block_size), gptq (4/8-bit, gptq/gptq_v2 format), awq (4-bit GEMM)"
 )
 ONLINE_METHODS = ("fp8",)
 _DEFAULT_IGNORE = ("lm_head",)  # never quantized by our loader unless a rule names it
-
-
-class UnsupportedQuantization(ValueError):
-    """A checkpoint (or a `quantization=` choice) the engine cannot run correctly."""
 
 
 def detect_quantization(
@@ -53,13 +62,8 @@ def detect_quantization(
     if not isinstance(qc, Mapping):
         raise UnsupportedQuantization(f"config.json's quantization_config is not an object: {qc!r}")
     method = str(qc.get("quant_method", "")).lower()
-    if quantization is not None and quantization not in (method, None):
-        raise UnsupportedQuantization(
-            f"quantization={quantization!r} was asked for, but the checkpoint is already "
-            f"quantized with {method!r}: drop the quantization option to use its own weights"
-        )
     readers = {
-        "compressed-tensors": _compressed_tensors,
+        "compressed-tensors": read_compressed_tensors,
         "fp8": _fp8,
         "gptq": _gptq,
         "awq": _awq,
@@ -68,7 +72,15 @@ def detect_quantization(
         raise UnsupportedQuantization(
             f"quantization method {method or 'unnamed'!r} is not supported; supported: {SUPPORTED}"
         )
-    return readers[method](qc)
+    quant = readers[method](qc)
+    if quant is None:  # nothing quantized after all (e.g. compressed-tensors' dense sparsity)
+        return _online(quantization)
+    if quantization is not None and quantization != method:
+        raise UnsupportedQuantization(
+            f"quantization={quantization!r} was asked for, but the checkpoint is already "
+            f"quantized with {method!r}: drop the quantization option to use its own weights"
+        )
+    return quant
 
 
 def _online(quantization: str | None) -> QuantConfig | None:
@@ -81,146 +93,6 @@ def _online(quantization: str | None) -> QuantConfig | None:
         )
     rule = LayerRule(("Linear",), Fp8W8A8(per_channel_weights=True, static_input_scale=False))
     return QuantConfig("fp8", "online-fp8", (rule,), ignore=_DEFAULT_IGNORE)
-
-
-def _compressed_tensors(qc: Mapping) -> QuantConfig:
-    groups = qc.get("config_groups") or {}
-    if not groups:
-        raise UnsupportedQuantization("compressed-tensors quantization_config has no config_groups")
-    if qc.get("sparsity_config"):
-        raise UnsupportedQuantization(
-            "compressed-tensors sparsity (sparsity_config) is not supported; supported: "
-            f"{SUPPORTED}"
-        )
-    status = qc.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise UnsupportedQuantization(
-            f"compressed-tensors quantization_status {status!r} is not supported: save the "
-            "model compressed (llm-compressor's save_compressed=True)"
-        )
-    rules = []
-    for name, group in groups.items():
-        fmt = group.get("format") or qc.get("format")
-        scheme = _ct_scheme(name, fmt, group.get("weights"), group.get("input_activations"))
-        if group.get("output_activations"):
-            raise UnsupportedQuantization(
-                f"compressed-tensors group {name!r}: output activation quantization is not "
-                "supported"
-            )
-        rules.append(LayerRule(tuple(group.get("targets") or ()), scheme))
-    return QuantConfig(
-        "compressed-tensors",
-        "compressed-tensors",
-        tuple(rules),
-        ignore=tuple(qc.get("ignore") or ()),
-        kv_cache_scheme=qc.get("kv_cache_scheme"),
-    )
-
-
-_CT_SUPPORTED = (
-    "float-quantized 8-bit float weights (tensor/channel) with static tensor or dynamic token "
-    "activations, or by [bn, bk] blocks with dynamic activations by groups of bk; int-quantized 8-bit symmetric channel weights with dynamic token "
-    "activations; pack-quantized 4/8-bit int weights (group/channel) without activation "
-    "quantization"
-)
-
-
-def _ct_scheme(name: str, fmt: str | None, weights, inputs) -> LinearScheme:
-    def unsupported(why: str) -> UnsupportedQuantization:
-        return UnsupportedQuantization(
-            f"compressed-tensors group {name!r} (format {fmt!r}): {why}; supported: {_CT_SUPPORTED}"
-        )
-
-    if not weights:
-        raise unsupported("no weight quantization")
-    w_type, w_bits, w_strategy = (
-        weights.get("type"),
-        weights.get("num_bits"),
-        weights.get("strategy"),
-    )
-    if weights.get("dynamic"):
-        raise unsupported("dynamic weight quantization")
-    if fmt == "float-quantized" and w_strategy == "block":
-        return _ct_block_scheme(weights, inputs, unsupported)
-    if fmt == "float-quantized":
-        if (w_type, w_bits) != ("float", 8) or w_strategy not in ("tensor", "channel"):
-            raise unsupported(f"{w_bits}-bit {w_type} weights by {w_strategy}")
-        if inputs is None:
-            raise unsupported("FP8 weights without activation quantization (FP8 weight-only)")
-        if (inputs.get("type"), inputs.get("num_bits")) != ("float", 8):
-            raise unsupported(f"{inputs.get('num_bits')}-bit {inputs.get('type')} activations")
-        static = _activation_kind(inputs, unsupported)
-        return Fp8W8A8(per_channel_weights=w_strategy == "channel", static_input_scale=static)
-    if fmt == "int-quantized":
-        ok = (w_type, w_bits, w_strategy) == ("int", 8, "channel") and weights.get("symmetric")
-        if not ok:
-            raise unsupported(f"{w_bits}-bit {w_type} weights by {w_strategy}")
-        if inputs is None or (inputs.get("type"), inputs.get("num_bits")) != ("int", 8):
-            raise unsupported("int weights without 8-bit int activations")
-        if _activation_kind(inputs, unsupported) or not inputs.get("symmetric", True):
-            raise unsupported("static or asymmetric int8 activations")
-        return Int8W8A8()
-    if fmt == "pack-quantized":
-        if w_type != "int" or w_bits not in (4, 8) or w_strategy not in ("group", "channel"):
-            raise unsupported(f"{w_bits}-bit {w_type} weights by {w_strategy}")
-        if inputs is not None:
-            raise unsupported("activation quantization with packed weights")
-        actorder = weights.get("actorder")
-        if actorder not in (None, "group", "weight", False):
-            raise unsupported(f"actorder {actorder!r}")
-        return WNA16(
-            bits=w_bits,
-            group_size=weights.get("group_size") if w_strategy == "group" else None,
-            symmetric=bool(weights.get("symmetric", True)),
-            act_order=actorder == "group",
-        )
-    raise unsupported("this format is not supported")
-
-
-def _ct_block_scheme(weights, inputs, unsupported) -> Fp8BlockW8A8:
-    """FP8_BLOCK: symmetric FP8 weights by [bn, bk] blocks, FP8 activations dynamic per group
-    of bk along K (the group a K block of the GEMM needs: one activation scale per row)."""
-    if (weights.get("type"), weights.get("num_bits")) != ("float", 8) or not weights.get(
-        "symmetric", True
-    ):
-        raise unsupported(f"{weights.get('num_bits')}-bit {weights.get('type')} block weights")
-    block_n, block_k = _block_size(weights.get("block_structure"), unsupported)
-    if inputs is None:
-        raise unsupported("block FP8 weights without activation quantization (weight-only)")
-    kind = (inputs.get("type"), inputs.get("num_bits"), inputs.get("strategy"))
-    if kind != ("float", 8, "group") or inputs.get("dynamic") is not True:
-        raise unsupported(
-            f"block FP8 weights with {'dynamic' if inputs.get('dynamic') else 'static'} "
-            f"{inputs.get('num_bits')}-bit {inputs.get('type')} activations by "
-            f"{inputs.get('strategy')}"
-        )
-    if inputs.get("group_size") != block_k or not inputs.get("symmetric", True):
-        raise unsupported(
-            f"activation groups of {inputs.get('group_size')} with weight blocks of "
-            f"[{block_n}, {block_k}] (symmetric groups of the block's K, {block_k}, are)"
-        )
-    return Fp8BlockW8A8(block_n, block_k)
-
-
-def _block_size(block, unsupported) -> tuple[int, int]:
-    ok = (
-        isinstance(block, list | tuple)
-        and len(block) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in block)
-    )
-    if not ok:
-        raise unsupported(f"weight block size {block!r} (two positive integers [bn, bk] are)")
-    return int(block[0]), int(block[1])
-
-
-def _activation_kind(inputs, unsupported) -> bool:
-    """True for a static per-tensor scale, False for dynamic per-token scales."""
-    strategy, dynamic = inputs.get("strategy"), inputs.get("dynamic")
-    if strategy == "token" and dynamic is True:
-        return False
-    if strategy == "tensor" and dynamic is False:
-        return True
-    raise unsupported(f"{'dynamic' if dynamic else 'static'} activations by {strategy}")
 
 
 def _fp8(qc: Mapping) -> QuantConfig:
@@ -238,7 +110,7 @@ def _fp8(qc: Mapping) -> QuantConfig:
     else:
         # per_channel_weights is only a default: the loader reads the scale's shape
         scheme = Fp8W8A8(per_channel_weights=False, static_input_scale=act == "static")
-    ignore = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
+    ignore = tuple(qc.get("ignored_layers") or ()) + tuple(qc.get("modules_to_not_convert") or ())
     return QuantConfig(
         "fp8", "fp8", (LayerRule(("Linear",), scheme),), ignore=ignore + ("lm_head",)
     )
@@ -253,7 +125,7 @@ def _fp8_block_scheme(block, act: str) -> Fp8BlockW8A8:
 
     if act != "dynamic":
         raise unsupported(f"activation_scheme {act!r}")
-    return Fp8BlockW8A8(*_block_size(block, unsupported))
+    return Fp8BlockW8A8(*block_size(block, unsupported))
 
 
 def _gptq(qc: Mapping) -> QuantConfig:
@@ -262,13 +134,25 @@ def _gptq(qc: Mapping) -> QuantConfig:
         raise UnsupportedQuantization(
             f"gptq with {bits}-bit weights is not supported; supported: 4 and 8 bits"
         )
-    fmt = qc.get("checkpoint_format", "gptq")
+    fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
+    if qc.get("is_marlin_format"):  # AutoGPTQ's flag for its Marlin-repacked checkpoints
+        fmt = "marlin"
     if fmt not in ("gptq", "gptq_v2"):
         raise UnsupportedQuantization(
             f"gptq checkpoint_format {fmt!r} is not supported; supported: gptq, gptq_v2"
         )
     if qc.get("dynamic"):
         raise UnsupportedQuantization("gptq per-module overrides ('dynamic') are not supported")
+    if qc.get("lm_head"):
+        raise UnsupportedQuantization(
+            "gptq with a quantized lm_head (lm_head: true) is not supported; supported: "
+            "lm_head in float"
+        )
+    pack_dtype = str(qc.get("pack_dtype") or "int32").removeprefix("torch.")
+    if pack_dtype != "int32":
+        raise UnsupportedQuantization(
+            f"gptq pack_dtype {pack_dtype!r} is not supported; supported: int32"
+        )
     scheme = WNA16(
         bits=bits,
         group_size=None if group in (-1, None) else int(group),
@@ -279,9 +163,19 @@ def _gptq(qc: Mapping) -> QuantConfig:
     return QuantConfig(
         "gptq",
         "gptq_v2" if fmt == "gptq_v2" else "gptq",
-        (LayerRule(("Linear",), scheme),),
+        (LayerRule(_gptq_targets(qc), scheme),),
         ignore=ignore,
     )
+
+
+def _gptq_targets(qc: Mapping) -> tuple[str, ...]:
+    """Every linear layer, or only those `modules_in_block_to_quantize` names (optimum's list
+    of lists of names inside each decoder layer, e.g. "self_attn.q_proj")."""
+    blocks = qc.get("modules_in_block_to_quantize")
+    if not blocks:
+        return ("Linear",)
+    names = [n for block in blocks for n in ([block] if isinstance(block, str) else block)]
+    return tuple(f"re:.*\\.layers\\.\\d+\\.{re.escape(n)}$" for n in names)
 
 
 def _awq(qc: Mapping) -> QuantConfig:

@@ -122,7 +122,7 @@ def _stack(
     if kind is WNA16Linear:
         return _stack_wna16(block, proj, parts)
     if kind in (Fp8Linear, Int8Linear):
-        return _stack_scaled(parts)
+        return _stack_scaled(block, proj, parts)
     if kind is Fp8BlockLinear:
         return _stack_blocks(block, proj, parts)
     raise ValueError(f"{block}: no stacked layout for {kind.__name__} experts")
@@ -166,7 +166,13 @@ def _stack_wna16(block: str, proj: str, parts: list[tuple[WNA16Linear, ...]]) ->
     )
 
 
-def _stack_scaled(parts: list[tuple[QuantLinear, ...]]) -> W8A8Experts:
+def _stack_scaled(block: str, proj: str, parts: list[tuple[QuantLinear, ...]]) -> W8A8Experts:
+    static = {getattr(x, "input_scale", None) is not None for layers in parts for x in layers}
+    if len(static) != 1:
+        raise ValueError(
+            f"{block}: the experts' {proj} projections mix static and dynamic activation "
+            "scales (some have input_scale, some not); one fused GEMM takes one kind"
+        )
     weight = torch.stack([torch.cat([x.weight for x in layers]) for layers in parts])
     scale = torch.stack(
         [

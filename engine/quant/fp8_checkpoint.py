@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from kvbatch.engine.quant.compressed_tensors import block_fp8_linear, channel_scale
+from kvbatch.engine.quant.compressed_tensors import (
+    block_fp8_linear,
+    channel_scale,
+    static_input_scale,
+)
 from kvbatch.engine.quant.layer_tensors import LayerTensors
 from kvbatch.engine.quant.linear import Fp8BlockLinear, Fp8Linear
 from kvbatch.engine.quant.qdq import FP8_DTYPE, quantize_fp8_per_channel
@@ -28,9 +32,7 @@ def load_fp8_linear(
         return block_fp8_linear(t, scheme, "weight_scale_inv", dtype)
     t.expect(["weight", "weight_scale"] + (["input_scale"] if scheme.static_input_scale else []))
     weight = t.get("weight", (FP8_DTYPE,))
-    input_scale = None
-    if scheme.static_input_scale:
-        input_scale = t.get("input_scale").float().reshape(1, 1)
+    input_scale = static_input_scale(t) if scheme.static_input_scale else None
     bias = t.optional("bias")
     return Fp8Linear(
         weight,

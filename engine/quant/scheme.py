@@ -23,6 +23,10 @@ import re
 from dataclasses import dataclass, field
 
 
+class UnsupportedQuantization(ValueError):
+    """A checkpoint (or a `quantization=` choice) the engine cannot run correctly."""
+
+
 @dataclass(frozen=True)
 class Fp8W8A8:
     per_channel_weights: bool = True  # False: one scale for the whole weight
@@ -77,11 +81,12 @@ class LayerRule:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """The quantization of one checkpoint: its method and format, a scheme per layer (rules in
-    order, the first match wins), and the layers kept in float (`ignore`, same target syntax).
+    """The quantization of one checkpoint: its method and format, a scheme per layer (rules;
+    a layer several match takes its most specific target's, see scheme_for), and the layers
+    kept in float (`ignore`, same target syntax).
 
-    `kv_cache_scheme` is the checkpoint's KV-cache quantization as written (or None), for the
-    KV cache to read."""
+    `kv_cache_scheme` is the checkpoint's KV-cache quantization (compressed-tensors'
+    QuantizationArgs with its defaults filled in, or None), for the KV cache (kv_cache.py)."""
 
     method: str  # "compressed-tensors", "fp8", "gptq", "awq" (as config.json names it)
     format: str  # one of FORMATS: how the tensors are laid out on disk
@@ -91,13 +96,25 @@ class QuantConfig:
 
     def scheme_for(self, layer: str) -> LinearScheme | None:
         """The scheme of the nn.Linear named `layer` (e.g. "model.layers.0.mlp.up_proj"), or
-        None when it stays in float."""
+        None when it stays in float.
+
+        A layer several rules match gets the scheme of its most specific target, as
+        compressed-tensors picks it: a layer name before a "re:" pattern before the class
+        "Linear", ties broken by the target's text; a target repeated in a later rule takes
+        that rule's scheme."""
         if any(_matches(t, layer) for t in self.ignore):
             return None
-        for rule in self.rules:
-            if any(_matches(t, layer) for t in rule.targets):
-                return rule.scheme
-        return None
+        by_target = {t: rule.scheme for rule in self.rules for t in rule.targets}
+        matched = [t for t in by_target if _matches(t, layer)]
+        if not matched:
+            return None
+        return by_target[min(matched, key=_specificity)]
+
+
+def _specificity(target: str) -> tuple[int, str]:
+    if target == "Linear":
+        return 2, target
+    return (1 if target.startswith("re:") else 0), target
 
 
 def _matches(target: str, layer: str) -> bool:

@@ -89,14 +89,16 @@ def build_ct_checkpoint(
     seed: int = 0,
     ignore: tuple[str, ...] = ("lm_head",),
     config=None,
+    more_groups: dict[str, list[str]] | None = None,
 ) -> Path:
     """Save a tiny random Llama (llama-gqa's shape, or `config`) quantized with `scheme` (see
-    SCHEMES) as compressed-tensors writes it; the layers in `ignore` stay in float."""
+    SCHEMES) as compressed-tensors writes it; the layers in `ignore` stay in float;
+    `more_groups` adds groups {scheme: targets} after it (the library picks a layer's group)."""
     config = tiny_config("llama-gqa") if config is None else config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize_weights(model, seed)
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
-    return quantize_and_save(model, scheme, path, seed, ignore)
+    return quantize_and_save(model, scheme, path, seed, ignore, more_groups=more_groups)
 
 
 def quantize_and_save(
@@ -106,11 +108,15 @@ def quantize_and_save(
     seed: int = 0,
     ignore: tuple[str, ...] = ("lm_head",),
     before_compressing: Callable[[torch.nn.Module], None] | None = None,
+    more_groups: dict[str, list[str]] | None = None,
 ) -> Path:
-    """Quantize a transformers model in place with `scheme` and save it compressed;
-    `before_compressing` sees the calibrated, frozen (fake-quantizing) model."""
-    group = QuantizationScheme(targets=["Linear"], **{**SCHEMES, **WIDE_SCHEMES}[scheme])
-    config = QuantizationConfig(config_groups={"group_0": group}, ignore=list(ignore))
+    """Quantize a transformers model in place with `scheme` (and `more_groups`) and save it
+    compressed; `before_compressing` sees the calibrated, frozen (fake-quantizing) model."""
+    schemes = {**SCHEMES, **WIDE_SCHEMES}
+    groups = {"group_0": QuantizationScheme(targets=["Linear"], **schemes[scheme])}
+    for i, (name, targets) in enumerate((more_groups or {}).items(), start=1):
+        groups[f"group_{i}"] = QuantizationScheme(targets=targets, **schemes[name])
+    config = QuantizationConfig(config_groups=groups, ignore=list(ignore))
     apply_quantization_config(model, config)
     _calibrate(model, seed)
     for module in model.modules():

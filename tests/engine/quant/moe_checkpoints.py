@@ -114,16 +114,19 @@ def linearized_moe_model(kind: str, seed: int = 0) -> nn.Module:
     return linearize_experts(model, kind)
 
 
-def build_moe_ct_checkpoint(kind: str, scheme: str, path: Path, seed: int = 0):
-    """Save a tiny random `kind` MoE model quantized with `scheme` (ct_checkpoints.SCHEMES)
-    as compressed-tensors writes it; returns (path, reference model)."""
+def build_moe_ct_checkpoint(
+    kind: str, scheme: str, path: Path, seed: int = 0, more_groups: dict | None = None
+):
+    """Save a tiny random `kind` MoE model quantized with `scheme` (ct_checkpoints.SCHEMES,
+    plus `more_groups` {scheme: targets}) as compressed-tensors writes it; returns (path,
+    reference model)."""
     model = linearized_moe_model(kind, seed)
     holder: dict[str, nn.Module] = {}
 
     def keep_reference(frozen: nn.Module) -> None:
         holder["reference"] = copy.deepcopy(frozen).eval()
 
-    quantize_and_save(model, scheme, path, seed, IGNORE, before_compressing=keep_reference)
+    quantize_and_save(model, scheme, path, seed, IGNORE, keep_reference, more_groups=more_groups)
     return Path(path), holder["reference"]
 
 

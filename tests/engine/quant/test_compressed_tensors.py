@@ -112,3 +112,21 @@ def test_the_startup_log_names_the_method_and_weight_size(ct_checkpoints, caplog
         llm = LLM(model=str(ct_checkpoints("fp8-dynamic")), device="cpu", num_kv_blocks=64)
     mib = llm.stats().weight_bytes / (1 << 20)
     assert f"weights: {mib:.1f} MiB (quantized: compressed-tensors)" in caplog.text
+
+
+def test_a_layer_two_groups_target_gets_the_most_specific_ones_scheme(tmp_path):
+    """group_0 targets "Linear" (4-bit packed), group_1 "re:...down_proj$" (FP8 W8A8): the
+    library quantizes down_proj with the pattern's scheme and saves a mixed-precision
+    checkpoint; the engine picks the same scheme per layer and gives transformers' logits."""
+    path = build_ct_checkpoint(
+        "w4a16", tmp_path / "ckpt", more_groups={"fp8-dynamic": [r"re:.*mlp\.down_proj$"]}
+    )
+    loaded = load_model(path, torch.float32, torch.device("cpu"))
+    for layer in loaded.model.model.layers:
+        assert isinstance(layer.mlp.down_proj, Fp8Linear)
+        assert isinstance(layer.mlp.up_proj, WNA16Linear)
+        assert isinstance(layer.self_attn.o_proj, WNA16Linear)
+    ids = prompt(45, seed=4)
+    with torch.no_grad():
+        ref = reference_model(path)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill_logits(loaded.model, ids, 16), ref, atol=1e-4, rtol=0)

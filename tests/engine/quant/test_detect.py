@@ -4,6 +4,7 @@ and what is supported, before any weight is read."""
 from __future__ import annotations
 
 import pytest
+from transformers.utils.quantization_config import QuantizationMethod
 
 from kvbatch.engine.quant.detect import (
     ONLINE_METHODS,
@@ -93,7 +94,7 @@ def test_ignore_keeps_layers_in_float():
 def test_the_kv_cache_scheme_is_kept_for_the_kv_cache():
     kv = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False}
     quant = detect_quantization(ct_config("float-quantized", FP8_W, FP8_TOKEN, kv_cache_scheme=kv))
-    assert quant.kv_cache_scheme == kv
+    assert quant.kv_cache_scheme.items() >= {**kv, "symmetric": True}.items()
 
 
 @pytest.mark.parametrize(
@@ -135,7 +136,7 @@ def test_the_kv_cache_scheme_is_kept_for_the_kv_cache():
         (ct_config("nvfp4-pack-quantized", W4), "format 'nvfp4-pack-quantized'"),
         (ct_config("float-quantized", FP8_W), "FP8 weight-only"),
         (ct_config("float-quantized", {**FP8_W, "strategy": "group"}, FP8_TOKEN), "by group"),
-        (ct_config("int-quantized", INT8_W, None), "int weights without"),
+        (ct_config("int-quantized", INT8_W, None), "int8 weights without"),
         (ct_config("pack-quantized", {**W4, "num_bits": 2}), "2-bit int"),
         (ct_config("pack-quantized", W4, FP8_TOKEN), "activation quantization with packed"),
     ],
@@ -163,3 +164,89 @@ def test_online_quantization_of_a_quantized_checkpoint_is_refused():
 def test_the_command_line_offers_the_engines_online_methods():
     """engine_args keeps its own copy (it imports no torch); the two must agree."""
     assert QUANTIZATION_CHOICES == ONLINE_METHODS
+
+
+OWN_READERS = {"compressed-tensors", "fp8", "gptq", "awq"}
+
+
+@pytest.mark.parametrize(
+    "method", sorted(m.value for m in QuantizationMethod if m.value not in OWN_READERS)
+)
+def test_every_other_method_transformers_knows_is_refused_by_name(method):
+    """bitsandbytes 4/8-bit, hqq, eetq, mxfp4 (gpt-oss), torchao, quark, aqlm, vptq, higgs,
+    fbgemm_fp8, ... each as transformers names it in quant_method."""
+    config = {"quantization_config": {"quant_method": method, "bits": 4, "load_in_4bit": True}}
+    with pytest.raises(UnsupportedQuantization, match=f"method {method!r} is not supported"):
+        detect_quantization(config)
+
+
+@pytest.mark.parametrize("method", ["exl2", "exl3", "marlin", "modelopt"])
+def test_methods_other_tools_write_are_refused_by_name(method):
+    with pytest.raises(UnsupportedQuantization, match=f"method {method!r} is not supported"):
+        detect_quantization({"quantization_config": {"quant_method": method}})
+
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+        ({"is_marlin_format": True}, "checkpoint_format 'marlin'"),  # AutoGPTQ's flag
+        ({"format": "bitblas"}, "checkpoint_format 'bitblas'"),  # GPTQModel's key
+        ({"bits": 2}, "2-bit"),
+        ({"bits": 3}, "3-bit"),
+        ({"lm_head": True}, "quantized lm_head"),
+        ({"pack_dtype": "int16"}, "pack_dtype 'int16'"),
+        ({"dynamic": {"-:.*down_proj": {}}}, "per-module overrides"),
+    ],
+)
+def test_gptq_variants_the_engine_cannot_run_are_refused(extra, message):
+    with pytest.raises(UnsupportedQuantization, match="supported") as info:
+        detect_quantization({"quantization_config": {**GPTQ, **extra}})
+    assert message in str(info.value)
+
+
+def test_gptq_variants_that_run():
+    v2 = detect_quantization({"quantization_config": {**GPTQ, "format": "gptq_v2", "sym": False}})
+    assert v2.format == "gptq_v2"
+    assert v2.scheme_for("model.layers.0.mlp.up_proj") == WNA16(4, 128, symmetric=False)
+    some = detect_quantization(
+        {
+            "quantization_config": {
+                **GPTQ,
+                "modules_in_block_to_quantize": [["self_attn.q_proj"], ["mlp.down_proj"]],
+            }
+        }
+    )
+    assert some.scheme_for("model.layers.3.self_attn.q_proj") == WNA16(4, 128, True)
+    assert some.scheme_for("model.layers.3.mlp.down_proj") is not None
+    assert some.scheme_for("model.layers.3.self_attn.k_proj") is None  # left in float
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"version": "gemv"}, "'gemv'"),
+        ({"version": "gemv_fast"}, "'gemv_fast'"),
+        ({"version": "marlin"}, "'marlin'"),
+        ({"version": "exllama"}, "'exllama'"),
+        ({"zero_point": False}, "without zero points"),
+        ({"bits": 8}, "8-bit"),
+    ],
+)
+def test_awq_variants_the_engine_cannot_run_are_refused(extra, message):
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
+    with pytest.raises(UnsupportedQuantization) as info:
+        detect_quantization({"quantization_config": {**awq, "version": "gemm", **extra}})
+    assert message in str(info.value)
+
+
+def test_awq_modules_to_not_convert_stay_in_float():
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "GEMM"}
+    quant = detect_quantization(
+        {"quantization_config": {**awq, "modules_to_not_convert": ["mlp.gate"]}}
+    )
+    assert quant.scheme_for("model.layers.0.mlp.gate") is None
+    assert quant.scheme_for("model.layers.0.mlp.gate_proj") == WNA16(4, 128, symmetric=False)

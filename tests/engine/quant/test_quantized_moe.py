@@ -26,7 +26,7 @@ from kvbatch.kernels.moe_weights import Fp8BlockExperts, W8A8Experts, WNA16Exper
 from tests.engine.core.test_llm import random_prompts, tokens
 from tests.engine.exec.padded_graphs import padded_graph_tokens
 from tests.engine.model.test_model import prefill_logits
-from tests.engine.quant.moe_checkpoints import save_float_moe
+from tests.engine.quant.moe_checkpoints import build_moe_ct_checkpoint, save_float_moe
 from tests.engine.quant.wna16_checkpoints import build_wna16_checkpoint
 from tests.reference import hf_greedy, hf_logits
 
@@ -175,6 +175,19 @@ def test_experts_half_quantized_are_refused(moe_ct_checkpoints, tmp_path):
         load(folder)
 
 
+def test_an_expert_quantized_unlike_the_others_is_refused(tmp_path):
+    """One expert's down_proj in 8 bits, the others' in 4 (a second group compressed-tensors
+    gives it): one stacked GEMM cannot run both, and the layer is named."""
+    path, _ = build_moe_ct_checkpoint(
+        "qwen3-moe",
+        "w4a16",
+        tmp_path / "ckpt",
+        more_groups={"w8a16": [r"re:.*experts\.0\.down_proj$"]},
+    )
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp.*down projections differ in bits"):
+        load_model(path, torch.float32, CPU)
+
+
 def test_quantized_experts_without_a_config_are_refused(moe_ct_checkpoints, tmp_path):
     path, _ = moe_ct_checkpoints("qwen3-moe", "fp8-dynamic")
     folder = _copy(path, tmp_path)
@@ -236,6 +249,13 @@ def test_stacking_refuses_what_one_gemm_cannot_run():
     # gate's and up's static input scales differ here: the larger is kept (nothing clips)
     assert stacked.gate_up_proj.input_scale.tolist() == [0.5, 0.5]
     assert stacked.gate_up_proj.weight_scale.shape == (2, 2 * n, 1)
+
+    def half_static(e, proj):  # expert 1 calibrated static input scales, expert 0 dynamic
+        layer = static_fp8(e, proj)
+        return layer if e == 1 else Fp8Linear(layer.weight, layer.weight_scale, None, None)
+
+    with pytest.raises(ValueError, match="mix static and dynamic activation scales"):
+        stack_quantized_experts("model.layers.0.mlp", 2, half_static)
 
 
 def test_block_fp8_gate_and_up_stack_only_on_whole_blocks():

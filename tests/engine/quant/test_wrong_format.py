@@ -10,12 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.quant.detect import UnsupportedQuantization
 from kvbatch.engine.quant.layer_tensors import CheckpointFormatError
-from tests.engine.quant.ct_checkpoints import build_ct_checkpoint
+from tests.engine.model.test_model import prefill_logits
+from tests.engine.quant.ct_checkpoints import build_ct_checkpoint, reference_model
 from tests.engine.quant.wna16_checkpoints import build_wna16_checkpoint
+from tests.tiny_models import tiny_config
 
 CT = "compressed-tensors"
 
@@ -124,7 +127,86 @@ def test_awq_tensors_without_g_idx_read_as_gptq_by_shape_fail(gptq_and_awq, tmp_
         load(path)
 
 
-def test_a_quantized_lm_head_is_refused(tmp_path):
-    path = build_ct_checkpoint("w8a16", tmp_path / "ckpt", ignore=())
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3"])  # qwen3: tie_word_embeddings
+def test_a_quantized_lm_head_is_refused(tmp_path, kind):
+    path = build_ct_checkpoint("w8a16", tmp_path / "ckpt", ignore=(), config=tiny_config(kind))
     with pytest.raises(UnsupportedQuantization, match="lm_head is quantized .*weight_packed"):
+        load(path)
+
+
+def test_a_tied_checkpoint_with_its_lm_head_in_float_matches_transformers(tmp_path):
+    path = build_ct_checkpoint("w4a16", tmp_path / "ckpt", config=tiny_config("qwen3"))
+    loaded = load(path)
+    assert loaded.config.tie_word_embeddings
+    ids = list(range(5, 40))
+    with torch.no_grad():
+        ref = reference_model(path)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill_logits(loaded.model, ids, 16), ref, atol=1e-4, rtol=0)
+
+
+def with_tensors(src: Path, dst: Path, change) -> Path:
+    """A copy of checkpoint `src` whose state dict `change(state)` edits in place."""
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    change(state)
+    state = {k: v.contiguous() for k, v in state.items()}
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize(
+    "scheme, change, message",
+    [
+        ("w4a16", lambda s: s.pop(f"{Q}.weight_scale"), "missing weight_scale"),
+        (
+            "fp8-dynamic",
+            lambda s: s.update({f"{Q}.weight": s[f"{Q}.weight"].to(torch.bfloat16)}),
+            "weight is bfloat16, not float8_e4m3fn",
+        ),
+        (
+            "w4a16",
+            lambda s: s.update({f"{Q}.weight_packed": s[f"{Q}.weight_packed"][:, :-1]}),
+            "weight_packed has shape",
+        ),
+        (
+            "fp8-static",
+            lambda s: s.update({f"{Q}.input_scale": torch.ones(64)}),
+            "input_scale has shape (64,); a static activation scale is one value",
+        ),
+        (
+            "int8-w8a8",
+            lambda s: s.update({f"{Q}.weight_scale": s[f"{Q}.weight_scale"][:32]}),
+            "weight_scale has shape (32, 1)",
+        ),
+    ],
+)
+def test_tensors_that_contradict_the_config_are_named(
+    ct_checkpoints, tmp_path, scheme, change, message
+):
+    path = with_tensors(ct_checkpoints(scheme), tmp_path / "ckpt", change)
+    with pytest.raises(CheckpointFormatError, match=f"layer {Q} is not a {CT} layer") as info:
+        load(path)
+    assert message in str(info.value)
+
+
+def test_attention_quantization_left_in_the_checkpoint_is_refused(ct_checkpoints, tmp_path):
+    """A query scale (attention quantization a "re:" target reached) is not dropped."""
+
+    def add(state):
+        state["model.layers.0.self_attn.q_scale"] = torch.tensor([0.5])
+
+    path = with_tensors(ct_checkpoints("fp8-dynamic"), tmp_path / "ckpt", add)
+    with pytest.raises(CheckpointFormatError, match="self_attn.q_scale"):
+        load(path)
+
+
+def test_a_quantized_embedding_is_refused(tmp_path):
+    """compressed-tensors quantizes an Embedding a "re:" target reaches; the engine does not."""
+    path = build_ct_checkpoint(
+        "w8a16", tmp_path / "ckpt", more_groups={"w8a16": [r"re:.*embed_tokens$"]}
+    )
+    with pytest.raises(UnsupportedQuantization, match="model.embed_tokens is quantized"):
         load(path)
