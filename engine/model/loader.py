@@ -33,6 +33,13 @@ log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")  # a quantized KV cache's, kept for the KV cache
+LEGACY_KV_SCALES = {
+    ".kv_scale": (".k_scale", ".v_scale"),  # AutoFP8: one scale for K and V
+    ".k_proj.output_scale": (".k_scale",),  # llm-compressor before the attention's own names
+    ".v_proj.output_scale": (".v_scale",),
+}
+"""Older writers' names for the KV-cache scales, and the names they stand for (vLLM reads them
+the same way)."""
 
 
 @dataclass
@@ -81,7 +88,7 @@ def load_model(
         state_dict = {
             k if k.startswith("model.") else f"model.{k}": v for k, v in state_dict.items()
         }
-    kv_scales = {k: state_dict.pop(k) for k in list(state_dict) if k.endswith(KV_SCALE_SUFFIXES)}
+    kv_scales = _pop_kv_scales(state_dict)
     if cfg.architecture in PHI3_ARCHITECTURES:
         state_dict = split_fused_projections(
             state_dict,
@@ -99,6 +106,23 @@ def load_model(
     return LoadedModel(
         cfg, model, tokenizer, tuple(dict.fromkeys(eos)), quant, weight_bytes(model), kv_scales
     )
+
+
+def _pop_kv_scales(state_dict: dict) -> dict:
+    """The KV-cache scales, under the attention's names (`...self_attn.k_scale`), taken out of
+    the weights; older writers' names are renamed."""
+    scales = {}
+    for name in list(state_dict):
+        if name.endswith(KV_SCALE_SUFFIXES):
+            scales[name] = state_dict.pop(name)
+            continue
+        for old, new_suffixes in LEGACY_KV_SCALES.items():
+            if name.endswith(old):
+                tensor = state_dict.pop(name)
+                for suffix in new_suffixes:
+                    scales.setdefault(name.removesuffix(old) + suffix, tensor)
+                break
+    return scales
 
 
 def _build(
@@ -123,7 +147,7 @@ def _build(
         quantize_experts_online(model, state_dict, quant, device)
     reject_quantized_leftovers(state_dict, quant)  # before "missing": it names the cause
     owned = model.state_dict()
-    _reject_unused_biases(state_dict, owned)
+    _reject_unused_tensors(state_dict, owned)
     expected = {k for k, v in owned.items() if v.is_meta}
     missing = sorted(expected - set(state_dict))
     if missing:
@@ -136,17 +160,32 @@ def _build(
     return model.eval()
 
 
-def _reject_unused_biases(state_dict: dict, owned: dict) -> None:
-    """Biases no module takes mean the config leaves out a switch the weights need (Llama's
-    mlp_bias, an attention_bias): dropping them would load and answer wrongly."""
-    unused = sorted(k for k in state_dict if k.endswith(".bias") and k not in owned)
-    if unused:
-        shown = ", ".join(unused[:3]) + (" ..." if len(unused) > 3 else "")
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+"""Tensors some checkpoints carry that the forward recomputes (old Llama files' RoPE buffers)."""
+
+
+def _reject_unused_tensors(state_dict: dict, owned: dict) -> None:
+    """A tensor no module takes means config.json does not describe the weights: biases its
+    switches leave out (Llama's mlp_bias, an attention_bias), layers past num_hidden_layers,
+    modules of a feature kvbatch lacks. Dropping them would load and answer wrongly, so the
+    load fails naming them (vLLM's loaders refuse a name they have no parameter for, too)."""
+    unused = sorted(
+        k for k in state_dict if k not in owned and not k.endswith(IGNORED_TENSOR_SUFFIXES)
+    )
+    if not unused:
+        return
+    shown = ", ".join(unused[:3]) + (" ..." if len(unused) > 3 else "")
+    if all(k.endswith(".bias") for k in unused):
         raise ValueError(
             f"checkpoint has {len(unused)} bias tensors the model built from config.json has "
             f"no place for ({shown}): config.json does not switch on the biases its weights "
             "have (attention_bias, mlp_bias), or the architecture does not use them"
         )
+    raise ValueError(
+        f"checkpoint has {len(unused)} tensors the model built from config.json has no place "
+        f"for ({shown}): config.json does not describe these weights (num_hidden_layers, or a "
+        "module of a feature kvbatch does not run); check that config.json belongs to them"
+    )
 
 
 def _config_dict(path: Path) -> dict | None:

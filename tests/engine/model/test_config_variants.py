@@ -273,3 +273,13 @@ def test_mlp_bias_on_an_architecture_without_it_is_named(tiny_models, tmp_path):
     path = with_config(tiny_models("qwen3"), tmp_path / "m", mlp_bias=True)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM checkpoint uses mlp_bias"):
         load(path)
+
+
+def test_layers_the_config_does_not_count_are_refused(tiny_models, tmp_path):
+    """A config.json with fewer layers than its weights (edited, or another model's) would load
+    the first layers and answer wrongly; the load names the layers left over."""
+    src = tiny_models("llama-gqa")
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    path = with_config(src, tmp_path / "m", num_hidden_layers=layers - 1)
+    with pytest.raises(ValueError, match=rf"tensors .*model\.layers\.{layers - 1}\..*num_hidden"):
+        load(path)

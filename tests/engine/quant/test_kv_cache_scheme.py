@@ -101,3 +101,23 @@ def test_schemes_an_fp8_cache_cannot_store_are_refused(loaded, scheme, words):
     assert words in str(info.value)
     # a float cache needs none of it
     assert apply_kv_cache_scales(loaded.model, loaded.kv_cache_scales, quant, torch.float32) == 0
+
+
+@pytest.mark.parametrize("legacy", ["kv_scale", "proj_output_scale"])
+def test_older_writers_kv_scale_names_reach_the_fp8_cache(ct_checkpoints, tmp_path, legacy):
+    """AutoFP8's one `self_attn.kv_scale` for K and V, and llm-compressor's older
+    `k_proj.output_scale` / `v_proj.output_scale`, as vLLM reads them (were dropped, then
+    refused as tensors without a place)."""
+    path = with_kv_scheme(ct_checkpoints("fp8-dynamic"), tmp_path / "c", FP8_KV)
+    state = load_file(str(path / "model.safetensors"))
+    for i in SCALES:
+        prefix = f"model.layers.{i}.self_attn."
+        k_scale, v_scale = state.pop(prefix + "k_scale"), state.pop(prefix + "v_scale")
+        if legacy == "kv_scale":
+            state[prefix + "kv_scale"] = k_scale
+        else:
+            state[prefix + "k_proj.output_scale"] = k_scale
+            state[prefix + "v_proj.output_scale"] = v_scale
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    expected = [KVScales(k, k if legacy == "kv_scale" else v) for k, v in (SCALES[0], SCALES[1])]
+    assert engine_scales(path, "fp8") == expected
