@@ -27,9 +27,9 @@ read them:
   default period 6.
 - Both Gemmas: query_pre_attn_scalar, which no file states. llama.cpp decides it by model size
   (src/llama-model.cpp, load_hparams for LLM_ARCH_GEMMA2 / LLM_ARCH_GEMMA3, after
-  gemma_pytorch's config.py): queries are scaled by 1 / sqrt(n_embd / n_head) (integer division) for the 27B
-  models, recognised by their layer count (Gemma 2: 46, Gemma 3: 62), and by
-  1 / sqrt(head_dim) (`attention.key_length`) for every other size. That is the runtime that
+  gemma_pytorch's config.py): queries are scaled by 1 / sqrt(n_embd / n_head) (integer
+  division) for the 27B models, recognised by their layer count (Gemma 2: 46, Gemma 3: 62), and
+  by 1 / sqrt(head_dim) (`attention.key_length`) for every other size. That is the runtime that
   defines how its files run, and it matches the Hugging Face configs: 144 = 4608 / 32 for
   Gemma 2 27B, 168 = 5376 / 32 for Gemma 3 27B, 256 = head_dim for the others (transformers
   assumes 256 everywhere).
@@ -214,14 +214,18 @@ def _gemma3(file: GgufFile, cfg) -> Taken:
 
 # rope.scaling keys the Llama / Qwen completion runs, per scaling type; any other one a file
 # states is refused. `finetuned` only records that the model was tuned with its scaling, and
-# `original_context_length` is llama.cpp's YaRN length (it reads it for every type).
-_SCALING_ALWAYS = ("rope.scaling.type", "rope.scaling.finetuned")
+# `original_context_length` is llama.cpp's YaRN length (read whatever the type, used by YaRN
+# only).
+_SCALING_ALWAYS = (
+    "rope.scaling.type",
+    "rope.scaling.finetuned",
+    "rope.scaling.original_context_length",
+)
 _SCALING_READ = {
     "none": (),
-    "linear": ("rope.scaling.factor", "rope.scale_linear", "rope.scaling.original_context_length"),
+    "linear": ("rope.scaling.factor", "rope.scale_linear"),
     "yarn": (
         "rope.scaling.factor",
-        "rope.scaling.original_context_length",
         "rope.scaling.yarn_beta_fast",
         "rope.scaling.yarn_beta_slow",
         "rope.scaling.yarn_attn_factor",

@@ -114,7 +114,11 @@ READ_AS_LLAMA_CPP = {
         _file("llama", rope__scale_linear=4.0),
         {"rope_type": "linear", "factor": 4.0},
     ),
-    "type-none": (_file("qwen2", rope__scaling__type="none"), {"rope_type": "default"}),
+    # llama.cpp reads the YaRN length whatever the type; without YaRN it changes nothing
+    "type-none": (
+        _file("qwen2", rope__scaling__type="none", rope__scaling__original_context_length=64),
+        {"rope_type": "default"},
+    ),
     "linear-and-rope-freqs": (
         _file(
             "llama",
