@@ -15,6 +15,15 @@ architecture, as the converter does:
   w where Gemma's multiplies by 1 + w), no output tensor (the head is the token embedding), the
   soft-caps and sliding window as metadata; Gemma 3's global RoPE base as rope.freq_base and its
   linear factor as rope.scaling.
+- Llama: q and k permuted to llama.cpp's interleaved rotary layout (its LlamaModel.permute,
+  which transformers' reader undoes); a Llama 3.x llama3 scaling as the `rope_freqs` tensor
+  (one divisor per rotary pair, LlamaModel.generate_extra_tensors) with the converter's
+  pretraining length: the config's top-level original_max_position_embeddings, else 8192
+  (Llama 3.1's), never the one inside rope_scaling.
+- Llama, Qwen2, Qwen3: linear and yarn scaling as rope.scaling metadata (TextModel's
+  set_gguf_parameters: type, factor, and for yarn original_context_length and, when the config
+  has them, yarn_beta_fast/slow and yarn_attn_factor from beta_fast/slow and attention_factor).
+- Llama and Qwen2 / Qwen3: a byte-level BPE vocabulary (pre-tokenizer llama-bpe or qwen2).
 - Phi-3 and Gemma: a SentencePiece vocabulary (tokenizer model "llama": the family's special
   tokens, the 256 byte tokens, a few pieces, unused fillers, with scores and token types).
 
@@ -55,9 +64,27 @@ GGUF_KINDS = ("qwen3", "qwen3-moe")
 PHI3_GEMMA_GGUF_KINDS = ("phi3", "gemma2", "gemma3")
 """Phi-3 and the Gemmas (tests/engine/model/test_gguf_phi3_gemma.py)."""
 
-_ALL_KINDS = GGUF_KINDS + PHI3_GEMMA_GGUF_KINDS
+ROPE_GGUF_KINDS = ("llama3", "qwen3-yarn", "qwen2-linear")
+"""RoPE scalings transformers' reader drops (tests/engine/model/test_gguf_rope_scaling.py):
+Llama 3.1's llama3 scaling (as rope_freqs), Qwen3's YaRN and a linear factor on Qwen2."""
+
+_ALL_KINDS = GGUF_KINDS + PHI3_GEMMA_GGUF_KINDS + ROPE_GGUF_KINDS
+
+LLAMA31_ROPE = {  # Llama 3.1 8B's config.json, as transformers 5 reads it
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+LLAMA31_CONTEXT = 131072
+CONVERTER_LLAMA3_CONTEXT = 8192  # the converter's pretraining length when the config has none
+YARN_ORIGINAL = 32  # the tiny YaRN's pretraining length: the tests' prompts pass it
 
 _ARCH = {
+    "llama": "llama",
+    "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3moe",
     "phi3": "phi3",
@@ -75,6 +102,8 @@ def gguf_config(kind: str) -> PretrainedConfig:
     where it reads none from the file (see the module docstring)."""
     if kind not in _ALL_KINDS:
         raise ValueError(f"no tiny GGUF of {kind!r}; expected one of {', '.join(_ALL_KINDS)}")
+    if kind in ROPE_GGUF_KINDS:
+        return _rope_config(kind)
     config = tiny_config(kind)
     if kind in GGUF_KINDS:
         config.head_dim = 128
@@ -101,6 +130,30 @@ def gguf_config(kind: str) -> PretrainedConfig:
     return config
 
 
+def _rope_config(kind: str) -> PretrainedConfig:
+    """ROPE_GGUF_KINDS: tiny Llama / Qwen shapes transformers reads whole from a file (Qwen3:
+    its head_dim 128), with a RoPE scaling it does not read."""
+    if kind == "llama3":
+        config = tiny_config("llama-gqa")
+        config.rope_parameters = dict(LLAMA31_ROPE)
+        config.max_position_embeddings = LLAMA31_CONTEXT
+    elif kind == "qwen3-yarn":
+        config = gguf_config("qwen3")
+        config.rope_parameters = {
+            "rope_type": "yarn",
+            "rope_theta": config.rope_parameters["rope_theta"],
+            "factor": 4.0,
+            "original_max_position_embeddings": YARN_ORIGINAL,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+        }
+        config.max_position_embeddings = 4 * YARN_ORIGINAL  # the factor's context, as Qwen's
+    else:
+        config = tiny_config("qwen2")
+        config.rope_parameters = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    return config
+
+
 def build_tiny_gguf(
     kind: str, folder: Path, seed: int = 0, config: PretrainedConfig | None = None
 ) -> tuple[Path, Path]:
@@ -117,15 +170,15 @@ def build_tiny_gguf(
 
 
 def write_tiny_gguf(hf_folder: Path, path: Path) -> Path:
-    """Write the checkpoint in `hf_folder` (model_type qwen3, qwen3_moe, phi3, gemma2 or
-    gemma3_text) as the GGUF `path`, as llama.cpp's converter would."""
+    """Write the checkpoint in `hf_folder` (model_type llama, qwen2, qwen3, qwen3_moe, phi3,
+    gemma2 or gemma3_text) as the GGUF `path`, as llama.cpp's converter would."""
     cfg = json.loads((Path(hf_folder) / "config.json").read_text())
     arch = _ARCH[cfg["model_type"]]
     writer = gguf.GGUFWriter(str(path), arch)
     _add_metadata(writer, arch, cfg)
-    if arch.startswith("qwen3"):
+    if arch in _BYTE_LEVEL_PRE:
         _add_byte_level_vocabulary(
-            writer, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"]
+            writer, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"], arch
         )
     else:
         _add_sentencepiece_vocabulary(writer, arch, cfg)
@@ -150,10 +203,15 @@ def _add_metadata(writer: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     rope = cfg["rope_parameters"]
-    if arch.startswith("qwen3"):
-        writer.add_key_length(cfg["head_dim"])
-        writer.add_value_length(cfg["head_dim"])
+    if arch in _BYTE_LEVEL_PRE:  # TextModel's rules (Llama, Qwen2, Qwen3)
+        if cfg.get("head_dim") is not None:
+            writer.add_key_length(cfg["head_dim"])
+            writer.add_value_length(cfg["head_dim"])
         writer.add_rope_freq_base(rope["rope_theta"])
+        _add_rope_scaling(writer, rope)
+    if arch == "llama":
+        writer.add_vocab_size(cfg["vocab_size"])
+        writer.add_rope_dimension_count(_head_dim(cfg))
     if arch == "qwen3moe":
         writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -191,6 +249,52 @@ def _add_metadata(writer: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
             writer.add_sliding_window_pattern(period)
 
 
+def _add_rope_scaling(writer: gguf.GGUFWriter, rope: dict) -> None:
+    """TextModel.set_gguf_parameters: linear and yarn scaling as metadata (llama3 is a tensor)."""
+    kind, factor = rope.get("rope_type"), rope.get("factor")
+    if kind == "linear" and factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(factor)
+    elif kind == "yarn" and factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(factor)
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if (attn := rope.get("attention_factor", rope.get("attn_factor"))) is not None:
+            writer.add_rope_scaling_yarn_attn_factor(attn)
+        if (beta_fast := rope.get("beta_fast")) is not None:
+            writer.add_rope_scaling_yarn_beta_fast(beta_fast)
+        if (beta_slow := rope.get("beta_slow")) is not None:
+            writer.add_rope_scaling_yarn_beta_slow(beta_slow)
+
+
+def _head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def llama3_rope_freqs(cfg: dict) -> torch.Tensor:
+    """The converter's rope_freqs for a llama3 scaling (LlamaModel.generate_extra_tensors): one
+    divisor per rotary pair, from the frequencies in float32 as it computes them. Its
+    pretraining length is the config's top-level original_max_position_embeddings or 8192."""
+    rope = cfg["rope_parameters"]
+    dim = _head_dim(cfg)
+    freqs = 1.0 / (rope.get("rope_theta", 10000.0) ** (torch.arange(0, dim, 2).float() / dim))
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context_len = cfg.get("original_max_position_embeddings", CONVERTER_LLAMA3_CONTEXT)
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
 def _layer_period(layer_types: list[str]) -> int:
     """The period p of layer types that are local but every p-th (llama.cpp's swa pattern)."""
     for period in range(1, len(layer_types) + 2):
@@ -200,11 +304,14 @@ def _layer_period(layer_types: list[str]) -> int:
     raise ValueError(f"layer types {layer_types} have no llama.cpp period")
 
 
-def _add_byte_level_vocabulary(writer, vocab_size: int, bos: int, eos: int) -> None:
+_BYTE_LEVEL_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3moe": "qwen2"}
+
+
+def _add_byte_level_vocabulary(writer, vocab_size: int, bos: int, eos: int, arch: str) -> None:
     symbols = list(bytes_to_unicode().values())  # the 256 byte-level symbols
     tokens = symbols + ["ab"] + [f"<filler{i}>" for i in range(vocab_size - len(symbols) - 1)]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
+    writer.add_tokenizer_pre(_BYTE_LEVEL_PRE[arch])
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.NORMAL] * vocab_size)
     writer.add_token_merges(["a b"])
@@ -262,6 +369,9 @@ def _gguf_tensors(arch: str, cfg: dict, state_dict: dict[str, torch.Tensor]):
     )
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, tensor in state_dict.items():
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            tensor = _permute(tensor, heads)
         if m := _EXPERT.fullmatch(name):
             experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = tensor
             continue
@@ -278,6 +388,18 @@ def _gguf_tensors(arch: str, cfg: dict, state_dict: dict[str, torch.Tensor]):
         stacked = torch.stack([by_expert[e] for e in sorted(by_expert)])
         yield f"blk.{layer}.ffn_{proj}_exps.weight", stacked
     rope = cfg.get("rope_parameters") or {}
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        yield "rope_freqs.weight", llama3_rope_freqs(cfg)
     if arch == "phi3" and rope.get("long_factor"):
         yield "rope_factors_long.weight", torch.tensor(rope["long_factor"], dtype=torch.float32)
         yield "rope_factors_short.weight", torch.tensor(rope["short_factor"], dtype=torch.float32)
+
+
+def _permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's LlamaModel.permute: each head's rotate-half layout to interleaved pairs."""
+    shape = weights.shape
+    return (
+        weights.reshape(n_head, 2, shape[0] // n_head // 2, *shape[1:])
+        .swapaxes(1, 2)
+        .reshape(shape)
+    )

@@ -27,16 +27,30 @@ read them:
   default period 6.
 - Both Gemmas: query_pre_attn_scalar, which no file states. llama.cpp decides it by model size
   (src/llama-model.cpp, load_hparams for LLM_ARCH_GEMMA2 / LLM_ARCH_GEMMA3, after
-  gemma_pytorch's config.py): queries are scaled by 1 / sqrt(n_embd / n_head) (integer division) for the 27B
-  models, recognised by their layer count (Gemma 2: 46, Gemma 3: 62), and by
-  1 / sqrt(head_dim) (`attention.key_length`) for every other size. That is the runtime that
+  gemma_pytorch's config.py): queries are scaled by 1 / sqrt(n_embd / n_head) (integer
+  division) for the 27B models, recognised by their layer count (Gemma 2: 46, Gemma 3: 62), and
+  by 1 / sqrt(head_dim) (`attention.key_length`) for every other size. That is the runtime that
   defines how its files run, and it matches the Hugging Face configs: 144 = 4608 / 32 for
   Gemma 2 27B, 168 = 5376 / 32 for Gemma 3 27B, 256 = head_dim for the others (transformers
   assumes 256 everywhere).
 
+- Llama / Mistral / Qwen2 / Qwen3 (and their MoE files): the RoPE scaling, which transformers'
+  reader keeps for none of them. llama.cpp's converter writes Llama 3.x's llama3 scaling as the
+  `rope_freqs.weight` tensor, one divisor per rotary pair (1 for high frequencies, `factor` for
+  low ones, a blend between; llama.cpp divides each frequency by it): that is exactly a
+  per-pair LongRoPE factor list with attention factor 1, so the engine runs it as one (short
+  and long factors alike). `rope.scaling.type` linear (with `rope.scaling.factor`, or the old
+  `rope.scale_linear`; llama.cpp scales linearly when a factor comes without a type) and yarn
+  (factor, `rope.scaling.original_context_length`, the `yarn_beta_fast/slow` and
+  `yarn_attn_factor` the converter copies from the Hugging Face config's beta_fast/slow and
+  attention_factor) become the matching rope type.
+
 What the engine cannot represent still fails, naming the key: LongRoPE factors without both
 tensors or without a pretraining length, rotary dimensions the head cannot hold, a Gemma 3 RoPE
-scaling other than linear, a layer pattern that does not fit the layer count.
+scaling other than linear, a layer pattern that does not fit the layer count, and for the
+Llama / Qwen files any other scaling type, a rope.scaling key the engine does not run (a YaRN
+extrapolation factor other than 1, a log multiplier, NTK alpha), rope_freqs with YaRN or of
+the wrong length, and rotary dimensions other than the head's.
 """
 
 from __future__ import annotations
@@ -51,6 +65,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-pair frequency divisors (Llama 3.x)
+FACTOR_TENSORS = (*LONGROPE_TENSORS, ROPE_FREQS)
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's LLM_TYPE_27B, by layer count
 GEMMA3_SWA_PERIOD = 6  # llama.cpp's default for gemma3: five local layers, then one global
 GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3
@@ -60,7 +76,7 @@ BY_LLAMA_CPP_RULE = ("query_pre_attn_scalar",)  # set by llama.cpp's rule, state
 @dataclass(frozen=True)
 class GgufFile:
     """What the completion reads: the metadata (values as Python scalars or lists) and the
-    RoPE factor tensors (float32 values), the only tensors it needs."""
+    RoPE factor tensors (FACTOR_TENSORS, float32 values), the only tensors it needs."""
 
     architecture: str
     metadata: dict[str, object]
@@ -84,7 +100,7 @@ class GgufFile:
             .reshape(-1)
             .tolist()
             for t in reader.tensors
-            if t.name in LONGROPE_TENSORS
+            if t.name in FACTOR_TENSORS
         }
         return cls(str(metadata["general.architecture"]), metadata, factors)
 
@@ -126,6 +142,7 @@ def complete_config(file: GgufFile, hf_config) -> Taken:
 
 def _phi3(file: GgufFile, cfg) -> Taken:
     taken: Taken = {}
+    _refuse_scaling_type(file, ("longrope",))  # the factor tensors below are its scaling
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     rope = dict(cfg.rope_parameters or {})
     rotary = file.get("rope.dimension_count")
@@ -161,6 +178,7 @@ def _phi3(file: GgufFile, cfg) -> Taken:
 
 def _gemma2(file: GgufFile, cfg) -> Taken:
     taken: Taken = {}
+    _refuse_scaling_type(file, ())
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if (cap := file.get(name)) is not None:
             _set(cfg, name, float(cap), taken)
@@ -192,6 +210,147 @@ def _gemma3(file: GgufFile, cfg) -> Taken:
     _set(cfg, "layer_types", _gemma3_layer_types(file, cfg.num_hidden_layers), taken)
     _set(cfg, "query_pre_attn_scalar", _llama_cpp_query_scalar(file, cfg), taken)
     return taken
+
+
+# rope.scaling keys the Llama / Qwen completion runs, per scaling type; any other one a file
+# states is refused. `finetuned` only records that the model was tuned with its scaling, and
+# `original_context_length` is llama.cpp's YaRN length (read whatever the type, used by YaRN
+# only).
+_SCALING_ALWAYS = (
+    "rope.scaling.type",
+    "rope.scaling.finetuned",
+    "rope.scaling.original_context_length",
+)
+_SCALING_READ = {
+    "none": (),
+    "linear": ("rope.scaling.factor", "rope.scale_linear"),
+    "yarn": (
+        "rope.scaling.factor",
+        "rope.scaling.yarn_beta_fast",
+        "rope.scaling.yarn_beta_slow",
+        "rope.scaling.yarn_attn_factor",
+        "rope.scaling.yarn_ext_factor",
+    ),
+}
+_YARN_KEYS = {  # GGUF key -> transformers' yarn parameter (the converter's own mapping)
+    "rope.scaling.yarn_beta_fast": "beta_fast",
+    "rope.scaling.yarn_beta_slow": "beta_slow",
+    "rope.scaling.yarn_attn_factor": "attention_factor",
+}
+
+
+def _scaled_rope(file: GgufFile, cfg) -> Taken:
+    """Llama, Mistral, Qwen2, Qwen3 and their MoE files: the RoPE scaling transformers' reader
+    drops (rope.scaling.* and the rope_freqs tensor), as a rope type the engine runs."""
+    taken: Taken = {}
+    _check_rotary_dimensions(file, cfg)
+    built = dict(cfg.rope_parameters or {})
+    theta = float(file.get("rope.freq_base") or built.get("rope_theta") or 10000.0)
+    rope: dict = {"rope_type": "default", "rope_theta": theta}
+    factor = file.get("rope.scaling.factor")
+    if factor is None:
+        factor = file.get("rope.scale_linear")  # llama.cpp's older key for the same factor
+    scaling = file.get("rope.scaling.type")
+    if scaling is None:  # llama.cpp's default type: linear, by the factor when one is stated
+        scaling = "none" if factor is None else "linear"
+    if scaling not in _SCALING_READ:
+        raise _unrepresentable(
+            file.key("rope.scaling.type"),
+            f"{scaling!r}, where the engine runs none, linear or yarn for {file.architecture}",
+        )
+    _refuse_unread_scaling(file, scaling)
+    if scaling == "linear" and factor not in (None, 0, 1):
+        rope.update(rope_type="linear", factor=float(factor))
+    elif scaling == "yarn":
+        rope.update(_yarn(file, cfg, factor))
+    if ROPE_FREQS in file.rope_factors:
+        rope = _per_pair_factors(file, cfg, rope)
+    if rope != {"rope_type": "default", "rope_theta": theta}:
+        _set(cfg, "rope_parameters", {**built, **rope}, taken)
+    return taken
+
+
+def _check_rotary_dimensions(file: GgufFile, cfg) -> None:
+    """These architectures rotate the whole head; a file stating fewer rotary dimensions is
+    another model (transformers even takes llama's rope.dimension_count as its head_dim)."""
+    rotary = file.get("rope.dimension_count")
+    head_dim = file.get("attention.key_length") or (
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    )
+    if rotary is not None and int(rotary) != int(head_dim):
+        raise _unrepresentable(
+            file.key("rope.dimension_count"),
+            f"{rotary} rotary dimensions in heads of {head_dim}, where {file.architecture} "
+            "rotates the whole head",
+        )
+
+
+def _refuse_unread_scaling(file: GgufFile, scaling: str) -> None:
+    """Fail on any rope.scaling key the engine would not run for this scaling type."""
+    read = {*_SCALING_ALWAYS, *_SCALING_READ[scaling]}
+    prefixes = (file.key("rope.scaling."), file.key("rope.scale_"))
+    for key in sorted(file.metadata):
+        if key.startswith(prefixes) and key[len(file.architecture) + 1 :] not in read:
+            raise _unrepresentable(
+                key,
+                f"{file.metadata[key]!r} with {scaling!r} RoPE scaling, which the engine "
+                "does not run",
+            )
+    ext = file.get("rope.scaling.yarn_ext_factor")
+    if ext is not None and float(ext) != 1.0:  # transformers' YaRN ramps fully: factor 1
+        raise _unrepresentable(
+            file.key("rope.scaling.yarn_ext_factor"), f"{ext}, where the engine's YaRN runs 1.0"
+        )
+
+
+def _yarn(file: GgufFile, cfg, factor) -> dict:
+    """transformers' yarn parameters from the keys the converter writes."""
+    if factor is None:
+        raise _unrepresentable(file.key("rope.scaling.type"), "'yarn' without rope.scaling.factor")
+    original = file.get("rope.scaling.original_context_length") or cfg.max_position_embeddings
+    yarn = {
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": int(original),
+    }
+    for key, name in _YARN_KEYS.items():
+        if (value := file.get(key)) is not None:
+            yarn[name] = float(value)
+    return yarn
+
+
+def _per_pair_factors(file: GgufFile, cfg, rope: dict) -> dict:
+    """rope_freqs.weight as per-pair divisors: LongRoPE's factor lists (the same for short and
+    long contexts) with attention factor 1. A linear factor divides every pair as well."""
+    factors = file.rope_factors[ROPE_FREQS]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if len(factors) != head_dim // 2:
+        raise _unrepresentable(
+            ROPE_FREQS,
+            f"{len(factors)} factors, where heads of {head_dim} have {head_dim // 2} pairs",
+        )
+    if rope["rope_type"] == "yarn":
+        raise _unrepresentable(ROPE_FREQS, "per-pair factors together with YaRN scaling")
+    linear = float(rope.get("factor", 1.0))
+    pairs = [f * linear for f in factors]
+    return {
+        "rope_type": "longrope",
+        "rope_theta": rope["rope_theta"],
+        "short_factor": pairs,
+        "long_factor": pairs,
+        "original_max_position_embeddings": int(cfg.max_position_embeddings),
+        "attention_factor": 1.0,
+    }
+
+
+def _refuse_scaling_type(file: GgufFile, runs: tuple[str, ...]) -> None:
+    """Fail on a rope.scaling.type this completion does not run (other than none)."""
+    scaling = file.get("rope.scaling.type")
+    if scaling not in (None, "none", *runs):
+        raise _unrepresentable(
+            file.key("rope.scaling.type"),
+            f"{scaling!r}, which the engine does not run for {file.architecture}",
+        )
 
 
 def _gemma3_layer_types(file: GgufFile, num_layers: int) -> list[str]:
@@ -244,4 +403,12 @@ def _short(value) -> str:
     return repr(value)
 
 
-_COMPLETIONS: dict[str, Completion] = {"phi3": _phi3, "gemma2": _gemma2, "gemma3": _gemma3}
+SCALED_ROPE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
+"""llama.cpp's architecture names whose RoPE scaling `_scaled_rope` completes."""
+
+_COMPLETIONS: dict[str, Completion] = {
+    "phi3": _phi3,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    **{arch: _scaled_rope for arch in SCALED_ROPE_ARCHITECTURES},
+}

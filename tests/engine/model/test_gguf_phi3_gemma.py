@@ -206,6 +206,16 @@ UNREPRESENTABLE = {
         _file("gemma3", rope__scaling__type="yarn", rope__scaling__factor=8.0),
         "gemma3.rope.scaling.type: 'yarn'",
     ),
+    "gemma2-linear": (
+        "gemma2",
+        _file("gemma2", rope__scaling__type="linear", rope__scaling__factor=2.0),
+        "gemma2.rope.scaling.type: 'linear'",
+    ),
+    "phi3-yarn": (
+        "phi3",
+        _file("phi3", rope__scaling__type="yarn", rope__scaling__factor=2.0),
+        "phi3.rope.scaling.type: 'yarn'",
+    ),
     "gemma3-pattern-length": (
         "gemma3",
         _file("gemma3", attention__sliding_window=24, attention__sliding_window_pattern=[True]),
