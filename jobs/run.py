@@ -133,6 +133,7 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
             if not u.startswith("-")
         ]
         _refuse_overwriting_the_input(opts.input, [paths.output, paths.errors, paths.batch])
+        _refuse_one_file_twice(paths)
         source.check_readable()
         for t in targets:
             t.check_writable()
@@ -158,7 +159,9 @@ def _kept(paths: JobPaths) -> str:
 
 
 def _refuse_overwriting_the_input(input_uri: str, outputs: list[str]) -> None:
-    if input_uri == "-" or input_uri.startswith("s3://"):
+    if input_uri == "-":  # stdin is read and stdout written: never one stream
+        return
+    if input_uri.startswith("s3://"):
         same = [o for o in outputs if o == input_uri]
     else:
         src = Path(input_uri).expanduser()
@@ -171,6 +174,24 @@ def _refuse_overwriting_the_input(input_uri: str, outputs: list[str]) -> None:
         raise StorageError(
             f"{same[0]} is the input file: the run would replace it; choose another -o/--errors"
         )
+
+
+def _refuse_one_file_twice(paths: JobPaths) -> None:
+    """The answers, the error records and batch.json are written one after the other: were two
+    of them one file (`--errors` naming the output), the later would silently replace the
+    earlier, and a job would report answers that are gone."""
+    named = [("the answers (-o)", paths.output), ("the error records (--errors)", paths.errors)]
+    named.append(("batch.json", paths.batch))
+    files = [(what, uri) for what, uri in named if not uri.startswith("-")]
+    for i, (first, a) in enumerate(files):
+        for second, b in files[i + 1 :]:
+            same = a == b if "://" in a or "://" in b else _same_file(Path(a), Path(b))
+            if same:
+                raise StorageError(
+                    f"{b} would hold both {first} and {second}, and the second would replace "
+                    "the first: give -o and --errors different files (batch.json goes beside "
+                    "the output, named like it with .batch.json)"
+                )
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -223,6 +244,10 @@ def _run_locked(opts: RunOptions, paths: JobPaths, source, llm) -> BatchRecord:
         raise JobError(str(e)) from e
     if done:
         log.info("resuming: %d requests already answered", len(done))
+    elif opts.resume:  # say so: a user who expected a resume should not wait for a full run
+        log.info(
+            "--resume: no answers of an earlier run in %s: answering every line", paths.partial
+        )
 
     # The spilled prompts go in a folder of the job's own, beside the partial output: a killed
     # run's spill is then found and removed by the next run instead of lingering (mkstemp names
