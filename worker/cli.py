@@ -111,15 +111,19 @@ def add_status_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_cancel_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job_id")
+    p.add_argument("job_id", help="the job id `kvbatch submit` printed last")
     p.add_argument("--output", required=True, help="the prefix the job was submitted to")
 
 
 def add_resend_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job_id")
+    p.add_argument("job_id", help="the job id `kvbatch submit` printed last")
     p.add_argument("--output", required=True, help="the prefix the job was submitted to")
     p.add_argument("--broker", help="redis://, rediss:// or sqs:// (default: KVBATCH_BROKER_URL)")
-    p.add_argument("--queue", default=DEFAULT_QUEUE)
+    p.add_argument(
+        "--queue",
+        default=DEFAULT_QUEUE,
+        help=f"the queue the job was submitted to (default {DEFAULT_QUEUE})",
+    )
     p.add_argument(
         "--unwritten",
         action="store_true",
