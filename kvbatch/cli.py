@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import sys
 import time
+from typing import Annotated
 
 from kvbatch.engine_args import (
     add_engine_args,
@@ -304,16 +305,41 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _read_chats(path: str) -> list[list[dict]]:
+    """The conversations of a --chat-file, checked as `kvbatch run` checks a chat line's
+    messages: a malformed one is refused here, naming its line, not by the chat template
+    after the model has loaded."""
+    from pydantic import Field, TypeAdapter, ValidationError
+
+    from kvbatch.jobs.schemas import ChatMessage
+
+    conversation = TypeAdapter(Annotated[list[ChatMessage], Field(min_length=1)])
     chats = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                messages = json.loads(line)["messages"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f'{path} line {n}: expected {{"messages": [...]}} ({e})') from e
-            chats.append(messages)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = list(f)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--chat-file {path} is not UTF-8 ({e.reason}): save it as UTF-8") from e
+    except OSError as e:
+        raise ValueError(f"cannot read --chat-file {path}: {e.strerror}") from e
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            messages = json.loads(line)["messages"]
+            chats.append([m.as_dict() for m in conversation.validate_python(messages)])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(
+                f'{path} line {n}: expected {{"messages": [...]}} ({type(e).__name__}: {e})'
+            ) from e
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = "messages" + "".join(
+                f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]
+            )
+            raise ValueError(
+                f"{path} line {n}: '{where}' {first['msg']}: each message is "
+                '{"role": "system"|"user"|"assistant", "content": "text"}'
+            ) from e
     return chats
 
 
