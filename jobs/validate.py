@@ -217,7 +217,14 @@ def _check_line(
 
     try:
         obj = _JSON.decode(text)
-    except ValueError as exc:  # JSONDecodeError, or NaN/Infinity
+    except ValueError as exc:  # JSONDecodeError, NaN/Infinity, or an integer of 4,300+ digits
+        digits = _TOO_MANY_DIGITS.search(str(exc))
+        if digits:  # Python's own advice (sys.set_int_max_str_digits) is not the user's fix
+            return fail(
+                "invalid_json",
+                f"a number has {digits.group(1)} digits, more than can be read: no request "
+                "field takes a number that long; fix the number",
+            )
         return fail(
             "invalid_json",
             f"not valid JSON ({exc}): write each request as one JSON object on one line",
@@ -459,6 +466,7 @@ def _reject_constant(name: str) -> None:
 
 
 _JSON = json.JSONDecoder(parse_constant=_reject_constant)  # one decoder, not one per line
+_TOO_MANY_DIGITS = re.compile(r"integer string conversion: value has (\d+) digits")
 
 
 def _json_type(obj: object) -> str:
