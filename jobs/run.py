@@ -85,14 +85,15 @@ def resolve_paths(opts: RunOptions) -> JobPaths:
     if opts.output is None:
         if opts.input == "-" or opts.input.startswith("s3://"):
             raise JobError("give -o OUTPUT when the input is stdin or S3")
-        opts_output = str(_beside(opts.input, ".output.jsonl"))
+        opts_output = str(_beside(_local(opts.input), ".output.jsonl"))
     else:
-        opts_output = opts.output
+        opts_output = _file_name(opts.output, "-o")
     if opts_output == "-":
-        errors = opts.errors or "-stderr"
+        errors = _file_name(opts.errors, "--errors") if opts.errors else "-stderr"
         batch = "-stderr"
     else:
-        errors = opts.errors or _sibling(opts_output, ".errors.jsonl")
+        errors = _file_name(opts.errors, "--errors") if opts.errors else None
+        errors = errors or _sibling(opts_output, ".errors.jsonl")
         batch = _sibling(opts_output, ".batch.json")
     digest = hashlib.sha256(f"{opts.input}\0{opts_output}".encode()).hexdigest()[:16]
     if opts.work_dir:
@@ -104,6 +105,28 @@ def resolve_paths(opts: RunOptions) -> JobPaths:
         out = Path(opts_output)
         partial = out.parent / f".{out.name}.partial"
     return JobPaths(opts_output, errors, batch, partial)
+
+
+def _local(uri: str) -> str:
+    """A local path as the file system spells it (file:// dropped, ~ expanded): the lock and
+    the partial output sit beside it, so they must be computed from the real path."""
+    if uri.startswith("file://"):
+        uri = uri[len("file://") :]
+    return uri if uri == "-" or "://" in uri else os.path.expanduser(uri)
+
+
+def _file_name(uri: str, flag: str) -> str:
+    """`uri`, local paths made real, after checking that it can name a file at all: one that
+    ends in '/' (or '.', '..') names a folder, and the run would only fail after the model
+    loaded, or write beside it under a dotted name."""
+    path = _local(uri)
+    last = path.rstrip("/").rpartition("/")[2]
+    if path != "-" and (path.endswith("/") or last in ("", ".", "..")):
+        raise JobError(
+            f"{flag} {uri} names a folder, not a file: name a file in it "
+            f"({path.rstrip('/') or '.'}/answers.jsonl, say)"
+        )
+    return path
 
 
 def _beside(path: str, suffix: str) -> Path:
@@ -132,7 +155,7 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
             for u in (paths.output, paths.errors, paths.batch)
             if not u.startswith("-")
         ]
-        _refuse_overwriting_the_input(opts.input, [paths.output, paths.errors, paths.batch])
+        _refuse_overwriting_the_input(_local(opts.input), [paths.output, paths.errors, paths.batch])
         _refuse_one_file_twice(paths)
         source.check_readable()
         for t in targets:

@@ -337,6 +337,32 @@ def test_one_file_for_two_of_the_jobs_files_is_refused(tmp_path: Path, errors, c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
+@pytest.mark.parametrize("output", ["{tmp}/new-dir/", "{tmp}/.", "{tmp}/sub/..", "s3://bkt/pre/"])
+def test_an_output_that_names_a_folder_is_refused_before_any_work(tmp_path: Path, output):
+    """`-o new-dir/` once ran the whole job, then failed to write, leaving `.new-dir.partial`
+    behind; `/x/y/../` wrote '....partial' inside y."""
+    source = write_jsonl(tmp_path / "in.jsonl", [completion("a", "hi")])
+    output = output.format(tmp=tmp_path)
+    for flags in ({"output": output}, {"output": str(tmp_path / "o.jsonl"), "errors": output}):
+        opts = RunOptions(input=str(source), model="not loaded: refused before", **flags)
+        with pytest.raises(JobError, match=r"names a folder, not a file: name a file in it"):
+            run_job(opts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_file_uris_and_tilde_outputs_lock_and_keep_their_partial_beside_the_real_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """`-o file:///x/o.jsonl` failed to lock 'file:/x/.o.jsonl.lock'; `-o '~/o.jsonl'` kept its
+    partial output in a folder literally named '~'."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for output in (f"file://{tmp_path}/o.jsonl", "~/o.jsonl"):
+        paths = resolve_paths(RunOptions(input="in.jsonl", model="x", output=output))
+        assert paths.output == str(tmp_path / "o.jsonl")
+        assert paths.partial == tmp_path / ".o.jsonl.partial"
+        assert paths.errors == str(tmp_path / "o.errors.jsonl")
+
+
 def test_stdin_to_stdout_runs_and_resume_without_answers_says_so(
     llm,  # noqa: F811
     tmp_path: Path,
