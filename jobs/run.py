@@ -157,6 +157,11 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
         ]
         _refuse_overwriting_the_input(_local(opts.input), [paths.output, paths.errors, paths.batch])
         _refuse_one_file_twice(paths)
+        if opts.work_dir and paths.partial.parent.exists() and not paths.partial.parent.is_dir():
+            raise StorageError(
+                f"--work-dir {opts.work_dir} is a file, not a folder: name a folder (one that "
+                "does not exist yet is created)"
+            )
         source.check_readable()
         for t in targets:
             t.check_writable()

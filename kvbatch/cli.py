@@ -14,8 +14,10 @@ from kvbatch.engine_args import (
     add_revision_arg,
     engine_args_conflict,
     engine_kwargs,
+    non_negative_int,
 )
 from kvbatch.threads import apply_threads
+from kvbatch.worker.settings import metrics_port
 
 MODEL_HELP = (
     "a Hugging Face folder, a .gguf file, or a Hub id (owner/name, or owner/name/FILE.gguf) "
@@ -66,14 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--window",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="requests inside the engine at once (default 4 x max-num-seqs)",
     )
     run.add_argument("--work-dir", help="where the resumable partial output is kept")
     run.add_argument(
         "--metrics-port",
-        type=int,
+        type=metrics_port,
         default=0,
         help="serve Prometheus metrics (the worker's) on this port while the run lasts (0: off)",
     )

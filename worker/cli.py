@@ -29,7 +29,10 @@ import os
 import socket
 import sys
 
-from kvbatch.worker.settings import DEFAULT_QUEUE  # plain Python: no Celery to parse arguments
+from kvbatch.worker.settings import (  # plain Python: no Celery to parse arguments
+    DEFAULT_QUEUE,
+    metrics_port,
+)
 
 log = logging.getLogger("kvbatch.worker")
 
@@ -81,7 +84,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=metrics_port,
         default=9400,
         help="serve Prometheus metrics on this port (0: off)",
     )

@@ -350,6 +350,20 @@ def test_an_output_that_names_a_folder_is_refused_before_any_work(tmp_path: Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
+def test_a_work_dir_that_is_a_file_is_refused_before_any_work(tmp_path: Path):
+    """It failed after the model loaded with 'cannot write in.jsonl: File exists'."""
+    source = write_jsonl(tmp_path / "in.jsonl", [completion("a", "hi")])
+    opts = RunOptions(
+        input=str(source),
+        model="not loaded",
+        output=str(tmp_path / "o.jsonl"),
+        work_dir=str(source),
+    )
+    with pytest.raises(JobError, match=r"--work-dir .* is a file, not a folder"):
+        run_job(opts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
 def test_file_uris_and_tilde_outputs_lock_and_keep_their_partial_beside_the_real_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
