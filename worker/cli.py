@@ -37,6 +37,24 @@ from kvbatch.worker.settings import (  # plain Python: no Celery to parse argume
 log = logging.getLogger("kvbatch.worker")
 
 
+def _count(power_of_two: bool = False):
+    """argparse type of a count >= 1 (a power of two if asked): `--shard-tokens 0` or
+    `--block-size 3` stops at parsing, not after the broker is reached and the input read."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+        if power_of_two and value & (value - 1):
+            raise argparse.ArgumentTypeError(f"must be a power of two (e.g. 16), got {text}")
+        return value
+
+    return parse
+
+
 def add_submit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="JSONL file or s3://bucket/key")
     p.add_argument("--output", required=True, help="prefix (folder or s3://) for the job folder")
@@ -53,15 +71,20 @@ def add_submit_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_QUEUE,
         help=f"the queue the workers read (default {DEFAULT_QUEUE})",
     )
-    p.add_argument("--shard-tokens", type=int, default=200_000, help="prompt tokens per shard")
-    p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
+    p.add_argument("--shard-tokens", type=_count(), default=200_000, help="prompt tokens per shard")
+    p.add_argument(
+        "--block-size",
+        type=_count(power_of_two=True),
+        default=16,
+        help="the workers' KV block size, a power of two (default 16)",
+    )
     p.add_argument(
         "--max-model-len",
-        type=int,
+        type=_count(),
         default=None,
         help="the workers' --max-model-len: longer requests are errors (default: the model's)",
     )
-    p.add_argument("--max-attempts", type=int, default=3, help="deliveries of a shard at most")
+    p.add_argument("--max-attempts", type=_count(), default=3, help="deliveries of a shard at most")
     p.add_argument("--job-id", help="default: job-<UTC time>-<random>")
 
 
