@@ -313,6 +313,9 @@ def finalize(args: argparse.Namespace) -> int:
 
     try:
         job = job_dir(args.output, args.job_id)
+        if not job.join("job.json").exists():
+            print(f"kvbatch finalize: no job {args.job_id!r} under {args.output}", file=sys.stderr)
+            return 1
         try_finalize(job)
         status = job_status(job)
     except (ValueError, StorageError) as e:
