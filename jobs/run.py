@@ -41,7 +41,7 @@ from kvbatch.jobs.prompts import (
 from kvbatch.jobs.responses import error_line, success_line
 from kvbatch.jobs.storage import StorageError, open_storage
 from kvbatch.jobs.token_store import TokenStore
-from kvbatch.jobs.validate import JobRequest, LineError, validate_lines
+from kvbatch.jobs.validate import JobRequest, LineError, read_lines, validate_lines
 
 log = logging.getLogger("kvbatch.run")
 
@@ -397,7 +397,7 @@ def prepare_requests(
     params_seen: dict = {}  # identical SamplingParams are shared: millions of lines, few kinds
     try:
         with source.open_read() as f:
-            lines = _LastLine(f)
+            lines = _LastLine(read_lines(f))
             for item in validate_lines(lines, model=opts.model_name):
                 if isinstance(item, LineError):
                     errors.append(item)

@@ -40,7 +40,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel, ValidationError
 
@@ -161,6 +161,30 @@ def validate_lines(
             yield record
 
 
+class OversizedLine(bytes):
+    """The first MAX_LINE_BYTES + 1 bytes of a longer line, and its whole length in `size`."""
+
+    size: int
+
+
+def read_lines(f: BinaryIO) -> Iterator[bytes]:
+    """The lines of a binary file, as iterating it gives them, except that a line longer than
+    MAX_LINE_BYTES is never held whole: its head comes as an `OversizedLine` (an error record
+    either way) and the rest is skipped in pieces. Iterating the file would read a 5 GB line
+    without a newline into memory before validation could refuse it."""
+    limit = MAX_LINE_BYTES
+    while raw := f.readline(limit + 1):
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            size = len(raw)
+            while piece := f.readline(1 << 20):
+                size += len(piece)
+                if piece.endswith(b"\n"):
+                    break
+            raw = OversizedLine(raw)
+            raw.size = size
+        yield raw
+
+
 # --- one line ---------------------------------------------------------------------------------
 
 
@@ -192,7 +216,7 @@ def _check_line(
 
     if isinstance(raw, bytes):
         if len(raw) > MAX_LINE_BYTES:
-            return fail("line_too_long", _too_long(len(raw)))
+            return fail("line_too_long", _too_long(getattr(raw, "size", len(raw))))
         if not raw or raw.isspace():
             return None
         try:

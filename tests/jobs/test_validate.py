@@ -10,7 +10,7 @@ import pytest
 import kvbatch.jobs.validate as validate_module
 from kvbatch.engine.core.sampling_params import SamplingParams
 from kvbatch.jobs.schemas import CONTEXT_MAX_TOKENS
-from kvbatch.jobs.validate import CODES, JobRequest, LineError, validate_lines
+from kvbatch.jobs.validate import CODES, JobRequest, LineError, read_lines, validate_lines
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -279,3 +279,22 @@ def test_hostile_framing_and_values(raw: bytes, code: str, says: str):
     else:
         assert isinstance(record, LineError) and record.code == code, record
         assert says in record.message and len(record.message) < 400, record.message
+
+
+def test_an_oversized_line_is_never_held_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Iterating the file read a line of any length into memory before its length was checked."""
+    monkeypatch.setattr(validate_module, "MAX_LINE_BYTES", 200)
+    long_line = line("long", COMPLETIONS, {"prompt": "x" * 5000})
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(long_line + line("short", COMPLETIONS, {"prompt": "x"}) + long_line[:-1])
+    with path.open("rb") as f:
+        raws = list(read_lines(f))
+    assert [len(r) for r in raws] == [201, len(line("short", COMPLETIONS, {"prompt": "x"})), 201]
+    records = list(validate_lines(raws))
+    assert [r.code if isinstance(r, LineError) else r.custom_id for r in records] == [
+        "line_too_long",
+        "short",
+        "line_too_long",
+    ]
+    assert f"the line is {len(long_line)} bytes" in records[0].message
+    assert f"the line is {len(long_line) - 1} bytes" in records[2].message
