@@ -271,6 +271,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     try:
         chats = _read_chats(args.chat_file) if args.chat_file else []
+        if not args.prompt and not chats:  # before the model loads, not after
+            raise ValueError(
+                f"{args.chat_file} holds no conversation"
+                if args.chat_file
+                else "nothing to answer: give --prompt TEXT or --chat-file FILE"
+            )
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
         )
@@ -280,12 +286,17 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     prompts = list(args.prompt)
     shown = list(args.prompt)
-    for messages in chats:
-        prompts.append(render_chat(llm.tokenizer, messages))
+    for n, messages in enumerate(chats, 1):
+        try:
+            prompts.append(render_chat(llm.tokenizer, messages))
+        except Exception as e:  # the template's own (jinja2's TemplateError, ValueError, ...)
+            print(
+                f"kvbatch generate: the model's chat template rejects conversation {n} of "
+                f"{args.chat_file}: {e}",
+                file=sys.stderr,
+            )
+            return 2
         shown.append(messages[-1]["content"])
-    if not prompts:
-        print("kvbatch generate: give --prompt or --chat-file", file=sys.stderr)
-        return 2
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
     seconds = time.perf_counter() - start

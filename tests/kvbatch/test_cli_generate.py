@@ -21,6 +21,7 @@ from tests.kvbatch.test_engine_args import run_main
         (b'{"messages": [{"role": "user", "content": null}]}\n', "'messages[0].content'"),
         (b"[1]\n", 'expected {"messages": [...]}'),
         (b"\xff\n", "is not UTF-8"),
+        (b"\n\n", "holds no conversation"),
     ],
 )
 def test_a_bad_chat_file_is_refused_before_the_model_loads(tmp_path: Path, content, says):
@@ -38,3 +39,8 @@ def test_a_missing_chat_file_is_named(tmp_path: Path):
     missing = str(tmp_path / "nope.jsonl")
     status, _, err = run_main(["generate", "--model", missing, "--chat-file", missing])
     assert status == 2 and f"cannot read --chat-file {missing}: No such file" in err
+
+
+def test_nothing_to_answer_is_said_before_the_model_loads(tmp_path: Path):
+    status, _, err = run_main(["generate", "--model", str(tmp_path / "never-loaded")])
+    assert status == 2 and "nothing to answer: give --prompt TEXT or --chat-file FILE" in err
