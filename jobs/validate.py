@@ -222,6 +222,9 @@ def _check_line(
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
+            kind = next((k for magic, k in _NOT_TEXT if raw.startswith(magic)), None)
+            if number == 1 and kind:  # every line fails alike: say why once, plainly
+                return fail("invalid_encoding", f"the file is {kind}")
             return fail(
                 "invalid_encoding",
                 f"byte {exc.start + 1} is not UTF-8 ({raw[exc.start : exc.start + 1]!r}): "
@@ -490,6 +493,13 @@ def _reject_constant(name: str) -> None:
 
 
 _JSON = json.JSONDecoder(parse_constant=_reject_constant)  # one decoder, not one per line
+# Files a user may hand over instead of the JSONL itself, by their first bytes.
+_NOT_TEXT = (
+    (b"\x1f\x8b", "gzip-compressed: decompress it first (gunzip FILE.gz)"),
+    (b"PK\x03\x04", "a zip archive: extract the .jsonl from it first"),
+    (b"\xff\xfe", "UTF-16 text (Windows' 'Unicode'): save it as UTF-8"),
+    (b"\xfe\xff", "UTF-16 text: save it as UTF-8"),
+)
 _TOO_MANY_DIGITS = re.compile(r"integer string conversion: value has (\d+) digits")
 
 

@@ -251,6 +251,8 @@ FRAMING = [
         "nest too deeply",
         id="objects-10000-deep",
     ),
+    pytest.param(b"\x1f\x8b\x08\x00\xb5\xc9", "invalid_encoding", "gzip-compressed", id="gzip"),
+    pytest.param('{"custom_id": "u"}'.encode("utf-16"), "invalid_encoding", "UTF-16", id="utf-16"),
     pytest.param(_raw("inf")[:-2] + b', "temperature": 1e400}}', "invalid_parameter", "got inf"),
     pytest.param(_raw("f", max_tokens=1e9), "invalid_parameter", "'max_tokens' must be an integer"),
     pytest.param(_raw("n", n=2.0), "invalid_parameter", "'n' must be an integer"),
