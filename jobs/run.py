@@ -92,8 +92,11 @@ def resolve_paths(opts: RunOptions) -> JobPaths:
         errors = _file_name(opts.errors, "--errors") if opts.errors else "-stderr"
         batch = "-stderr"
     else:
-        errors = _file_name(opts.errors, "--errors") if opts.errors else None
-        errors = errors or _sibling(opts_output, ".errors.jsonl")
+        errors = (
+            _file_name(opts.errors, "--errors")
+            if opts.errors
+            else _sibling(opts_output, ".errors.jsonl")
+        )
         batch = _sibling(opts_output, ".batch.json")
     digest = hashlib.sha256(f"{opts.input}\0{opts_output}".encode()).hexdigest()[:16]
     if opts.work_dir:
