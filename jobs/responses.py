@@ -30,6 +30,18 @@ _FINISH_REASONS = {"stop": "stop", "length": "length"}  # engine -> OpenAI
 _MIN_LOGPROB = -9999.0  # what OpenAI reports for an impossible token; JSON has no -inf
 
 
+# A C++ library's log prefix inside an exception's text (xgrammar's "[03:23:04]
+# /project/cpp/json_schema_converter.cc:5082: "): a clock time would make the error file of one
+# input differ from run to run, and a build path tells the user nothing.
+_NATIVE_LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
+
+
+def refusal(message: str) -> str:
+    """The engine's reason for refusing a request, as one line of an error record: no native
+    log prefix, no newlines."""
+    return " ".join(_NATIVE_LOG_PREFIX.sub("", message).split())
+
+
 def success_line(
     req: JobRequest, out: RequestOutput, *, model: str, tokenizer, batch_id: str, created: int
 ) -> dict[str, Any]:
@@ -37,7 +49,9 @@ def success_line(
     the error line (code invalid_prompt) instead: check `line["error"]` to count it."""
     if out.error is not None:
         return error_line(
-            LineError(req.line, req.custom_id, "invalid_prompt", f"line {req.line}: {out.error}"),
+            LineError(
+                req.line, req.custom_id, "invalid_prompt", f"line {req.line}: {refusal(out.error)}"
+            ),
             batch_id=batch_id,
         )
     key = _key(batch_id, req.line, req.custom_id)

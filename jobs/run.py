@@ -41,7 +41,7 @@ from kvbatch.jobs.prompts import (
 from kvbatch.jobs.responses import error_line, success_line
 from kvbatch.jobs.storage import StorageError, open_storage
 from kvbatch.jobs.token_store import TokenStore
-from kvbatch.jobs.validate import JobRequest, LineError, validate_lines
+from kvbatch.jobs.validate import JobRequest, LineError, read_lines, validate_lines
 
 log = logging.getLogger("kvbatch.run")
 
@@ -85,14 +85,18 @@ def resolve_paths(opts: RunOptions) -> JobPaths:
     if opts.output is None:
         if opts.input == "-" or opts.input.startswith("s3://"):
             raise JobError("give -o OUTPUT when the input is stdin or S3")
-        opts_output = str(_beside(opts.input, ".output.jsonl"))
+        opts_output = str(_beside(_local(opts.input), ".output.jsonl"))
     else:
-        opts_output = opts.output
+        opts_output = _file_name(opts.output, "-o")
     if opts_output == "-":
-        errors = opts.errors or "-stderr"
+        errors = _file_name(opts.errors, "--errors") if opts.errors else "-stderr"
         batch = "-stderr"
     else:
-        errors = opts.errors or _sibling(opts_output, ".errors.jsonl")
+        errors = (
+            _file_name(opts.errors, "--errors")
+            if opts.errors
+            else _sibling(opts_output, ".errors.jsonl")
+        )
         batch = _sibling(opts_output, ".batch.json")
     digest = hashlib.sha256(f"{opts.input}\0{opts_output}".encode()).hexdigest()[:16]
     if opts.work_dir:
@@ -104,6 +108,28 @@ def resolve_paths(opts: RunOptions) -> JobPaths:
         out = Path(opts_output)
         partial = out.parent / f".{out.name}.partial"
     return JobPaths(opts_output, errors, batch, partial)
+
+
+def _local(uri: str) -> str:
+    """A local path as the file system spells it (file:// dropped, ~ expanded): the lock and
+    the partial output sit beside it, so they must be computed from the real path."""
+    if uri.startswith("file://"):
+        uri = uri[len("file://") :]
+    return uri if uri == "-" or "://" in uri else os.path.expanduser(uri)
+
+
+def _file_name(uri: str, flag: str) -> str:
+    """`uri`, local paths made real, after checking that it can name a file at all: one that
+    ends in '/' (or '.', '..') names a folder, and the run would only fail after the model
+    loaded, or write beside it under a dotted name."""
+    path = _local(uri)
+    last = path.rstrip("/").rpartition("/")[2]
+    if path != "-" and (path.endswith("/") or last in ("", ".", "..")):
+        raise JobError(
+            f"{flag} {uri} names a folder, not a file: name a file in it "
+            f"({path.rstrip('/') or '.'}/answers.jsonl, say)"
+        )
+    return path
 
 
 def _beside(path: str, suffix: str) -> Path:
@@ -132,7 +158,13 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
             for u in (paths.output, paths.errors, paths.batch)
             if not u.startswith("-")
         ]
-        _refuse_overwriting_the_input(opts.input, [paths.output, paths.errors, paths.batch])
+        _refuse_overwriting_the_input(_local(opts.input), [paths.output, paths.errors, paths.batch])
+        _refuse_one_file_twice(paths)
+        if opts.work_dir and paths.partial.parent.exists() and not paths.partial.parent.is_dir():
+            raise StorageError(
+                f"--work-dir {opts.work_dir} is a file, not a folder: name a folder (one that "
+                "does not exist yet is created)"
+            )
         source.check_readable()
         for t in targets:
             t.check_writable()
@@ -158,7 +190,9 @@ def _kept(paths: JobPaths) -> str:
 
 
 def _refuse_overwriting_the_input(input_uri: str, outputs: list[str]) -> None:
-    if input_uri == "-" or input_uri.startswith("s3://"):
+    if input_uri == "-":  # stdin is read and stdout written: never one stream
+        return
+    if input_uri.startswith("s3://"):
         same = [o for o in outputs if o == input_uri]
     else:
         src = Path(input_uri).expanduser()
@@ -171,6 +205,24 @@ def _refuse_overwriting_the_input(input_uri: str, outputs: list[str]) -> None:
         raise StorageError(
             f"{same[0]} is the input file: the run would replace it; choose another -o/--errors"
         )
+
+
+def _refuse_one_file_twice(paths: JobPaths) -> None:
+    """The answers, the error records and batch.json are written one after the other: were two
+    of them one file (`--errors` naming the output), the later would silently replace the
+    earlier, and a job would report answers that are gone."""
+    named = [("the answers (-o)", paths.output), ("the error records (--errors)", paths.errors)]
+    named.append(("batch.json", paths.batch))
+    files = [(what, uri) for what, uri in named if not uri.startswith("-")]
+    for i, (first, a) in enumerate(files):
+        for second, b in files[i + 1 :]:
+            same = a == b if "://" in a or "://" in b else _same_file(Path(a), Path(b))
+            if same:
+                raise StorageError(
+                    f"{b} would hold both {first} and {second}, and the second would replace "
+                    "the first: give -o and --errors different files (batch.json goes beside "
+                    "the output, named like it with .batch.json)"
+                )
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -223,6 +275,10 @@ def _run_locked(opts: RunOptions, paths: JobPaths, source, llm) -> BatchRecord:
         raise JobError(str(e)) from e
     if done:
         log.info("resuming: %d requests already answered", len(done))
+    elif opts.resume:  # say so: a user who expected a resume should not wait for a full run
+        log.info(
+            "--resume: no answers of an earlier run in %s: answering every line", paths.partial
+        )
 
     # The spilled prompts go in a folder of the job's own, beside the partial output: a killed
     # run's spill is then found and removed by the next run instead of lingering (mkstemp names
@@ -344,7 +400,7 @@ def prepare_requests(
     params_seen: dict = {}  # identical SamplingParams are shared: millions of lines, few kinds
     try:
         with source.open_read() as f:
-            lines = _LastLine(f)
+            lines = _LastLine(read_lines(f))
             for item in validate_lines(lines, model=opts.model_name):
                 if isinstance(item, LineError):
                     errors.append(item)

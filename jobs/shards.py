@@ -156,8 +156,17 @@ def new_job_id() -> str:
 
 
 def job_dir(output_prefix: str, job_id: str) -> Storage:
-    """`<output_prefix>/<job_id>/`, after checking that the job id is one safe key part."""
-    validate_key_part(job_id)
+    """`<output_prefix>/<job_id>/`, after checking that the job id is one safe key part (a
+    user types it: `kvbatch status ../x` must not reach outside the prefix)."""
+    try:
+        validate_key_part(job_id)
+    except ValueError:
+        shown = job_id[:40] + "..." if isinstance(job_id, str) and len(job_id) > 64 else job_id
+        raise ValueError(
+            f"job id {shown!r} cannot name a job: a job id is one name of letters, digits and "
+            ". _ = - (not '.' or '..', at most 255 characters), like the "
+            "job-<UTC time>-<random> that `kvbatch submit` prints"
+        ) from None
     return open_storage(output_prefix).join(job_id)
 
 

@@ -157,7 +157,7 @@ def _open_job_folder(input_uri: str, output_prefix: str, job_id: str):
     try:
         job = job_dir(output_prefix, job_id)
     except ValueError as e:
-        raise JobError(f"bad job id: {e}") from e
+        raise JobError(str(e)) from e
     except StorageError as e:
         raise JobError(str(e)) from e
     manifest_target = job.join("job.json")

@@ -40,7 +40,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel, ValidationError
 
@@ -161,6 +161,30 @@ def validate_lines(
             yield record
 
 
+class OversizedLine(bytes):
+    """The first MAX_LINE_BYTES + 1 bytes of a longer line, and its whole length in `size`."""
+
+    size: int
+
+
+def read_lines(f: BinaryIO) -> Iterator[bytes]:
+    """The lines of a binary file, as iterating it gives them, except that a line longer than
+    MAX_LINE_BYTES is never held whole: its head comes as an `OversizedLine` (an error record
+    either way) and the rest is skipped in pieces. Iterating the file would read a 5 GB line
+    without a newline into memory before validation could refuse it."""
+    limit = MAX_LINE_BYTES
+    while raw := f.readline(limit + 1):
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            size = len(raw)
+            while piece := f.readline(1 << 20):
+                size += len(piece)
+                if piece.endswith(b"\n"):
+                    break
+            raw = OversizedLine(raw)
+            raw.size = size
+        yield raw
+
+
 # --- one line ---------------------------------------------------------------------------------
 
 
@@ -192,12 +216,15 @@ def _check_line(
 
     if isinstance(raw, bytes):
         if len(raw) > MAX_LINE_BYTES:
-            return fail("line_too_long", _too_long(len(raw)))
+            return fail("line_too_long", _too_long(getattr(raw, "size", len(raw))))
         if not raw or raw.isspace():
             return None
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
+            kind = next((k for magic, k in _NOT_TEXT if raw.startswith(magic)), None)
+            if number == 1 and kind:  # every line fails alike: say why once, plainly
+                return fail("invalid_encoding", f"the file is {kind}")
             return fail(
                 "invalid_encoding",
                 f"byte {exc.start + 1} is not UTF-8 ({raw[exc.start : exc.start + 1]!r}): "
@@ -217,7 +244,14 @@ def _check_line(
 
     try:
         obj = _JSON.decode(text)
-    except ValueError as exc:  # JSONDecodeError, or NaN/Infinity
+    except ValueError as exc:  # JSONDecodeError, NaN/Infinity, or an integer of 4,300+ digits
+        digits = _TOO_MANY_DIGITS.search(str(exc))
+        if digits:  # Python's own advice (sys.set_int_max_str_digits) is not the user's fix
+            return fail(
+                "invalid_json",
+                f"a number has {digits.group(1)} digits, more than can be read: no request "
+                "field takes a number that long; fix the number",
+            )
         return fail(
             "invalid_json",
             f"not valid JSON ({exc}): write each request as one JSON object on one line",
@@ -459,6 +493,14 @@ def _reject_constant(name: str) -> None:
 
 
 _JSON = json.JSONDecoder(parse_constant=_reject_constant)  # one decoder, not one per line
+# Files a user may hand over instead of the JSONL itself, by their first bytes.
+_NOT_TEXT = (
+    (b"\x1f\x8b", "gzip-compressed: decompress it first (gunzip FILE.gz)"),
+    (b"PK\x03\x04", "a zip archive: extract the .jsonl from it first"),
+    (b"\xff\xfe", "UTF-16 text (Windows' 'Unicode'): save it as UTF-8"),
+    (b"\xfe\xff", "UTF-16 text: save it as UTF-8"),
+)
+_TOO_MANY_DIGITS = re.compile(r"integer string conversion: value has (\d+) digits")
 
 
 def _json_type(obj: object) -> str:

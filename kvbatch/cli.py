@@ -7,14 +7,17 @@ import importlib.metadata
 import json
 import sys
 import time
+from typing import Annotated
 
 from kvbatch.engine_args import (
     add_engine_args,
     add_revision_arg,
     engine_args_conflict,
     engine_kwargs,
+    non_negative_int,
 )
 from kvbatch.threads import apply_threads
+from kvbatch.worker.settings import metrics_port
 
 MODEL_HELP = (
     "a Hugging Face folder, a .gguf file, or a Hub id (owner/name, or owner/name/FILE.gguf) "
@@ -65,14 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--window",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="requests inside the engine at once (default 4 x max-num-seqs)",
     )
     run.add_argument("--work-dir", help="where the resumable partial output is kept")
     run.add_argument(
         "--metrics-port",
-        type=int,
+        type=metrics_port,
         default=0,
         help="serve Prometheus metrics (the worker's) on this port while the run lasts (0: off)",
     )
@@ -268,6 +271,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     try:
         chats = _read_chats(args.chat_file) if args.chat_file else []
+        if not args.prompt and not chats:  # before the model loads, not after
+            raise ValueError(
+                f"{args.chat_file} holds no conversation"
+                if args.chat_file
+                else "nothing to answer: give --prompt TEXT or --chat-file FILE"
+            )
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
         )
@@ -277,12 +286,17 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     prompts = list(args.prompt)
     shown = list(args.prompt)
-    for messages in chats:
-        prompts.append(render_chat(llm.tokenizer, messages))
+    for n, messages in enumerate(chats, 1):
+        try:
+            prompts.append(render_chat(llm.tokenizer, messages))
+        except Exception as e:  # the template's own (jinja2's TemplateError, ValueError, ...)
+            print(
+                f"kvbatch generate: the model's chat template rejects conversation {n} of "
+                f"{args.chat_file}: {e}",
+                file=sys.stderr,
+            )
+            return 2
         shown.append(messages[-1]["content"])
-    if not prompts:
-        print("kvbatch generate: give --prompt or --chat-file", file=sys.stderr)
-        return 2
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
     seconds = time.perf_counter() - start
@@ -304,16 +318,41 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _read_chats(path: str) -> list[list[dict]]:
+    """The conversations of a --chat-file, checked as `kvbatch run` checks a chat line's
+    messages: a malformed one is refused here, naming its line, not by the chat template
+    after the model has loaded."""
+    from pydantic import Field, TypeAdapter, ValidationError
+
+    from kvbatch.jobs.schemas import ChatMessage
+
+    conversation = TypeAdapter(Annotated[list[ChatMessage], Field(min_length=1)])
     chats = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                messages = json.loads(line)["messages"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f'{path} line {n}: expected {{"messages": [...]}} ({e})') from e
-            chats.append(messages)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = list(f)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--chat-file {path} is not UTF-8 ({e.reason}): save it as UTF-8") from e
+    except OSError as e:
+        raise ValueError(f"cannot read --chat-file {path}: {e.strerror}") from e
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            messages = json.loads(line)["messages"]
+            chats.append([m.as_dict() for m in conversation.validate_python(messages)])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(
+                f'{path} line {n}: expected {{"messages": [...]}} ({type(e).__name__}: {e})'
+            ) from e
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = "messages" + "".join(
+                f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]
+            )
+            raise ValueError(
+                f"{path} line {n}: '{where}' {first['msg']}: each message is "
+                '{"role": "system"|"user"|"assistant", "content": "text"}'
+            ) from e
     return chats
 
 

@@ -26,6 +26,9 @@ def results(args: argparse.Namespace) -> int:
     name = "errors.jsonl" if args.errors else "output.jsonl"
     try:
         job = job_dir(args.output, args.job_id)
+        if not job.join("job.json").exists():
+            print(f"kvbatch results: no job {args.job_id!r} under {args.output}", file=sys.stderr)
+            return 1
         try_finalize(job)
         source = job.join(name)
         if not source.exists():

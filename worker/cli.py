@@ -29,9 +29,30 @@ import os
 import socket
 import sys
 
-from kvbatch.worker.settings import DEFAULT_QUEUE  # plain Python: no Celery to parse arguments
+from kvbatch.worker.settings import (  # plain Python: no Celery to parse arguments
+    DEFAULT_QUEUE,
+    metrics_port,
+)
 
 log = logging.getLogger("kvbatch.worker")
+
+
+def _count(power_of_two: bool = False):
+    """argparse type of a count >= 1 (a power of two if asked): `--shard-tokens 0` or
+    `--block-size 3` stops at parsing, not after the broker is reached and the input read."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+        if power_of_two and value & (value - 1):
+            raise argparse.ArgumentTypeError(f"must be a power of two (e.g. 16), got {text}")
+        return value
+
+    return parse
 
 
 def add_submit_args(p: argparse.ArgumentParser) -> None:
@@ -50,15 +71,20 @@ def add_submit_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_QUEUE,
         help=f"the queue the workers read (default {DEFAULT_QUEUE})",
     )
-    p.add_argument("--shard-tokens", type=int, default=200_000, help="prompt tokens per shard")
-    p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
+    p.add_argument("--shard-tokens", type=_count(), default=200_000, help="prompt tokens per shard")
+    p.add_argument(
+        "--block-size",
+        type=_count(power_of_two=True),
+        default=16,
+        help="the workers' KV block size, a power of two (default 16)",
+    )
     p.add_argument(
         "--max-model-len",
-        type=int,
+        type=_count(),
         default=None,
         help="the workers' --max-model-len: longer requests are errors (default: the model's)",
     )
-    p.add_argument("--max-attempts", type=int, default=3, help="deliveries of a shard at most")
+    p.add_argument("--max-attempts", type=_count(), default=3, help="deliveries of a shard at most")
     p.add_argument("--job-id", help="default: job-<UTC time>-<random>")
 
 
@@ -81,7 +107,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=metrics_port,
         default=9400,
         help="serve Prometheus metrics on this port (0: off)",
     )
@@ -111,15 +137,19 @@ def add_status_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_cancel_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job_id")
+    p.add_argument("job_id", help="the job id `kvbatch submit` printed last")
     p.add_argument("--output", required=True, help="the prefix the job was submitted to")
 
 
 def add_resend_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job_id")
+    p.add_argument("job_id", help="the job id `kvbatch submit` printed last")
     p.add_argument("--output", required=True, help="the prefix the job was submitted to")
     p.add_argument("--broker", help="redis://, rediss:// or sqs:// (default: KVBATCH_BROKER_URL)")
-    p.add_argument("--queue", default=DEFAULT_QUEUE)
+    p.add_argument(
+        "--queue",
+        default=DEFAULT_QUEUE,
+        help=f"the queue the job was submitted to (default {DEFAULT_QUEUE})",
+    )
     p.add_argument(
         "--unwritten",
         action="store_true",
@@ -283,6 +313,9 @@ def finalize(args: argparse.Namespace) -> int:
 
     try:
         job = job_dir(args.output, args.job_id)
+        if not job.join("job.json").exists():
+            print(f"kvbatch finalize: no job {args.job_id!r} under {args.output}", file=sys.stderr)
+            return 1
         try_finalize(job)
         status = job_status(job)
     except (ValueError, StorageError) as e:

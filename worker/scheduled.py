@@ -334,4 +334,9 @@ def add_beat_args(p) -> None:
         default=os.path.join(tempfile.gettempdir(), "kvbatch-beat-schedule"),
         help="celery beat's state file (last run times); keep it on a volume",
     )
-    p.add_argument("--loglevel", default="INFO")
+    p.add_argument(
+        "--loglevel",
+        default="INFO",
+        help="celery's log level for beat and its worker: DEBUG, INFO, WARNING or ERROR "
+        "(default INFO)",
+    )

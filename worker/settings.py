@@ -5,6 +5,7 @@ the task module and the app module both build on it without importing each other
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 
@@ -68,3 +69,17 @@ def redact_url(url: str) -> str:
     userinfo = url[start:at]
     user = userinfo.split(":", 1)[0] + ":" if ":" in userinfo else ""
     return f"{url[:start]}{user}***{url[at:]}"
+
+
+def metrics_port(text: str) -> int:
+    """argparse type of --metrics-port: a TCP port, or 0 for none. Out of range, socket's
+    bind raises OverflowError, which is no OSError: a traceback instead of a message."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"must be a port from 1 to 65535, or 0 for none, got {text}"
+        )
+    return port

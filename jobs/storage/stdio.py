@@ -1,4 +1,4 @@
-"""'-': stdin for reading, stdout for writing (pipelines: `kvbatch run - - < in.jsonl`)."""
+"""'-': stdin for reading, stdout for writing (pipelines: `kvbatch run - -o - < in.jsonl`)."""
 
 from __future__ import annotations
 

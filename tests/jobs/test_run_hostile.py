@@ -5,8 +5,11 @@ in every line accounted for exactly once; none in a traceback or a clobbered fil
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -313,6 +316,87 @@ def test_an_output_that_is_not_a_regular_file_is_refused(tmp_path: Path):
     result = run_cli("run", str(source), "-o", str(node), "--model", "x")
     one_clear_message(result, str(node), "not a regular file")
     assert node.stat().st_mode == kind
+
+
+@pytest.mark.parametrize(
+    ("errors", "clash"),
+    [("out.jsonl", "the answers (-o)"), ("./out.batch.json", "batch.json")],
+)
+def test_one_file_for_two_of_the_jobs_files_is_refused(tmp_path: Path, errors, clash):
+    """`--errors` naming the output once left a completed job whose answers were replaced by
+    its (empty) error file."""
+    source = write_jsonl(tmp_path / "in.jsonl", [completion("a", "hi")])
+    opts = RunOptions(
+        input=str(source),
+        model="not loaded: refused before",
+        output=str(tmp_path / "out.jsonl"),
+        errors=str(tmp_path / errors),
+    )
+    with pytest.raises(JobError, match=f"would hold both .*{re.escape(clash)}.*different files"):
+        run_job(opts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+@pytest.mark.parametrize("output", ["{tmp}/new-dir/", "{tmp}/.", "{tmp}/sub/..", "s3://bkt/pre/"])
+def test_an_output_that_names_a_folder_is_refused_before_any_work(tmp_path: Path, output):
+    """`-o new-dir/` once ran the whole job, then failed to write, leaving `.new-dir.partial`
+    behind; `/x/y/../` wrote '....partial' inside y."""
+    source = write_jsonl(tmp_path / "in.jsonl", [completion("a", "hi")])
+    output = output.format(tmp=tmp_path)
+    for flags in ({"output": output}, {"output": str(tmp_path / "o.jsonl"), "errors": output}):
+        opts = RunOptions(input=str(source), model="not loaded: refused before", **flags)
+        with pytest.raises(JobError, match=r"names a folder, not a file: name a file in it"):
+            run_job(opts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_a_work_dir_that_is_a_file_is_refused_before_any_work(tmp_path: Path):
+    """It failed after the model loaded with 'cannot write in.jsonl: File exists'."""
+    source = write_jsonl(tmp_path / "in.jsonl", [completion("a", "hi")])
+    opts = RunOptions(
+        input=str(source),
+        model="not loaded",
+        output=str(tmp_path / "o.jsonl"),
+        work_dir=str(source),
+    )
+    with pytest.raises(JobError, match=r"--work-dir .* is a file, not a folder"):
+        run_job(opts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_file_uris_and_tilde_outputs_lock_and_keep_their_partial_beside_the_real_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """`-o file:///x/o.jsonl` failed to lock 'file:/x/.o.jsonl.lock'; `-o '~/o.jsonl'` kept its
+    partial output in a folder literally named '~'."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for output in (f"file://{tmp_path}/o.jsonl", "~/o.jsonl"):
+        paths = resolve_paths(RunOptions(input="in.jsonl", model="x", output=output))
+        assert paths.output == str(tmp_path / "o.jsonl")
+        assert paths.partial == tmp_path / ".o.jsonl.partial"
+        assert paths.errors == str(tmp_path / "o.errors.jsonl")
+
+
+def test_stdin_to_stdout_runs_and_resume_without_answers_says_so(
+    llm,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsysbinary: pytest.CaptureFixture,
+    caplog: pytest.LogCaptureFixture,
+):
+    """`kvbatch run - -o -` was refused as "the input file would be replaced"; --resume with
+    nothing to resume from ran everything without a word."""
+    lines = [completion("a", "hi", max_tokens=2), b"{oops"]
+    data = write_jsonl(tmp_path / "in.jsonl", lines).read_bytes()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    opts = RunOptions(input="-", model="unused", output="-", resume=True)
+    with caplog.at_level(logging.INFO, logger="kvbatch"):
+        record = run_job(opts, llm=llm)
+    assert (record.completed, record.failed) == (1, 1)
+    out, err = capsysbinary.readouterr()
+    assert [a["custom_id"] for a in read_jsonl(out)] == ["a"]
+    assert b'"code": "invalid_json"' in err  # the error records go to stderr
+    assert "--resume: no answers of an earlier run" in caplog.text
 
 
 # -- 6. messages, never tracebacks ---------------------------------------------------------------

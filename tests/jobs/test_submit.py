@@ -136,9 +136,9 @@ def test_tampered_payload_is_refused(tmp_path: Path, tiny_chat_model: Path):
 
 @pytest.mark.parametrize("bad", ["..", "a/b", "../x", "", "job id"])
 def test_unsafe_job_ids_are_rejected(tmp_path: Path, bad: str):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"job id .* cannot name a job: .*kvbatch submit"):
         job_dir(str(tmp_path), bad)
-    with pytest.raises(JobError, match="bad job id"):
+    with pytest.raises(JobError, match="cannot name a job"):
         prepare_job(str(tmp_path / "missing.jsonl"), str(tmp_path), "unused", job_id=bad)
     good = {
         "job_id": "job-1",

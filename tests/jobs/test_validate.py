@@ -10,7 +10,7 @@ import pytest
 import kvbatch.jobs.validate as validate_module
 from kvbatch.engine.core.sampling_params import SamplingParams
 from kvbatch.jobs.schemas import CONTEXT_MAX_TOKENS
-from kvbatch.jobs.validate import CODES, JobRequest, LineError, validate_lines
+from kvbatch.jobs.validate import CODES, JobRequest, LineError, read_lines, validate_lines
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -223,3 +223,80 @@ def test_validator_streams(tmp_path: Path):
         assert first.custom_id == "r0" and lines.read == 1
         assert f.tell() < path.stat().st_size  # the file is not exhausted
         assert sum(1 for _ in records) == 1999
+
+
+def _raw(custom_id: str = "r", **body) -> bytes:
+    return line(custom_id, COMPLETIONS, {"prompt": "hi", **body}).rstrip(b"\n")
+
+
+# Line framing and values a hostile or careless file holds, beside what test_schemas checks:
+# (raw line, its record's code or "ok", a part of its message or its custom_id)
+FRAMING = [
+    pytest.param(b"\xef\xbb\xbf" + _raw("bom") + b"\r\n", "ok", "bom", id="utf8-bom-and-crlf"),
+    pytest.param(_raw("no-newline"), "ok", "no-newline", id="last-line-without-newline"),
+    pytest.param(_raw("../../etc/passwd"), "ok", "../../etc/passwd", id="custom-id-path"),
+    pytest.param(_raw("a\nb\x00c"), "ok", "a\nb\x00c", id="custom-id-control-chars"),
+    pytest.param(_raw("x" * 10_000), "invalid_custom_id", "at most 512", id="custom-id-10k"),
+    pytest.param(_raw("nul", prompt="a\x00b"), "ok", "nul", id="nul-escape-in-prompt"),
+    pytest.param(_raw("raw-nul")[:-1] + b"\x00}", "invalid_json", "not valid JSON", id="raw-nul"),
+    pytest.param(
+        _raw("digits")[:-2] + b', "max_tokens": ' + b"9" * 5000 + b"}}",
+        "invalid_json",
+        "a number has 5000 digits",
+        id="5000-digit-number",
+    ),
+    pytest.param(
+        b'{"custom_id": "deep", "body": ' + b'{"a": ' * 10_000 + b"1" + b"}" * 10_001,
+        "invalid_json",
+        "nest too deeply",
+        id="objects-10000-deep",
+    ),
+    pytest.param(b"\x1f\x8b\x08\x00\xb5\xc9", "invalid_encoding", "gzip-compressed", id="gzip"),
+    pytest.param('{"custom_id": "u"}'.encode("utf-16"), "invalid_encoding", "UTF-16", id="utf-16"),
+    pytest.param(_raw("inf")[:-2] + b', "temperature": 1e400}}', "invalid_parameter", "got inf"),
+    pytest.param(_raw("f", max_tokens=1e9), "invalid_parameter", "'max_tokens' must be an integer"),
+    pytest.param(_raw("n", n=2.0), "invalid_parameter", "'n' must be an integer"),
+    pytest.param(_raw("s", stop=["a", ""]), "invalid_parameter", "non-empty strings"),
+    pytest.param(_raw("lp", logprobs=5), "ok", "lp"),
+    pytest.param(_raw("lp6", logprobs=6), "invalid_parameter", "between 0 and 5"),
+    pytest.param(
+        line("tl20", body={"messages": USER, "logprobs": True, "top_logprobs": 20}).rstrip(),
+        "ok",
+        "tl20",
+    ),
+    pytest.param(
+        line("tl21", body={"messages": USER, "logprobs": True, "top_logprobs": 21}).rstrip(),
+        "invalid_parameter",
+        "between 0 and 20",
+    ),
+]
+
+
+@pytest.mark.parametrize(("raw", "code", "says"), FRAMING)
+def test_hostile_framing_and_values(raw: bytes, code: str, says: str):
+    [record] = validate_lines([raw], model=MODEL)
+    if code == "ok":
+        assert isinstance(record, JobRequest), record
+        assert record.custom_id == says  # echoed as given: it is never a path
+    else:
+        assert isinstance(record, LineError) and record.code == code, record
+        assert says in record.message and len(record.message) < 400, record.message
+
+
+def test_an_oversized_line_is_never_held_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Iterating the file read a line of any length into memory before its length was checked."""
+    monkeypatch.setattr(validate_module, "MAX_LINE_BYTES", 200)
+    long_line = line("long", COMPLETIONS, {"prompt": "x" * 5000})
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(long_line + line("short", COMPLETIONS, {"prompt": "x"}) + long_line[:-1])
+    with path.open("rb") as f:
+        raws = list(read_lines(f))
+    assert [len(r) for r in raws] == [201, len(line("short", COMPLETIONS, {"prompt": "x"})), 201]
+    records = list(validate_lines(raws))
+    assert [r.code if isinstance(r, LineError) else r.custom_id for r in records] == [
+        "line_too_long",
+        "short",
+        "line_too_long",
+    ]
+    assert f"the line is {len(long_line)} bytes" in records[0].message
+    assert f"the line is {len(long_line) - 1} bytes" in records[2].message

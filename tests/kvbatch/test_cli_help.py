@@ -14,7 +14,7 @@ import pytest
 from kvbatch.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = ["run", "worker", "generate", "submit"]
+COMMANDS = ["run", "worker", "generate", "submit"]  # the commands a new user runs first
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -33,6 +33,17 @@ def test_every_flag_has_help(command):
         if not a.help or a.help == argparse.SUPPRESS or not a.help.strip()
     ]
     assert not missing, f"kvbatch {command}: no help for {missing}"
+
+
+def test_every_commands_arguments_have_help():
+    """`kvbatch cancel --help` once showed a bare job_id, `resend` a bare --queue."""
+    commands = _subcommands(build_parser())
+    assert len(commands) >= 12
+    missing = {
+        name: ["/".join(a.option_strings) or a.dest for a in parser._actions if not a.help]
+        for name, parser in commands.items()
+    }
+    assert not {name: flags for name, flags in missing.items() if flags}
 
 
 def test_version_is_the_installed_one():

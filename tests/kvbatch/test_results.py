@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvbatch.jobs.finalize import read_manifest
 from kvbatch.jobs.shards import job_dir
 from tests.jobs.test_finalize import make_llm, run_shards  # noqa: F401
 from tests.jobs.test_submit import prepare, rag_lines
+from tests.kvbatch.test_engine_args import run_main
 from tests.s3_server import S3Server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,3 +136,25 @@ def test_watch_rewrites_its_block_on_a_terminal(tmp_path, tiny_chat_model):
     lines = len([r for r in out.split("\x1b[")[0].splitlines() if r.strip()])
     assert out.count(f"\x1b[{lines}F\x1b[J") == 2, out  # two refreshes after the first block
     assert out.count("job            " + sub.job_id) == 3
+
+
+@pytest.mark.parametrize("command", ["results", "finalize", "status", "cancel"])
+@pytest.mark.parametrize(
+    ("job_id", "prefix", "says"),
+    [
+        ("job-1", "{tmp}/nothing-here", "no job 'job-1' under {tmp}/nothing-here"),
+        ("job-1", "{tmp}/a-file", "no job 'job-1' under {tmp}/a-file"),
+        ("../job-1", "{tmp}", "job id '../job-1' cannot name a job"),
+        ("..", "{tmp}", "job id '..' cannot name a job"),
+        ("job-1", "ftp://host/jobs", "unsupported scheme ftp://"),
+    ],
+)
+def test_a_job_that_is_not_there_is_one_line_saying_so(tmp_path, command, job_id, prefix, says):
+    """`results` and `finalize` said 'cannot read X/job-1/job.json: Not a directory' where
+    `status` and `cancel` said 'no job'; a job id with '../' never reaches outside the prefix."""
+    (tmp_path / "a-file").write_text("not a folder")
+    prefix, says = prefix.format(tmp=tmp_path), says.format(tmp=tmp_path)
+    status, out, err = run_main([command, job_id, "--output", prefix])
+    assert (status, out) == (1, "")
+    assert err.startswith(f"kvbatch {command}: "), err
+    assert says in err and len(err.strip().splitlines()) == 1, err
