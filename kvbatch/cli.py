@@ -262,6 +262,10 @@ def _run(args: argparse.Namespace) -> int:
     )
     if paths.output != "-":
         print(f"answers: {paths.output}\nerrors:  {paths.errors}\nbatch:   {paths.batch}")
+    if record.status == "failed" and record.total:  # a script must not carry on as if answered
+        print(f"kvbatch run: the batch failed: every line was refused; see {paths.errors}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     return 0
 
 

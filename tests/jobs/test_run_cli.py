@@ -125,6 +125,30 @@ def test_empty_input_exits_0_with_zero_requests(
     assert (tmp_path / "empty.output.jsonl").read_bytes() == b""
 
 
+def test_every_line_refused_exits_1_naming_the_errors(
+    tiny_chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    """A batch where nothing could run is `failed`: `kvbatch run && next-step` must stop."""
+    import logging
+
+    from kvbatch.cli import main
+
+    source = tmp_path / "bad.jsonl"
+    source.write_text('{"custom_id": "a"}\nnot json\n')
+    level = logging.getLogger("kvbatch").level
+    try:
+        status = main(["run", str(source), "--model", str(tiny_chat_model), *ENGINE_FLAGS])
+    finally:
+        logging.getLogger("kvbatch").setLevel(level)
+    out, err = capsys.readouterr()
+    assert status == 1, err
+    errors = tmp_path / "bad.output.errors.jsonl"
+    assert f"the batch failed: every line was refused; see {errors}" in err
+    assert len(errors.read_text().splitlines()) == 2
+    batch = json.loads((tmp_path / "bad.output.batch.json").read_text())
+    assert batch["status"] == "failed"
+
+
 # -- SIGKILL, then --resume ----------------------------------------------------------------------
 
 
