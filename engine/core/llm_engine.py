@@ -211,21 +211,30 @@ class LLMEngine:
             )
 
     def _log_kv_pool(self, num_blocks: int) -> None:
-        block_size = self.config.cache.block_size
-        kv_tokens = num_blocks * block_size
-        max_num_seqs = self.scheduler.config.max_num_seqs
+        kv_tokens = num_blocks * self.config.cache.block_size
         log.info(
             "KV cache (%s): %d tokens (%d blocks of %d), shared by the requests running at once: "
-            "prompt + answer tokens of all of them must fit, so about %d requests of 1,000 "
-            "tokens run together, and at least %.1f even if each used the whole max_model_len "
-            "(%d); requests beyond that wait their turn (shared prefixes are stored once)",
+            "prompt + answer tokens of all of them must fit, so %s; requests beyond that wait "
+            "their turn (shared prefixes are stored once)",
             str(self.kv_dtype).removeprefix("torch."),
             kv_tokens,
             num_blocks,
-            block_size,
-            min(kv_tokens // 1000, max_num_seqs),
-            kv_tokens / self.max_model_len,
-            self.max_model_len,
+            self.config.cache.block_size,
+            self._requests_at_once(kv_tokens),
+        )
+
+    def _requests_at_once(self, kv_tokens: int) -> str:
+        """How many requests fit the pool, in words: of a typical 1,000 tokens, and of the
+        whole max_model_len."""
+        longest = f"{kv_tokens / self.max_model_len:.1f}".removesuffix(".0")
+        whole = f"even if each used the whole max_model_len ({self.max_model_len})"
+        if self.max_model_len <= 1000:
+            return f"at least {longest} run together {whole}"
+        typical = min(kv_tokens // 1000, self.scheduler.config.max_num_seqs)
+        noun, verb = ("request", "runs") if typical == 1 else ("requests", "run")
+        return (
+            f"about {typical} {noun} of 1,000 tokens {verb} together, and at least {longest} "
+            f"{whole}"
         )
 
     def _freeze_gc(self) -> bool:
