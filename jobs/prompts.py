@@ -1,7 +1,10 @@
 """Turning a valid line into the token ids the engine runs, and into its output cap.
 
 Chat messages go through the model's own chat template (`apply_chat_template`), whose text
-already holds the special tokens, so it is encoded without adding any. Completions prompts
+already holds the special tokens, so it is encoded without adding any. A line's tools go to the
+template too (`tools=`, as vLLM passes them); a template that would drop them, or drop the tool
+calls and results of the conversation, is refused rather than run: the model would answer
+without ever seeing them. Completions prompts
 are encoded as they are (the tokenizer adds what it always adds, e.g. Llama's BOS), or taken
 as token ids.
 """
@@ -32,9 +35,10 @@ def prompt_token_ids(req: JobRequest, tokenizer, max_model_len: int) -> list[int
     template fails, the prompt is empty or holds ids outside the vocabulary (invalid_prompt),
     or it leaves no room for one output token (context_length_exceeded)."""
     if req.messages is not None:
+        _check_tool_support(req, tokenizer)
         try:
             text = tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, tokenize=False
+                req.messages, tools=req.tools, add_generation_prompt=True, tokenize=False
             )
             ids = tokenizer.encode(text, add_special_tokens=False)
         except Exception as exc:  # jinja errors, no template, raise_exception() in a template
@@ -63,6 +67,34 @@ def prompt_token_ids(req: JobRequest, tokenizer, max_model_len: int) -> list[int
     if len(ids) >= max_model_len:
         raise PromptError("context_length_exceeded", _prompt_too_long(len(ids), max_model_len))
     return ids
+
+
+def _check_tool_support(req: JobRequest, tokenizer) -> None:
+    """Refuse a line whose tools or tool messages the model's chat template would drop
+    (judged from the template's source: one that never names them cannot show them)."""
+    calls = any("tool_calls" in m for m in req.messages)
+    results = any(m["role"] == "tool" for m in req.messages)
+    wants_tools = req.tools is not None and req.tool_calling is not None  # "none": plain text
+    if not (wants_tools or calls or results):
+        return
+    try:
+        source = tokenizer.get_chat_template(tools=req.tools)
+    except Exception:  # no template at all: apply_chat_template says so below
+        return
+    if wants_tools and "tools" not in source:
+        missing = "the line's 'tools'"
+    elif calls and "tool_calls" not in source:
+        missing = "the assistant messages' 'tool_calls'"
+    elif results and '"tool"' not in source and "'tool'" not in source:
+        missing = "the 'tool' messages (the results of calls)"
+    else:
+        return
+    raise PromptError(
+        "invalid_prompt",
+        f"the model's chat template ignores {missing}, so the model would never see them: "
+        "run a model whose chat template supports tools (Qwen2.5, Qwen3, Llama 3.1, Hermes), "
+        "or remove them",
+    )
 
 
 def embedding_token_ids(req: JobRequest, tokenizer, max_model_len: int) -> list[list[int]]:

@@ -11,7 +11,15 @@ An error line (a bad input line, or a prompt the model cannot run)::
      "error": {"code": …, "message": "line N: …", "line": N}}
 
 Ids are hashes of (batch_id, line, custom_id): unique within a job, and the same when a shard
-is run again, so a rerun writes identical lines.
+is run again, so a rerun writes identical lines. Tool calls' ids ("call_" + 24 hex digits, the
+shape of vLLM's random ones) are hashes too, of that key and the call's place in the answer.
+
+A chat line with tool calling (kvbatch.jobs.tools) answers, when the model made calls::
+
+    "message": {"role": "assistant", "content": null | <text outside the calls>,
+                "tool_calls": [{"id": "call_…", "type": "function",
+                                "function": {"name": …, "arguments": <JSON text>}}], …},
+    "finish_reason": "tool_calls"     ("length" when max_tokens cut the answer)
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 
 from kvbatch.engine.core.outputs import RequestOutput
 from kvbatch.engine.core.sequence import TokenLogprobs
+from kvbatch.jobs.tools import read_answer
 from kvbatch.jobs.validate import JobRequest, LineError
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}  # engine -> OpenAI
@@ -56,7 +65,7 @@ def success_line(
         )
     key = _key(batch_id, req.line, req.custom_id)
     tokens = _TokenTexts.of(tokenizer)
-    choices = [_choice(req, c, tokens) for c in sorted(out.outputs, key=lambda c: c.index)]
+    choices = [_choice(req, c, tokens, key) for c in sorted(out.outputs, key=lambda c: c.index)]
     body_id, kind = (
         ("chatcmpl-", "chat.completion") if req.is_chat else ("cmpl-", "text_completion")
     )
@@ -78,7 +87,7 @@ def success_line(
     }
 
 
-def _choice(req: JobRequest, completion, tokens: _TokenTexts) -> dict[str, Any]:
+def _choice(req: JobRequest, completion, tokens: _TokenTexts, key: str) -> dict[str, Any]:
     """One choice of the body: chat's message or completions' text, at the choice's index."""
     finish_reason = _FINISH_REASONS.get(completion.finish_reason or "")
     if finish_reason is None:
@@ -90,14 +99,25 @@ def _choice(req: JobRequest, completion, tokens: _TokenTexts) -> dict[str, Any]:
         logprobs = None
         if completion.logprobs is not None:
             logprobs = {"content": _chat_logprobs(completion.logprobs, tokens), "refusal": None}
+        message = {
+            "role": "assistant",
+            "content": completion.text,
+            "refusal": None,
+            "annotations": [],
+        }
+        if req.tool_calling is not None:
+            answer = read_answer(req.tool_calling, completion.text)
+            if answer.calls:
+                message["content"] = answer.content
+                message["tool_calls"] = [
+                    _tool_call(key, completion.index, i, name, arguments)
+                    for i, (name, arguments) in enumerate(answer.calls)
+                ]
+                if finish_reason == "stop":
+                    finish_reason = "tool_calls"
         return {
             "index": completion.index,
-            "message": {
-                "role": "assistant",
-                "content": completion.text,
-                "refusal": None,
-                "annotations": [],
-            },
+            "message": message,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
@@ -109,6 +129,15 @@ def _choice(req: JobRequest, completion, tokens: _TokenTexts) -> dict[str, Any]:
         "text": completion.text,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
+    }
+
+
+def _tool_call(key: str, choice: int, i: int, name: str, arguments: str) -> dict[str, Any]:
+    digest = hashlib.sha256(f"{key}\0{choice}\0{i}".encode()).hexdigest()[:24]
+    return {
+        "id": "call_" + digest,
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
     }
 
 

@@ -70,6 +70,8 @@ class RunOptions:
     window: int = 0  # requests inside the engine at once; 0 = 4 x max_num_seqs
     work_dir: str | None = None  # where the resumable partial output lives
     engine: dict = field(default_factory=dict)  # engine.LLM keyword arguments
+    # reads tool calls out of chat answers with tool_choice "auto" (kvbatch.jobs.tool_parsers)
+    tool_call_parser: str | None = None
     monitor: RunMonitor | None = None  # metrics; changes no answer
 
 
@@ -237,7 +239,10 @@ def job_identity(opts: RunOptions) -> dict:
     the model and the settings that change its outputs. `--resume` refuses a partial output
     whose identity differs."""
     engine = {k: opts.engine[k] for k in _OUTPUT_SETTINGS if opts.engine.get(k) is not None}
-    return {"model": opts.model, "model_name": opts.model_name, **engine}
+    identity = {"model": opts.model, "model_name": opts.model_name, **engine}
+    if opts.tool_call_parser is not None:  # absent when unset: older partials stay resumable
+        identity["tool_call_parser"] = opts.tool_call_parser
+    return identity
 
 
 # Engine settings that change the answers (the rest change only speed).
@@ -401,7 +406,9 @@ def prepare_requests(
     try:
         with source.open_read() as f:
             lines = _LastLine(read_lines(f))
-            for item in validate_lines(lines, model=opts.model_name):
+            for item in validate_lines(
+                lines, model=opts.model_name, tool_call_parser=opts.tool_call_parser
+            ):
                 if isinstance(item, LineError):
                     errors.append(item)
                     continue
@@ -453,7 +460,7 @@ def prepare_requests(
                 except TypeError:  # a logit_bias dict makes the params unhashable: not shared
                     pass
                 requests.append(
-                    dataclasses.replace(item, messages=None, prompt=None, params=params)
+                    dataclasses.replace(item, messages=None, prompt=None, tools=None, params=params)
                 )
                 input_index.append(0)
                 store.append(ids)

@@ -8,9 +8,11 @@ unknown fields, as OpenAI does. Each body field falls into one of four kinds:
 - mapped to `SamplingParams`: max_tokens / max_completion_tokens, temperature, top_p, top_k,
   min_p, seed, stop, stop_token_ids, ignore_eos, logprobs / top_logprobs, n,
   presence_penalty, frequency_penalty, repetition_penalty (vLLM's), logit_bias, and chat's
-  response_format (kvbatch.jobs.response_format);
+  response_format (kvbatch.jobs.response_format) and tools / tool_choice /
+  parallel_tool_calls (kvbatch.jobs.tools: the tools go to the chat template, a forced
+  tool_choice constrains the output);
 - unsupported, because it would change the answer: accepted only at its neutral value
-  (best_of=1, stream=false, tools=[], ...; null always),
+  (best_of=1, stream=false, functions=[], ...; null always),
   otherwise an `unsupported_parameter` error (see `_UNSUPPORTED`);
 - ignored, because it changes nothing we return: user, metadata, store, service_tier, ...;
 - anything else: unknown.
@@ -21,10 +23,19 @@ unknown fields, as OpenAI does. Each body field falls into one of four kinds:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from kvbatch.engine.core.sampling_params import (
@@ -36,6 +47,15 @@ from kvbatch.engine.core.sampling_params import (
 from kvbatch.engine.pooling.inputs import EmbeddingPrompt, embedding_inputs
 from kvbatch.engine.structured.params import StructuredOutputs
 from kvbatch.jobs.response_format import PARAMETER_RULE, SHAPES, read_response_format
+from kvbatch.jobs.tools import (
+    CHOICES,
+    ToolCalling,
+    forced_name,
+    read_tool_choice,
+    read_tools,
+    tool_calling_for,
+    tool_constraint,
+)
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -57,7 +77,7 @@ CONTEXT_MAX_TOKENS = 2**31 - 1
 _PENALTY_RULE = f"a number between -{MAX_PENALTY:g} and {MAX_PENALTY:g}"
 _LOGIT_BIAS_RULE = 'an object of token id strings to numbers between -100 and 100 ({"50256": -100})'
 _STRICT = ConfigDict(strict=True, extra="forbid")
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 # --- the line ---------------------------------------------------------------------------------
@@ -85,7 +105,12 @@ class BatchLine(BaseModel):
 
 def _role(value: object) -> str:
     if value not in _ROLES:
-        why = " (kvbatch does no tool calling)" if value in ("tool", "function") else ""
+        why = (
+            " (the 'function' role is OpenAI's deprecated form: send the result as a 'tool' "
+            "message with its tool_call_id)"
+            if value == "function"
+            else ""
+        )
         raise PydanticCustomError("invalid_messages", _ROLE_RULE + why)
     return "system" if value == "developer" else value  # OpenAI's newer name for system
 
@@ -112,20 +137,80 @@ def _content(value: object) -> object:
     return "\n".join(texts)
 
 
+def _arguments(value: object) -> object:
+    """A call's `arguments` as the chat template takes them: OpenAI sends a JSON text, and
+    templates (Qwen's, Llama 3.1's) write `arguments | tojson`, which would quote that text
+    once more; vLLM parses it into an object first, and so does kvbatch."""
+    if not isinstance(value, str):
+        raise PydanticCustomError("invalid_messages", "must be a JSON text (a string)")
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise PydanticCustomError(
+            "invalid_messages", "must be valid JSON (the arguments the call was made with)"
+        ) from None
+
+
+class _CalledFunction(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    arguments: Annotated[Any, BeforeValidator(_arguments)]
+
+
+class _ToolCall(BaseModel):
+    """A call an earlier assistant turn made: {id, type: "function", function}."""
+
+    model_config = _STRICT
+
+    id: str
+    type: Literal["function"]
+    function: _CalledFunction
+
+
 class ChatMessage(BaseModel):
-    """A message of the conversation. `developer` becomes `system`; text parts are joined."""
+    """A message of the conversation. `developer` becomes `system`; text parts are joined.
+    An assistant message may carry the `tool_calls` it made (then `content` may be null), and
+    a `tool` message answers one of them by `tool_call_id`."""
 
     model_config = _STRICT
 
     role: Annotated[str, BeforeValidator(_role)]
-    content: Annotated[str, BeforeValidator(_content)]
+    content: Annotated[str | None, BeforeValidator(_content)] = None
     name: str | None = None
+    tool_calls: Annotated[list[_ToolCall], Field(min_length=1)] | None = None
+    tool_call_id: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        """The form `tokenizer.apply_chat_template` takes."""
-        out = {"role": self.role, "content": self.content}
+    @model_validator(mode="after")
+    def _fields_of_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError(
+                "invalid_messages", "only an assistant message carries 'tool_calls'"
+            )
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise PydanticCustomError(
+                "invalid_messages",
+                "a 'tool' message needs the 'tool_call_id' of the call it answers (and only a "
+                "tool message has one)",
+            )
+        if self.content is None and self.tool_calls is None:
+            raise PydanticCustomError(
+                "invalid_messages",
+                "needs 'content' (a string or text parts): only an assistant message with "
+                "tool_calls may leave it out",
+            )
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The form `tokenizer.apply_chat_template` takes (a call's arguments as an object,
+        a missing content as "": templates add strings to it)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -141,11 +226,14 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stream_options": (lambda v: False, "batch output cannot stream: remove it"),
     "echo": (lambda v: v is False, "echoing the prompt is not implemented: remove it"),
     "suffix": (lambda v: v == "", "insertion (suffix) is not implemented: remove it"),
-    "tools": (lambda v: v == [], "kvbatch does no tool calling: remove it"),
-    "tool_choice": (lambda v: v == "none", "kvbatch does no tool calling: remove it"),
-    "functions": (lambda v: v == [], "kvbatch does no function calling: remove it"),
-    "function_call": (lambda v: v == "none", "kvbatch does no function calling: remove it"),
-    "parallel_tool_calls": (lambda v: False, "kvbatch does no tool calling: remove it"),
+    "functions": (
+        lambda v: v == [],
+        "'functions' is OpenAI's deprecated form of tool calling: send them as 'tools'",
+    ),
+    "function_call": (
+        lambda v: v == "none",
+        "'function_call' is OpenAI's deprecated form: use 'tool_choice'",
+    ),
     "modalities": (lambda v: v == ["text"], "only text output is supported: remove it"),
     "audio": (lambda v: False, "only text output is supported: remove it"),
     "prediction": (lambda v: False, "predicted outputs are not implemented: remove it"),
@@ -298,11 +386,11 @@ class ChatCompletionBody(_Body):
         description=f"an integer between 0 and {MAX_CHAT_TOP_LOGPROBS}",
     )
 
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Annotated[Any, Field(description="a list of function tools")] = None
+    tool_choice: Annotated[Any, Field(description=CHOICES)] = None
+    parallel_tool_calls: bool | None = Field(None, description="true or false")
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     response_format: Annotated[Any, Field(description=SHAPES)] = None
     modalities: Any = None
     audio: Any = None
@@ -310,6 +398,7 @@ class ChatCompletionBody(_Body):
     web_search_options: Any = None
     verbosity: Any = None
     reasoning_effort: Any = None  # ignored: the models kvbatch runs do not reason
+    _tool_constraint: StructuredOutputs | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionBody:
@@ -324,7 +413,49 @@ class ChatCompletionBody(_Body):
                 "invalid_parameter",
                 "'top_logprobs' needs 'logprobs': true: set it or drop top_logprobs",
             )
+        self._check_tool_choice()
         return self
+
+    def _check_tool_choice(self) -> None:
+        choice, names = self.tool_choice, [t["function"]["name"] for t in self.tools or ()]
+        if choice not in (None, "none") and not names:
+            raise PydanticCustomError(
+                "invalid_parameter",
+                f"'tool_choice' {choice.replace('function:', 'function ')!r} needs 'tools': "
+                "give the functions, or remove tool_choice",
+            )
+        forced = forced_name(choice)
+        if forced is not None and forced not in names:
+            raise PydanticCustomError(
+                "invalid_parameter",
+                f"'tool_choice' names the function {forced!r}, which is not in 'tools' "
+                f"({', '.join(map(repr, names))}): name one of them",
+            )
+        if self.response_format is not None and (forced or choice == "required"):
+            raise PydanticCustomError(
+                "invalid_parameter",
+                "'response_format' and a forced 'tool_choice' both constrain the output: the "
+                "answer is the tool's arguments; drop response_format or set tool_choice to "
+                "'auto' or 'none'",
+            )
+        if self.tools and (forced is not None or choice == "required"):
+            # built now: a conflict between the tools' $defs is this line's error
+            self._tool_constraint = tool_constraint(self.tools, choice, self.parallel_tool_calls)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: Any) -> list[dict] | None:
+        return read_tools(value)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> str | None:
+        return read_tool_choice(value)
+
+    def tool_calling(self, parser: str | None) -> ToolCalling | None:
+        """How to read the answer for tool calls (None: plain text), with the job's tool-call
+        parser. Raises ValueError when tool_choice "auto" has no parser to read calls."""
+        return tool_calling_for(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
 
     @field_validator("response_format")
     @classmethod
@@ -335,7 +466,7 @@ class ChatCompletionBody(_Body):
         return self.max_completion_tokens or self.max_tokens
 
     def structured_outputs(self) -> StructuredOutputs | None:
-        return self.response_format
+        return self._tool_constraint or self.response_format
 
     def default_max_tokens(self, job_default: int | None) -> int:
         return job_default or CONTEXT_MAX_TOKENS
@@ -343,7 +474,7 @@ class ChatCompletionBody(_Body):
     def logprobs_n(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def message_dicts(self) -> list[dict[str, str]]:
+    def message_dicts(self) -> list[dict[str, Any]]:
         return [m.as_dict() for m in self.messages]
 
 

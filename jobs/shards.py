@@ -31,6 +31,7 @@ from kvbatch.jobs.embedding_lines import EmbeddingLines
 from kvbatch.jobs.grouping import feed_in_order
 from kvbatch.jobs.responses import success_line
 from kvbatch.jobs.storage import Storage, open_storage, validate_key_part
+from kvbatch.jobs.tools import ToolCalling
 from kvbatch.jobs.validate import JobRequest
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -96,6 +97,9 @@ class ShardRequest:
     max_tokens: int | None
     model: str | None
     embedding: dict | None = None  # EmbeddingSpec.to_dict() of an embeddings line
+    # ToolCalling as a dict: how a chat answer is read for tool calls (the submit's
+    # --tool-call-parser travels in it, so every worker reads answers alike)
+    tool_calling: dict | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -136,6 +140,7 @@ class ShardRequest:
             logprobs=self.logprobs,
             model=self.model,
             max_tokens=self.max_tokens,
+            tool_calling=None if self.tool_calling is None else ToolCalling(**self.tool_calling),
             **self._embedding_fields(),
         )
 

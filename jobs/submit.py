@@ -108,10 +108,13 @@ def prepare_job(
     max_model_len: int | None = None,
     job_id: str | None = None,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    tool_call_parser: str | None = None,
 ) -> SubmittedJob:
     """Validate, tokenize, group and shard `input_uri` into `<output_prefix>/<job_id>/`.
     Raises JobError (before any work) when the input is unreadable, the output unwritable,
-    the job id unsafe or already used, or the model's tokenizer cannot be read."""
+    the job id unsafe or already used, or the model's tokenizer cannot be read.
+    `tool_call_parser` (kvbatch.jobs.tool_parsers) goes into every shard request that needs it,
+    so the workers read answers for tool calls without a flag of their own."""
     job_id = new_job_id() if job_id is None else job_id
     job, source = _open_job_folder(input_uri, output_prefix, job_id)
     tokenizer, max_len = _read_model(model, max_model_len)
@@ -123,7 +126,9 @@ def prepare_job(
         errors_uri=job.join("errors.jsonl").uri,
         model=model,
     )
-    opts = RunOptions(input=input_uri, model=model, model_name=model_name)
+    opts = RunOptions(
+        input=input_uri, model=model, model_name=model_name, tool_call_parser=tool_call_parser
+    )
     sharded = _write_shards(source, opts, tokenizer, max_len, job, job_id, batch_id,
                             block_size, shard_tokens)  # fmt: skip
     prepared = sharded.prepared
@@ -147,6 +152,7 @@ def prepare_job(
         "prompt_tokens": sharded.prompt_tokens,
         "ideal_cached_tokens": sharded.ideal_cached_tokens,
         "max_attempts": max_attempts,
+        "tool_call_parser": tool_call_parser,
     }
     _publish(job, job_id, record, manifest)
     return SubmittedJob(job_id, job.uri, sharded.messages, sharded.num_units, sharded.num_invalid)
@@ -285,4 +291,5 @@ def _shard_request(index: int, req, prompts: list[list[int]]) -> ShardRequest:
         max_tokens=req.max_tokens,
         model=req.model,
         embedding=embedding,
+        tool_calling=None if req.tool_calling is None else dataclasses.asdict(req.tool_calling),
     )

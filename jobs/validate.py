@@ -24,7 +24,8 @@ model_mismatch              names a model other than the job's (no "model" is fi
 missing_messages            is a chat request without messages
 missing_prompt              is a completions request without a prompt
 unknown_parameter           has a field the endpoint does not know (a typo, usually)
-unsupported_parameter       asks for something kvbatch does not do (n > 1, tools, ...)
+unsupported_parameter       asks for something kvbatch does not do (stream, functions,
+                            tool_choice "auto" in a job without --tool-call-parser, ...)
 invalid_messages            has a malformed message (role, content, parts)
 invalid_parameter           has a parameter of the wrong type or out of range
 ==========================  ===============================================================
@@ -57,6 +58,7 @@ from kvbatch.jobs.schemas import (
     CompletionBody,
     EmbeddingBody,
 )
+from kvbatch.jobs.tools import ToolCalling
 
 MAX_LINE_BYTES = 16 * 1024 * 1024
 EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
@@ -98,7 +100,8 @@ class JobRequest:
     line: int  # 1-based line number in the input
     custom_id: str
     url: str  # "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings"
-    messages: list[dict] | None  # chat: [{role, content[, name]}], developer -> system
+    # chat: [{role, content[, name, tool_calls, tool_call_id]}], developer -> system
+    messages: list[dict] | None
     prompt: str | list[int] | None  # completions: text, or token ids as given
     params: SamplingParams
     # chat: top_logprobs when logprobs=true (0 without top_logprobs); completions: the int;
@@ -115,6 +118,10 @@ class JobRequest:
     dimensions: int | None = None
     encoding_format: str = "float"
     num_inputs: int = 1  # embeddings: how many vectors the answer holds
+    # chat: the tools for the chat template ([{type: function, function: {...}}]), and how to
+    # read the answer for tool calls (None: plain text; kvbatch.jobs.tools)
+    tools: list[dict] | None = None
+    tool_calling: ToolCalling | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -140,6 +147,7 @@ def validate_lines(
     *,
     model: str | None = None,
     default_max_tokens: int | None = None,
+    tool_call_parser: str | None = None,
 ) -> Iterator[JobRequest | LineError]:
     """Yield one record per non-blank line of `lines`, lazily, in input order.
 
@@ -147,6 +155,8 @@ def validate_lines(
     one line at a time). `model`: the job's model name; a body naming another one is an
     error. `default_max_tokens`: the output cap of chat lines that set none (None = up to
     the end of the context); completions lines default to 16 like OpenAI's legacy API.
+    `tool_call_parser`: the job's (kvbatch.jobs.tool_parsers), which chat lines with
+    tool_choice "auto" need.
     """
     if default_max_tokens is not None and (
         not isinstance(default_max_tokens, int) or default_max_tokens < 1
@@ -156,7 +166,7 @@ def validate_lines(
         )
     seen: set[str] = set()  # ~100 bytes per id: 10M lines cost about 1 GB
     for number, raw in enumerate(lines, start=1):
-        record = _check_line(number, raw, seen, model, default_max_tokens)
+        record = _check_line(number, raw, seen, model, default_max_tokens, tool_call_parser)
         if record is not None:
             yield record
 
@@ -206,7 +216,12 @@ class _Problems:
 
 
 def _check_line(
-    number: int, raw: bytes | str, seen: set[str], model: str | None, default_max: int | None
+    number: int,
+    raw: bytes | str,
+    seen: set[str],
+    model: str | None,
+    default_max: int | None,
+    parser: str | None,
 ) -> JobRequest | LineError | None:
     problems = _Problems(number)
 
@@ -323,6 +338,10 @@ def _check_line(
     except ValueError as exc:
         return fail("invalid_parameter", str(exc))
     chat = isinstance(body_model, ChatCompletionBody)
+    try:
+        calling = body_model.tool_calling(parser) if chat else None
+    except ValueError as exc:
+        return fail("unsupported_parameter", str(exc))
     return JobRequest(
         line=number,
         custom_id=problems.custom_id,
@@ -333,6 +352,8 @@ def _check_line(
         logprobs=params.logprobs,
         model=body_model.model,
         max_tokens=body_model.requested_max_tokens(),
+        tools=body_model.tools if chat else None,
+        tool_calling=calling,
     )
 
 
@@ -422,7 +443,7 @@ def _describe_body_error(
 
 _MESSAGE_PHRASES = {
     "missing": "is missing",
-    "extra_forbidden": "is not a message field kvbatch supports (a message holds role, content and name)",
+    "extra_forbidden": "is not a message field kvbatch supports (a message holds role, content, name, tool_calls and tool_call_id)",
     "model_type": "must be an object with 'role' and 'content'",
     "dict_type": "must be an object with 'role' and 'content'",
     "string_type": "must be a string",

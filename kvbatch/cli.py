@@ -12,6 +12,7 @@ from typing import Annotated
 from kvbatch.engine_args import (
     add_engine_args,
     add_revision_arg,
+    add_tool_call_parser_arg,
     engine_args_conflict,
     engine_kwargs,
     non_negative_int,
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics (the worker's) on this port while the run lasts (0: off)",
     )
     run.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
+    add_tool_call_parser_arg(run)
     add_engine_args(run)
     sub.add_parser("bench", help="benchmarks: kvbatch bench --help")
     _add_distributed(sub)
@@ -155,6 +157,7 @@ def _add_distributed(sub) -> None:
 
     submit = sub.add_parser("submit", help="shard a job and enqueue it; prints the job id last")
     worker_cli.add_submit_args(submit)
+    add_tool_call_parser_arg(submit)
     add_revision_arg(submit)
     w = sub.add_parser("worker", help="run shards from the queue on one device")
     worker_cli.add_worker_args(w)
@@ -224,6 +227,7 @@ def _run(args: argparse.Namespace) -> int:
         window=args.window,
         work_dir=args.work_dir,
         engine=engine_kwargs(args),
+        tool_call_parser=args.tool_call_parser,
     )
     if args.metrics_port:
         from kvbatch.worker.metrics import RunMetrics, start_metrics_server

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from kvbatch.jobs.tool_parsers import PARSERS
+
 QUANTIZATION_CHOICES = ("fp8",)  # engine/quant/detect.py's ONLINE_METHODS (no torch here)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])i?b?|b)?\s*$", re.IGNORECASE)
@@ -131,6 +133,19 @@ def add_revision_arg(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="REV",
         help="with a Hub id as --model: the branch, tag or commit to fetch (default: main)",
+    )
+
+
+def add_tool_call_parser_arg(parser: argparse.ArgumentParser) -> None:
+    """`--tool-call-parser` of a job (`run`, `submit`), as vLLM's: how chat answers with
+    tool_choice "auto" are read for tool calls. Job-level, because it belongs to the model."""
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="read tool calls out of chat answers with tool_choice 'auto' (the default when a "
+        "line gives tools) in this model's format: hermes for Qwen2.5/Qwen3 and Hermes models; "
+        "without it such lines are refused (named and 'required' tool_choice need no parser)",
     )
 
 

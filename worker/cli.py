@@ -215,6 +215,7 @@ def submit(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             job_id=args.job_id,
             max_attempts=args.max_attempts,
+            tool_call_parser=args.tool_call_parser,
         )
     except JobError as e:
         print(f"kvbatch submit: {e}", file=sys.stderr)
