@@ -63,9 +63,15 @@ def read_tools(value: Any) -> list[dict] | None:
                 f"{where} must be {{'type': 'function', 'function': {{'name': ..., "
                 f"'parameters': {{...}}}}}} (kvbatch calls functions only), got {_show(tool)}"
             )
-        if set(tool) - {"type", "function"} or not isinstance(tool.get("function"), dict):
+        if not isinstance(tool.get("function"), dict):
             raise _invalid(
-                f"{where} holds 'type' and a 'function' object, nothing else; got {_show(tool)}"
+                f"{where} needs a 'function' object {{'name': ..., 'description': ..., "
+                f"'parameters': {{...}}}}, got {_show(tool.get('function'))}"
+            )
+        extra = sorted(set(tool) - {"type", "function"})
+        if extra:
+            raise _invalid(
+                f"{where} holds 'type' and 'function' only: remove {', '.join(map(repr, extra))}"
             )
         function = tool["function"]
         name = function.get("name")

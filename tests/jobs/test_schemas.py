@@ -149,10 +149,8 @@ def test_messages():
     [
         ("stream", True),
         ("stream_options", {"include_usage": True}),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "auto"),
         ("functions", [{"name": "f"}]),
-        ("parallel_tool_calls", False),
+        ("function_call", "auto"),
         ("audio", {"voice": "x"}),
     ],
 )

@@ -55,7 +55,7 @@ JOB: list[tuple[bytes, str | SamplingParams | None]] = [
     (line("stream", body={"messages": USER, "stream": True}), "unsupported_parameter"),
     (
         line("tools", body={"messages": USER, "tools": [{"type": "function"}]}),
-        "unsupported_parameter",
+        "invalid_parameter",
     ),
     (line("typo", body={"messages": USER, "max_tokns": 3}), "unknown_parameter"),
     (line("hot", body={"messages": USER, "temperature": "hot"}), "invalid_parameter"),
@@ -142,7 +142,7 @@ def test_messages_say_what_to_fix(job_file: Path):
     by_id = {e.custom_id: e.message for e in errors.values() if e.custom_id}
     assert "did you mean 'max_tokens'?" in by_id["typo"]
     assert "'stream' = True is not supported" in by_id["stream"]
-    assert "'tools'" in by_id["tools"]
+    assert "'tools[0]' needs a 'function' object" in by_id["tools"]
     assert "'gpt-4o'" in by_id["other-model"] and MODEL in by_id["other-model"]
     assert "'/v1/moderations'" in by_id["bad-url"] and CHAT in by_id["bad-url"]
     assert "earlier line" in by_id["ok-chat"]
