@@ -11,12 +11,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from kvbatch.cli import main
 from kvbatch.jobs.finalize import read_manifest, try_finalize, write_shard_result
 from kvbatch.jobs.shards import job_dir, run_shard
 from kvbatch.jobs.submit import prepare_job
 from tests.jobs.qwen_tool_template import with_tool_template
 from tests.jobs.test_conformance import run
-from tests.jobs.test_run import BLOCK_SIZE, MiB, chat
+from tests.jobs.test_run import BLOCK_SIZE, MiB, chat, read_jsonl, write_jsonl
 
 CITY = {
     "type": "object",
@@ -141,3 +142,19 @@ def test_workers_answer_tool_lines_as_kvbatch_run(tmp_path: Path, tool_llm):
         ]
         assert calls[0] == calls[1]
     check_calls(remote[0])
+
+
+def test_the_kvbatch_run_command_takes_the_parser_flag(tmp_path: Path, tool_llm, capsys):
+    """`kvbatch run --tool-call-parser hermes` (in process): the auto line is answered; an
+    unknown parser is a usage error naming the known ones."""
+    model = tool_llm.engine.config.model
+    src = write_jsonl(tmp_path / "in.jsonl", tool_lines()[::2])  # named, auto
+    flags = ["--model", model, "--device", "cpu", "--max-model-len", str(MAX_LEN), "--threads", "1"]
+    assert main(["run", str(src), "-o", str(tmp_path / "out.jsonl"), *flags,
+                 "--tool-call-parser", "hermes"]) == 0  # fmt: skip
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert [x["custom_id"] for x in out] == ["named", "auto"]
+    check_calls(out[0])
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", str(src), *flags, "--tool-call-parser", "llama3_json"])
+    assert exit_.value.code == 2 and "hermes" in capsys.readouterr().err
