@@ -200,7 +200,7 @@ def tool_constraint(
         return None
     items, defs = [], {}
     for function in functions:
-        parameters = copy.deepcopy(function.get("parameters")) or NO_PARAMETERS
+        parameters = copy.deepcopy(function.get("parameters") or NO_PARAMETERS)
         # vLLM lifts each tool's $defs to the array's root, where their "#/$defs/..." refs
         # now point: two tools with one name for different definitions cannot share it.
         for key, definition in parameters.pop("$defs", {}).items():

@@ -309,3 +309,22 @@ def tokenizer_with(tokenizer, template: str):
     other = copy.copy(tokenizer)
     other.chat_template = template
     return other
+
+
+def test_required_lifts_each_tools_defs_to_the_root_and_refuses_a_clash():
+    def tool(name: str, city: dict) -> dict:
+        parameters = {
+            "type": "object",
+            "properties": {"where": {"$ref": "#/$defs/City"}},
+            "$defs": {"City": city},
+        }
+        return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+    city = {"type": "string", "enum": ["Paris", "Rome"]}
+    req = check({"messages": USER, "tools": [tool("a", city), tool("b", city)], "tool_choice": "required"})  # fmt: skip
+    schema = json.loads(req.params.structured_outputs.json_schema)
+    assert schema["$defs"] == {"City": city}
+    assert all("$defs" not in item["properties"]["parameters"] for item in schema["items"]["anyOf"])
+    clash = check({"messages": USER, "tools": [tool("a", city), tool("b", {"type": "integer"})], "tool_choice": "required"})  # fmt: skip
+    assert isinstance(clash, LineError) and clash.code == "invalid_parameter"
+    assert "'$defs.City'" in clash.message
