@@ -149,7 +149,8 @@ def test_the_kvbatch_run_command_takes_the_parser_flag(tmp_path: Path, tool_llm,
     unknown parser is a usage error naming the known ones."""
     model = tool_llm.engine.config.model
     src = write_jsonl(tmp_path / "in.jsonl", tool_lines()[::2])  # named, auto
-    flags = ["--model", model, "--device", "cpu", "--max-model-len", str(MAX_LEN), "--threads", "1"]
+    flags = ["--model", model, "--device", "cpu", "--max-model-len", str(MAX_LEN), "--threads", "1",
+             "--max-num-seqs", "8", "--kv-cache-bytes", "16MiB"]  # fmt: skip
     assert main(["run", str(src), "-o", str(tmp_path / "out.jsonl"), *flags,
                  "--tool-call-parser", "hermes"]) == 0  # fmt: skip
     out = read_jsonl(tmp_path / "out.jsonl")
