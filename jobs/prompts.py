@@ -12,8 +12,10 @@ as token ids.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.jobs.tool_parsers import get_parser
 from kvbatch.jobs.validate import JobRequest, LineError
 
 
@@ -88,6 +90,7 @@ def _check_tool_support(req: JobRequest, tokenizer) -> None:
     elif results and '"tool"' not in source and "'tool'" not in source:
         missing = "the 'tool' messages (the results of calls)"
     else:
+        _check_parser_markers(req, tokenizer)
         return
     raise PromptError(
         "invalid_prompt",
@@ -95,6 +98,35 @@ def _check_tool_support(req: JobRequest, tokenizer) -> None:
         "run a model whose chat template supports tools (Qwen2.5, Qwen3, Llama 3.1, Hermes), "
         "or remove them",
     )
+
+
+def _check_parser_markers(req: JobRequest, tokenizer) -> None:
+    """Refuse tool_choice "auto" when the answer's text could not show the parser its calls:
+    the engine's text skips special tokens, and some tokenizers mark `<tool_call>` special."""
+    calling = req.tool_calling
+    if calling is None or calling.mode != "auto":
+        return
+    hidden = _hidden_markers(tokenizer, calling.parser)
+    if hidden:
+        raise PromptError(
+            "invalid_prompt",
+            f"this model's tokenizer marks {', '.join(hidden)} as special tokens, which "
+            f"answers leave out, so the {calling.parser} tool-call parser could never see a "
+            "call: use tool_choice 'required' or a named function (constrained decoding "
+            "needs no parser)",
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _hidden_markers(tokenizer, parser: str) -> tuple[str, ...]:
+    """The parser's markers that vanish when the engine decodes them (cached per tokenizer:
+    checked for every line with tools)."""
+    hidden = []
+    for marker in get_parser(parser).markers:
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        if marker not in tokenizer.decode(ids, skip_special_tokens=True):
+            hidden.append(marker)
+    return tuple(hidden)
 
 
 def embedding_token_ids(req: JobRequest, tokenizer, max_model_len: int) -> list[list[int]]:

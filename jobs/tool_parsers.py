@@ -42,7 +42,13 @@ class ParsedText:
 
 class ToolCallParser(Protocol):
     """Reads one family's tool calls out of a finished answer. Must not raise: text that is
-    not a well-formed call stays content, as vLLM's parsers do."""
+    not a well-formed call stays content, as vLLM's parsers do.
+
+    `markers`: the texts the parser needs to see in the answer. The engine's text skips
+    special tokens, so a model whose tokenizer marks one of them special cannot be read (vLLM
+    turns skipping off for such requests; kvbatch refuses the line, see jobs/prompts.py)."""
+
+    markers: tuple[str, ...]
 
     def parse(self, text: str) -> ParsedText: ...
 
@@ -60,6 +66,7 @@ class HermesParser:
     the pieces joined by newlines: text between or after calls is not lost."""
 
     START, END = "<tool_call>", "</tool_call>"
+    markers = (START, END)
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
     def parse(self, text: str) -> ParsedText:

@@ -328,3 +328,19 @@ def test_required_lifts_each_tools_defs_to_the_root_and_refuses_a_clash():
     clash = check({"messages": USER, "tools": [tool("a", city), tool("b", {"type": "integer"})], "tool_choice": "required"})  # fmt: skip
     assert isinstance(clash, LineError) and clash.code == "invalid_parameter"
     assert "'$defs.City'" in clash.message
+
+
+def test_auto_is_refused_when_the_tokenizer_hides_the_parsers_tags(smollm2_dir: Path):
+    """Answers skip special tokens: a tokenizer that marks <tool_call> special (as some Hermes
+    checkpoints do) would hide every call from the parser, so such lines are refused."""
+    from transformers import AutoTokenizer
+
+    plain, special = (AutoTokenizer.from_pretrained(smollm2_dir) for _ in range(2))
+    special.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    req = check({"messages": USER, "tools": [WEATHER]}, parser="hermes")
+    for tokenizer in (plain, special):
+        tokenizer.chat_template = QWEN_TOOL_TEMPLATE
+    assert prompt_token_ids(req, plain, 2048)  # plain text tags: readable
+    with pytest.raises(PromptError, match="'required'") as err:
+        prompt_token_ids(req, special, 2048)
+    assert "<tool_call>" in err.value.message and err.value.code == "invalid_prompt"
