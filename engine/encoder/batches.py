@@ -7,7 +7,8 @@ same reason); building each batch around the oldest waiting request keeps the or
 short inputs never wait behind a stream of long ones.
 
     waiting by length:  3  5  5  6 [7] 9  12  40        [7] = the oldest
-    batch (budget 40):        5  6 [7] 9                4 requests x 9 tokens = 36 <= 40
+    budget 40:          3  5  5  6 [7]                  5 requests x 7 tokens = 35 <= 40
+                        (9 was as near as 5, but 5 x 9 = 45 would not fit)
 """
 
 from __future__ import annotations
