@@ -59,6 +59,24 @@ def test_matches_sentence_transformers(berts, mode):
     stats = llm.stats()
     assert stats.num_steps > 2 and not llm.engine.has_unfinished()
     assert stats.computed_tokens == 2 * sum(map(len, prompts))  # no prefix cache
+    assert len(llm.engine.pooler) == llm.engine.pooler.num_partial == 0  # nothing held
+
+
+def test_streaming_api_and_abort(berts):
+    """The engine's streaming form, as jobs drive it: an aborted request is never run."""
+    engine = small_llm(berts["cls"]).engine
+    a, b, c = random_ids((4, 9, 6), seed=6)
+    assert engine.add_embedding_request(a, request_id="a") == "a"
+    engine.add_embedding_request({"prompt_token_ids": b}, request_id="b")
+    engine.add_embedding_request(ids_to_text(c), request_id="c")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_embedding_request(a, request_id="a")
+    engine.abort_request("b")
+    outs = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert sorted(outs) == ["a", "c"] and outs["c"].prompt_token_ids == c
+    assert engine.stats().computed_tokens == 10 and engine.stats().num_finished == 2
 
 
 def test_vectors_do_not_depend_on_what_shares_the_batch(berts):
