@@ -123,9 +123,12 @@ def test_every_input_shape_matches_sentence_transformers(tmp_path: Path, llm):
     )
 
 
-def test_workers_answer_as_kvbatch_run(tmp_path: Path, llm):
+@pytest.mark.parametrize("model", ["llm", "bert"])
+def test_workers_answer_as_kvbatch_run(tmp_path: Path, request, model):
     """prepare_job cuts the job into shards (an embeddings line's inputs stay in one shard),
-    run_shard answers them, try_finalize merges: the same lines as `kvbatch run` writes."""
+    run_shard answers them, try_finalize merges: the same lines as `kvbatch run` writes
+    (a decoder, and an encoder through the encoder engine)."""
+    llm = request.getfixturevalue(model)
     lines = [
         line(f"doc-{i}", {"input": [ids_to_text(DOC[: 4 + i]), ids_to_text(DOC + [i])]})
         for i in range(6)
