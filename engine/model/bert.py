@@ -79,6 +79,10 @@ class BertConfig:
                 f"{architecture} checkpoint is quantized (quantization_config), which is not "
                 "supported for encoders: use its float weights"
             )
+        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in (*required, "intermediate_size") if k not in hf]
+        if missing:
+            raise ValueError(f"{architecture} config.json lacks {', '.join(missing)}")
         hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         if hidden % heads:
             raise ValueError(f"hidden_size {hidden} is not a multiple of {heads} heads")
@@ -225,6 +229,14 @@ def build_bert(
                 f"{cfg.architecture} checkpoint {what} {len(names)} tensors ({shown}): "
                 "config.json does not describe these weights"
             )
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    wrong = next((k for k in sorted(weights) if weights[k].shape != shapes[k]), None)
+    if wrong is not None:
+        raise ValueError(
+            f"{cfg.architecture} checkpoint's {wrong} has shape {tuple(weights[wrong].shape)} "
+            f"but config.json makes it {tuple(shapes[wrong])}: config.json does not describe "
+            "these weights"
+        )
     model.load_state_dict(
         {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}, assign=True
     )

@@ -52,6 +52,7 @@ def test_hidden_states_match_transformers(tmp_path, overrides):
         ({"is_decoder": True}, "is_decoder=True"),
         ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
         ({"architectures": ["BertForMaskedLM"]}, "BertForMaskedLM is not an encoder"),
+        ({"intermediate_size": None}, "config.json lacks intermediate_size"),
     ],
 )
 def test_unsupported_configs_are_refused_by_name(change, message):
@@ -64,6 +65,7 @@ def test_unsupported_configs_are_refused_by_name(change, message):
         "intermediate_size": 16,
         **change,
     }
+    hf = {k: v for k, v in hf.items() if v is not None}
     with pytest.raises(ValueError, match=message):
         BertConfig.from_hf(hf)
 
@@ -78,6 +80,10 @@ def test_weights_config_json_does_not_describe_fail_the_load(tmp_path):
     del weights["encoder.layer.1.output.dense.bias"]
     save_file(weights, path / "model.safetensors")
     with pytest.raises(ValueError, match="is missing 1 tensors .*layer.1.output.dense.bias"):
+        load_encoder(path, torch.float32, CPU)
+    weights["encoder.layer.1.output.dense.bias"] = torch.zeros(32)
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"output.dense.bias has shape \(32,\) but .* \(64,\)"):
         load_encoder(path, torch.float32, CPU)
 
 
