@@ -47,6 +47,10 @@ BASE_MODEL_ARCHITECTURES = {
 """The same transformers without their language-model head, as sentence-transformers saves an
 embedding model: weights named without the "model." prefix, and no lm_head (embeddings only)."""
 
+ENCODER_ARCHITECTURES = ("BertModel",)
+"""Bidirectional encoders (engine/model/bert.py), run for embeddings only by the encoder engine
+(engine/encoder/): no KV cache, no generation."""
+
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 """engine/model/gemma.py's forward: GeGLU, (1 + w) norms around both sublayers, soft-caps."""
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from kvbatch.engine.model.architectures import ENCODER_ARCHITECTURES
+from kvbatch.engine.model.bert import BertConfig, BertModel, build_bert
 from kvbatch.engine.model.experts_loader import (
     install_quantized_experts,
     quantize_experts_online,
@@ -106,6 +108,30 @@ def load_model(
     return LoadedModel(
         cfg, model, tokenizer, tuple(dict.fromkeys(eos)), quant, weight_bytes(model), kv_scales
     )
+
+
+def is_encoder_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is a Hugging Face folder of an encoder (config.json's architecture in
+    ENCODER_ARCHITECTURES): the encoder engine runs it, not the paged decoder engine."""
+    path = Path(path).expanduser()
+    config = _config_dict(path) if path.is_dir() else None
+    return bool(config) and (config.get("architectures") or [None])[0] in ENCODER_ARCHITECTURES
+
+
+@dataclass
+class LoadedEncoder:
+    config: BertConfig
+    model: BertModel
+    tokenizer: object | None
+    weight_bytes: int = 0
+
+
+def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedEncoder:
+    """Load an encoder folder (engine/model/bert.py); errors name what the forward lacks."""
+    path = Path(path).expanduser()
+    cfg = BertConfig.from_hf(_config_dict(path) or {})
+    model = build_bert(cfg, _read_weights(path), dtype, device)
+    return LoadedEncoder(cfg, model, _read_tokenizer(path), weight_bytes(model))
 
 
 def _pop_kv_scales(state_dict: dict) -> dict:
@@ -206,12 +232,16 @@ def _read_hf_folder(path: Path):
     state_dict = _read_weights(path)
     if multimodal:  # the text model of a vision-language checkpoint
         state_dict = language_model_weights(state_dict)
-    tokenizer = None
-    if any((path / name).is_file() for name in TOKENIZER_FILES):
-        from transformers import AutoTokenizer
+    return hf_config, state_dict, _read_tokenizer(path)
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return hf_config, state_dict, tokenizer
+
+def _read_tokenizer(path: Path):
+    """The folder's tokenizer, or None when it has no tokenizer files."""
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:

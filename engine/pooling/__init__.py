@@ -10,4 +10,6 @@ scheduler prefills it like any prompt (chunked, from prefix hits when
 Sequence.takes_prefix_hits); the runner runs such steps eagerly with the final hidden states
 kept, drops the pooling rows before sampling, and hands finished vectors back with the step's
 tokens; the engine then frees the request's blocks (full ones stay in the prefix cache).
+Encoder checkpoints (BERT) skip all of that: engine/encoder/ runs each input whole and feeds
+its rows to the same Pooler in one chunk.
 """

@@ -137,3 +137,26 @@ def _read_pooling_module(folder: Path) -> PoolingMethod:
             "is not supported"
         )
     return _MODES[modes[0]]
+
+
+def read_st_max_seq_length(model_path: str | Path) -> int | None:
+    """The input length sentence-transformers truncates to (`max_seq_length` of
+    sentence_bert_config.json, e.g. 256 for all-MiniLM-L6-v2 whose positions go to 512), or
+    None when the folder does not say. Raises ValueError for `do_lower_case: true`: the
+    Transformer module then lowercases texts before its tokenizer, which the engine's
+    tokenization does not, so the vectors of cased text would differ."""
+    path = Path(model_path).expanduser()
+    config_file = (path if path.is_dir() else path.parent) / "sentence_bert_config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file} is not valid JSON: {e}") from e
+    if config.get("do_lower_case"):
+        raise ValueError(
+            f"{config_file}: do_lower_case=true (sentence-transformers lowercases texts before "
+            "tokenizing) is not supported; a tokenizer that lowercases itself needs no flag"
+        )
+    length = config.get("max_seq_length")
+    return int(length) if length else None

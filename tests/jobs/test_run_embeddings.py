@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from kvbatch.jobs.run import RunOptions, run_job
 from kvbatch.jobs.shards import job_dir, run_shard
 from kvbatch.jobs.submit import prepare_job
 from tests.engine.pooling.st_checkpoints import (
+    build_bert_checkpoint,
     build_embedding_checkpoint,
     ids_to_text,
     st_embeddings,
@@ -121,9 +123,12 @@ def test_every_input_shape_matches_sentence_transformers(tmp_path: Path, llm):
     )
 
 
-def test_workers_answer_as_kvbatch_run(tmp_path: Path, llm):
+@pytest.mark.parametrize("model", ["llm", "bert"])
+def test_workers_answer_as_kvbatch_run(tmp_path: Path, request, model):
     """prepare_job cuts the job into shards (an embeddings line's inputs stay in one shard),
-    run_shard answers them, try_finalize merges: the same lines as `kvbatch run` writes."""
+    run_shard answers them, try_finalize merges: the same lines as `kvbatch run` writes
+    (a decoder, and an encoder through the encoder engine)."""
+    llm = request.getfixturevalue(model)
     lines = [
         line(f"doc-{i}", {"input": [ids_to_text(DOC[: 4 + i]), ids_to_text(DOC + [i])]})
         for i in range(6)
@@ -165,3 +170,53 @@ def test_workers_answer_as_kvbatch_run(tmp_path: Path, llm):
     errors = [json.loads(x) for x in (Path(job.uri) / "errors.jsonl").read_text().splitlines()]
     assert [e["custom_id"] for e in errors] == ["too-wide"] == list(local_errors)
     assert record.completed == len(lines) - 1 and record.failed == 1
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    from kvbatch.engine import LLM
+
+    path = build_bert_checkpoint(tmp_path_factory.mktemp("bert") / "m", mode="cls")
+    return LLM(model=str(path), device="cpu", max_num_batched_tokens=64)
+
+
+def test_a_bert_job_matches_sentence_transformers(tmp_path: Path, bert):
+    """An encoder checkpoint (BERT, CLS pooling) answers `/v1/embeddings` lines through the
+    encoder engine: the same bodies as a decoder's, an input longer than the model's 128
+    positions refused on its line."""
+    texts = [ids_to_text(DOC[: 2 + i] * (1 + 3 * i)) for i in range(4)]
+    lines = [
+        line("strings", {"input": texts}),
+        line("ids", {"input": [DOC, DOC[:1]], "encoding_format": "base64"}),
+        line("short", {"input": texts[1:3], "dimensions": 8}),
+        line("too-long", {"input": [texts[0], ids_to_text(DOC * 11)]}),
+    ]
+    out, errors, batch = run(tmp_path, bert, lines)
+    path = Path(bert.engine.config.model)
+    assert_close(vectors(out["strings"]["response"]["body"]), st_embeddings(path, texts))
+    ids_texts = [ids_to_text(DOC), ids_to_text(DOC[:1])]
+    assert_close(vectors(out["ids"]["response"]["body"]), st_embeddings(path, ids_texts))
+    short = st_embeddings(path, texts[1:3], truncate_dim=8, normalize_embeddings=True)
+    assert_close(vectors(out["short"]["response"]["body"]), short)
+    assert errors["too-long"]["error"]["code"] == "context_length_exceeded"
+    assert "input 1 has 132 tokens" in errors["too-long"]["error"]["message"]
+    assert Batch.model_validate(batch).request_counts.completed == 3
+
+
+@pytest.mark.parametrize(
+    "url, body, message",
+    [
+        ("/v1/completions", {"prompt": "<5> <6>"}, r"\(BertModel\) is an encoder: it embeds"),
+        # a BERT tokenizer has no chat template: refused before the engine sees the line
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "<5>"}]}, "template"),
+    ],
+)
+def test_generation_lines_on_an_encoder_are_refused_per_line(
+    tmp_path: Path, bert, url, body, message
+):
+    out, errors, batch = run(tmp_path, bert, [line("a", body, url), line("b", body, url)])
+    assert not out and sorted(errors) == ["a", "b"]
+    for e in errors.values():
+        assert e["error"]["code"] == "invalid_prompt"
+        assert re.search(message, e["error"]["message"])
+    assert Batch.model_validate(batch).request_counts.failed == 2

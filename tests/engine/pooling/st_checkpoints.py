@@ -39,21 +39,27 @@ def build_embedding_checkpoint(
 ) -> Path:
     """A tiny `kind` checkpoint at `path` with a word tokenizer and, unless `mode` is None,
     sentence-transformers' Pooling (`mode`) and Normalize (if `normalize`) modules."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-
     path = Path(path)
     build_tiny_checkpoint(kind, path)
     save_word_tokenizer(path)
     if mode is None:
         return path
+    return add_st_modules(path, mode, normalize)
+
+
+def add_st_modules(path: Path, mode: str, normalize: bool = True) -> Path:
+    """sentence-transformers' own module files (modules.json, 1_Pooling/, 2_Normalize/ if
+    `normalize`) for the checkpoint at `path`, written beside its weights."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
     transformer = Transformer(str(path))
     modules = [transformer, Pooling(transformer.get_embedding_dimension(), mode)]
     if normalize:
         modules.append(Normalize())
     with tempfile.TemporaryDirectory() as tmp:
         SentenceTransformer(modules=modules, device="cpu").save(tmp)
-        # The module files only: the weights stay those of the causal checkpoint.
+        # The module files only: the weights stay those already at `path`.
         for name in ("modules.json", "sentence_bert_config.json", "1_Pooling", "2_Normalize"):
             src = Path(tmp) / name
             if src.is_dir():
@@ -61,6 +67,38 @@ def build_embedding_checkpoint(
             elif src.is_file():
                 shutil.copy(src, path / name)
     return path
+
+
+def tiny_bert_config(**overrides):
+    """A tiny random BERT: 2 layers, 4 heads of 16, the word vocabulary of save_word_tokenizer.
+    A wide initializer, so that inputs' vectors differ by more than the tests' tolerance."""
+    from transformers import BertConfig
+
+    args = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+    )
+    return BertConfig(**{**args, **overrides})
+
+
+def build_bert_checkpoint(
+    path: Path, mode: str | None = "mean", normalize: bool = True, seed: int = 0, **overrides
+) -> Path:
+    """A tiny random BertModel at `path`, saved by transformers (with its pooler, as real
+    checkpoints are), the word tokenizer, and unless `mode` is None sentence-transformers'
+    module files."""
+    from transformers import BertModel
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    BertModel(tiny_bert_config(**overrides)).save_pretrained(path)
+    save_word_tokenizer(path)
+    return path if mode is None else add_st_modules(path, mode, normalize)
 
 
 def save_as_sentence_transformers(src: Path, dst: Path) -> Path:

@@ -1,0 +1,229 @@
+"""The encoder engine: LLMEngine's streaming API (add requests, step() until done) for encoder
+checkpoints, embeddings only.
+
+Each step runs one padded batch (batches.py) through the whole model, pools it as the
+checkpoint's sentence-transformers files say (the decoder engine's Pooler, fed each input's
+rows whole) and returns an EmbeddingOutput per request. No KV cache is allocated: the cache,
+prefix-caching, chunking and graph settings of EngineConfig have nothing to act on here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import torch
+
+from kvbatch.engine.core.config import EngineConfig, default_batched_tokens
+from kvbatch.engine.core.outputs import EngineStats
+from kvbatch.engine.encoder.batches import EncoderRequest, LengthBatcher
+from kvbatch.engine.model.loader import load_encoder
+from kvbatch.engine.pooling.config import (
+    PoolingConfig,
+    read_pooling_config,
+    read_st_max_seq_length,
+)
+from kvbatch.engine.pooling.outputs import EmbeddingOutput
+from kvbatch.engine.pooling.pooler import Pooler, PoolingChunk
+
+log = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+class EncoderEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        """Load the encoder and its pooling; refuse the options that cannot apply to it."""
+        _refuse_decoder_options(config)
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        loaded = load_encoder(config.model, self.dtype, self.device)
+        self.model, self.model_config = loaded.model, loaded.config
+        self.tokenizer, self.weight_bytes = loaded.tokenizer, loaded.weight_bytes
+        self.pooling_config = _encoder_pooling(config.model, loaded.config.architecture)
+        self.max_model_len = self._max_model_len()
+        sched = config.scheduler
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_batch_tokens = sched.max_num_batched_tokens or default_batched_tokens(self.device)
+        self.scheduler = LengthBatcher()  # `scheduler`: the name worker metrics read
+        self.pooler = Pooler()
+        self.spec = None  # no speculative decoding: there is nothing to decode
+        self._ids = itertools.count()
+        self._num_requests = self._num_finished = self._num_steps = 0
+        self._prompt_tokens = self._computed = 0
+        log.info(
+            "encoder %s: %.1f MiB of weights (%s), %s pooling%s, inputs up to %d tokens, "
+            "batches of up to %d padded tokens; no KV cache",
+            self.model_config.architecture,
+            self.weight_bytes / (1 << 20),
+            str(self.dtype).removeprefix("torch."),
+            self.pooling_config.method.value,
+            ", normalised" if self.pooling_config.normalize else "",
+            self.max_model_len,
+            self.max_batch_tokens,
+        )
+
+    def _max_model_len(self) -> int:
+        """max_model_len if asked (up to the position embeddings), else the length
+        sentence-transformers truncates to: a longer input is refused rather than embedded
+        past the length the model is used with (vLLM caps it there too)."""
+        limit = self.model_config.max_position_embeddings
+        asked = self.config.scheduler.max_model_len
+        if asked > limit:
+            raise ValueError(
+                f"max_model_len={asked} exceeds the model's {limit} position embeddings"
+            )
+        st_limit = read_st_max_seq_length(self.config.model)
+        return asked or min(limit, st_limit or limit)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_embedding_request(self, prompt: PromptType, request_id: str | None = None) -> str:
+        """Queue one input to embed. Raises ValueError (naming the problem) for an empty
+        input, a bad token id, or more tokens than max_model_len (never truncated)."""
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the input is empty: give at least one token")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the input has {len(token_ids)} tokens but the model's context is "
+                f"max_model_len={self.max_model_len}: shorten it"
+            )
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.scheduler.waiting:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.scheduler.add(EncoderRequest(request_id, text, token_ids, self._num_requests))
+        self._num_requests += 1
+        self._prompt_tokens += len(token_ids)
+        return request_id
+
+    def add_request(self, prompt, params=None, request_id: str | None = None) -> str:
+        """An encoder cannot generate: always raises ValueError saying so."""
+        raise ValueError(
+            f"this checkpoint ({self.model_config.architecture}) is an encoder: it embeds "
+            "(/v1/embeddings, LLM.embed) but cannot generate; use a decoder model for "
+            "completions and chat"
+        )
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass inputs as token ids")
+            return prompt, list(self.tokenizer.encode(prompt))  # with [CLS] ... [SEP]
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise ValueError(
+            f"an input must be a string, a list of token ids or a dict, not {type(prompt).__name__}"
+        )
+
+    def _check_ids(self, ids) -> list[int]:
+        vocab = self.model_config.vocab_size
+        ids = list(ids)
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is not an int in [0, {vocab})")
+        return ids
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.remove(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def capture_chunk_graphs(self) -> int:
+        """No graphs to capture for an encoder (LLMEngine's contract: 0 when none)."""
+        if self.has_unfinished():
+            raise RuntimeError("capture_chunk_graphs: requests are still running; call it idle")
+        return 0
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    def step(self) -> list[EmbeddingOutput]:
+        """Run one batch; returns an EmbeddingOutput (vector on the host) for each request."""
+        batch = self.scheduler.next_batch(self.max_batch_tokens, self.max_num_seqs)
+        if not batch:
+            return []
+        vectors = self._embed(batch).cpu()
+        self._num_steps += 1
+        self._num_finished += len(batch)
+        self._computed += sum(len(r) for r in batch)
+        return [
+            EmbeddingOutput(r.request_id, r.prompt, r.token_ids, v)
+            for r, v in zip(batch, vectors.unbind())
+        ]
+
+    @torch.inference_mode()
+    def _embed(self, batch: list[EncoderRequest]) -> torch.Tensor:
+        """[len(batch), hidden] float32 pooled vectors, on the device."""
+        lengths = torch.tensor([len(r) for r in batch])
+        ids = torch.zeros(len(batch), int(lengths.max()), dtype=torch.long)
+        for row, r in enumerate(batch):
+            ids[row, : len(r)] = torch.tensor(r.token_ids)
+        lengths, ids = lengths.to(self.device), ids.to(self.device)
+        hidden = self.model(ids, lengths)  # [batch, longest, hidden]
+        real = torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]
+        rows = hidden[real]  # [sum of lengths, hidden]: each input's rows, in batch order
+        chunks, first = [], 0
+        for r in batch:  # each input whole, in one chunk
+            self.pooler.add_request(r.request_id)
+            chunks.append(PoolingChunk(r.request_id, self.pooling_config, first, 0, len(r), len(r)))
+            first += len(r)
+        _, vectors = self.pooler.add_step(rows, chunks)
+        return vectors
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_requests=self._num_requests,
+            num_finished=self._num_finished,
+            num_steps=self._num_steps,
+            prompt_tokens=self._prompt_tokens,
+            computed_tokens=self._computed,
+            generation_tokens=0,
+            num_preemptions=0,
+            prefix_queries=0,
+            prefix_hits=0,
+            kv_usage=0.0,
+            num_kv_blocks=0,
+            block_size=self.config.cache.block_size,
+            weight_bytes=self.weight_bytes,
+        )
+
+
+def _refuse_decoder_options(config: EngineConfig) -> None:
+    """Options that would change an answer or ask for a part an encoder lacks fail by name."""
+    problems = []
+    if config.attention_backend not in ("auto", "torch"):
+        problems.append(
+            f"attention_backend={config.attention_backend!r} (its kernels are causal and paged; "
+            "encoders run on the torch backend's SDPA: use auto or torch)"
+        )
+    if config.quantization is not None:
+        problems.append(f"quantization={config.quantization!r} (encoders run float weights)")
+    if config.cache.kv_cache_dtype != "auto":
+        problems.append(f"kv_cache_dtype={config.cache.kv_cache_dtype!r} (there is no KV cache)")
+    if config.speculative is not None:
+        problems.append("speculative decoding (an encoder generates nothing)")
+    if problems:
+        raise ValueError(
+            f"{config.model} is an encoder model (embeddings only), which does not support "
+            + "; ".join(problems)
+        )
+
+
+def _encoder_pooling(model: str, architecture: str) -> PoolingConfig:
+    """The checkpoint's sentence-transformers pooling. An encoder folder without modules.json
+    is refused: BERT models pool by CLS or by mean as they were trained, and a guess (the
+    decoders' last token) would answer with wrong vectors."""
+    if not (Path(model).expanduser() / "modules.json").is_file():
+        raise ValueError(
+            f"{model} ({architecture}) has no sentence-transformers modules.json, so its "
+            "pooling (CLS or mean) is unknown: use the checkpoint as sentence-transformers "
+            "saves it (modules.json, 1_Pooling/config.json, 2_Normalize if it normalises)"
+        )
+    return read_pooling_config(model)
