@@ -75,7 +75,7 @@ class EncoderEngine:
             raise ValueError(
                 f"max_model_len={asked} exceeds the model's {limit} position embeddings"
             )
-        st_limit = read_st_max_seq_length(self.config.model)
+        st_limit = read_st_max_seq_length(self.config.model, self.tokenizer)
         return asked or min(limit, st_limit or limit)
 
     # -- requests ---------------------------------------------------------------------------

@@ -139,12 +139,14 @@ def _read_pooling_module(folder: Path) -> PoolingMethod:
     return _MODES[modes[0]]
 
 
-def read_st_max_seq_length(model_path: str | Path) -> int | None:
+def read_st_max_seq_length(model_path: str | Path, tokenizer=None) -> int | None:
     """The input length sentence-transformers truncates to (`max_seq_length` of
     sentence_bert_config.json, e.g. 256 for all-MiniLM-L6-v2 whose positions go to 512), or
-    None when the folder does not say. Raises ValueError for `do_lower_case: true`: the
-    Transformer module then lowercases texts before its tokenizer, which the engine's
-    tokenization does not, so the vectors of cased text would differ."""
+    None when the folder does not say. `do_lower_case: true` (the Transformer module
+    lowercases texts before its tokenizer) is accepted when `tokenizer` lowercases by itself,
+    as uncased BERT tokenizers do (bge-*): the flag changes nothing then. Otherwise it raises
+    ValueError: the engine's tokenization does not lowercase, so cased text would embed
+    differently."""
     path = Path(model_path).expanduser()
     config_file = (path if path.is_dir() else path.parent) / "sentence_bert_config.json"
     if not config_file.is_file():
@@ -153,10 +155,22 @@ def read_st_max_seq_length(model_path: str | Path) -> int | None:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_file} is not valid JSON: {e}") from e
-    if config.get("do_lower_case"):
+    if config.get("do_lower_case") and not _lowercases(tokenizer):
         raise ValueError(
             f"{config_file}: do_lower_case=true (sentence-transformers lowercases texts before "
-            "tokenizing) is not supported; a tokenizer that lowercases itself needs no flag"
+            "tokenizing) is not supported with a cased tokenizer; a tokenizer that lowercases "
+            "itself needs no flag"
         )
     length = config.get("max_seq_length")
     return int(length) if length else None
+
+
+def _lowercases(tokenizer) -> bool:
+    """Whether `tokenizer` lowercases text itself: a fast tokenizer's normalizer (BERT's
+    uncased one lowercases), or a slow one's do_lower_case."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizer = getattr(backend, "normalizer", None)
+    if normalizer is not None:
+        probe = "The Quick Brown Fox"
+        return normalizer.normalize_str(probe) == probe.lower()
+    return bool(getattr(tokenizer, "do_lower_case", False))

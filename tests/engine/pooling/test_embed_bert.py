@@ -156,7 +156,8 @@ def test_an_encoder_without_pooling_files_is_refused(tmp_path):
 
 def test_sentence_bert_config_sets_the_input_limit(tmp_path):
     """max_seq_length (sentence-transformers truncates there) is the default limit;
-    max_model_len raises it up to the position embeddings; do_lower_case is refused."""
+    max_model_len raises it up to the position embeddings; do_lower_case with a cased
+    tokenizer is refused."""
     path = build_bert_checkpoint(tmp_path / "m", mode="mean")
     config = path / "sentence_bert_config.json"
     config.write_text(json.dumps({"max_seq_length": 16, "do_lower_case": False}))
@@ -214,3 +215,19 @@ def test_real_minilm_matches_sentence_transformers(minilm):
     assert_close(
         torch.tensor(full.embed([long_text])), reference.encode([long_text], convert_to_tensor=True)
     )
+
+
+def test_do_lower_case_with_an_uncased_tokenizer_embeds_as_sentence_transformers(minilm, tmp_path):
+    """bge-* ship do_lower_case: true beside an uncased tokenizer: sentence-transformers
+    lowercases first, the tokenizer lowercases anyway, so the flag changes nothing and loads
+    (a cased tokenizer with the flag is refused: test_sentence_bert_config_sets_the_input_limit)."""
+    from sentence_transformers import SentenceTransformer
+
+    path = shutil.copytree(minilm, tmp_path / "uncased")
+    config = path / "sentence_bert_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "do_lower_case": True}))
+    texts = ["The Quick Brown Fox JUMPS", "Ärger über ÉTÉ in Paris"]
+    got = torch.tensor(LLM(model=str(path), device="cpu").embed(texts))
+    reference = SentenceTransformer(str(path), device="cpu")
+    assert reference[0].do_lower_case  # the reference lowercases before its tokenizer
+    assert_close(got, reference.encode(texts, convert_to_tensor=True))
