@@ -14,8 +14,9 @@ from kvbatch.engine.core.chat import (
     require_chat_template,
 )
 from kvbatch.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from kvbatch.engine.core.llm_engine import LLMEngine, PromptType
+from kvbatch.engine.core.llm_engine import LLMEngine
 from kvbatch.engine.core.outputs import CompletionOutput, EngineStats, RequestOutput
+from kvbatch.engine.core.prompt_input import PromptType
 from kvbatch.engine.core.sampling_params import SamplingParams
 from kvbatch.engine.pooling.inputs import embedding_inputs
 from kvbatch.engine.pooling.matryoshka import check_dimensions, truncate_dimensions

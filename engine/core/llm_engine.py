@@ -35,6 +35,11 @@ from kvbatch.engine.core.config import (
     default_long_prefill_step_ratio,
 )
 from kvbatch.engine.core.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from kvbatch.engine.core.prompt_input import (
+    PromptType,
+    check_embedding_input,
+    prompt_token_ids,
+)
 from kvbatch.engine.core.sampling_params import SamplingParams
 from kvbatch.engine.core.sequence import Sequence, SequenceStatus, TokenLogprobs
 from kvbatch.engine.core.startup_heap import freeze_startup_heap, thaw_startup_heap
@@ -68,8 +73,6 @@ log = logging.getLogger(__name__)
 # 512 sequences (Llama-3.2-1B: ~250 launches a step, ~100 of them Triton kernels whose
 # Python launcher alone costs tens of microseconds, against a GPU step of ~1.5 ms).
 CUDA_GRAPH_MAX_BATCH = 512
-
-PromptType = str | list[int] | dict
 
 
 class LLMEngine:
@@ -435,13 +438,7 @@ class LLMEngine:
         cache. Raises ValueError (naming the problem) for a bad prompt."""
         pooling = self.pooling_config
         text, token_ids = self._tokenize(prompt)
-        if not token_ids:
-            raise ValueError("the input is empty: give at least one token")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"the input has {len(token_ids)} tokens but the model's context is "
-                f"max_model_len={self.max_model_len}: shorten it"
-            )
+        check_embedding_input(token_ids, self.max_model_len)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -454,42 +451,7 @@ class LLMEngine:
         return request_id
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as token ids")
-            return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, (list, tuple)):
-            return None, self._check_ids(prompt)
-        raise ValueError(
-            f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}"
-        )
-
-    def _check_ids(self, ids) -> list[int]:
-        """The ids as a list of ints in [0, vocab). A request added mid-run is checked between
-        two steps, on the decoders' time: for a 32k-token prompt a Python generator over the
-        ids costs about two GPU decode steps in the decoders' gap at the long prompt's
-        arrival. Plain ints (the usual case) are checked in three C-level passes instead, a
-        few times faster; anything else goes through the generator, which
-        names the offending id (by position: a None id is an offender too)."""
-        vocab = self.model_config.vocab_size
-        ids = list(ids)
-        if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab:
-            return ids
-        at = next(
-            (
-                i
-                for i, t in enumerate(ids)
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
-            ),
-            None,
-        )
-        if at is not None:
-            raise ValueError(f"token id {ids[at]!r} is not an int in [0, {vocab})")
-        return ids
+        return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)

@@ -17,6 +17,11 @@ import torch
 
 from kvbatch.engine.core.config import EngineConfig, default_batched_tokens
 from kvbatch.engine.core.outputs import EngineStats
+from kvbatch.engine.core.prompt_input import (
+    PromptType,
+    check_embedding_input,
+    prompt_token_ids,
+)
 from kvbatch.engine.encoder.batches import EncoderRequest, LengthBatcher
 from kvbatch.engine.model.loader import load_encoder
 from kvbatch.engine.pooling.config import (
@@ -28,8 +33,6 @@ from kvbatch.engine.pooling.outputs import EmbeddingOutput
 from kvbatch.engine.pooling.pooler import Pooler, PoolingChunk
 
 log = logging.getLogger(__name__)
-
-PromptType = str | list[int] | dict
 
 
 class EncoderEngine:
@@ -84,13 +87,7 @@ class EncoderEngine:
         """Queue one input to embed. Raises ValueError (naming the problem) for an empty
         input, a bad token id, or more tokens than max_model_len (never truncated)."""
         text, token_ids = self._tokenize(prompt)
-        if not token_ids:
-            raise ValueError("the input is empty: give at least one token")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"the input has {len(token_ids)} tokens but the model's context is "
-                f"max_model_len={self.max_model_len}: shorten it"
-            )
+        check_embedding_input(token_ids, self.max_model_len)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.scheduler.waiting:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -108,27 +105,7 @@ class EncoderEngine:
         )
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass inputs as token ids")
-            return prompt, list(self.tokenizer.encode(prompt))  # with [CLS] ... [SEP]
-        if isinstance(prompt, (list, tuple)):
-            return None, self._check_ids(prompt)
-        raise ValueError(
-            f"an input must be a string, a list of token ids or a dict, not {type(prompt).__name__}"
-        )
-
-    def _check_ids(self, ids) -> list[int]:
-        vocab = self.model_config.vocab_size
-        ids = list(ids)
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is not an int in [0, {vocab})")
-        return ids
+        return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.remove(request_id)
