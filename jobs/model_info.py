@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvbatch.engine.model.architectures import ENCODER_ARCHITECTURES
+from kvbatch.engine.pooling.config import read_st_max_seq_length
+
 
 def _split_gguf(model: str) -> tuple[str, str] | None:
     path = Path(model).expanduser()
@@ -24,10 +27,12 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(str(Path(model).expanduser()), local_files_only=True)
 
 
-def max_model_len(model: str, override: int | None = None) -> int:
+def max_model_len(model: str, override: int | None = None, tokenizer=None) -> int:
     """The longest sequence (prompt + output) the engine will run for `model`: the config's
     max_position_embeddings (a sliding window does not cap it: the engine masks windowed
-    layers). `override` must fit in it."""
+    layers), or for an encoder the input length sentence-transformers truncates to, as its
+    engine does (`tokenizer` tells whether do_lower_case changes anything). `override` must
+    fit in the positions."""
     from transformers import AutoConfig
 
     gguf = _split_gguf(model)
@@ -40,4 +45,6 @@ def max_model_len(model: str, override: int | None = None) -> int:
         if override < 1 or override > limit:
             raise ValueError(f"max_model_len={override} must be in [1, {limit}] for {model}")
         return override
+    if (getattr(cfg, "architectures", None) or [None])[0] in ENCODER_ARCHITECTURES:
+        return min(limit, read_st_max_seq_length(model, tokenizer) or limit)
     return limit

@@ -181,7 +181,8 @@ def _open_job_folder(input_uri: str, output_prefix: str, job_id: str):
 def _read_model(model: str, max_model_len: int | None):
     """The tokenizer and context length, read without loading the weights."""
     try:
-        return model_info.load_tokenizer(model), model_info.max_model_len(model, max_model_len)
+        tokenizer = model_info.load_tokenizer(model)
+        return tokenizer, model_info.max_model_len(model, max_model_len, tokenizer)
     except (OSError, ValueError) as e:
         raise JobError(f"cannot read the model's tokenizer or config: {e}") from e
 

@@ -220,3 +220,19 @@ def test_generation_lines_on_an_encoder_are_refused_per_line(
         assert e["error"]["code"] == "invalid_prompt"
         assert re.search(message, e["error"]["message"])
     assert Batch.model_validate(batch).request_counts.failed == 2
+
+
+def test_submit_refuses_what_the_encoder_would(tmp_path: Path):
+    """`kvbatch submit` checks input lengths against the limit the encoder engine keeps
+    (sentence_bert_config.json's max_seq_length, not the 128 positions): such a line is
+    refused at submit as context_length_exceeded, not later by a worker."""
+    path = build_bert_checkpoint(tmp_path / "m", mode="cls")
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 16}))
+    src = tmp_path / "in.jsonl"
+    lines = [line("fits", {"input": (DOC * 2)[:16]}), line("long", {"input": (DOC * 2)[:17]})]
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    sub = prepare_job(str(src), str(tmp_path / "jobs"), str(path), job_id="j1")
+    assert (sub.num_requests, sub.num_invalid) == (1, 1)
+    (error,) = [json.loads(x) for x in (tmp_path / "jobs/j1/validation_errors.jsonl").open()]
+    assert error["custom_id"] == "long"
+    assert error["error"]["code"] == "context_length_exceeded"
