@@ -154,13 +154,18 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation ([{"role": ..., "content": ...}, ...]) or a list of them,
         through the model's chat template (or `chat_template`), as vLLM's `LLM.chat`; one
-        output per conversation, in input order. A conversation the template rejects gets an
-        output with `error` set; the others still run."""
+        output per conversation, in input order. `tools` (OpenAI function definitions) go to
+        the template as vLLM passes them; the answer is text, for the caller's parser (batch
+        jobs read calls with kvbatch.jobs.tool_parsers). A conversation the template rejects
+        gets an output with `error` set; the others still run."""
         conversations = as_conversations(messages)
         require_chat_template(self.tokenizer, chat_template)
+        if tools is not None:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         prompts: list = []
         for conversation in conversations:
             try:

@@ -9,6 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvbatch.engine import LLM, SamplingParams
+from tests.jobs.qwen_tool_template import QWEN_TOOL_TEMPLATE
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 CONVERSATIONS = [
@@ -87,6 +88,29 @@ def test_own_template_and_a_rejected_conversation(llm):
     assert outputs[0].prompt == "user: What is the capital of France?\nassistant:"
     assert "no system messages here" in outputs[1].error
     assert outputs[1].outputs[0].finish_reason == "error"
+
+
+def test_tools_reach_the_template_as_transformers_passes_them(llm, reference):
+    """`tools=` as vLLM's LLM.chat takes them: the prompt is transformers' template output
+    with the same tools (a Qwen-style tool template)."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    conversation = CONVERSATIONS[0]
+    (out,) = llm.chat(
+        conversation, GREEDY, use_tqdm=False, chat_template=QWEN_TOOL_TEMPLATE, tools=tools
+    )
+    assert out.error is None and '"name": "get_weather"' in out.prompt
+    assert out.prompt_token_ids == _template_ids(
+        reference, conversation, chat_template=QWEN_TOOL_TEMPLATE, tools=tools
+    )
 
 
 @pytest.mark.parametrize("bad", ["Hello", [], [["not a message"]], [{"content": "no role"}], 42])
