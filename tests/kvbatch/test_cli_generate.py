@@ -15,10 +15,10 @@ from tests.kvbatch.test_engine_args import run_main
     ("content", "says"),
     [
         (b'{"messages": "hello"}\n', "'messages' "),
-        (b'\n{"messages": [{"role": "user"}]}\n', "line 2: 'messages[0].content'"),
+        (b'\n{"messages": [{"role": "user"}]}\n', "line 2: 'messages[0]' needs 'content'"),
         (b'{"messages": [{"role": "robot", "content": "x"}]}\n', "'messages[0].role' must be"),
         (b'{"messages": []}\n', "'messages' "),
-        (b'{"messages": [{"role": "user", "content": null}]}\n', "'messages[0].content'"),
+        (b'{"messages": [{"role": "user", "content": null}]}\n', "'messages[0]' needs 'content'"),
         (b"[1]\n", 'expected {"messages": [...]}'),
         (b"\xff\n", "is not UTF-8"),
         (b"\n\n", "holds no conversation"),
