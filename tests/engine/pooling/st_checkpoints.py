@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from tests.tiny_models import VOCAB_SIZE, build_tiny_checkpoint
@@ -26,12 +26,19 @@ def ids_to_text(ids: list[int]) -> str:
     return " ".join(f"<{i}>" for i in ids)
 
 
-def save_word_tokenizer(path: Path, pad_token_id: int = 0) -> None:
-    """A tokenizer whose word "<N>" is token N (no special tokens added; <pad_token_id> pads)."""
+def save_word_tokenizer(path: Path, pad_token_id: int = 0, bos_eos: bool = False) -> None:
+    """A tokenizer whose word "<N>" is token N; <pad_token_id> pads. No special tokens are
+    added, unless `bos_eos`: then <0> and <2> enclose each text, as RoBERTa's <s> and </s>."""
     tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(VOCAB_SIZE)}, unk_token="<3>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    special = {}
+    if bos_eos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<0> $A <2>", special_tokens=[("<0>", 0), ("<2>", 2)]
+        )
+        special = {"bos_token": "<0>", "eos_token": "<2>"}
     pad = f"<{pad_token_id}>"
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, unk_token="<3>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, unk_token="<3>", **special)
     fast.save_pretrained(path)
 
 
@@ -139,8 +146,8 @@ def build_roberta_checkpoint(
     **overrides,
 ) -> Path:
     """A tiny random XLMRobertaModel or RobertaModel at `path`, saved by transformers (with its
-    pooler), the word tokenizer padding with the config's pad id, and unless `mode` is None
-    sentence-transformers' module files."""
+    pooler), the word tokenizer as RoBERTa's tokenizes (<0> text <2>, padding with <1>), and
+    unless `mode` is None sentence-transformers' module files."""
     from transformers import RobertaModel, XLMRobertaModel
 
     model_class = {"XLMRobertaModel": XLMRobertaModel, "RobertaModel": RobertaModel}
@@ -148,7 +155,7 @@ def build_roberta_checkpoint(
     torch.manual_seed(seed)
     config = tiny_roberta_config(architecture, **overrides)
     model_class[architecture](config).save_pretrained(path)
-    save_word_tokenizer(path, pad_token_id=config.pad_token_id)
+    save_word_tokenizer(path, pad_token_id=config.pad_token_id, bos_eos=True)
     return path if mode is None else add_st_modules(path, mode, normalize)
 
 
