@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvbatch.engine.model.architectures import ENCODER_ARCHITECTURES
+from kvbatch.engine.model.architectures import ENCODER_ARCHITECTURES, encoder_max_input_length
 from kvbatch.engine.pooling.config import read_st_max_seq_length
 
 
@@ -32,7 +32,7 @@ def max_model_len(model: str, override: int | None = None, tokenizer=None) -> in
     max_position_embeddings (a sliding window does not cap it: the engine masks windowed
     layers), or for an encoder the input length sentence-transformers truncates to, as its
     engine does (`tokenizer` tells whether do_lower_case changes anything). `override` must
-    fit in the positions."""
+    fit in the positions (for RoBERTa encoders, max_position_embeddings - pad_token_id - 1)."""
     from transformers import AutoConfig
 
     gguf = _split_gguf(model)
@@ -41,10 +41,13 @@ def max_model_len(model: str, override: int | None = None, tokenizer=None) -> in
     else:
         cfg = AutoConfig.from_pretrained(str(Path(model).expanduser()), local_files_only=True)
     limit = int(cfg.max_position_embeddings)
+    architecture = (getattr(cfg, "architectures", None) or [None])[0]
+    if architecture in ENCODER_ARCHITECTURES:  # RoBERTa's positions start after the pad id
+        limit = encoder_max_input_length(architecture, limit, getattr(cfg, "pad_token_id", None))
     if override is not None:
         if override < 1 or override > limit:
             raise ValueError(f"max_model_len={override} must be in [1, {limit}] for {model}")
         return override
-    if (getattr(cfg, "architectures", None) or [None])[0] in ENCODER_ARCHITECTURES:
+    if architecture in ENCODER_ARCHITECTURES:
         return min(limit, read_st_max_seq_length(model, tokenizer) or limit)
     return limit

@@ -1,4 +1,5 @@
-"""Encoder models (BERT: engine/model/bert.py) for embeddings, beside the paged decoder engine.
+"""Encoder models (BERT, RoBERTa: engine/model/bert.py) for embeddings, beside the paged
+decoder engine.
 
 An encoder reads each input whole and bidirectionally: no token's state is final before the
 last token is seen, so there is nothing to cache between requests, nothing to keep after the

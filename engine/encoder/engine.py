@@ -71,12 +71,14 @@ class EncoderEngine:
     def _max_model_len(self) -> int:
         """max_model_len if asked (up to the position embeddings), else the length
         sentence-transformers truncates to: a longer input is refused rather than embedded
-        past the length the model is used with (vLLM caps it there too)."""
-        limit = self.model_config.max_position_embeddings
+        past the length the model is used with (vLLM caps it there too). The positions hold
+        max_position_embeddings tokens, less pad_token_id + 1 for RoBERTa (514 -> 512)."""
+        limit = self.model_config.max_input_length
         asked = self.config.scheduler.max_model_len
         if asked > limit:
             raise ValueError(
-                f"max_model_len={asked} exceeds the model's {limit} position embeddings"
+                f"max_model_len={asked} exceeds the model's {limit} input positions "
+                f"(max_position_embeddings={self.model_config.max_position_embeddings})"
             )
         st_limit = read_st_max_seq_length(self.config.model, self.tokenizer)
         return asked or min(limit, st_limit or limit)

@@ -47,9 +47,30 @@ BASE_MODEL_ARCHITECTURES = {
 """The same transformers without their language-model head, as sentence-transformers saves an
 embedding model: weights named without the "model." prefix, and no lm_head (embeddings only)."""
 
-ENCODER_ARCHITECTURES = ("BertModel",)
+ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "RobertaModel")
 """Bidirectional encoders (engine/model/bert.py), run for embeddings only by the encoder engine
 (engine/encoder/): no KV cache, no generation."""
+
+ROBERTA_ARCHITECTURES = ("XLMRobertaModel", "RobertaModel")
+"""Encoders that number positions as fairseq does (transformers' create_position_ids_from_
+input_ids): from pad_token_id + 1, counting only tokens that are not the pad token, so the
+first pad_token_id + 1 rows of the position table are never an input's (514 rows, pad 1:
+inputs of up to 512 tokens)."""
+
+ROBERTA_DEFAULT_PAD_TOKEN_ID = 1
+"""transformers' RobertaConfig / XLMRobertaConfig default, for a config.json without it."""
+
+
+def encoder_max_input_length(
+    architecture: str, max_position_embeddings: int, pad_token_id: int | None
+) -> int:
+    """The longest input an encoder's position table holds: max_position_embeddings, less
+    pad_token_id + 1 for the RoBERTa family (whose positions start after the pad id)."""
+    if architecture not in ROBERTA_ARCHITECTURES:
+        return max_position_embeddings
+    pad = ROBERTA_DEFAULT_PAD_TOKEN_ID if pad_token_id is None else pad_token_id
+    return max_position_embeddings - pad - 1
+
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 """engine/model/gemma.py's forward: GeGLU, (1 + w) norms around both sublayers, soft-caps."""

@@ -1,15 +1,21 @@
-"""BERT encoders (all-MiniLM, bge-*, e5-*): the whole forward pass, bidirectional, no KV cache.
+"""BERT and RoBERTa encoders (all-MiniLM, bge-*, e5-*; XLM-RoBERTa's bge-m3, multilingual-e5-*,
+all-distilroberta): the whole forward pass, bidirectional, no KV cache.
 
 An encoder reads each input whole: every token attends to every other token of its input, so
 nothing computed for one input is reusable by another (no prefix cache) and nothing is kept
 after the forward (no KV pool). Inputs run as padded batches [batch, seq] with a key mask:
 
-    embeddings = LayerNorm(word[ids] + position[0..n) + token_type[0])
+    embeddings = LayerNorm(word[ids] + position[p] + token_type[0])
+        p = 0, 1, .., n-1                             (BERT)
+        p = pad+1, pad+2, ..; a pad token gets pad    (RoBERTa: positions count non-pad tokens)
     per layer (post-LN):  x = LayerNorm(x + Wo . attention(Wq x, Wk x, Wv x; key mask))
                           x = LayerNorm(x + W2 . gelu(W1 x))           (exact erf GELU)
 
-Modules carry transformers' BertModel names (embeddings.word_embeddings,
-encoder.layer.N.attention.self.query, ...) so a checkpoint's tensors load as they are named.
+RoBERTa's layers are BERT's; only the position numbering differs (fairseq's, kept by
+transformers), so both run here. Modules carry transformers' BertModel names (embeddings.
+word_embeddings, encoder.layer.N.attention.self.query, ...), which RobertaModel's are too, so a
+checkpoint's tensors load as they are named.
+
 The checkpoint's `pooler` (a tanh dense over [CLS], BERT's next-sentence head) is not run:
 sentence-transformers pools the last hidden states itself (engine/pooling/).
 """
@@ -22,7 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbatch.engine.model.architectures import ENCODER_ARCHITECTURES
+from kvbatch.engine.model.architectures import (
+    ENCODER_ARCHITECTURES,
+    ROBERTA_ARCHITECTURES,
+    ROBERTA_DEFAULT_PAD_TOKEN_ID,
+    encoder_max_input_length,
+)
 
 
 @dataclass(frozen=True)
@@ -38,11 +49,20 @@ class BertConfig:
     max_position_embeddings: int
     type_vocab_size: int
     layer_norm_eps: float
+    # RoBERTa: the pad token id its positions start after (None: BERT, positions from 0)
+    position_padding_idx: int | None = None
     has_lm_head: bool = False  # an encoder embeds; it never generates
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def max_input_length(self) -> int:
+        """The longest input the position table holds (514 rows, RoBERTa: 512 tokens)."""
+        return encoder_max_input_length(
+            self.architecture, self.max_position_embeddings, self.position_padding_idx
+        )
 
     @classmethod
     def from_hf(cls, hf: dict) -> BertConfig:
@@ -86,7 +106,7 @@ class BertConfig:
         hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         if hidden % heads:
             raise ValueError(f"hidden_size {hidden} is not a multiple of {heads} heads")
-        return cls(
+        cfg = cls(
             architecture=architecture,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
@@ -96,7 +116,29 @@ class BertConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 512)),
             type_vocab_size=int(hf.get("type_vocab_size", 2)),
             layer_norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
+            position_padding_idx=_roberta_padding_idx(architecture, hf),
         )
+        if cfg.max_input_length < 1:
+            raise ValueError(
+                f"{architecture} config.json's max_position_embeddings "
+                f"{cfg.max_position_embeddings} leaves no position for an input after "
+                f"pad_token_id {cfg.position_padding_idx}"
+            )
+        return cfg
+
+
+def _roberta_padding_idx(architecture: str, hf: dict) -> int | None:
+    """RoBERTa's pad token id (transformers' default when config.json lacks it); None for BERT.
+    A RoBERTa config with pad_token_id null has no position numbering: refused."""
+    if architecture not in ROBERTA_ARCHITECTURES:
+        return None
+    pad = hf.get("pad_token_id", ROBERTA_DEFAULT_PAD_TOKEN_ID)
+    if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
+        raise ValueError(
+            f"{architecture} config.json has pad_token_id={pad!r}: RoBERTa's positions start "
+            "after the pad token id, so it must be a token id (1 in RoBERTa and XLM-RoBERTa)"
+        )
+    return pad
 
 
 class _Embeddings(nn.Module):
@@ -107,9 +149,8 @@ class _Embeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # every input is one segment: token type 0, positions from 0 (padding is masked)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # every input is one segment: token type 0 (padding rows are masked as keys)
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
         return self.LayerNorm(x + self.token_type_embeddings.weight[0])
 
@@ -187,12 +228,25 @@ class BertModel(nn.Module):
         """input_ids: [batch, seq] (padded past each input's length, with any id);
         lengths: [batch] on the same device. Returns [batch, seq, hidden]; rows past an
         input's length are padding (they see the input, the input never sees them)."""
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        key_mask = (positions[None, :] < lengths[:, None])[:, None, None, :]
-        x = self.embeddings(input_ids)
+        columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+        real = columns[None, :] < lengths[:, None]  # [batch, seq]
+        x = self.embeddings(input_ids, self._positions(input_ids, real, columns))
+        key_mask = real[:, None, None, :]
         for layer in self.encoder.layer:
             x = layer(x, key_mask)
         return x
+
+    def _positions(
+        self, input_ids: torch.Tensor, real: torch.Tensor, columns: torch.Tensor
+    ) -> torch.Tensor:
+        """Position ids: BERT's 0..seq-1 ([seq]); RoBERTa's as create_position_ids_from_
+        input_ids numbers them ([batch, seq]): pad + the count of non-pad tokens so far, and
+        pad itself on a pad token (and on the batch's padding rows, which nothing reads)."""
+        pad = self.config.position_padding_idx
+        if pad is None:
+            return columns
+        counted = (real & (input_ids != pad)).long()
+        return torch.cumsum(counted, dim=1) * counted + pad
 
 
 IGNORED_TENSORS = ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
@@ -200,11 +254,20 @@ IGNORED_TENSORS = ("embeddings.position_ids", "pooler.dense.weight", "pooler.den
 positions (0..max) and the next-sentence pooler, which sentence-transformers never runs."""
 
 
+BASE_MODEL_PREFIXES = ("bert.", "roberta.")
+"""transformers' base_model_prefix of BertModel and RobertaModel / XLMRobertaModel: a base model
+saved from inside a task model (BertForMaskedLM, XLMRobertaForMaskedLM) names its tensors so,
+and transformers strips it when it loads them into the base model."""
+
+
 def bert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under the modules' names: unused ones dropped, old TF-era
-    LayerNorm names (gamma, beta) renamed as transformers renames them."""
+    """The checkpoint's tensors under the modules' names: unused ones dropped, a base-model
+    prefix stripped and old TF-era LayerNorm names (gamma, beta) renamed as transformers does.
+    A task head's tensors (lm_head.*, cls.*) stay as they are, for build_bert to refuse."""
     out = {}
     for name, tensor in state_dict.items():
+        for prefix in BASE_MODEL_PREFIXES:
+            name = name.removeprefix(prefix)
         if name in IGNORED_TENSORS:
             continue
         name = name.replace("LayerNorm.gamma", "LayerNorm.weight")
