@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from openai.types import Batch, CreateEmbeddingResponse
 
-from kvbatch.jobs.finalize import read_manifest, try_finalize, write_shard_result
+from kvbatch.jobs.finalize import try_finalize
 from kvbatch.jobs.run import RunOptions, run_job
-from kvbatch.jobs.shards import job_dir, run_shard
+from kvbatch.jobs.shards import job_dir
 from kvbatch.jobs.submit import prepare_job
 from tests.engine.pooling.st_checkpoints import (
     build_bert_checkpoint,
@@ -24,6 +24,7 @@ from tests.engine.pooling.st_checkpoints import (
     ids_to_text,
     st_embeddings,
 )
+from tests.jobs.test_finalize import run_shards
 
 MIN_COSINE = 0.9999
 EMBED = "/v1/embeddings"
@@ -149,16 +150,7 @@ def test_workers_answer_as_kvbatch_run(tmp_path: Path, request, model):
     )
     assert len(sub.messages) > 1 and sub.num_requests == len(lines)
     job = job_dir(str(tmp_path / "jobs"), sub.job_id)
-    manifest = read_manifest(job)
-    for msg in sub.messages:
-        records = run_shard(
-            llm,
-            msg,
-            model_name=manifest["model_name"],
-            batch_id=manifest["batch_id"],
-            created=manifest["created_at"],
-        )
-        assert write_shard_result(job, msg.shard_id, records)
+    run_shards(llm, job, sub.messages)
     record = try_finalize(job)
     assert record is not None and record.endpoint == EMBED
     out = [json.loads(x) for x in (Path(job.uri) / "output.jsonl").read_text().splitlines()]

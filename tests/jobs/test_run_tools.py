@@ -12,11 +12,12 @@ import jsonschema
 import pytest
 
 from kvbatch.cli import main
-from kvbatch.jobs.finalize import read_manifest, try_finalize, write_shard_result
-from kvbatch.jobs.shards import job_dir, run_shard
+from kvbatch.jobs.finalize import try_finalize
+from kvbatch.jobs.shards import job_dir
 from kvbatch.jobs.submit import prepare_job
 from tests.jobs.qwen_tool_template import with_tool_template
 from tests.jobs.test_conformance import run
+from tests.jobs.test_finalize import run_shards
 from tests.jobs.test_run import BLOCK_SIZE, MiB, chat, read_jsonl, write_jsonl
 
 CITY = {
@@ -119,16 +120,7 @@ def test_workers_answer_tool_lines_as_kvbatch_run(tmp_path: Path, tool_llm):
         tool_call_parser="hermes",
     )
     job = job_dir(str(tmp_path / "jobs"), sub.job_id)
-    manifest = read_manifest(job)
-    for msg in sub.messages:
-        records = run_shard(
-            tool_llm,
-            msg,
-            model_name=manifest["model_name"],
-            batch_id=manifest["batch_id"],
-            created=manifest["created_at"],
-        )
-        assert write_shard_result(job, msg.shard_id, records)
+    run_shards(tool_llm, job, sub.messages)
     assert try_finalize(job) is not None
     with job.join("output.jsonl").open_read() as f:
         remote = [json.loads(x) for x in f.read().splitlines()]
