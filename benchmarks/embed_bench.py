@@ -133,7 +133,7 @@ class EmbedReport:
         head = ("engine", "seconds", "CPU s", "texts/s", "tokens/s", "padded tokens", "ratio")
         rows = [head + ("min cosine",)]
         for e in self.engines:
-            cosine = "reference" if e is self.reference else f"{e.min_cosine:.6f}"
+            cosine = "reference" if e is self.reference else f"{e.min_cosine:.7f}"
             rows.append(
                 (
                     e.label,

@@ -58,8 +58,9 @@ class EmbedWorkload:
         """One line for the top of a results table."""
         sizes = ", ".join(map(str, self.st_batch_sizes))
         return (
-            f"{self.name}: {self.num_texts} texts of {self.min_tokens} to {self.max_tokens} "
-            f"tokens (log-uniform, seed {self.seed}), model {self.model}, {self.dtype}; "
+            f"{self.name}: {self.num_texts} texts, lengths drawn log-uniformly from "
+            f"{self.min_tokens} to {self.max_tokens} tokens (seed {self.seed}), model "
+            f"{self.model}, {self.dtype}; "
             f"sentence-transformers encode at batch sizes {sizes}"
         )
 
@@ -69,7 +70,8 @@ class EmbedWorkload:
 
 def make_texts(workload: EmbedWorkload, tokenizer) -> list[str]:
     """The workload's texts, the same for the same seed and tokenizer. Each starts at a
-    random word of the passages (read in a loop) and ends where its drawn length is reached."""
+    random word of the passages (read in a loop) and ends at the last whole word within its
+    drawn length (so a text may fall a token or two short of it, never over)."""
     words = " ".join(PASSAGES).split()
     counts = [len(ids) for ids in tokenizer(words, add_special_tokens=False)["input_ids"]]
     rng = np.random.default_rng(workload.seed)
