@@ -5,7 +5,7 @@ The generative peers (peer.py) decode token ids; these take text, because tokeni
 batching texts by length is part of what an embedding engine does and of what it costs. Each
 is driven like a generative peer, one after the other in one process:
 
-    load() (not timed) -> warmup() (not timed) -> embed(texts) (timed) -> close()
+    load() (not timed) -> embed(texts) once untimed (warm-up) -> embed(texts) (timed) -> close()
 
 Padding is part of the cost too: `padded_tokens` says how many token rows each engine's
 forward passes hold for the texts (real tokens plus padding), worked out from how it batches.
@@ -21,8 +21,6 @@ import numpy as np
 
 from kvbatch.engine import LLM
 from kvbatch.engine.encoder.batches import EncoderRequest, LengthBatcher
-
-WARMUP_TEXTS = ["a short text to warm up", "and a second, a little longer than the first one"]
 
 
 class Embedder(ABC):
@@ -50,9 +48,6 @@ class Embedder(ABC):
     @abstractmethod
     def padded_tokens(self, texts: list[str], lengths: list[int]) -> int:
         """Token rows this engine's forward passes hold for `texts` (of `lengths` tokens)."""
-
-    def warmup(self) -> None:
-        self.embed(WARMUP_TEXTS)
 
     def close(self) -> None:
         for attr in list(vars(self)):

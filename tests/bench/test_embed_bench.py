@@ -10,6 +10,7 @@ import pytest
 
 from kvbatch.bench import cli
 from kvbatch.bench.embed_bench import MIN_COSINE, EmbedBenchError, min_cosine
+from kvbatch.bench.embed_workload import EMBED_WORKLOADS, TINY_EMBED_WORKLOADS
 
 
 def test_embed_cpu_tiny_runs_both_engines_and_their_vectors_agree(tmp_path, capsys):
@@ -40,3 +41,12 @@ def test_one_text_off_fails_the_agreement_check():
     assert min_cosine(reference, reference * 3)[0] == pytest.approx(1.0)
     with pytest.raises(EmbedBenchError, match="shape"):
         min_cosine(reference, vectors[:3])
+
+
+def test_embed_cpu_help_describes_the_workload_and_its_tiny_variant(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["embed-cpu", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert EMBED_WORKLOADS["embed-cpu"].summary() in out
+    assert TINY_EMBED_WORKLOADS["embed-cpu"].summary() in out and "--st-batch-sizes" in out
