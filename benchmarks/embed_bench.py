@@ -208,13 +208,11 @@ def profile_kvbatch(embedder: KvbatchEmbedder, texts: list[str]) -> dict[str, fl
     stats = pstats.Stats(profiler).stats  # (file, line, function) -> (..., cumulative, callers)
     parts = {"total": total}
     for part, (file, function) in PROFILED.items():
-        hits = [
-            (line, v[3])
-            for (f, line, fn), v in stats.items()
-            if f.endswith(file) and fn == function
+        cumulative = [
+            v[3] for (f, _, fn), v in stats.items() if f.endswith(file) and fn == function
         ]
         # bert.py has one forward per module: the outermost (BertModel's) is the largest
-        parts[part] = max((c for _, c in hits), default=0.0)
+        parts[part] = max(cumulative, default=0.0)
     parts["rest"] = total - sum(parts[p] for p in PROFILED)
     return parts
 
@@ -355,7 +353,12 @@ def main(argv: list[str] | None = None, name: str = "embed-cpu") -> int:
         if args.seed is not None:
             workload = dataclasses.replace(workload, seed=args.seed)
         if args.st_batch_sizes:
-            sizes = tuple(int(x) for x in args.st_batch_sizes.split(","))
+            try:
+                sizes = tuple(int(x) for x in args.st_batch_sizes.split(","))
+            except ValueError:
+                raise ValueError(
+                    f"--st-batch-sizes {args.st_batch_sizes!r}: give whole numbers, e.g. 32,128"
+                ) from None
             workload = dataclasses.replace(workload, st_batch_sizes=sizes)
     except ValueError as e:
         print(f"kvbatch bench: error: {e}", file=sys.stderr)
