@@ -360,6 +360,8 @@ def main(argv: list[str] | None = None, name: str = "embed-cpu") -> int:
                     f"--st-batch-sizes {args.st_batch_sizes!r}: give whole numbers, e.g. 32,128"
                 ) from None
             workload = dataclasses.replace(workload, st_batch_sizes=sizes)
+        if args.model is not None and not Path(args.model).expanduser().is_dir():
+            raise ValueError(f"--model {args.model}: no such folder (a sentence-transformers one)")
     except ValueError as e:
         print(f"kvbatch bench: error: {e}", file=sys.stderr)
         return 2
@@ -374,7 +376,10 @@ def main(argv: list[str] | None = None, name: str = "embed-cpu") -> int:
     progress = lambda m: print(m, file=sys.stderr, flush=True)
     try:
         with tempfile.TemporaryDirectory(prefix="kvbatch-embed-bench-") as tmp:
-            model = args.model or wheel_model_dir(workload, Path(tmp))
+            if args.model is not None:
+                model = str(Path(args.model).expanduser())
+            else:
+                model = wheel_model_dir(workload, Path(tmp))
             report = run_embed_benchmark(
                 workload,
                 model,
