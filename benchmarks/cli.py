@@ -16,9 +16,11 @@ import json
 import shlex
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
-from kvbatch.bench import spec_copy
+from kvbatch.bench import embed_bench, spec_copy
+from kvbatch.bench.embed_workload import EMBED_WORKLOADS, TINY_EMBED_WORKLOADS
 from kvbatch.bench.harness import (
     BenchConfig,
     BenchError,
@@ -46,6 +48,8 @@ from kvbatch.engine_args import add_gpu_tuning_args
 
 TOOLS: dict[str, Callable[[list[str] | None], int]] = {
     "spec-copy": spec_copy.main,  # speculative decoding on and off, its own table
+    # embeddings (texts in, vectors out): kvbatch beside sentence-transformers, its own table
+    **{name: partial(embed_bench.main, name=name) for name in EMBED_WORKLOADS},
 }
 """Benchmarks with their own options: `kvbatch bench NAME ...` hands them the rest of argv."""
 
@@ -272,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         for w in WORKLOADS.values():
             print(w.summary())
         for name, w in TINY_WORKLOADS.items():
+            print(f"--tiny {name}: {w.summary()}")
+        for w in EMBED_WORKLOADS.values():
+            print(w.summary())
+        for name, w in TINY_EMBED_WORKLOADS.items():
             print(f"--tiny {name}: {w.summary()}")
         print("engines: " + ", ".join(PEERS))
         return 0
