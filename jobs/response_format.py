@@ -21,6 +21,7 @@ from typing import Any
 from pydantic_core import PydanticCustomError
 
 from kvbatch.engine.structured.params import StructuredOutputs
+from kvbatch.jobs.shown import shown
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 _TYPES = ("text", "json_object", "json_schema")
@@ -46,7 +47,7 @@ def read_response_format(value: Any) -> StructuredOutputs | None:
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("type") not in _TYPES:
-        raise _invalid(f"must be {SHAPES}, got {_show(value)}")
+        raise _invalid(f"must be {SHAPES}, got {shown(value)}")
     kind = value["type"]
     allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
     extra = sorted(set(value) - allowed)
@@ -63,7 +64,7 @@ def _json_schema(spec: Any) -> StructuredOutputs:
     if not isinstance(spec, dict):
         raise _invalid(
             "'json_schema' must be an object {'name': ..., 'schema': {...}, 'strict': ...}, "
-            f"got {_show(spec)}"
+            f"got {shown(spec)}"
         )
     extra = sorted(set(spec) - _SCHEMA_KEYS)
     if extra:
@@ -74,22 +75,17 @@ def _json_schema(spec: Any) -> StructuredOutputs:
     name = spec.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise _invalid(
-            "json_schema.name must be 1 to 64 letters, digits, '_' or '-', got " + _show(name)
+            "json_schema.name must be 1 to 64 letters, digits, '_' or '-', got " + shown(name)
         )
     if spec.get("description") is not None and not isinstance(spec["description"], str):
         raise _invalid(
-            f"json_schema.description must be a string, got {_show(spec['description'])}"
+            f"json_schema.description must be a string, got {shown(spec['description'])}"
         )
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise _invalid(f"json_schema.strict must be true or false, got {_show(spec['strict'])}")
+        raise _invalid(f"json_schema.strict must be true or false, got {shown(spec['strict'])}")
     schema = spec.get("schema")
     if schema is None:
         return StructuredOutputs(json_object=True)
     if not isinstance(schema, dict):
-        raise _invalid(f"json_schema.schema must be a JSON Schema object, got {_show(schema)}")
+        raise _invalid(f"json_schema.schema must be a JSON Schema object, got {shown(schema)}")
     return StructuredOutputs(json_schema=schema)
-
-
-def _show(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

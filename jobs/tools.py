@@ -32,6 +32,7 @@ from pydantic_core import PydanticCustomError
 
 from kvbatch.engine.structured.params import StructuredOutputs
 from kvbatch.jobs.response_format import PARAMETER_RULE
+from kvbatch.jobs.shown import shown
 from kvbatch.jobs.tool_parsers import get_parser
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -53,7 +54,7 @@ def read_tools(value: Any) -> list[dict] | None:
         return None
     if not isinstance(value, list):
         raise _invalid(
-            "'tools' must be a list of {'type': 'function', 'function': {...}}, got " + _show(value)
+            "'tools' must be a list of {'type': 'function', 'function': {...}}, got " + shown(value)
         )
     tools, names = [], set()
     for i, tool in enumerate(value):
@@ -61,12 +62,12 @@ def read_tools(value: Any) -> list[dict] | None:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise _invalid(
                 f"{where} must be {{'type': 'function', 'function': {{'name': ..., "
-                f"'parameters': {{...}}}}}} (kvbatch calls functions only), got {_show(tool)}"
+                f"'parameters': {{...}}}}}} (kvbatch calls functions only), got {shown(tool)}"
             )
         if not isinstance(tool.get("function"), dict):
             raise _invalid(
                 f"{where} needs a 'function' object {{'name': ..., 'description': ..., "
-                f"'parameters': {{...}}}}, got {_show(tool.get('function'))}"
+                f"'parameters': {{...}}}}, got {shown(tool.get('function'))}"
             )
         extra = sorted(set(tool) - {"type", "function"})
         if extra:
@@ -78,7 +79,7 @@ def read_tools(value: Any) -> list[dict] | None:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise _invalid(
                 f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got "
-                + _show(name)
+                + shown(name)
             )
         where = f"'tools[{i}]' ({name})"
         extra = sorted(set(function) - _FUNCTION_KEYS)
@@ -103,11 +104,11 @@ def _check_parameters(schema: Any, where: str) -> None:
     if schema is None:
         return
     if not isinstance(schema, dict):
-        raise _invalid(f"{where}: 'parameters' must be a JSON Schema object, got {_show(schema)}")
+        raise _invalid(f"{where}: 'parameters' must be a JSON Schema object, got {shown(schema)}")
     if schema.get("type", "object") != "object":
         raise _invalid(
             f"{where}: 'parameters' must be a schema of type 'object' (the arguments are an "
-            f"object), got type {_show(schema.get('type'))}"
+            f"object), got type {shown(schema.get('type'))}"
         )
     try:
         validator_for(schema, default=Draft202012Validator).check_schema(schema)
@@ -132,7 +133,7 @@ def read_tool_choice(value: Any) -> str | None:
         and isinstance(value["function"]["name"], str)
     ):
         return "function:" + value["function"]["name"]
-    raise _invalid(f"'tool_choice' must be {CHOICES}, got {_show(value)}")
+    raise _invalid(f"'tool_choice' must be {CHOICES}, got {shown(value)}")
 
 
 def forced_name(choice: str | None) -> str | None:
@@ -262,8 +263,3 @@ def read_answer(spec: ToolCalling, text: str) -> ToolAnswer:
     if not spec.parallel:
         calls = calls[:1]
     return ToolAnswer(None if spec.mode == "required" else text, calls)
-
-
-def _show(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

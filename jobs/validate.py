@@ -58,6 +58,7 @@ from kvbatch.jobs.schemas import (
     CompletionBody,
     EmbeddingBody,
 )
+from kvbatch.jobs.shown import shown
 from kvbatch.jobs.tools import ToolCalling
 
 MAX_LINE_BYTES = 16 * 1024 * 1024
@@ -299,7 +300,7 @@ def _check_line(
         if custom_id in seen:
             problems.add(
                 "duplicate_custom_id",
-                f"custom_id {_show(custom_id)} is already used by an earlier line: give each line its own custom_id",
+                f"custom_id {shown(custom_id)} is already used by an earlier line: give each line its own custom_id",
             )
         seen.add(custom_id)
 
@@ -364,7 +365,7 @@ def _check_body(
     if model is not None and isinstance(named, str) and named != model:
         problems.add(
             "model_mismatch",
-            f"'model' is {_show(named)} but this job runs {_show(model)}: set it to {_show(model)} or remove it",
+            f"'model' is {shown(named)} but this job runs {shown(model)}: set it to {shown(model)} or remove it",
         )
     cls = BODIES[url]
     try:
@@ -395,7 +396,7 @@ def _describe_line_error(err: dict[str, Any], obj: dict, problems: _Problems) ->
         )
     else:
         problems.add(
-            _line_field_code(field), f"'{field}' must be {rule}, got {_show(obj.get(field))}"
+            _line_field_code(field), f"'{field}' must be {rule}, got {shown(obj.get(field))}"
         )
 
 
@@ -429,7 +430,7 @@ def _describe_body_error(
     elif kind == "extra_forbidden":
         problems.add("unknown_parameter", _unknown(field, url, cls))
     elif kind == "unsupported_parameter":
-        problems.add(kind, f"'{field}' = {_show(value)} is not supported: {err['msg']}")
+        problems.add(kind, f"'{field}' = {shown(value)} is not supported: {err['msg']}")
     elif kind == PARAMETER_RULE:  # a field's own check, whose message says what to fix
         problems.add("invalid_parameter", err["msg"])
     elif not loc:  # a check across fields
@@ -437,7 +438,7 @@ def _describe_body_error(
     else:
         code = "invalid_messages" if field == "messages" else "invalid_parameter"
         problems.add(
-            code, f"'{field}' must be {cls.model_fields[field].description}, got {_show(value)}"
+            code, f"'{field}' must be {cls.model_fields[field].description}, got {shown(value)}"
         )
 
 
@@ -456,7 +457,7 @@ def _message_error(err: dict[str, Any]) -> str:
     phrase = err["msg"] if kind == "invalid_messages" else _MESSAGE_PHRASES.get(kind, err["msg"])
     if kind in ("missing", "extra_forbidden"):
         return f"'{path}' {phrase}"
-    return f"'{path}' {phrase}, got {_show(err.get('input'))}"
+    return f"'{path}' {phrase}, got {shown(err.get('input'))}"
 
 
 def _unknown(field: str, url: str, cls: type[BaseModel]) -> str:
@@ -532,8 +533,3 @@ def _json_type(obj: object) -> str:
     if obj is None:
         return "null"
     return "boolean" if isinstance(obj, bool) else "number"
-
-
-def _show(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from kvbatch.engine.core.config import EngineConfig, default_batched_tokens
 from kvbatch.engine.core.outputs import EngineStats
@@ -140,11 +141,9 @@ class EncoderEngine:
     @torch.inference_mode()
     def _embed(self, batch: list[EncoderRequest]) -> torch.Tensor:
         """[len(batch), hidden] float32 pooled vectors, on the device."""
-        lengths = torch.tensor([len(r) for r in batch])
-        ids = torch.zeros(len(batch), int(lengths.max()), dtype=torch.long)
-        for row, r in enumerate(batch):
-            ids[row, : len(r)] = torch.tensor(r.token_ids)
-        lengths, ids = lengths.to(self.device), ids.to(self.device)
+        lengths = torch.tensor([len(r) for r in batch], device=self.device)
+        inputs = [torch.tensor(r.token_ids, dtype=torch.long) for r in batch]
+        ids = pad_sequence(inputs, batch_first=True).to(self.device)  # zeros past each length
         hidden = self.model(ids, lengths)  # [batch, longest, hidden]
         real = torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]
         rows = hidden[real]  # [sum of lengths, hidden]: each input's rows, in batch order

@@ -34,6 +34,7 @@ from kvbatch.engine.model.architectures import (
     ROBERTA_DEFAULT_PAD_TOKEN_ID,
     encoder_max_input_length,
 )
+from kvbatch.engine.model.tensor_names import some_names
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,7 @@ def build_bert(
     missing, unused = sorted(owned - set(weights)), sorted(set(weights) - owned)
     for names, what in ((missing, "is missing"), (unused, "has unknown")):
         if names:
-            shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+            shown = some_names(names)
             raise ValueError(
                 f"{cfg.architecture} checkpoint {what} {len(names)} tensors ({shown}): "
                 "config.json does not describe these weights"

@@ -27,6 +27,7 @@ from kvbatch.engine.model.llama import LlamaForCausalLM, ModelConfig
 from kvbatch.engine.model.moe import CheckpointExperts
 from kvbatch.engine.model.multimodal import language_model_config, language_model_weights
 from kvbatch.engine.model.phi3 import PHI3_ARCHITECTURES, split_fused_projections
+from kvbatch.engine.model.tensor_names import some_names
 from kvbatch.engine.quant.apply import quantize_linears, reject_quantized_leftovers, weight_bytes
 from kvbatch.engine.quant.detect import detect_quantization
 from kvbatch.engine.quant.scheme import QuantConfig
@@ -177,7 +178,7 @@ def _build(
     expected = {k for k, v in owned.items() if v.is_meta}
     missing = sorted(expected - set(state_dict))
     if missing:
-        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        shown = some_names(missing, 5)
         raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
     weights = {k: state_dict[k].to(device=device, dtype=dtype) for k in expected}
     weights.update((k, v) for k, v in owned.items() if k not in expected)
@@ -200,7 +201,7 @@ def _reject_unused_tensors(state_dict: dict, owned: dict) -> None:
     )
     if not unused:
         return
-    shown = ", ".join(unused[:3]) + (" ..." if len(unused) > 3 else "")
+    shown = some_names(unused)
     if all(k.endswith(".bias") for k in unused):
         raise ValueError(
             f"checkpoint has {len(unused)} bias tensors the model built from config.json has "

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbatch.engine.model.tensor_names import some_names
 from kvbatch.kernels.fused_moe import fused_moe, fused_moe_ref
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -144,7 +145,7 @@ class CheckpointExperts:
             if (e, proj) not in self.linears
         ]
         if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            shown = some_names(missing, 5)
             raise ValueError(f"checkpoint is missing {len(missing)} expert weights: {shown}")
         extra = sorted({e for e, _ in self.linears if e >= num_experts})
         if extra:

@@ -72,10 +72,7 @@ def read_pooling_config(model_path: str | Path) -> PoolingConfig:
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return DECODER_DEFAULT
-    try:
-        modules = json.loads(modules_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{modules_file} is not valid JSON: {e}") from e
+    modules = _read_json(modules_file)
     if not isinstance(modules, list):
         raise ValueError(
             f"{modules_file} must hold a list of modules, not {type(modules).__name__}"
@@ -116,7 +113,7 @@ def _read_pooling_module(folder: Path) -> PoolingMethod:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ValueError(f"the Pooling module has no {config_file}")
-    config = json.loads(config_file.read_text())
+    config = _read_json(config_file)
     modes = config.get("pooling_mode")
     if modes is None:  # the flags of sentence-transformers 5 and earlier
         modes = [mode for flag, mode in _LEGACY_FLAGS.items() if config.get(flag)] or ["mean"]
@@ -151,10 +148,7 @@ def read_st_max_seq_length(model_path: str | Path, tokenizer=None) -> int | None
     config_file = (path if path.is_dir() else path.parent) / "sentence_bert_config.json"
     if not config_file.is_file():
         return None
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_file} is not valid JSON: {e}") from e
+    config = _read_json(config_file)
     if config.get("do_lower_case") and not _lowercases(tokenizer):
         raise ValueError(
             f"{config_file}: do_lower_case=true (sentence-transformers lowercases texts before "
@@ -174,3 +168,11 @@ def _lowercases(tokenizer) -> bool:
         probe = "The Quick Brown Fox"
         return normalizer.normalize_str(probe) == probe.lower()
     return bool(getattr(tokenizer, "do_lower_case", False))
+
+
+def _read_json(file: Path):
+    """A sentence-transformers file's JSON; ValueError naming the file when it is not JSON."""
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from e
