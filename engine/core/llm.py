@@ -18,6 +18,8 @@ from kvbatch.engine.core.llm_engine import LLMEngine
 from kvbatch.engine.core.outputs import CompletionOutput, EngineStats, RequestOutput
 from kvbatch.engine.core.prompt_input import PromptType
 from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.engine.encoder.engine import EncoderEngine
+from kvbatch.engine.model.loader import is_encoder_checkpoint
 from kvbatch.engine.pooling.inputs import embedding_inputs
 from kvbatch.engine.pooling.matryoshka import check_dimensions, truncate_dimensions
 from kvbatch.hub import resolve_model
@@ -95,7 +97,10 @@ class LLM:
             ),
             speculative=SpecConfig.parse(speculative, num_speculative_tokens),
         )
-        self.engine = LLMEngine(config)
+        # an encoder checkpoint (BERT, RoBERTa) gets the encoder engine: the same streaming
+        # API, embeddings only, no KV cache (engine/encoder/)
+        encoder = is_encoder_checkpoint(config.model)
+        self.engine = EncoderEngine(config) if encoder else LLMEngine(config)
 
     @property
     def tokenizer(self):

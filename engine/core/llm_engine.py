@@ -44,7 +44,6 @@ from kvbatch.engine.core.sampling_params import SamplingParams
 from kvbatch.engine.core.sequence import Sequence, SequenceStatus, TokenLogprobs
 from kvbatch.engine.core.startup_heap import freeze_startup_heap, thaw_startup_heap
 from kvbatch.engine.core.stopping import StopChecker
-from kvbatch.engine.encoder.engine import EncoderEngine
 from kvbatch.engine.exec.launched_step import LaunchedStep, StepResult, start_clock
 from kvbatch.engine.exec.runner import ModelRunner, kv_bytes_per_block
 from kvbatch.engine.kv.kv_cache import KVCacheManager
@@ -55,7 +54,7 @@ from kvbatch.engine.kv.memory import (
     profile_peak_activation_bytes,
 )
 from kvbatch.engine.model.fused import model_forward
-from kvbatch.engine.model.loader import is_encoder_checkpoint, load_model
+from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.pooling.config import PoolingConfig, read_pooling_config
 from kvbatch.engine.pooling.outputs import EmbeddingOutput
 from kvbatch.engine.quant.kv_cache import apply_kv_cache_scales
@@ -76,14 +75,6 @@ CUDA_GRAPH_MAX_BATCH = 512
 
 
 class LLMEngine:
-    def __new__(cls, config: EngineConfig):
-        """An encoder checkpoint (BERT) gets the encoder engine instead (engine/encoder/): the
-        same streaming API, embeddings only, with no KV cache; LLM, jobs and workers build
-        engines through this one name."""
-        if cls is LLMEngine and is_encoder_checkpoint(config.model):
-            return EncoderEngine(config)
-        return super().__new__(cls)
-
     def __init__(self, config: EngineConfig) -> None:
         """Load the model, size and build the KV pool, then the scheduler and runner; on CUDA
         capture the decode graphs, and freeze the startup heap last (engine/core/

@@ -5,7 +5,7 @@ An encoder reads each input whole and bidirectionally: no token's state is final
 last token is seen, so there is nothing to cache between requests, nothing to keep after the
 forward, and nothing to gain from chunking a prompt. The paged engine's machinery (KV pool,
 prefix cache, chunked prefill, decode graphs) has no work to do, so an encoder checkpoint gets
-its own small engine with the same streaming API (LLMEngine(config) returns it):
+its own small engine with the same streaming API (LLM picks it for an encoder checkpoint):
 
     add_embedding_request -> waiting (batches.py) -> step(): one padded batch of requests of
     similar length -> BertModel forward -> pooled (engine/pooling/pooler.py) -> EmbeddingOutput
