@@ -20,12 +20,7 @@ RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY engine ./engine
-COPY kvkernels ./kvkernels
-COPY jobs ./jobs
-COPY worker ./worker
 COPY kvbatch ./kvbatch
-COPY benchmarks ./benchmarks
 RUN pip install . && rm -rf build
 
 # Non-root; models are mounted read-only at /models, the cache lives in the user's home.

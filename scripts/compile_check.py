@@ -22,7 +22,7 @@ For each compiled kernel: shared memory (from Triton's metadata; must fit the 22
 sm_90 block may use), registers and spill bytes (ptxas -v on its PTX). Then eager steps whose
 sizes vary as a job's do: each kernel must compile once per set of its constexprs and pointer
 types, since a variant for an argument's alignment or divisibility is a compile in the middle
-of a run on the GPU (kvkernels/specialize.py). Exit status 1 when a kernel fails to compile,
+of a run on the GPU (kernels/specialize.py). Exit status 1 when a kernel fails to compile,
 overflows shared memory or compiles more variants than that; spills are reported, not fatal.
 Run it under the GPU machine's Triton (3.6) too: that is the version that will compile there.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.pop("TRITON_INTERPRET", None)  # real compiles, before anything imports kvkernels/
+os.environ.pop("TRITON_INTERPRET", None)  # real compiles, before anything imports kernels/
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -89,7 +89,7 @@ def record_compiles(arch: int) -> list[tuple[str, object, object]]:
 
 
 def rag_shaped_model(dtype: torch.dtype):
-    """One layer of Llama-3.2-1B's shape (benchmarks/models.py), uninitialised, built like
+    """One layer of Llama-3.2-1B's shape (bench/models.py), uninitialised, built like
     engine/model/loader.py builds a model. The vocabulary is cut to 2048: it only sizes GEMMs and
     the sampler, no kernel."""
     import dataclasses
@@ -127,7 +127,7 @@ def drive_engine(dtype: torch.dtype) -> None:
 
     # Eager steps whose sizes vary step to step, as a job's do: a long prompt's chunks beside
     # decodes that share a document or not, under token budgets that give odd chunks. Each
-    # kernel should compile once per set of constexprs (kvkernels/specialize.py), not once
+    # kernel should compile once per set of constexprs (kernels/specialize.py), not once
     # per alignment or divisibility its per-step arguments happen to have.
     doc = [11] * 70
     for budget, decoders, long_len, shared in ((61, 5, 1500, False), (97, 9, 2100, True)):
@@ -330,7 +330,7 @@ def check(arch: int, dtypes: list[str], models: list[str] = ("llama",)) -> dict:
                     f"{name}: {spec['kernel']} compiled {spec['variants']} variants for "
                     f"{spec['constexpr_sets']} sets of constexprs and pointer types; arguments "
                     f"that varied: "
-                    f"{', '.join(spec['varying'])} (kvkernels/specialize.py step_varying)"
+                    f"{', '.join(spec['varying'])} (kernels/specialize.py step_varying)"
                 )
         seen = set()
         for kernel_name, _, kernel in compiled[start:]:

@@ -115,13 +115,9 @@ if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 else PY=python3
 fi
-# The GPU image runs a plain checkout: no `pip install`, no network. scripts/kvbatch_path.py
-# links the folders into the installed layout (kvbatch.engine, kvbatch.kernels, ...) in a
-# folder of its own, first on the path; PYTHONSAFEPATH keeps `python -m`'s working directory
-# (whose kvbatch/ is the CLI folder alone) off the front of sys.path.
-NAMESPACE="$(mktemp -d)"
-"$PY" scripts/kvbatch_path.py "$NAMESPACE" > /dev/null || exit 2
-export PY PYTHONSAFEPATH=1 PYTHONPATH="$NAMESPACE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The GPU image runs a plain checkout: no `pip install`, no network. kvbatch/ is the package
+# itself, so the checkout's root on PYTHONPATH is all an import needs.
+export PY PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 if [ "$CPU" = 1 ]; then
@@ -199,7 +195,7 @@ STEPS="$OUT_DIR/steps.tsv"
 rm -f "$OUT_DIR"/rag*.json "$OUT_DIR"/long-prefill*.json "$OUT_DIR"/quant-*.json \
   "$OUT_DIR"/moe-*.json "$OUT_DIR"/qwen3-*.json "$OUT_DIR/summary.txt"
 STEP_LOG="$(mktemp)"
-trap 'rm -rf "$STEP_LOG" "$NAMESPACE"' EXIT
+trap 'rm -rf "$STEP_LOG"' EXIT
 printf 'step\tstatus\trc\tseconds\tlimit\tlast line\n' > "$STEPS"
 echo "gpu-check ($MODE) $(date -u +%Y-%m-%dT%H:%M:%SZ) in $PWD with $PY" | tee "$LOG"
 
@@ -273,8 +269,7 @@ EOF
 export -f versions
 step versions "$VERSIONS_TIMEOUT" bash -c versions
 # --durations: the log names the slowest tests, should a step come near its limit
-# pytest's own path options would put the checkout's root (and its kvbatch/) first again
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider --durations=8 -o pythonpath= --import-mode=append)
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider --durations=8)
 if "$PY" -c "import pytest_timeout" 2> /dev/null; then PYTEST+=(--timeout="$PER_TEST_TIMEOUT"); fi
 KERNELS_PARALLEL=()
 if [ "$KERNELS_WORKERS" -gt 1 ] && "$PY" -c "import xdist" 2> /dev/null; then

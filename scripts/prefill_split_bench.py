@@ -2,7 +2,7 @@
 
 The long-prefill shape (a 32k prompt prefilled in chunks while others decode): a chunk of C
 tokens attends to the whole cached prefix, and with few row tiles the kernel splits the keys
-(kvkernels/prefill_attention.choose_prefill_splits). This prints, per chunk length, the time at
+(kernels/prefill_attention.choose_prefill_splits). This prints, per chunk length, the time at
 each forced split count and at the automatic choice, and each result's largest difference from
 the unsplit output, so one GPU run says whether the automatic choice is near the best one.
 Then the cascade shape of `rag` (16 groups of 16 decoding rows against a 1024-token shared

@@ -6,7 +6,7 @@ activation-dtype GEMM (F.linear), with each result's error against the float GEM
 quantized weights (a wrong kernel shows as a large error, not only as a slow one):
 
     dense     F.linear(x, w) in the activation dtype: the baseline
-    w4a16     kvkernels/wna16_gemm.py, 4-bit, group 128, split-K chosen by shape
+    w4a16     kernels/wna16_gemm.py, 4-bit, group 128, split-K chosen by shape
     w4-deq    the same weights dequantized to the activation dtype, then F.linear (what a
               large batch may prefer: the dequantization is paid once per call)
     fp8       quantize_fp8_per_token(x) + fp8_scaled_mm (per-channel weight scales)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 # Triton kernels run under the interpreter where no GPU driver is present. Triton reads this when
-# a kernel is decorated, so it must be set before anything imports kvkernels/.
+# a kernel is decorated, so it must be set before anything imports kernels/.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

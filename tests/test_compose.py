@@ -387,21 +387,12 @@ def test_dockerfile_installs_every_package():
     users = re.findall(r"^USER (\S+)", text, re.M)
     assert users and users[-1] not in ("root", "0"), "runs as a non-root user"
     copied = set(re.findall(r"^COPY (\S+) \./\1$", text, re.M))
-    # pyproject's [tool.setuptools.package-dir]: "kvbatch.engine" = "engine", ... (the folders
-    # that install as the kvbatch package; read with a regex, as 3.10 has no tomllib)
-    package_dir = re.search(
-        r"^\[tool\.setuptools\.package-dir\]\n((?:.+\n)+)",
-        (ROOT / "pyproject.toml").read_text(),
-        re.M,
-    )
-    packages = set(re.findall(r'= "([^"]+)"', package_dir.group(1)))
-    assert {"engine", "jobs", "worker", "kvbatch"} <= packages
-    assert packages <= copied, f"the image lacks {sorted(packages - copied)}"
+    assert "kvbatch" in copied, "the image lacks the package folder kvbatch/"
     assert {"pyproject.toml", "README.md"} <= set(
         re.findall(r"^COPY (.+) \./$", text, re.M)[0].split()
     )
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert not packages & set(ignored) and ".venv" in ignored
+    assert "kvbatch" not in ignored and ".venv" in ignored
 
 
 @pytest.mark.skipif(

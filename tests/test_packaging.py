@@ -1,14 +1,16 @@
-"""The distribution installs one import package, `kvbatch`, whose modules import each other
-without cycles and without reaching into another sub-package's private names.
+"""The distribution installs one import package, `kvbatch`, whose folders are its import names
+(kvbatch/engine is kvbatch.engine), whose modules import each other without cycles and without
+reaching into another sub-package's private names, and which static tools can follow.
 
-The folders at the top of the repository (engine/, jobs/, worker/, kvkernels/, benchmarks/) are
-mapped to kvbatch.engine, kvbatch.jobs, ... in pyproject.toml; a bare `import engine` would load
-a second copy of a module (and shadow any other project's `engine`).
+A top-level folder of ours named like another distribution's module would hide that module for
+every test (the repository root is first on sys.path): it happened once, when our Triton kernels
+sat in a top-level `kernels/` and transformers began importing Hugging Face's `kernels` package.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import subprocess
 import sys
 import zipfile
@@ -16,52 +18,63 @@ from pathlib import Path
 
 import pytest
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
 ROOT = Path(__file__).resolve().parents[1]
-SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-PACKAGE_DIR: dict[str, str] = SETUPTOOLS["package-dir"]
-BARE_NAMES = {"engine", "jobs", "worker", "kvkernels", "benchmarks", "kernels", "bench"}
-
-
-def _folder(package: str) -> Path:
-    """The folder of a dotted package name, through the package-dir mapping."""
-    for prefix in sorted(PACKAGE_DIR, key=len, reverse=True):
-        if package == prefix or package.startswith(prefix + "."):
-            rest = package[len(prefix) :].lstrip(".")
-            return (
-                ROOT / PACKAGE_DIR[prefix] / Path(*rest.split("."))
-                if rest
-                else ROOT / PACKAGE_DIR[prefix]
-            )
-    raise AssertionError(f"{package} has no package-dir entry")
+PACKAGE = ROOT / "kvbatch"
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of the distribution: dotted name -> file."""
+    """Every module of the package: dotted name -> file, read from the tree itself."""
     out = {}
-    for package in SETUPTOOLS["packages"]:
-        folder = _folder(package)
-        for path in folder.glob("*.py"):
-            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
 
 MODULES = _modules()
 
 
-def test_package_list_matches_the_tree():
-    found = set()
-    for prefix, folder in PACKAGE_DIR.items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            rel = init.parent.relative_to(ROOT / folder).parts
-            found.add(".".join([prefix, *rel]))
-    assert sorted(found) == sorted(SETUPTOOLS["packages"]), (
-        "pyproject.toml's [tool.setuptools] packages must list every package folder"
-    )
+def test_every_folder_of_the_package_is_a_package():
+    """A folder of .py files without __init__.py would be left out of the wheel."""
+    missing = [
+        str(folder.relative_to(ROOT))
+        for folder in {p.parent for p in PACKAGE.rglob("*.py")}
+        if not (folder / "__init__.py").exists()
+    ]
+    assert not missing, f"add __init__.py to {missing}"
+
+
+def test_no_installed_distribution_shares_our_top_level_names():
+    ours = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
+    providers = importlib.metadata.packages_distributions()
+    shared = {
+        n: sorted(set(providers[n]) - {"kvbatch"})
+        for n in ours
+        if set(providers.get(n, ())) - {"kvbatch"}
+    }
+    assert not shared, f"these folders of ours hide installed distributions' modules: {shared}"
+
+
+def test_the_installed_package_is_the_checkouts_folder():
+    import kvbatch.engine
+
+    assert Path(kvbatch.engine.__file__).resolve() == PACKAGE / "engine" / "__init__.py"
+
+
+def test_an_editor_resolves_the_public_imports(tmp_path):
+    """jedi (the completion engine of many editors, which reads files as pyright does, without
+    running them) follows `kvbatch.engine`'s names to the files that define them."""
+    jedi = pytest.importorskip("jedi")
+    source = "from kvbatch.engine import LLM, SamplingParams\nfrom kvbatch.kernels import rms_norm\nLLM\nSamplingParams\n"
+    script = jedi.Script(source, path=str(tmp_path / "user.py"), project=jedi.Project(str(ROOT)))
+    where = {}
+    for line, name in ((3, "LLM"), (4, "SamplingParams")):
+        (definition,) = script.goto(line, 0, follow_imports=True)
+        where[name] = Path(definition.module_path).relative_to(ROOT).as_posix()
+    assert where == {
+        "LLM": "kvbatch/engine/core/llm.py",
+        "SamplingParams": "kvbatch/engine/core/sampling_params.py",
+    }, where
 
 
 def _imports(name: str, path: Path) -> list[tuple[str, list[str], int]]:
@@ -139,8 +152,6 @@ def test_no_bare_or_private_imports_across_packages():
     for name, path in MODULES.items():
         for module, names, line in _imports(name, path):
             where = f"{path.relative_to(ROOT)}:{line}"
-            if module.split(".")[0] in BARE_NAMES:
-                problems.append(f"{where}: bare `{module}` (import it as kvbatch.…)")
             if module.startswith("kvbatch") and _subpackage(module) != _subpackage(name):
                 private = [n for n in names if n.startswith("_")]
                 if private or any(p.startswith("_") and p != "__init__" for p in module.split(".")):

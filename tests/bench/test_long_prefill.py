@@ -1,4 +1,4 @@
-"""`kvbatch bench long-prefill` on the tiny model (benchmarks/long_prefill.py): the gap
+"""`kvbatch bench long-prefill` on the tiny model (bench/long_prefill.py): the gap
 figures, the chunk caps and timed chunks, and the GPU check's lines for them."""
 
 from __future__ import annotations

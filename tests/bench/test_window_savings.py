@@ -1,4 +1,4 @@
-"""benchmarks/window_savings.py counts what freeing out-of-window KV blocks would save."""
+"""bench/window_savings.py counts what freeing out-of-window KV blocks would save."""
 
 from __future__ import annotations
 

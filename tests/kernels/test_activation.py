@@ -1,4 +1,4 @@
-"""kvkernels/activation.py: SiLU- and GELU(tanh)-and-mul against their references and the MLPs.
+"""kernels/activation.py: SiLU- and GELU(tanh)-and-mul against their references and the MLPs.
 
 On the CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)."""
 

@@ -1,4 +1,4 @@
-"""kvkernels/fp8_block_gemm.py: per-token-group FP8 quantization and the block-scaled FP8 GEMM
+"""kernels/fp8_block_gemm.py: per-token-group FP8 quantization and the block-scaled FP8 GEMM
 against their plain-torch references, and the references against the definition (each K
 block's dot of the dequantized operands)."""
 

@@ -1,4 +1,4 @@
-"""kvkernels/fp8_gemm.py: FP8 per-token quantization and the scaled FP8 GEMM against their
+"""kernels/fp8_gemm.py: FP8 per-token quantization and the scaled FP8 GEMM against their
 references, and the references against the definition (dequantize, then a float matmul).
 
 Triton's interpreter (3.9) loads, stores and multiplies float8_e4m3fn tensors on the CPU, so
@@ -83,7 +83,7 @@ def test_quantize_static_clamps_to_range(device):
 def test_rounding_carries_into_the_exponent_and_ties_go_to_even(device):
     """Values that round up to the next power of two, ties, and subnormals: the kernel's fp8
     values equal torch's cast (the interpreter's own cast gets the first two wrong,
-    kvkernels/fp8_cast.py)."""
+    kernels/fp8_cast.py)."""
     values = [126.9, 127.99, 7.75, 15.5, 9.5, 0.0146, 2**-7 + 2**-10, 2**-9 * 0.5, 447.0, 0.0]
     x = torch.tensor([values + [-v for v in values]], device=device)
     q = quantize_fp8_static(x, torch.ones(1, 1, device=device))

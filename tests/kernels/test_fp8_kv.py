@@ -3,7 +3,7 @@ prefill read E4M3 tiles and dequantize them in registers. Each against its torch
 and the references against attention over the unquantized cache.
 
 Triton's interpreter runs these on the CPU (fp8 loads and stores work there; its own
-float32 -> fp8 cast is replaced by kvkernels/fp8_cast.py's rounding).
+float32 -> fp8 cast is replaced by kernels/fp8_cast.py's rounding).
 """
 
 from __future__ import annotations

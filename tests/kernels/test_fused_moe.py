@@ -1,4 +1,4 @@
-"""kvkernels/fused_moe.py: the grouped-GEMM MoE kernel against its reference, under uneven loads
+"""kernels/fused_moe.py: the grouped-GEMM MoE kernel against its reference, under uneven loads
 (experts with no tokens, one expert taking every token, top-1 and top-8, token counts that are
 not a multiple of the block), and the reference against a dense per-token loop.
 

@@ -1,4 +1,4 @@
-"""kvkernels/fused_moe_quant.py through fused_moe: the grouped GEMMs on quantized experts
+"""kernels/fused_moe_quant.py through fused_moe: the grouped GEMMs on quantized experts
 (weight-only 4/8-bit, FP8 dynamic and static, int8, block-scaled FP8) against fused_moe_ref, whose quantized
 experts compute as the dense quantized layers do (tests/kernels/test_moe_weights.py).
 

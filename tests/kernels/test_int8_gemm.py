@@ -1,4 +1,4 @@
-"""kvkernels/int8_gemm.py: INT8 per-token quantization and the scaled INT8 GEMM against their
+"""kernels/int8_gemm.py: INT8 per-token quantization and the scaled INT8 GEMM against their
 references (the interpreter runs int8 dots with int32 accumulation on the CPU)."""
 
 from __future__ import annotations

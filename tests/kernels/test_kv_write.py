@@ -1,4 +1,4 @@
-"""kvkernels/kv_write.py: the Triton KV-cache write against its reference and the engine's write_kv.
+"""kernels/kv_write.py: the Triton KV-cache write against its reference and the engine's write_kv.
 
 On the CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)."""
 

@@ -1,4 +1,4 @@
-"""kvkernels/moe_weights.py: stacked quantized experts (their validation and dequantization)
+"""kernels/moe_weights.py: stacked quantized experts (their validation and dequantization)
 and fused_moe_ref over them: weight-only experts give the float reference on their
 dequantized weights, W8A8 experts give a token-by-token loop whose activations go through the
 per-token (or static) quantizers of fp8_gemm / int8_gemm."""

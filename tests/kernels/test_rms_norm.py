@@ -1,4 +1,4 @@
-"""kvkernels/rms_norm.py: RMSNorm and fused add + RMSNorm against their references and the engine's
+"""kernels/rms_norm.py: RMSNorm and fused add + RMSNorm against their references and the engine's
 RMSNorm module. On the CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py)."""
 
 from __future__ import annotations

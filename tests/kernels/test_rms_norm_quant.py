@@ -1,4 +1,4 @@
-"""kvkernels/rms_norm_quant.py: RMSNorm (+ residual) fused with FP8 per-token quantization,
+"""kernels/rms_norm_quant.py: RMSNorm (+ residual) fused with FP8 per-token quantization,
 against the composition of the two references."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""kvkernels/rotary.py: in-place RoPE against its reference and the engine's RotaryEmbedding.
+"""kernels/rotary.py: in-place RoPE against its reference and the engine's RotaryEmbedding.
 
 On the CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)."""
 

@@ -1,4 +1,4 @@
-"""kvkernels/specialize.py: `step_varying` names arguments that exist.
+"""kernels/specialize.py: `step_varying` names arguments that exist.
 
 (That the engine's kernels then compile once per set of constexprs is checked by compiling
 them for sm_90: tests/scripts/test_compile_check.py.)"""

@@ -1,4 +1,4 @@
-"""kvkernels/wna16_gemm.py: the W4A16/W8A16 dequantizing GEMM against its reference, and the
+"""kernels/wna16_gemm.py: the W4A16/W8A16 dequantizing GEMM against its reference, and the
 reference against a weight dequantized by hand from the canonical layout's definition.
 
 On the CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py sets it); shapes stay

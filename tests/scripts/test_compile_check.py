@@ -76,7 +76,7 @@ def test_every_kernel_the_engine_launches_compiles_for_sm90(tmp_path):
     assert all(r["shared_bytes"] > 0 for r in attention)  # pipelined tiles live in shared memory
     assert "| _prefill_kernel | bfloat16 |" in done.stdout
     # eager steps of varying sizes compile each kernel once per set of constexprs and pointer
-    # types, not once per alignment of a step's metadata (kvkernels/specialize.py)
+    # types, not once per alignment of a step's metadata (kernels/specialize.py)
     specs = {r["kernel"]: r for r in report["specialisations"]}
     assert set(specs) == KERNELS | OTHER_PATHS
     assert all(r["variants"] == r["constexpr_sets"] for r in specs.values())

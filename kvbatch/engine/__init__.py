@@ -1,0 +1,38 @@
+"""kvbatch's inference engine: paged KV cache, continuous batching, prefix caching.
+
+    from kvbatch.engine import LLM, SamplingParams
+
+Names are imported lazily so that `kvbatch.fetch` (and commands that never run a model) do not
+pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getattr__ imports
+    from kvbatch.engine.core.config import SpecConfig
+    from kvbatch.engine.core.llm import LLM
+    from kvbatch.engine.core.llm_engine import LLMEngine
+    from kvbatch.engine.core.outputs import CompletionOutput, EngineStats, RequestOutput
+    from kvbatch.engine.core.sampling_params import SamplingParams
+    from kvbatch.engine.structured.params import StructuredOutputs
+
+_EXPORTS = {
+    "LLM": "kvbatch.engine.core.llm",
+    "LLMEngine": "kvbatch.engine.core.llm_engine",
+    "SamplingParams": "kvbatch.engine.core.sampling_params",
+    "StructuredOutputs": "kvbatch.engine.structured.params",
+    "RequestOutput": "kvbatch.engine.core.outputs",
+    "CompletionOutput": "kvbatch.engine.core.outputs",
+    "EngineStats": "kvbatch.engine.core.outputs",
+    "SpecConfig": "kvbatch.engine.core.config",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'kvbatch.engine' has no attribute {name!r}")

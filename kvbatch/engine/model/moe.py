@@ -1,0 +1,247 @@
+"""The mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE, Qwen2-MoE).
+
+A router scores every expert per token, the top k run, and their outputs are summed with the
+routing weights. The experts' weights are stacked at load, as the fused kernel wants them:
+
+    experts.gate_up_proj  [E, 2I, H]   gate rows then up rows of each expert
+    experts.down_proj     [E, H, I]
+
+(transformers 5 holds them the same way; checkpoints on disk keep one tensor per expert, which
+engine/model/experts_loader.py stacks). Tokens run through kernels/fused_moe.py: the Triton kernel on
+CUDA, its torch reference elsewhere; both compute the same sum.
+
+Routers differ by model, as their configs say:
+- Mixtral: softmax over the experts, top k, the k weights renormalised to sum to one.
+- Qwen3-MoE and Qwen2-MoE: the same, renormalised only when `norm_topk_prob` is set.
+- Qwen2-MoE adds a shared expert (a dense SwiGLU MLP every token runs) scaled by a sigmoid gate.
+The softmax is taken in float32, as transformers does, whatever the model's dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvbatch.engine.model.tensor_names import some_names
+from kvbatch.kernels.fused_moe import fused_moe, fused_moe_ref
+
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+ExpertsFn = Callable[..., torch.Tensor]
+"""fused_moe's signature: (x, w_gate_up, w_down, topk_weights, topk_ids) -> [T, H]."""
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The experts of a model: how many, how many run per token, and which layers have them."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    renormalize: bool  # divide the top-k weights by their sum
+    sparse_step: int = 1  # layer i has experts when (i + 1) % sparse_step == 0 ...
+    dense_layers: frozenset[int] = field(default_factory=frozenset)  # ... and i is not here
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.top_k}) must be between 1 and the number of "
+                f"experts ({self.num_experts})"
+            )
+        if self.sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be 1 or more; got {self.sparse_step}")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) runs experts rather than the dense MLP."""
+        return (layer + 1) % self.sparse_step == 0 and layer not in self.dense_layers
+
+    @property
+    def active_intermediate_size(self) -> int:
+        """The feed-forward width one token runs through (its k experts and the shared one)."""
+        return self.top_k * self.intermediate_size + self.shared_expert_intermediate_size
+
+    @classmethod
+    def from_hf(cls, architecture: str, hf_config) -> MoeConfig | None:
+        """The experts of a transformers config; None for dense architectures."""
+        if architecture == "MixtralForCausalLM":
+            return cls(
+                num_experts=hf_config.num_local_experts,
+                top_k=hf_config.num_experts_per_tok,
+                intermediate_size=hf_config.intermediate_size,
+                renormalize=True,
+            )
+        if architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+            return cls(
+                num_experts=hf_config.num_experts,
+                top_k=hf_config.num_experts_per_tok,
+                intermediate_size=hf_config.moe_intermediate_size,
+                renormalize=bool(hf_config.norm_topk_prob),
+                sparse_step=hf_config.decoder_sparse_step,
+                dense_layers=frozenset(getattr(hf_config, "mlp_only_layers", None) or ()),
+                shared_expert_intermediate_size=getattr(
+                    hf_config, "shared_expert_intermediate_size", 0
+                )
+                or 0,
+            )
+        return None
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] (float32), expert ids [T, k]
+    """Softmax in float32 over the experts, the top k, optionally renormalised."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+# One expert's tensor in a checkpoint: Mixtral's w1 (gate), w3 (up), w2 (down) under
+# block_sparse_moe, or the Qwen MoEs' gate_proj, up_proj, down_proj under mlp; `weight` for a
+# float checkpoint, a quantized format's tensors (weight_packed, qweight, weight_scale, ...)
+# otherwise.
+_PER_EXPERT = re.compile(
+    r"^(?P<layer>.+)\.(?P<block>mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
+    r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.(?P<tensor>\w+)$"
+)
+_PROJ = {
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
+PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclass
+class CheckpointExperts:
+    """One layer's experts as a checkpoint stores them: per expert and projection, the
+    checkpoint's name of that linear layer ("model.layers.0.block_sparse_moe.experts.3.w1")
+    and its tensors by suffix ("weight", or a quantized format's)."""
+
+    block: str  # the engine's name of the MoE block, "model.layers.0.mlp"
+    linears: dict[tuple[int, str], tuple[str, dict[str, torch.Tensor]]]
+
+    def linear_name(self, expert: int, proj: str) -> str:
+        return self.linears[expert, proj][0]
+
+    def tensors(self, expert: int, proj: str) -> dict[str, torch.Tensor]:
+        return self.linears[expert, proj][1]
+
+    def check_complete(self, num_experts: int) -> None:
+        missing = [
+            f"{self.block} expert {e} {proj}"
+            for e in range(num_experts)
+            for proj in PROJECTIONS
+            if (e, proj) not in self.linears
+        ]
+        if missing:
+            shown = some_names(missing, 5)
+            raise ValueError(f"checkpoint is missing {len(missing)} expert weights: {shown}")
+        extra = sorted({e for e, _ in self.linears if e >= num_experts})
+        if extra:
+            raise ValueError(
+                f"{self.block} has weights of expert {extra[0]}, but config.json says "
+                f"{num_experts} experts (0 to {num_experts - 1}): the config and the weights "
+                "are of different models"
+            )
+
+    def stack_float(self, num_experts: int) -> dict[str, torch.Tensor]:
+        """The engine's stacked float tensors: `experts.gate_up_proj` [E, 2I, H] and
+        `experts.down_proj` [E, H, I] under the block's name."""
+        for name, tensors in self.linears.values():
+            if set(tensors) != {"weight"}:
+                raise ValueError(
+                    f"expert layer {name} holds {', '.join(sorted(tensors))}: quantized "
+                    "tensors, but config.json's quantization_config (if any) leaves this "
+                    "layer in float"
+                )
+        w = {key: tensors["weight"] for key, (_, tensors) in self.linears.items()}
+        gate_up = [torch.cat([w[e, "gate"], w[e, "up"]]) for e in range(num_experts)]
+        down = [w[e, "down"] for e in range(num_experts)]
+        return {
+            f"{self.block}.experts.gate_up_proj": torch.stack(gate_up),
+            f"{self.block}.experts.down_proj": torch.stack(down),
+        }
+
+
+def collect_expert_tensors(
+    state_dict: dict[str, torch.Tensor], num_experts: int
+) -> tuple[dict[str, torch.Tensor], list[CheckpointExperts]]:
+    """Split a checkpoint into its per-expert tensors, grouped by layer (taken out of
+    `state_dict`), and everything else, Mixtral's `block_sparse_moe.*` renamed `mlp.*`.
+    Already stacked tensors (as transformers 5 saves them) stay with everything else."""
+    rest: dict[str, torch.Tensor] = {}
+    layers: dict[str, CheckpointExperts] = {}
+    for name in list(state_dict):
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            rest[name.replace(".block_sparse_moe.", ".mlp.")] = state_dict.pop(name)
+            continue
+        block = f"{m['layer']}.mlp"
+        linear = name[: -len(m["tensor"]) - 1]
+        experts = layers.setdefault(block, CheckpointExperts(block, {}))
+        _, tensors = experts.linears.setdefault((int(m["expert"]), _PROJ[m["proj"]]), (linear, {}))
+        tensors[m["tensor"]] = state_dict.pop(name)
+    for experts in layers.values():
+        experts.check_complete(num_experts)
+    return rest, list(layers.values())
+
+
+class StackedExperts(nn.Module):
+    """Every expert's SwiGLU weights in two stacked tensors (names as transformers 5's)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's dense expert that every token runs (a plain SwiGLU MLP)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, stacked experts and (Qwen2-MoE) the shared expert; `mlp.*` in checkpoints."""
+
+    def __init__(self, hidden_size: int, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(hidden_size, cfg.num_experts, bias=False)  # the router
+        self.experts = StackedExperts(cfg.num_experts, hidden_size, cfg.intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        experts_fn: ExpertsFn | None = None,  # None: the Triton kernel on CUDA, else reference
+    ) -> torch.Tensor:  # [T, H]
+        if experts_fn is None:
+            experts_fn = fused_moe if x.is_cuda else fused_moe_ref
+        weights, ids = route(self.gate(x), self.cfg.top_k, self.cfg.renormalize)
+        out = experts_fn(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        if self.cfg.shared_expert_intermediate_size:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
