@@ -12,12 +12,14 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getattr__ imports
-    from kvbatch.engine.core.config import SpecConfig
-    from kvbatch.engine.core.llm import LLM
-    from kvbatch.engine.core.llm_engine import LLMEngine
-    from kvbatch.engine.core.outputs import CompletionOutput, EngineStats, RequestOutput
-    from kvbatch.engine.core.sampling_params import SamplingParams
-    from kvbatch.engine.structured.params import StructuredOutputs
+    from kvbatch.engine.core.config import SpecConfig as SpecConfig
+    from kvbatch.engine.core.llm import LLM as LLM
+    from kvbatch.engine.core.llm_engine import LLMEngine as LLMEngine
+    from kvbatch.engine.core.outputs import CompletionOutput as CompletionOutput
+    from kvbatch.engine.core.outputs import EngineStats as EngineStats
+    from kvbatch.engine.core.outputs import RequestOutput as RequestOutput
+    from kvbatch.engine.core.sampling_params import SamplingParams as SamplingParams
+    from kvbatch.engine.structured.params import StructuredOutputs as StructuredOutputs
 
 _EXPORTS = {
     "LLM": "kvbatch.engine.core.llm",
