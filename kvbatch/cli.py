@@ -211,7 +211,7 @@ def _add_results_args(p: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     import logging
 
-    from kvbatch.jobs.run import JobError, RunOptions, resolve_paths, run_job
+    from kvbatch.jobs.local.run import JobError, RunOptions, resolve_paths, run_job
 
     # INFO for our own loggers only: at the root, boto3 and others would log their chatter
     # ("Found credentials in environment variables.") around the one line a failure prints.
@@ -331,7 +331,7 @@ def _read_chats(path: str) -> list[list[dict]]:
     after the model has loaded."""
     from pydantic import Field, TypeAdapter, ValidationError
 
-    from kvbatch.jobs.schemas import ChatMessage
+    from kvbatch.jobs.openai_format.schemas import ChatMessage
 
     conversation = TypeAdapter(Annotated[list[ChatMessage], Field(min_length=1)])
     chats = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from kvbatch.jobs.tool_parsers import PARSERS
+from kvbatch.jobs.openai_format.tool_parsers import PARSERS
 
 QUANTIZATION_CHOICES = ("fp8",)  # engine/quant/detect.py's ONLINE_METHODS (no torch here)
 

@@ -15,8 +15,8 @@ import argparse
 import shutil
 import sys
 
-from kvbatch.jobs.finalize import job_status, try_finalize
-from kvbatch.jobs.shards import job_dir
+from kvbatch.jobs.distributed.finalize import job_status, try_finalize
+from kvbatch.jobs.distributed.shards import job_dir
 from kvbatch.jobs.storage import StorageError, open_storage
 
 NOT_FINISHED = 3  # exit status of a job that has no merged output yet

@@ -7,7 +7,7 @@ Why each setting (docs/DISTRIBUTED.md, "Guarantees", tells the whole story):
   other shard meanwhile, so a dead worker's shard goes back to the queue, not to a neighbour's
   prefetch buffer.
 - reject_on_worker_lost: a shard whose worker died is requeued, not acknowledged and lost.
-  Redeliveries are then unbounded, so the task counts attempts itself (kvbatch.jobs.finalize).
+  Redeliveries are then unbounded, so the task counts attempts itself (kvbatch.jobs.distributed.finalize).
 - visibility_timeout above the longest shard: on Redis and SQS an unacknowledged message is
   handed out again once it expires, even while its first worker still runs it.
 - cancel long-running tasks on connection loss: else an acks_late shard can run twice after

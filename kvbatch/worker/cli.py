@@ -14,7 +14,7 @@ kvbatch status JOB --output URI [--json] [--watch [--interval S]]
     counts, tokens/s and ETA from the job folder (never imports torch or Celery)
 kvbatch cancel JOB --output URI
     stop a job: running shards stop between engine steps, pending ones are skipped,
-    finished lines are kept (jobs/cancel.py)
+    finished lines are kept (jobs/distributed/cancel.py)
 kvbatch resend JOB --output URI [--broker URL] [--queue Q] [--unwritten]
     send again the shards the broker lost (Redis: no result and no message in the queue or
     unacknowledged); --unwritten: every shard without a result (worker/resend.py)
@@ -183,8 +183,8 @@ def _where(app) -> str:
 
 
 def submit(args: argparse.Namespace) -> int:
-    from kvbatch.jobs.run import JobError
-    from kvbatch.jobs.submit import prepare_job
+    from kvbatch.jobs.distributed.submit import prepare_job
+    from kvbatch.jobs.local.run import JobError
     from kvbatch.worker.tasks import send_shard
 
     app = _app(args, "submit")
@@ -224,8 +224,8 @@ def submit(args: argparse.Namespace) -> int:
         for msg in job.messages:
             send_shard(app, args.output, msg, args.queue)
     except Exception as e:
-        from kvbatch.jobs.finalize import mark_job_failed
-        from kvbatch.jobs.shards import job_dir
+        from kvbatch.jobs.distributed.finalize import mark_job_failed
+        from kvbatch.jobs.distributed.shards import job_dir
 
         reason = f"sending the shards to the broker failed: {e}; resubmit the input"
         try:  # the job can never finish: say so in its batch.json (and kvbatch status)
@@ -235,8 +235,8 @@ def submit(args: argparse.Namespace) -> int:
         print(f"kvbatch submit: job {job.job_id} at {job.dir_uri}: {reason}", file=sys.stderr)
         return 1
     if not job.messages:  # every line was invalid: nothing to run, finalize now
-        from kvbatch.jobs.finalize import try_finalize
-        from kvbatch.jobs.shards import job_dir
+        from kvbatch.jobs.distributed.finalize import try_finalize
+        from kvbatch.jobs.distributed.shards import job_dir
 
         try_finalize(job_dir(args.output, job.job_id))
     print(
@@ -308,8 +308,8 @@ def worker(args: argparse.Namespace, engine: dict) -> int:
 
 
 def finalize(args: argparse.Namespace) -> int:
-    from kvbatch.jobs.finalize import job_status, try_finalize
-    from kvbatch.jobs.shards import job_dir
+    from kvbatch.jobs.distributed.finalize import job_status, try_finalize
+    from kvbatch.jobs.distributed.shards import job_dir
     from kvbatch.jobs.storage import StorageError
 
     try:
@@ -364,8 +364,8 @@ def status(args: argparse.Namespace) -> int:
 
 
 def _read_status(output: str, job_id: str) -> dict | None:
-    from kvbatch.jobs.finalize import job_status
-    from kvbatch.jobs.shards import job_dir
+    from kvbatch.jobs.distributed.finalize import job_status
+    from kvbatch.jobs.distributed.shards import job_dir
     from kvbatch.jobs.storage import StorageError
 
     try:
@@ -435,8 +435,8 @@ def format_status(s: dict) -> str:
 
 
 def cancel(args: argparse.Namespace) -> int:
-    from kvbatch.jobs.cancel import cancel_job
-    from kvbatch.jobs.shards import job_dir
+    from kvbatch.jobs.distributed.cancel import cancel_job
+    from kvbatch.jobs.distributed.shards import job_dir
     from kvbatch.jobs.storage import StorageError
 
     try:
@@ -461,8 +461,8 @@ def cancel(args: argparse.Namespace) -> int:
 
 
 def resend(args: argparse.Namespace) -> int:
-    from kvbatch.jobs.finalize import read_manifest
-    from kvbatch.jobs.shards import job_dir
+    from kvbatch.jobs.distributed.finalize import read_manifest
+    from kvbatch.jobs.distributed.shards import job_dir
     from kvbatch.jobs.storage import StorageError
     from kvbatch.worker.resend import ResendError, resend
 

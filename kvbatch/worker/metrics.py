@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from kvbatch.jobs.cancelled import CANCELLED
+from kvbatch.jobs.distributed.cancelled import CANCELLED
 from kvbatch.worker.latency_metrics import RequestLatency
 
 log = logging.getLogger("kvbatch.worker")

@@ -26,7 +26,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvbatch.jobs.shards import ShardMessage
+from kvbatch.jobs.distributed.shards import ShardMessage
 from kvbatch.jobs.storage import Storage
 from kvbatch.worker.settings import TASK_NAME
 

@@ -10,7 +10,7 @@ nothing. The steps:
    document first and then the chunk, written to `<output>/inputs/<name>-<date>.jsonl`.
    Document first: all chunks of a document share it as a prompt prefix, which prefix grouping
    turns into one document prefill per group (and one shard per document group).
-2. kvbatch.jobs.submit.prepare_job(..., job_id=<name>-<date>); JobError because the job exists -> None.
+2. kvbatch.jobs.distributed.submit.prepare_job(..., job_id=<name>-<date>); JobError because the job exists -> None.
 3. `<output>/runs/<name>-<date>.json` records the documents read (key -> sha256), so the next
    run takes only new or changed ones, with `sent: false`; one message per shard
    (kvbatch.worker.tasks.send_shard); then `sent: true`. A trigger that finds job.json but not
@@ -136,9 +136,9 @@ def documents_input(entry: ScheduleEntry, model_name: str) -> tuple[bytes, dict[
 def start_scheduled_run(entry: ScheduleEntry, run_date: dt.date, *, app=None) -> str | None:
     """Prepare and enqueue the run of `entry` for `run_date`; its job id, or None when that
     date's run already exists (a duplicate trigger) or there is nothing new to run."""
-    from kvbatch.jobs.run import JobError
-    from kvbatch.jobs.shards import job_dir
-    from kvbatch.jobs.submit import prepare_job
+    from kvbatch.jobs.distributed.shards import job_dir
+    from kvbatch.jobs.distributed.submit import prepare_job
+    from kvbatch.jobs.local.run import JobError
 
     job_id = run_id(entry.name, run_date)
     job = job_dir(entry.output, job_id)  # validates the key part
@@ -224,7 +224,7 @@ def _send(entry: ScheduleEntry, job, messages, app) -> None:
     for msg in messages:
         send_shard(app, entry.output, msg, entry.queue)
     if not messages:
-        from kvbatch.jobs.finalize import try_finalize
+        from kvbatch.jobs.distributed.finalize import try_finalize
 
         try_finalize(job)
 
@@ -233,7 +233,7 @@ def _resend(entry: ScheduleEntry, job, job_id: str, out, app) -> str:
     """Send again the shards of a run whose sends failed part-way: every shard that has no
     result and no attempt yet (one already sent and still queued is sent twice; its second
     delivery finds the result and does nothing)."""
-    from kvbatch.jobs.finalize import read_manifest
+    from kvbatch.jobs.distributed.finalize import read_manifest
     from kvbatch.worker.resend import unwritten_shards
 
     manifest = read_manifest(job)

@@ -7,8 +7,8 @@ finds the job's folder from the prefix and the job id, and the payload from the 
     compare with job.json -> another sha256/uri, or no such shard (tampered or stale): dropped,
                              logged and counted; no attempt claimed, no result written
     result already there  -> a duplicate delivery: nothing to run
-    job cancelled         -> the shard's lines become batch_cancelled records (jobs/cancel.py)
-    running elsewhere     -> a fresh heartbeat (jobs/running.py): a redelivery of a shard that
+    job cancelled         -> the shard's lines become batch_cancelled records (jobs/distributed/cancel.py)
+    running elsewhere     -> a fresh heartbeat (jobs/distributed/running.py): a redelivery of a shard that
                              still runs; sent again later, no attempt claimed
     record_attempt        -> None (the cap is reached): the shard's lines become error records
     run_shard on the model, beating its heartbeat (stopping between engine steps if the job is
@@ -42,9 +42,9 @@ from typing import Any
 from celery import Celery, Task
 from celery.exceptions import Ignore, Reject, Retry
 
-from kvbatch.jobs.cancel import CancelCheck
-from kvbatch.jobs.cancelled import cancel_requested
-from kvbatch.jobs.finalize import (
+from kvbatch.jobs.distributed.cancel import CancelCheck
+from kvbatch.jobs.distributed.cancelled import cancel_requested
+from kvbatch.jobs.distributed.finalize import (
     cancel_shard,
     fail_shard,
     has_result,
@@ -54,9 +54,9 @@ from kvbatch.jobs.finalize import (
     try_finalize,
     write_shard_result,
 )
-from kvbatch.jobs.running import running, running_elsewhere
-from kvbatch.jobs.shard_progress import ProgressWriter
-from kvbatch.jobs.shards import (
+from kvbatch.jobs.distributed.running import running, running_elsewhere
+from kvbatch.jobs.distributed.shard_progress import ProgressWriter
+from kvbatch.jobs.distributed.shards import (
     PayloadMismatch,
     ShardMessage,
     job_dir,
@@ -138,7 +138,7 @@ def register(app: Celery) -> None:
 
 
 def send_shard(app: Celery, output: str, message, queue: str) -> None:
-    """Enqueue one shard (a kvbatch.jobs.shards.ShardMessage) for the job under `output`."""
+    """Enqueue one shard (a kvbatch.jobs.distributed.shards.ShardMessage) for the job under `output`."""
     app.tasks[TASK_NAME].apply_async(
         kwargs={"output": output, "shard": message.to_dict()}, queue=queue
     )

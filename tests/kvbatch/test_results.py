@@ -1,6 +1,6 @@
 """`kvbatch results`: a distributed job's merged answers to a file, stdout or S3, merging the
 job when its shards are all written; a job still running says how far it is (exit 3). The job
-is prepared and its shards run in process on the tiny engine (tests/jobs/test_finalize.py)."""
+is prepared and its shards run in process on the tiny engine (tests/jobs/distributed/test_finalize.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvbatch.jobs.finalize import read_manifest
-from kvbatch.jobs.shards import job_dir
-from tests.jobs.test_finalize import make_llm, run_shards  # noqa: F401
-from tests.jobs.test_submit import prepare, rag_lines
+from kvbatch.jobs.distributed.finalize import read_manifest
+from kvbatch.jobs.distributed.shards import job_dir
+from tests.jobs.distributed.test_finalize import make_llm, run_shards  # noqa: F401
+from tests.jobs.distributed.test_submit import prepare, rag_lines
 from tests.kvbatch.test_engine_args import run_main
 from tests.s3_server import S3Server
 

@@ -37,7 +37,7 @@ def test_the_image_hides_the_packages_it_lacks():
         "assert importlib.util.find_spec('boto3') is None\n"
         "import kvbatch.engine, kvbatch.kernels, transformers\n"
         "assert 'pydantic' not in sys.modules\n"
-        "import kvbatch.jobs.schemas\n",  # jobs/ needs pydantic: this must fail
+        "import kvbatch.jobs.openai_format.schemas\n",  # jobs/ needs pydantic: this must fail
         timeout=120,
     )
     assert r.returncode != 0, r.stdout + r.stderr

@@ -37,7 +37,7 @@ def test_random_kills_duplicates_and_tampering_answer_each_line_once(
     redis_server,  # noqa: F811
     tiny_chat_model: Path,
 ):
-    from kvbatch.jobs.shards import ShardMessage
+    from kvbatch.jobs.distributed.shards import ShardMessage
     from kvbatch.worker.app import make_app
     from kvbatch.worker.tasks import send_shard
 

@@ -154,8 +154,8 @@ def test_two_workers_answer_like_run_job(tmp_path, persistent_redis_server, tiny
     shard is written, then `kvbatch resend` (a worker whose BRPOP was in flight at the kill
     lost that shard: worker/resend.py): every custom_id is answered exactly once, as
     `kvbatch run` answers it. (~30 s on an idle 2-core machine.)"""
-    from kvbatch.jobs.run import RunOptions, run_job
-    from kvbatch.jobs.shards import ShardMessage
+    from kvbatch.jobs.distributed.shards import ShardMessage
+    from kvbatch.jobs.local.run import RunOptions, run_job
     from kvbatch.worker.app import make_app
     from kvbatch.worker.tasks import send_shard
 
@@ -265,7 +265,7 @@ def test_poison_shard_becomes_error_records(tmp_path, tiny_chat_model):
     eagerly)."""
     from celery.exceptions import Reject
 
-    from kvbatch.jobs.submit import prepare_job
+    from kvbatch.jobs.distributed.submit import prepare_job
     from kvbatch.worker.app import TASK_NAME, make_app
     from kvbatch.worker.tasks import WorkerModel
 
@@ -304,7 +304,7 @@ def test_a_shard_that_raises_each_time_is_retried_then_failed(tmp_path, tiny_cha
     """A shard whose run raises on every attempt (here: the worker's model cannot load) is
     retried up to max_attempts, then its lines become shard_failed error records and the job
     completes (the task run in-process, eagerly: Celery runs each retry at once)."""
-    from kvbatch.jobs.submit import prepare_job
+    from kvbatch.jobs.distributed.submit import prepare_job
     from kvbatch.worker.app import TASK_NAME, make_app
     from kvbatch.worker.tasks import WorkerModel
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvbatch.jobs.run import RunOptions, run_job
+from kvbatch.jobs.local.run import RunOptions, run_job
 from tests.engine.pooling.st_checkpoints import build_embedding_checkpoint, ids_to_text
 from tests.redis_server import redis_server  # noqa: F401
 from tests.worker.test_distributed import Workers, _env, _submit, _wait_completed

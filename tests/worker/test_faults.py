@@ -113,10 +113,10 @@ def test_unwritable_results_are_clear_in_logs_and_status(
 ):
     """Results may not be written at all: every retry fails, the shard cannot even be failed,
     and the reason (bucket, key, permission) is in the log and in `kvbatch status`."""
-    from kvbatch.jobs.finalize import job_status
-    from kvbatch.jobs.shards import job_dir
+    from kvbatch.jobs.distributed.finalize import job_status
+    from kvbatch.jobs.distributed.shards import job_dir
+    from kvbatch.jobs.distributed.submit import prepare_job
     from kvbatch.jobs.storage.s3 import reset_client
-    from kvbatch.jobs.submit import prepare_job
     from kvbatch.worker.app import TASK_NAME, make_app
     from kvbatch.worker.tasks import WorkerModel
 

@@ -92,7 +92,7 @@ def test_job_ttl_from_the_environment(monkeypatch):
 
 def test_kvbatch_run_feeds_the_metrics(tmp_path, tiny_chat_model):
     from kvbatch.engine import LLM
-    from kvbatch.jobs.run import RunOptions, run_job
+    from kvbatch.jobs.local.run import RunOptions, run_job
     from kvbatch.worker.metrics import RunMetrics
 
     lines = [

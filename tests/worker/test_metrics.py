@@ -177,7 +177,7 @@ def test_shards_and_lines_by_status():
 def test_handle_shard_counts_the_shard_and_its_lines(
     tmp_path, tiny_llm, tiny_chat_model, monkeypatch
 ):
-    from kvbatch.jobs.submit import prepare_job
+    from kvbatch.jobs.distributed.submit import prepare_job
     from kvbatch.worker import tasks
     from kvbatch.worker.app import TASK_NAME, make_app
     from tests.worker.test_distributed import _chat, _write_input

@@ -42,7 +42,7 @@ def test_sqs_jobs_two_workers_heartbeat_and_answers(
       heartbeat extends the message's visibility while the other worker polls;
     - a 2,000-line job of several shards answers each custom_id once, as `kvbatch run` does;
     - kvbatch made the queue, with its dead-letter queue."""
-    from kvbatch.jobs.run import RunOptions, run_job
+    from kvbatch.jobs.local.run import RunOptions, run_job
 
     queue = f"kvbatch-{uuid.uuid4().hex[:8]}"  # its own queue on the session's moto server
     long_input = _write_input(

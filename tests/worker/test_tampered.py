@@ -42,8 +42,8 @@ def _wait_for(workers: Workers, text: str, count: int, timeout: float = 90) -> N
 def test_tampered_and_stale_messages_are_dropped_and_the_real_one_runs(
     broker: str, tmp_path: Path, tiny_chat_model: Path
 ):
-    from kvbatch.jobs.shards import ShardMessage
-    from kvbatch.jobs.submit import prepare_job
+    from kvbatch.jobs.distributed.shards import ShardMessage
+    from kvbatch.jobs.distributed.submit import prepare_job
     from kvbatch.worker.app import make_app
     from kvbatch.worker.sqs import ensure_queue
     from kvbatch.worker.tasks import send_shard

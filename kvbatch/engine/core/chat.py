@@ -2,7 +2,7 @@
 
 The template's text already holds the special tokens (BOS, role markers), so it is encoded
 without adding any: encoding it as a plain prompt would put a second BOS in front for
-tokenizers that add one. This is what jobs/prompts.py does for a batch line's messages and
+tokenizers that add one. This is what jobs/openai_format/prompts.py does for a batch line's messages and
 what vLLM's `LLM.chat` does, so the same conversation gives the same tokens everywhere.
 """
 

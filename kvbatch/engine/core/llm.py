@@ -165,7 +165,7 @@ class LLM:
         through the model's chat template (or `chat_template`), as vLLM's `LLM.chat`; one
         output per conversation, in input order. `tools` (OpenAI function definitions) go to
         the template as vLLM passes them; the answer is text, for the caller's parser (batch
-        jobs read calls with kvbatch.jobs.tool_parsers). A conversation the template rejects
+        jobs read calls with kvbatch.jobs.openai_format.tool_parsers). A conversation the template rejects
         gets an output with `error` set; the others still run."""
         conversations = as_conversations(messages)
         require_chat_template(self.tokenizer, chat_template)

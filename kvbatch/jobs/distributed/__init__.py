@@ -1,0 +1,1 @@
+"""A job run by workers: submit, shards, cancel, finalize."""

@@ -1,0 +1,296 @@
+"""`kvbatch submit`, the storage half: turn an input file into a distributed job's folder.
+
+    <output>/<job_id>/job.json                  manifest: shards, counts, batch id, max_attempts
+    <output>/<job_id>/batch.json                status "in_progress"
+    <output>/<job_id>/validation_errors.jsonl   error lines of bad input lines, by line
+    <output>/<job_id>/shards/<shard_id>.jsonl   payloads (kvbatch.jobs.distributed.shards.ShardRequest lines)
+
+Validation and tokenization are those of `kvbatch run` (kvbatch.jobs.local.run), with the model's tokenizer
+and context length read without loading weights (kvbatch.jobs.model_info). Requests are ordered by
+prefix (kvbatch.jobs.grouping) and cut into shards only where a top-level prefix group starts, so no
+shared prefix is computed by two workers; each shard holds about `shard_tokens` prompt tokens
+(a bigger group is a shard of its own). prepare_job enqueues nothing: the caller sends
+`SubmittedJob.messages`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbatch.engine.kv.kv_cache import block_hashes
+from kvbatch.jobs import model_info
+from kvbatch.jobs.distributed.shards import (
+    EmbeddingSpec,
+    ShardMessage,
+    ShardRequest,
+    job_dir,
+    new_job_id,
+    write_shard,
+)
+from kvbatch.jobs.grouping import group_by_prefix
+from kvbatch.jobs.local.run import JobError, PreparedJob, RunOptions, prepare_requests
+from kvbatch.jobs.local.token_store import TokenStore
+from kvbatch.jobs.openai_format.batch_record import BatchRecord
+from kvbatch.jobs.openai_format.responses import error_line
+from kvbatch.jobs.storage import StorageError, open_storage
+
+DEFAULT_MAX_ATTEMPTS = 3
+
+
+@dataclass
+class SubmittedJob:
+    job_id: str
+    dir_uri: str
+    messages: list[ShardMessage]
+    num_requests: int
+    num_invalid: int
+
+
+def batch_id_for(job_id: str) -> str:
+    return "batch_" + hashlib.sha256(job_id.encode()).hexdigest()[:24]
+
+
+def cut_shards(
+    lengths: list[int], shared_blocks: list[int], shard_tokens: int
+) -> list[tuple[int, int]]:
+    """[start, end) ranges of positions (requests in prefix order), each about `shard_tokens`
+    prompt tokens, cut where neighbours share the least.
+
+    `shared_blocks[i]` is how many leading blocks request i shares with request i - 1. When a
+    shard would overflow, it is cut at the position in it with the smallest `shared_blocks`
+    (the latest such position, so shards stay full): a top-level prefix group boundary (0
+    blocks shared) when there is one, else one level deeper inside a big group. A chat job
+    whose prompts all share the template header and system prompt is one top-level group,
+    and is still cut into shards, each between sub-groups (e.g. documents).
+    """
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
+    shards: list[tuple[int, int]] = []
+    begin, tokens = 0, 0
+    for i, n in enumerate(lengths):
+        while i > begin and tokens + n > shard_tokens:  # a cut far back may still overflow
+            cut = min(range(begin + 1, i + 1), key=lambda j: (shared_blocks[j], -j))
+            shards.append((begin, cut))
+            begin, tokens = cut, sum(lengths[cut:i])
+        tokens += n
+    if len(lengths) > begin:
+        shards.append((begin, len(lengths)))
+    return shards
+
+
+def shared_leading_blocks(prompts: list[list[int]], block_size: int) -> list[int]:
+    """For each prompt, the number of leading full blocks it shares with the one before."""
+    shared, previous = [], []
+    for ids in prompts:
+        hashes = block_hashes(ids, block_size)
+        n = 0
+        while n < min(len(hashes), len(previous)) and hashes[n] == previous[n]:
+            n += 1
+        shared.append(n)
+        previous = hashes
+    return shared
+
+
+def prepare_job(
+    input_uri: str,
+    output_prefix: str,
+    model: str,
+    *,
+    model_name: str | None = None,
+    shard_tokens: int = 200_000,
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    job_id: str | None = None,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    tool_call_parser: str | None = None,
+) -> SubmittedJob:
+    """Validate, tokenize, group and shard `input_uri` into `<output_prefix>/<job_id>/`.
+    Raises JobError (before any work) when the input is unreadable, the output unwritable,
+    the job id unsafe or already used, or the model's tokenizer cannot be read.
+    `tool_call_parser` (kvbatch.jobs.openai_format.tool_parsers) goes into every shard request that needs it,
+    so the workers read answers for tool calls without a flag of their own."""
+    job_id = new_job_id() if job_id is None else job_id
+    job, source = _open_job_folder(input_uri, output_prefix, job_id)
+    tokenizer, max_len = _read_model(model, max_model_len)
+    batch_id = batch_id_for(job_id)
+    record = BatchRecord.start(
+        batch_id=batch_id,
+        input_uri=input_uri,
+        output_uri=job.join("output.jsonl").uri,
+        errors_uri=job.join("errors.jsonl").uri,
+        model=model,
+    )
+    opts = RunOptions(
+        input=input_uri, model=model, model_name=model_name, tool_call_parser=tool_call_parser
+    )
+    sharded = _write_shards(source, opts, tokenizer, max_len, job, job_id, batch_id,
+                            block_size, shard_tokens)  # fmt: skip
+    prepared = sharded.prepared
+    record.mark_in_progress()
+    record.total = sharded.num_units + sharded.num_invalid
+    record.endpoint = prepared.endpoint
+    manifest = {
+        "job_id": job_id,
+        "batch_id": batch_id,
+        "input": input_uri,
+        "model": model,
+        "model_name": prepared.model_name,
+        "created_at": record.created_at,
+        "block_size": block_size,
+        "max_model_len": max_len,
+        "urls": sorted(prepared.urls),
+        "endpoint": prepared.endpoint,
+        "shards": sharded.entries,
+        "num_requests": sharded.num_units,
+        "num_invalid": sharded.num_invalid,
+        "prompt_tokens": sharded.prompt_tokens,
+        "ideal_cached_tokens": sharded.ideal_cached_tokens,
+        "max_attempts": max_attempts,
+        "tool_call_parser": tool_call_parser,
+    }
+    _publish(job, job_id, record, manifest)
+    return SubmittedJob(job_id, job.uri, sharded.messages, sharded.num_units, sharded.num_invalid)
+
+
+def _open_job_folder(input_uri: str, output_prefix: str, job_id: str):
+    """The job's folder and the input, both checked before any work."""
+    try:
+        job = job_dir(output_prefix, job_id)
+    except ValueError as e:
+        raise JobError(str(e)) from e
+    except StorageError as e:
+        raise JobError(str(e)) from e
+    manifest_target = job.join("job.json")
+    try:
+        source = open_storage(input_uri)
+        source.check_readable()
+        manifest_target.check_writable()
+        if manifest_target.exists():
+            raise JobError(f"job {job_id} already exists at {job.uri}: pick another job id")
+    except StorageError as e:
+        raise JobError(str(e)) from e
+    return job, source
+
+
+def _read_model(model: str, max_model_len: int | None):
+    """The tokenizer and context length, read without loading the weights."""
+    try:
+        tokenizer = model_info.load_tokenizer(model)
+        return tokenizer, model_info.max_model_len(model, max_model_len, tokenizer)
+    except (OSError, ValueError) as e:
+        raise JobError(f"cannot read the model's tokenizer or config: {e}") from e
+
+
+@dataclass
+class _Sharded:
+    """What validating and sharding the input wrote."""
+
+    prepared: PreparedJob
+    num_units: int  # answered lines (an embeddings line's inputs are one unit)
+    num_invalid: int
+    messages: list[ShardMessage]
+    entries: list[dict]  # job.json's "shards"
+    prompt_tokens: int
+    ideal_cached_tokens: int
+
+
+def _write_shards(
+    source, opts: RunOptions, tokenizer, max_len: int, job, job_id: str, batch_id: str,
+    block_size: int, shard_tokens: int,
+) -> _Sharded:  # fmt: skip
+    """Validate and tokenize (as `kvbatch run` does), write the validation errors, order by
+    prefix and write one payload per shard."""
+    spill = Path(tempfile.mkdtemp(prefix="kvbatch-submit-"))
+    try:
+        with TokenStore(spill) as store:
+            prepared = prepare_requests(source, opts, tokenizer, max_len, store, {})
+            errors = sorted(prepared.errors, key=lambda e: e.line)
+            job.join("validation_errors.jsonl").write_bytes(
+                b"".join(
+                    json.dumps(error_line(e, batch_id=batch_id), ensure_ascii=False).encode()
+                    + b"\n"
+                    for e in errors
+                )
+            )
+            units = line_units(prepared.input_index)
+            order = group_by_prefix((store[u[0]] for u in units), block_size)
+            lengths = [sum(len(store[i]) for i in units[u]) for u in order.order]
+            shared = shared_leading_blocks([store[units[u][0]] for u in order.order], block_size)
+            messages, entries = [], []
+            for n, (a, b) in enumerate(cut_shards(lengths, shared, shard_tokens)):
+                shard_id = f"shard-{n:05d}"
+                reqs = [
+                    _shard_request(u, prepared.requests[units[u][0]], [store[i] for i in units[u]])
+                    for u in order.order[a:b]
+                ]
+                msg = write_shard(job, job_id, shard_id, reqs)
+                messages.append(msg)
+                entries.append(
+                    {
+                        "shard_id": shard_id,
+                        "uri": msg.uri,
+                        "sha256": msg.sha256,
+                        "num_requests": b - a,
+                        "prompt_tokens": sum(lengths[a:b]),
+                    }
+                )
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+    return _Sharded(
+        prepared,
+        len(units),
+        len(errors),
+        messages,
+        entries,
+        order.prompt_tokens,
+        order.ideal_cached_tokens,
+    )
+
+
+def _publish(job, job_id: str, record: BatchRecord, manifest: dict) -> None:
+    """batch.json, then the manifest last: a job folder with job.json is complete (shards and
+    batch.json there)."""
+    job.join("batch.json").write_bytes(json.dumps(record.to_dict(), indent=2).encode() + b"\n")
+    if not job.join("job.json").write_if_absent(json.dumps(manifest, indent=2).encode() + b"\n"):
+        raise JobError(f"job {job_id} was created concurrently at {job.uri}")
+
+
+def line_units(input_index: list[int]) -> list[list[int]]:
+    """The token-store entries of each answered line, in order: one entry per line, but one
+    per input of an embeddings line (input_index 0, 1, ...), kept together in one shard."""
+    units: list[list[int]] = []
+    for i, k in enumerate(input_index):
+        if k == 0:
+            units.append([i])
+        else:
+            units[-1].append(i)
+    return units
+
+
+def _shard_request(index: int, req, prompts: list[list[int]]) -> ShardRequest:
+    embedding = None
+    if req.is_embedding:
+        embedding = EmbeddingSpec(
+            inputs=[[int(t) for t in ids] for ids in prompts],
+            dimensions=req.dimensions,
+            encoding_format=req.encoding_format,
+        ).to_dict()
+    return ShardRequest(
+        index=index,
+        line=req.line,
+        custom_id=req.custom_id,
+        url=req.url,
+        prompt_token_ids=[int(t) for t in prompts[0]],
+        params=dataclasses.asdict(req.params),
+        logprobs=req.logprobs,
+        max_tokens=req.max_tokens,
+        model=req.model,
+        embedding=embedding,
+        tool_calling=None if req.tool_calling is None else dataclasses.asdict(req.tool_calling),
+    )

@@ -1,0 +1,1 @@
+"""A job run on one machine (`kvbatch run`): partial output, the output lock, the token store, progress."""

@@ -1,0 +1,57 @@
+"""The output lines of `/v1/embeddings` requests, built as their inputs' vectors arrive.
+
+A line's inputs run as separate engine requests (each its own prompt, so prefix grouping
+orders them with the rest of the job); its answer is written once every input has its vector,
+as one CreateEmbeddingResponse body with the vectors in input order. One input the engine
+refuses makes the whole line an error record, as OpenAI answers a request all or nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbatch.jobs.openai_format.responses import embedding_line, error_line
+from kvbatch.jobs.openai_format.validate import JobRequest, LineError
+
+
+class EmbeddingLines:
+    """Collects each embeddings line's vectors until the line is complete."""
+
+    def __init__(self, model: str, engine, batch_id: str) -> None:
+        self.model = model
+        self.engine = engine
+        self.batch_id = batch_id
+        self._waiting: dict[str, dict[int, Any]] = {}  # custom_id -> {input index: output}
+
+    def add(self, req: JobRequest, input_index: int, out) -> dict | None:
+        """Record input `input_index`'s output; the line's output (or error) line once all of
+        `req.num_inputs` inputs are in, else None."""
+        got = self._waiting.setdefault(req.custom_id, {})
+        got[input_index] = out
+        if len(got) < req.num_inputs:
+            return None
+        del self._waiting[req.custom_id]
+        outputs = [got[i] for i in range(req.num_inputs)]
+        refused = next((o for o in outputs if getattr(o, "error", None) is not None), None)
+        if refused is not None:
+            which = f"input {outputs.index(refused)}: " if req.num_inputs > 1 else ""
+            return self._error(req, "invalid_prompt", which + refused.error)
+        # Imported here, not with the module: the body stacks vectors with torch, and the
+        # commands that read shards without answering them (status, finalize) never load it.
+        from kvbatch.engine.pooling.openai_body import embedding_response
+
+        try:
+            body = embedding_response(
+                outputs,
+                model=self.model,
+                encoding_format=req.encoding_format,
+                dimensions=req.dimensions,
+                normalize=self.engine.pooling_config.normalize,
+            )
+        except ValueError as e:  # dimensions larger than the model's vectors
+            return self._error(req, "invalid_parameter", str(e))
+        return embedding_line(req, body, batch_id=self.batch_id)
+
+    def _error(self, req: JobRequest, code: str, message: str) -> dict:
+        err = LineError(req.line, req.custom_id, code, f"line {req.line}: {message}")
+        return error_line(err, batch_id=self.batch_id)

@@ -1,0 +1,302 @@
+"""Output lines in OpenAI's batch output schema.
+
+A success line::
+
+    {"id": "batch_req_…", "custom_id": …, "error": null,
+     "response": {"status_code": 200, "request_id": "req_…", "body": <chat.completion | text_completion>}}
+
+An error line (a bad input line, or a prompt the model cannot run)::
+
+    {"id": "batch_req_…", "custom_id": … | "kvbatch-line-N", "response": null,
+     "error": {"code": …, "message": "line N: …", "line": N}}
+
+Ids are hashes of (batch_id, line, custom_id): unique within a job, and the same when a shard
+is run again, so a rerun writes identical lines. Tool calls' ids ("call_" + 24 hex digits, the
+shape of vLLM's random ones) are hashes too, of that key and the call's place in the answer.
+
+A chat line with tool calling (kvbatch.jobs.openai_format.tools) answers, when the model made calls::
+
+    "message": {"role": "assistant", "content": null | <text outside the calls>,
+                "tool_calls": [{"id": "call_…", "type": "function",
+                                "function": {"name": …, "arguments": <JSON text>}}], …},
+    "finish_reason": "tool_calls"     ("length" when max_tokens cut the answer)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import weakref
+from typing import Any
+
+from kvbatch.engine.core.outputs import RequestOutput
+from kvbatch.engine.core.sequence import TokenLogprobs
+from kvbatch.jobs.openai_format.tools import read_answer
+from kvbatch.jobs.openai_format.validate import JobRequest, LineError
+
+_FINISH_REASONS = {"stop": "stop", "length": "length"}  # engine -> OpenAI
+_MIN_LOGPROB = -9999.0  # what OpenAI reports for an impossible token; JSON has no -inf
+
+
+# A C++ library's log prefix inside an exception's text (xgrammar's "[03:23:04]
+# /project/cpp/json_schema_converter.cc:5082: "): a clock time would make the error file of one
+# input differ from run to run, and a build path tells the user nothing.
+_NATIVE_LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
+
+
+def refusal(message: str) -> str:
+    """The engine's reason for refusing a request, as one line of an error record: no native
+    log prefix, no newlines."""
+    return " ".join(_NATIVE_LOG_PREFIX.sub("", message).split())
+
+
+def success_line(
+    req: JobRequest, out: RequestOutput, *, model: str, tokenizer, batch_id: str, created: int
+) -> dict[str, Any]:
+    """The output line of a request the engine ran. If the engine refused it (`out.error`),
+    the error line (code invalid_prompt) instead: check `line["error"]` to count it."""
+    if out.error is not None:
+        return error_line(
+            LineError(
+                req.line, req.custom_id, "invalid_prompt", f"line {req.line}: {refusal(out.error)}"
+            ),
+            batch_id=batch_id,
+        )
+    key = _key(batch_id, req.line, req.custom_id)
+    tokens = _TokenTexts.of(tokenizer)
+    choices = [_choice(req, c, tokens, key) for c in sorted(out.outputs, key=lambda c: c.index)]
+    body_id, kind = (
+        ("chatcmpl-", "chat.completion") if req.is_chat else ("cmpl-", "text_completion")
+    )
+    body_id += key
+    body = {
+        "id": body_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": _usage(out),
+        "system_fingerprint": None,
+    }
+    return {
+        "id": "batch_req_" + key,
+        "custom_id": req.custom_id,
+        "response": {"status_code": 200, "request_id": "req_" + key, "body": body},
+        "error": None,
+    }
+
+
+def _choice(req: JobRequest, completion, tokens: _TokenTexts, key: str) -> dict[str, Any]:
+    """One choice of the body: chat's message or completions' text, at the choice's index."""
+    finish_reason = _FINISH_REASONS.get(completion.finish_reason or "")
+    if finish_reason is None:
+        raise ValueError(
+            f"request {req.custom_id!r} has finish_reason {completion.finish_reason!r}: only "
+            "finished requests (stop or length) can be written"
+        )
+    if req.is_chat:
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = {"content": _chat_logprobs(completion.logprobs, tokens), "refusal": None}
+        message = {
+            "role": "assistant",
+            "content": completion.text,
+            "refusal": None,
+            "annotations": [],
+        }
+        if req.tool_calling is not None:
+            answer = read_answer(req.tool_calling, completion.text)
+            if answer.calls:
+                message["content"] = answer.content
+                message["tool_calls"] = [
+                    _tool_call(key, completion.index, i, name, arguments)
+                    for i, (name, arguments) in enumerate(answer.calls)
+                ]
+                if finish_reason == "stop":
+                    finish_reason = "tool_calls"
+        return {
+            "index": completion.index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+    logprobs = None
+    if completion.logprobs is not None:
+        logprobs = _completion_logprobs(completion.logprobs, tokens)
+    return {
+        "index": completion.index,
+        "text": completion.text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
+def _tool_call(key: str, choice: int, i: int, name: str, arguments: str) -> dict[str, Any]:
+    digest = hashlib.sha256(f"{key}\0{choice}\0{i}".encode()).hexdigest()[:24]
+    return {
+        "id": "call_" + digest,
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def embedding_line(req: JobRequest, body: dict[str, Any], *, batch_id: str) -> dict[str, Any]:
+    """The output line of an embeddings request: `body` is its CreateEmbeddingResponse."""
+    key = _key(batch_id, req.line, req.custom_id)
+    return {
+        "id": "batch_req_" + key,
+        "custom_id": req.custom_id,
+        "response": {"status_code": 200, "request_id": "req_" + key, "body": body},
+        "error": None,
+    }
+
+
+def error_line(err: LineError, *, batch_id: str) -> dict[str, Any]:
+    """The output line of a line that got no answer (a validation or prompt error). A line
+    without a usable custom_id gets `placeholder_custom_id(line)` (vLLM's and OpenAI's line
+    types need a string), and its message says so."""
+    custom_id, message = err.custom_id, err.message
+    if custom_id is None:
+        custom_id = placeholder_custom_id(err.line)
+        message += f" (the line has no usable custom_id: this record is named {custom_id!r})"
+    return {
+        "id": "batch_req_" + _key(batch_id, err.line, err.custom_id),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": err.code, "message": message, "line": err.line},
+    }
+
+
+def placeholder_custom_id(line: int) -> str:
+    """The custom_id of the error record of input line `line` when the line gave none usable:
+    the same on every run, and named after the line so it is easy to find."""
+    return f"kvbatch-line-{line}"
+
+
+def _key(batch_id: str, line: int, custom_id: str | None) -> str:
+    # custom_id alone is not unique among error lines (duplicates, missing ids); the line is.
+    data = f"{batch_id}\0{line}\0{custom_id or ''}".encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    prompt = len(out.prompt_token_ids)  # once: the choices share the prompt, as OpenAI counts
+    completion = sum(len(choice.token_ids) for choice in out.outputs)
+    spec = getattr(out, "spec_stats", None)  # speculative decoding's draft tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "accepted_prediction_tokens": spec.num_accepted_tokens if spec else 0,
+            "rejected_prediction_tokens": spec.num_rejected_tokens if spec else 0,
+        },
+    }
+
+
+# --- logprobs ---------------------------------------------------------------------------------
+
+
+def _chat_logprobs(steps: list[TokenLogprobs], tokens: _TokenTexts) -> list[dict[str, Any]]:
+    content = []
+    for step in steps:
+        text, raw = tokens.get(step.token_id)
+        top = []
+        for token_id, logprob in step.top:
+            top_text, top_raw = tokens.get(token_id)
+            top.append({"token": top_text, "logprob": _finite(logprob), "bytes": top_raw})
+        content.append(
+            {"token": text, "logprob": _finite(step.logprob), "bytes": raw, "top_logprobs": top}
+        )
+    return content
+
+
+def _completion_logprobs(steps: list[TokenLogprobs], tokens: _TokenTexts) -> dict[str, Any]:
+    texts, chosen, tops, offsets = [], [], [], []
+    offset = 0
+    for step in steps:
+        text = tokens.get(step.token_id)[0]
+        top: dict[str, float] = {}
+        for token_id, logprob in step.top:
+            top.setdefault(tokens.get(token_id)[0], _finite(logprob))
+        # OpenAI: "the API will always return the logprob of the sampled token", so up to
+        # logprobs + 1 entries.
+        top.setdefault(text, _finite(step.logprob))
+        texts.append(text)
+        chosen.append(_finite(step.logprob))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _MIN_LOGPROB
+
+
+class _TokenTexts:
+    """Each token id's text and exact bytes, cached per tokenizer.
+
+    The text is `decode([id])`; the bytes are the token's own bytes where the vocabulary
+    tells them (byte-level BPE, `<0xNN>` byte tokens), so a token holding half of a UTF-8
+    character reports its real bytes, not those of U+FFFD as its decoded text would.
+    """
+
+    _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.texts: dict[int, tuple[str, list[int]]] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        self.byte_level = decoder is not None and "ByteLevel" in repr(decoder)
+
+    @classmethod
+    def of(cls, tokenizer) -> _TokenTexts:
+        try:
+            found = cls._cache.get(tokenizer)
+            if found is None:
+                found = cls._cache[tokenizer] = cls(tokenizer)
+            return found
+        except TypeError:  # not weakly referenceable: no cache
+            return cls(tokenizer)
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        found = self.texts.get(token_id)
+        if found is None:
+            text = self.tokenizer.decode([token_id])
+            found = self.texts[token_id] = (text, list(self._bytes(token_id, text)))
+        return found
+
+    def _bytes(self, token_id: int, text: str) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            match = _BYTE_TOKEN.fullmatch(piece)
+            if match:
+                return bytes([int(match.group(1), 16)])
+            if self.byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+                return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return text.encode("utf-8", "surrogatepass")
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: each byte as a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
