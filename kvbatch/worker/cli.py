@@ -222,7 +222,7 @@ def submit(args: argparse.Namespace) -> int:
         return 1
     try:
         for msg in job.messages:
-            send_shard(app, args.output, msg, args.queue)
+            send_shard(app, job.output, msg, args.queue)
     except Exception as e:
         from kvbatch.jobs.distributed.finalize import mark_job_failed
         from kvbatch.jobs.distributed.shards import job_dir
@@ -429,6 +429,9 @@ def format_status(s: dict) -> str:
         rows.append(("fetch", f"kvbatch results {s['job_id']} --output {prefix} -o FILE"))
     failures = s.get("shard_failures") or {}
     rows += [(f"shard {k}", f"last failure: {v}") for k, v in failures.items()]
+    rows += [(f"shard {k}", f"waiting: {v}") for k, v in (s.get("shard_waits") or {}).items()]
+    if s.get("hint") and s["status"] == "in_progress":
+        rows.append(("hint", s["hint"]))
     rows += [("error", e) for e in s.get("errors") or []]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -463,7 +466,7 @@ def cancel(args: argparse.Namespace) -> int:
 def resend(args: argparse.Namespace) -> int:
     from kvbatch.jobs.distributed.finalize import read_manifest
     from kvbatch.jobs.distributed.shards import job_dir
-    from kvbatch.jobs.storage import StorageError
+    from kvbatch.jobs.storage import StorageError, absolute_location
     from kvbatch.worker.resend import ResendError, resend
 
     if args.settle < 0:
@@ -478,7 +481,7 @@ def resend(args: argparse.Namespace) -> int:
             print(f"kvbatch resend: no job {args.job_id!r} under {args.output}", file=sys.stderr)
             return 1
         result = resend(
-            app, args.queue, args.output, job, read_manifest(job),
+            app, args.queue, absolute_location(args.output), job, read_manifest(job),
             unwritten=args.unwritten, settle=args.settle,
         )  # fmt: skip
     except (ResendError, ValueError, StorageError) as e:
