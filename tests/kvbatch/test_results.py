@@ -191,8 +191,11 @@ def test_results_refuse_to_write_into_the_jobs_own_folder(tmp_path, make_llm, ti
 
 
 def test_results_refuse_an_s3_target_inside_the_job(
-    tmp_path, make_llm, tiny_chat_model, s3_server: S3Server
-):  # noqa: F811, E501
+    tmp_path,
+    make_llm,  # noqa: F811
+    tiny_chat_model,
+    s3_server: S3Server,
+):
     from kvbatch.jobs.distributed.submit import prepare_job
     from tests.jobs.distributed.test_submit import BLOCK_SIZE, MAX_MODEL_LEN, write_jsonl
 

@@ -229,8 +229,11 @@ def test_a_run_whose_sends_failed_is_sent_by_the_next_trigger(
 
 
 def test_a_relative_output_reaches_the_workers_as_an_absolute_path(
-    tmp_path, redis_server, tiny_chat_model, monkeypatch
-):  # noqa: F811, E501
+    tmp_path,
+    redis_server,  # noqa: F811
+    tiny_chat_model,
+    monkeypatch,
+):
     """`output = "out/scheduled"` named beat's folder in the job and another folder (the
     worker's) in the messages: the job never ran and the next trigger did nothing."""
     import base64
