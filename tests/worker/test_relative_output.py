@@ -48,11 +48,11 @@ def test_a_relative_output_reaches_a_worker_started_elsewhere(
         job_id = _submit(redis_server.url, Path("job.jsonl"), Path("out/jobs"), tiny_chat_model,
                          "--shard-tokens", "300")  # fmt: skip
         folder = client / "out" / "jobs" / job_id
+        record = _wait_completed(folder, workers, timeout=120)
+        assert record["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
         manifest = json.loads((folder / "job.json").read_text())
         assert manifest["input"] == str(client / "job.jsonl")
         assert all(s["uri"].startswith(f"{folder}/shards/") for s in manifest["shards"])
-        record = _wait_completed(folder, workers, timeout=120)
-        assert record["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
 
         first = manifest["shards"][0]
         relative = f"out/jobs/{job_id}/shards/{first['shard_id']}.jsonl"
