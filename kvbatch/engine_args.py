@@ -56,8 +56,8 @@ def _add_setting(parser, name: str) -> None:
     """The flag of EngineArgs' field `name`, as the field describes it."""
     f = _SETTINGS[name]
     flag = setting_flag(f)
-    engine_group = flag.group == "engine"
-    default = f.default if engine_group else None  # None: the engine's, whatever the device
+    tuning = flag.group in ("memory", "gpu")
+    default = None if tuning else f.default  # None: the engine's, whatever the device
     if flag.negates:  # a switch: the default is the only other value
         parser.add_argument(
             flag.option(name),
@@ -81,7 +81,7 @@ def _names(*groups: FlagGroup) -> list[str]:
     return [
         n
         for n, f in _SETTINGS.items()
-        if setting_flag(f) is not None and setting_flag(f).group in groups and n != "revision"
+        if setting_flag(f) is not None and setting_flag(f).group in groups
     ]
 
 
@@ -143,5 +143,5 @@ def engine_args_conflict(args: argparse.Namespace) -> str | None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The `engine.LLM` keywords of parsed engine flags (add_engine_args): every flag's value
     but None, which leaves the engine's default."""
-    names = ["revision", *_names("engine", "memory", "gpu")]
+    names = _names("model", "engine", "memory", "gpu")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

@@ -42,17 +42,18 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; config.py maps them to torch's
 QUANTIZATION_CHOICES = ("fp8",)  # engine/quant/detect.py's ONLINE_METHODS (no torch here)
 
-FlagGroup = Literal["engine", "memory", "gpu"]
+FlagGroup = Literal["model", "engine", "memory", "gpu"]
 
 
 @dataclass(frozen=True)
 class Flag:
     """How a setting appears on the command line.
 
-    `group` "engine": the flag's default is the setting's, and its value is always passed;
-    "memory" and "gpu" (the KV cache and GPU tuning group; `kvbatch bench` shares "gpu"): the
-    flag defaults to None and is passed only when given, so the engine's default applies,
-    device-dependent ones included. A `negates` flag is a switch that sets the setting False
+    `group` "engine": the flag's default is the setting's, and its value is passed unless None;
+    "model": the same, for the flags `kvbatch submit` takes too (--revision); "memory" and
+    "gpu" (the KV cache and GPU tuning group; `kvbatch bench` shares "gpu"): the flag defaults
+    to None and is passed only when given, so the engine's default applies, device-dependent
+    ones included. A `negates` flag is a switch that sets the setting False
     (--no-prefix-caching); `both` gives --name and --no-name.
     """
 
@@ -83,7 +84,7 @@ class EngineArgs:
         None,
         "with a Hub id as the model: the branch, tag or commit to fetch",
         shown="main",
-        flag=Flag(metavar="REV"),
+        flag=Flag(group="model", metavar="REV"),
     )
     device: str = _setting(
         "auto",

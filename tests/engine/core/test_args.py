@@ -137,10 +137,10 @@ def test_each_flag_default_and_help_is_the_settings():
             continue
         action = actions[name]
         assert flag.option(name) in action.option_strings
-        if flag.group == "engine":
-            assert p.get_default(name) == f.default, name
-        else:  # the tuning group: None, the engine's (device-dependent) default
+        if flag.group in ("memory", "gpu"):  # the tuning group: None, the engine's default
             assert p.get_default(name) is None, name
+        else:
+            assert p.get_default(name) == f.default, name
         if not flag.negates:
             assert f"(default: {default_in_words(f)})" in action.help, name
 
