@@ -18,7 +18,7 @@ import dataclasses
 import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 from kvbatch.engine.core.arg_values import (
     byte_size,
@@ -28,16 +28,13 @@ from kvbatch.engine.core.arg_values import (
     power_of_two,
     step_ratio,
 )
-
-if TYPE_CHECKING:
-    from kvbatch.engine.core.config import SpecConfig
+from kvbatch.engine.core.spec_config import SpecConfig
 
 # The numbers behind the device-dependent defaults (config.py applies them to a device).
 CUDA_BATCHED_TOKENS = 8192  # GPUs want big steps
 CPU_BATCHED_TOKENS = 4096  # smaller steps keep the activations in cache (beat 8192 on SmolLM2)
 CUDA_LONG_PREFILL_STEP_RATIO = 2.5  # under the target of 3 decode steps, for the gaps' jitter
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
-DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; config.py maps them to torch's
 QUANTIZATION_CHOICES = ("fp8",)  # engine/quant/detect.py's ONLINE_METHODS (no torch here)
@@ -145,7 +142,7 @@ class EngineArgs:
     num_speculative_tokens: int | None = _setting(
         None,
         "tokens proposed per step with speculative decoding",
-        shown=str(DEFAULT_NUM_SPECULATIVE_TOKENS),
+        shown=str(SpecConfig.num_speculative_tokens),
         flag=Flag(type=positive_int, metavar="K"),
     )
     quantization: str | None = _setting(

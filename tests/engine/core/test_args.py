@@ -39,7 +39,7 @@ from kvbatch.engine_args import add_engine_args, add_gpu_tuning_args, engine_kwa
 
 ROOT = Path(__file__).resolve().parents[3]
 FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
-TYPES = {"SpecConfig": SpecConfig}
+TYPES = {"SpecConfig": SpecConfig}  # for the annotations' names
 
 
 def parser() -> argparse.ArgumentParser:
@@ -88,7 +88,6 @@ def test_the_engine_config_defaults_are_engine_args_defaults():
 OWN_FORM = {
     "SchedulerConfig.max_model_len": "0",  # the engine fills it in from the model
     "EngineConfig.speculative": "None",  # the parsed SpecConfig of `speculative`
-    "SpecConfig.num_speculative_tokens": "DEFAULT_NUM_SPECULATIVE_TOKENS",  # k when None
 }
 
 
