@@ -32,7 +32,7 @@ from kvbatch.engine.core.spec_config import SpecConfig
 
 # The numbers behind the device-dependent defaults (config.py applies them to a device).
 CUDA_BATCHED_TOKENS = 8192  # GPUs want big steps
-CPU_BATCHED_TOKENS = 4096  # smaller steps keep the activations in cache (beat 8192 on SmolLM2)
+CPU_BATCHED_TOKENS = 4096  # smaller steps keep the activations in cache
 CUDA_LONG_PREFILL_STEP_RATIO = 2.5  # under the target of 3 decode steps, for the gaps' jitter
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
 
