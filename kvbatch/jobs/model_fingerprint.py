@@ -1,8 +1,9 @@
 """A cheap fingerprint of a checkpoint, so that a worker can tell whether it holds the model a
 job was submitted for (a worker started on another checkpoint must not answer its shards).
 
-    config        config.json and generation_config.json, parsed and re-dumped with sorted
-                  keys (formatting does not count), quantization_config included
+    config        config.json, generation_config.json and sentence-transformers' pooling
+                  files, parsed and re-dumped with sorted keys (formatting does not count),
+                  quantization_config included
     tokenizer     the bytes of every tokenizer and chat-template file
     weights       per weight file (safetensors shards, their index, a .gguf file): its name in
                   the folder, its size, and the sha256 of SAMPLES slices of SAMPLE_BYTES spread
@@ -33,7 +34,14 @@ from pathlib import Path
 
 SAMPLES = 8
 SAMPLE_BYTES = 64 * 1024
-CONFIG_FILES = ("config.json", "generation_config.json")
+# the model's config, its generation defaults, and sentence-transformers' pooling files
+CONFIG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "modules.json",
+    "sentence_bert_config.json",
+    "1_Pooling/config.json",
+)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

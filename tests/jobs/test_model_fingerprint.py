@@ -64,6 +64,11 @@ def test_tokenizer_config_and_quantization_each_count(tmp_path, tiny_chat_model)
     (template / "chat_template.jinja").write_text("{{ messages }}")
     assert base.differences(fingerprint(template)) == ["tokenizer"]
 
+    pooled = _copy(tiny_chat_model, tmp_path / "pooled")
+    (pooled / "1_Pooling").mkdir()
+    (pooled / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    assert base.differences(fingerprint(pooled)) == ["config"]
+
     quantized = _copy(tiny_chat_model, tmp_path / "quantized")
     config = json.loads((quantized / "config.json").read_text())
     config["quantization_config"] = {
