@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,8 @@ from kvbatch.jobs.model_fingerprint import (
     describe_mismatch,
     fingerprint,
 )
+from tests.hub_server import hub_server  # noqa: F401
+from tests.kvbatch.test_hub import hub  # noqa: F401
 from tests.tiny_models import build_tiny_chat_checkpoint
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -132,3 +136,27 @@ def test_what_cannot_be_fingerprinted_is_named(tmp_path, tiny_chat_model):
         fingerprint(tmp_path / "absent")
     with pytest.raises(FingerprintError, match="must be an object"):
         ModelFingerprint.from_dict(["config"])
+
+
+def test_a_hub_id_submitted_and_fetched_by_a_worker(hub, tiny_chat_model, tmp_path):  # noqa: F811
+    """Through huggingface_hub's own cache (the stand-in Hub): the submit's tokenizer-only
+    snapshot and a worker's full one of the same commit match; another commit does not."""
+    from tests.kvbatch.test_hub import REPO, _env, _resolve
+
+    env = _env(hub, tmp_path / "hf")
+    script = "import sys; from kvbatch.hub import resolve_model; print(resolve_model(sys.argv[1], tokenizer_only=True))"  # noqa: E501
+    proc = subprocess.run(
+        [sys.executable, "-c", script, REPO], env=env, capture_output=True, text=True, timeout=120
+    )  # noqa: E501
+    assert proc.returncode == 0, proc.stderr
+    job = fingerprint(proc.stdout.strip())  # what `kvbatch submit` records
+    assert job.parts["revision"] == hub.repos[REPO].revisions["main"]
+    assert "weights" not in job.parts
+    worker = _resolve(env, REPO)  # the worker's LLM(model=REPO): the same snapshot, weights too
+    assert worker.returncode == 0, worker.stderr
+    full = fingerprint(worker.stdout.strip())
+    assert describe_mismatch(job, full) is None
+    assert full.parts["weights"] == fingerprint(tiny_chat_model).parts["weights"]  # via symlinks
+    older = _resolve(env, REPO, "v1")
+    assert older.returncode == 0, older.stderr
+    assert job.differences(fingerprint(older.stdout.strip())) == ["revision"]
