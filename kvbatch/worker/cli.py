@@ -261,6 +261,8 @@ def worker(args: argparse.Namespace, engine: dict) -> int:
     model = WorkerModel(args.model, engine)
     try:
         model.llm()  # once, before taking any shard; a bad model fails here, not per shard
+        # jobs submitted for another checkpoint are left to other workers (worker/tasks.py)
+        log.info("model fingerprint %s", model.fingerprint().digest)
     except (OSError, ValueError) as e:
         print(f"kvbatch worker: cannot load the model: {e}", file=sys.stderr)
         return 1

@@ -275,6 +275,10 @@ def _defer_if_other_model(
     recorded = manifest.get("model_fingerprint")
     if recorded is None:
         return None
+    try:
+        task.model.llm()
+    except Exception:  # a model that cannot load fails the run itself: attempts count it
+        return None
     with stage("fingerprinting the model"):
         mine = task.model.fingerprint()
     try:
