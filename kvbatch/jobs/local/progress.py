@@ -53,12 +53,13 @@ class Progress:
                 bar_format=_BAR_FORMAT,
             )
 
-    def update(self, out) -> None:
+    def update(self, out, request: int | None = None) -> None:
+        """`out` finished: `request` is its position in the job's work (default: its id)."""
         self.done += 1
         outputs = getattr(out, "outputs", None)  # an embedding generates no tokens
         generated = sum(len(c.token_ids) for c in outputs or ())
         self.tokens += generated
-        self.eta.finished(out.request_id, generated)
+        self.eta.finished(out.request_id if request is None else request, generated)
         if self.bar is not None:
             self.bar.set_postfix_str(self.postfix(), refresh=False)
             self.bar.update(1)

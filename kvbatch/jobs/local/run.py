@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kvbatch.jobs.grouping import feed_in_order, group_by_prefix
+from kvbatch.jobs.answering import EngineRequest, LineContext, answer
+from kvbatch.jobs.grouping import group_by_prefix
 from kvbatch.jobs.local.eta import JobWork
 from kvbatch.jobs.local.output_lock import OutputBusy, output_lock
 from kvbatch.jobs.local.partial import PartialError, PartialOutput
 from kvbatch.jobs.local.progress import Progress
 from kvbatch.jobs.local.token_store import TokenStore
 from kvbatch.jobs.openai_format.batch_record import MAX_BATCH_ERRORS, BatchRecord
-from kvbatch.jobs.openai_format.embedding_lines import EmbeddingLines
 from kvbatch.jobs.openai_format.endpoint import EndpointRule
 from kvbatch.jobs.openai_format.prompts import (
     PromptError,
@@ -39,7 +39,7 @@ from kvbatch.jobs.openai_format.prompts import (
     prompt_token_ids,
     sampling_params_for,
 )
-from kvbatch.jobs.openai_format.responses import error_line, success_line
+from kvbatch.jobs.openai_format.responses import error_line
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError, read_lines, validate_lines
 from kvbatch.jobs.storage import StorageError, open_storage
 
@@ -328,33 +328,32 @@ def _answer(opts: RunOptions, engine, store: TokenStore, job: PreparedJob, parti
         order.ideal_cached_tokens,
         order.prompt_tokens,
     )
-    window = opts.window or 4 * engine.config.scheduler.max_num_seqs
-    feed = ((str(i), store[i], _engine_params(job.requests[i])) for i in order.order)
+    # An embeddings line fills one store entry per input: its key is its first entry's.
+    feed = (
+        EngineRequest(
+            key=i - job.input_index[i],
+            input=job.input_index[i],
+            token_ids=store[i],
+            params=_engine_params(job.requests[i]),
+        )
+        for i in order.order
+    )
     work = JobWork.of(job.requests, order.prompt_tokens, order.ideal_cached_tokens)
     progress = Progress(engine, work)
-    vectors = EmbeddingLines(job.model_name, engine, record.id)
+    context = LineContext(job.model_name, record.id, record.created_at)
     monitor = opts.monitor
     watch = None if monitor is None else lambda: monitor.step(engine) or False
     try:
-        for out in feed_in_order(engine, feed, window, watch):
+        answers = answer(
+            engine, feed, job.requests.__getitem__, context, window=opts.window, should_stop=watch
+        )
+        for done in answers:
             if monitor is not None:
-                monitor.output(out)
-            index = int(out.request_id)
-            req = job.requests[index]
-            if req.is_embedding:
-                line = vectors.add(req, job.input_index[index], out)
-            else:
-                line = success_line(
-                    req,
-                    out,
-                    model=job.model_name,
-                    tokenizer=engine.tokenizer,
-                    batch_id=record.id,
-                    created=record.created_at,
-                )
-            if line is not None:
-                partial.add(line, job.digest_of[req.custom_id])
-            progress.update(out)
+                monitor.output(done.output)
+            if done.line is not None:
+                req = job.requests[done.key]
+                partial.add(done.line, job.digest_of[req.custom_id])
+            progress.update(done.output, done.key + done.input)
     finally:
         progress.close()
 
