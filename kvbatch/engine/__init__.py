@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getattr__ imports
-    from kvbatch.engine.core.config import SpecConfig as SpecConfig
+    from kvbatch.engine.core.args import EngineArgs as EngineArgs
     from kvbatch.engine.core.llm import LLM as LLM
     from kvbatch.engine.core.llm_engine import LLMEngine as LLMEngine
     from kvbatch.engine.core.outputs import CompletionOutput as CompletionOutput
@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getatt
     from kvbatch.engine.core.sampling_params import MAX_PENALTY as MAX_PENALTY
     from kvbatch.engine.core.sampling_params import SamplingParams as SamplingParams
     from kvbatch.engine.core.sequence import TokenLogprobs as TokenLogprobs
+    from kvbatch.engine.core.spec_config import SpecConfig as SpecConfig
     from kvbatch.engine.kv.kv_cache import block_hashes as block_hashes
     from kvbatch.engine.model.architectures import ENCODER_ARCHITECTURES as ENCODER_ARCHITECTURES
     from kvbatch.engine.model.architectures import (
@@ -37,13 +38,14 @@ if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getatt
 
 _EXPORTS = {
     "LLM": "kvbatch.engine.core.llm",
+    "EngineArgs": "kvbatch.engine.core.args",
     "LLMEngine": "kvbatch.engine.core.llm_engine",
     "SamplingParams": "kvbatch.engine.core.sampling_params",
     "StructuredOutputs": "kvbatch.engine.structured.params",
     "RequestOutput": "kvbatch.engine.core.outputs",
     "CompletionOutput": "kvbatch.engine.core.outputs",
     "EngineStats": "kvbatch.engine.core.outputs",
-    "SpecConfig": "kvbatch.engine.core.config",
+    "SpecConfig": "kvbatch.engine.core.spec_config",
     # what the jobs layer builds on (kvbatch.jobs, kvbatch.worker import nothing else of the
     # engine): request limits, logprobs, the prefix cache's block hashes (prefix grouping),
     # an encoder's input length, embeddings' inputs and vectors
