@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -233,13 +234,17 @@ def _interrupted(paths: JobPaths) -> str:
 
 
 def _holds_answers(partial: Path) -> bool:
-    """Whether a partial output holds an answer after its header line."""
+    """Whether a partial output holds an answer after its header line (a link or a special
+    file planted at its name is never followed: it holds none)."""
     try:
-        with open(partial, "rb") as f:
-            f.readline()
-            return bool(f.read(1))
+        fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        f.readline()
+        return bool(f.read(1))
 
 
 def _refuse_overwriting_the_input(input_uri: str, outputs: list[str]) -> None:
