@@ -255,6 +255,18 @@ def test_structured_lines_parse_beside_free_ones(tmp_path: Path, llm):  # noqa: 
             "x",
             response_format={
                 "type": "json_schema",
+                "json_schema": {
+                    "name": "bad",
+                    "schema": {"$ref": "#/$defs/missing"},
+                    "strict": False,  # strict mode refuses it earlier, when the line is read
+                },
+            },
+        ),
+        chat(
+            "dangling",
+            "x",
+            response_format={
+                "type": "json_schema",
                 "json_schema": {"name": "bad", "schema": {"$ref": "#/$defs/missing"}},
             },
         ),
@@ -272,6 +284,9 @@ def test_structured_lines_parse_beside_free_ones(tmp_path: Path, llm):  # noqa: 
     assert "cannot be compiled" in message and "missing" in message
     # xgrammar's log prefix (a clock time, a C++ path) once made each run's error file differ
     assert "\n" not in message and not re.search(r"\d\d:\d\d:\d\d|\.cc:\d", message), message
+    dangling = errors["dangling"]["error"]
+    assert dangling["code"] == "unsupported_parameter"
+    assert "keyword '$ref'" in dangling["message"] and "'#/$defs/missing'" in dangling["message"]
 
 
 @pytest.mark.parametrize(
