@@ -11,7 +11,8 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given as hypothesis_given
+from hypothesis import settings
 from hypothesis import strategies as st
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
@@ -344,7 +345,7 @@ FLOAT_FIELDS = (
 
 
 @settings(max_examples=200, deadline=None, database=None)
-@given(field=st.sampled_from(FLOAT_FIELDS), value=NEAR_FLOAT32_LIMITS)
+@hypothesis_given(field=st.sampled_from(FLOAT_FIELDS), value=NEAR_FLOAT32_LIMITS)
 def test_sampling_floats_near_float32_limits(field: str, value: float) -> None:
     """Each float is refused naming its field, or holds its meaning in float32: no top_p or
     repetition penalty that rounds to 0, nothing that overflows."""
