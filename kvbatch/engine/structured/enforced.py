@@ -156,9 +156,10 @@ class _Walk:
             return  # true/false: the grammar's any/none
         self.seen.add(id(schema))
         for name in ("$defs", "definitions"):
-            for key, sub in (schema.get(name) or {}).items():
+            defs = schema.get(name)
+            for key, sub in defs.items() if isinstance(defs, dict) else ():
                 self.schema(sub, f"{where}/{name}/{key}")
-        if "$schema" in schema and schema["$schema"].rstrip("#") != DRAFT_2020_12:
+        if "$schema" in schema and str(schema["$schema"]).rstrip("#") != DRAFT_2020_12:
             self.refuse(
                 "$schema",
                 where,

@@ -5,11 +5,16 @@ its schema is an error record, never a success."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvbatch.engine.structured.enforced import unenforced
 from kvbatch.jobs.openai_format.responses import success_line
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError, validate_lines
+from tests.engine.structured.schema_strategies import json_schemas, keywords_in
 from tests.jobs.openai_format.test_responses import MODEL, output, tokenizer  # noqa: F401
 
 CHAT = "/v1/chat/completions"
@@ -116,3 +121,21 @@ def test_a_remote_ref_is_never_fetched_when_checking(tokenizer) -> None:  # noqa
     bad = _answer(req, tokenizer, '{"a": 1}')
     assert bad["error"]["code"] == "invalid_output"
     assert "cannot check" in bad["error"]["message"]
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(schema=json_schemas(), strict=st.sampled_from([True, None, False]))
+def test_job_lines_with_any_schema(schema: dict, strict: bool | None) -> None:
+    """A line's schema drawn with every keyword of draft 2020-12: a strict line runs only
+    what the grammar enforces and otherwise names the keyword; an opted-out line runs any
+    valid schema."""
+    [out] = validate_lines([line(schema, strict)])
+    if isinstance(out, LineError):
+        if out.code == "unsupported_parameter":
+            assert strict is not False
+            keyword = re.search(r"keyword '([^']+)'", out.message)
+            assert keyword and keyword.group(1) in keywords_in(schema), out.message
+        else:
+            assert "not a valid JSON Schema" in out.message, out.message
+        return
+    assert strict is False or unenforced(schema) is None
