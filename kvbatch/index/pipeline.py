@@ -37,7 +37,6 @@ from kvbatch.index.stage_jobs import run_stage, write_lines
 from kvbatch.index.table import (
     connect,
     document_state,
-    documents_filter,
     merge_rows,
     open_table,
 )
@@ -183,10 +182,9 @@ def _write(
         "rows": rows.num_rows,
     }
     write_run_files(folder, rows, {**manifest, "status": "merging"})
-    if table is not None:
-        before = table.count_rows(documents_filter(replaced)) if replaced else 0
-        report.chunks_deleted = max(0, before - rows.num_rows)
-    report.table_version = merge_rows(db, spec.output.table, rows, replaced)
+    merged = merge_rows(db, spec.output.table, rows, replaced)
+    report.table_version = merged.version
+    report.chunks_deleted = merged.deleted
     report.chunks = rows.num_rows
     report.wrote = True
     write_run_files(folder, rows, {**manifest, "status": "merged", "version": report.table_version})
