@@ -9,6 +9,7 @@ never half of it. Rows of documents the run did not touch are outside the filter
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -41,7 +42,13 @@ def chunk_schema(dimension: int | None) -> pa.Schema:
 
 
 def connect(uri: str):
-    return lancedb.connect(uri)
+    """The LanceDB database at `uri`. On S3, an endpoint from AWS_ENDPOINT_URL(_S3) (MinIO,
+    moto) served over plain http is allowed, as boto3 allows it."""
+    options = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if uri.startswith("s3://") and endpoint and endpoint.startswith("http://"):
+        options = {"endpoint": endpoint, "allow_http": "true"}
+    return lancedb.connect(uri, storage_options=options or None)
 
 
 def open_table(db, name: str):
