@@ -29,6 +29,7 @@ import os
 import socket
 import sys
 
+from kvbatch.engine.core.args import DEFAULTS  # plain Python: no torch to parse arguments
 from kvbatch.worker.settings import (  # plain Python: no Celery to parse arguments
     DEFAULT_QUEUE,
     metrics_port,
@@ -75,8 +76,8 @@ def add_submit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--block-size",
         type=_count(power_of_two=True),
-        default=16,
-        help="the workers' KV block size, a power of two (default 16)",
+        default=DEFAULTS.block_size,
+        help=f"the workers' KV block size, a power of two (default {DEFAULTS.block_size})",
     )
     p.add_argument(
         "--max-model-len",
