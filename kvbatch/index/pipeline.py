@@ -40,6 +40,7 @@ from kvbatch.index.table import (
     merge_rows,
     open_table,
 )
+from kvbatch.jobs.local.run import JobError
 from kvbatch.jobs.model_info import load_tokenizer
 
 log = logging.getLogger("kvbatch.index")
@@ -48,7 +49,8 @@ LLMFactory = Callable[[str], Any]  # model (as the spec names it) -> a kvbatch.e
 
 
 class IndexRunError(Exception):
-    """The run cannot go on (a table whose vectors have another dimension, say)."""
+    """The run cannot go on: a model that does not load, a table whose vectors have another
+    dimension, another run holding the same run folder. The message says what to fix."""
 
 
 def default_llm_factory(spec: IndexSpec) -> LLMFactory:
@@ -71,7 +73,12 @@ def run_index(spec: IndexSpec, *, llm_factory: LLMFactory | None = None) -> Inde
     identity = row_identity(spec)
     factory = llm_factory or default_llm_factory(spec)
     with _timed(report, "plan"):
-        tokenizer = load_tokenizer(spec.models.embedding)
+        try:
+            tokenizer = load_tokenizer(spec.models.embedding)
+        except (OSError, ValueError) as e:
+            raise IndexRunError(
+                f"models.embedding: cannot load the tokenizer of {spec.models.embedding}: {e}"
+            ) from e
         chunker = Chunker.for_tokenizer(tokenizer, spec.chunking.size, spec.chunking.overlap)
         db = connect(spec.output.uri)
         table = open_table(db, spec.output.table)
@@ -123,9 +130,9 @@ def _generate(spec: IndexSpec, docs, folder: Path, factory: LLMFactory, report: 
     model = spec.models.generation
     n = write_lines(folder / "input.jsonl", generation_lines(docs, spec.stages, _name(model)))
     log.info("generate: %d documents, %d chunks, %d requests", len(docs), _chunks(docs), n)
-    llm = factory(model)
+    llm = _load(factory, model, "generation")
     try:
-        answers = run_stage(folder, model, llm, spec.engine)
+        answers = _run_stage(folder, model, llm, spec.engine, "generate")
         report.prefill = prefill_tokens(folder / "input.jsonl", llm.engine, answers)
     finally:
         _release(llm)
@@ -144,13 +151,27 @@ def _embed(spec: IndexSpec, docs, generated: Generated, folder: Path, factory: L
     model = spec.models.embedding
     n = write_lines(folder / "input.jsonl", embedding_lines(docs, generated, _name(model)))
     log.info("embed: %d documents, %d chunks", len(docs), n)
-    llm = factory(model)
+    llm = _load(factory, model, "embedding")
     try:
-        answers = run_stage(folder, model, llm, spec.engine)
+        answers = _run_stage(folder, model, llm, spec.engine, "embed")
     finally:
         _release(llm)
     log.info("embed: %d prompt tokens", answers.prompt_tokens)
     return read_vectors(docs, answers)
+
+
+def _load(factory: LLMFactory, model: str, role: str):
+    try:
+        return factory(model)
+    except (OSError, ValueError) as e:
+        raise IndexRunError(f"models.{role}: cannot load {model}: {e}") from e
+
+
+def _run_stage(folder: Path, model: str, llm, engine: dict, stage: str):
+    try:
+        return run_stage(folder, model, llm, engine)
+    except JobError as e:  # another run holds the stage's output, an unwritable folder, ...
+        raise IndexRunError(f"{stage}: {e}") from e
 
 
 def _write(
