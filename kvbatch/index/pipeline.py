@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -209,6 +210,8 @@ def _write(
     report.chunks = rows.num_rows
     report.wrote = True
     write_run_files(folder, rows, {**manifest, "status": "merged", "version": report.table_version})
+    for stage in ("generate", "embed"):  # their inputs repeat each document per chunk
+        shutil.rmtree(folder / stage, ignore_errors=True)
     log.info(
         "write: %d rows for %d documents, %d documents deleted: table version %d",
         rows.num_rows,

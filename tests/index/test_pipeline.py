@@ -14,6 +14,7 @@ import pytest
 from kvbatch.engine import LLM
 from kvbatch.index.pipeline import run_index
 from kvbatch.index.search import search
+from kvbatch.index.spec import load_spec
 from tests.index.indexing import WatchedModels, index_spec, table_rows, table_version
 
 pytestmark = pytest.mark.slow
@@ -49,6 +50,7 @@ def test_every_format_is_indexed_once_with_its_context_and_vector(
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["status"] == "merged" and manifest["version"] == report.table_version
     assert set(manifest["documents"]) == DOCS
+    assert sorted(p.name for p in run.iterdir()) == ["chunks.parquet", "manifest.json"]
 
 
 def test_each_document_is_prefilled_once_for_all_its_chunks(
@@ -60,6 +62,29 @@ def test_each_document_is_prefilled_once_for_all_its_chunks(
     p = report.prefill
     assert p.computed == p.ideal  # each document once + each chunk and the instruction
     assert p.ideal < p.no_sharing * 0.7
+
+
+def test_questions_and_summary_share_the_document_prefix_with_the_context(
+    tmp_path, docs_folder, tiny_chat_model, minilm
+):
+    extra = "[stages.questions]\nn = 2\nmax_tokens = 12\n[stages.summary]\nmax_tokens = 6\n"
+    spec = index_spec(tmp_path, docs_folder, tiny_chat_model, minilm)
+    text = (tmp_path / "index.toml").read_text().replace("[output]", extra + "[output]")
+    (tmp_path / "index.toml").write_text(text)
+    spec = load_spec(tmp_path / "index.toml")
+    assert spec.stages.questions.n == 2 and spec.stages.summary is not None
+    models = WatchedModels()
+    report = run_index(spec, llm_factory=models)
+    rows = table_rows(spec)
+    # one context and one questions request per chunk, one summary per document
+    assert models.added[str(tiny_chat_model)] == 2 * len(rows) + 4
+    for r in rows:
+        assert r["context"] is not None and r["summary"] is not None
+        assert isinstance(r["questions"], list) and len(r["questions"]) <= 2
+    summaries = {r["document_id"]: r["summary"] for r in rows}
+    assert all(r["summary"] == summaries[r["document_id"]] for r in rows)
+    p = report.prefill
+    assert p.computed == p.ideal < p.no_sharing * 0.6
 
 
 def test_a_rerun_with_nothing_changed_writes_nothing(
