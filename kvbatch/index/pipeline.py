@@ -166,6 +166,8 @@ def _load(factory: LLMFactory, model: str, role: str):
         return factory(model)
     except (OSError, ValueError) as e:
         raise IndexRunError(f"models.{role}: cannot load {model}: {e}") from e
+    except TypeError as e:  # a keyword of [engine] that kvbatch.engine.LLM does not take
+        raise IndexRunError(f"engine: {e}: see kvbatch.engine.LLM's keywords") from e
 
 
 def _run_stage(folder: Path, model: str, llm, engine: dict, stage: str):

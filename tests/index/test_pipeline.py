@@ -4,6 +4,7 @@ all-MiniLM-L6-v2 embedding, LanceDB on disk."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from kvbatch.engine import LLM
 from kvbatch.index.pipeline import run_index
 from kvbatch.index.search import search
-from kvbatch.index.spec import load_spec
+from kvbatch.index.spec import ChunkingSpec, load_spec
 from tests.index.indexing import WatchedModels, index_spec, table_rows, table_version
 
 pytestmark = pytest.mark.slow
@@ -179,7 +180,7 @@ def test_a_chunk_over_the_embedding_models_limit_is_an_error_naming_its_document
     (docs / "short.txt").write_text("Tides rise and fall twice a day.")
     (docs / "long.txt").write_text(" ".join(f"word{i}" for i in range(300)))  # one sentence
     spec = index_spec(tmp_path, docs, None, minilm, "")
-    spec = spec.__class__(**{**spec.__dict__, "chunking": spec.chunking.__class__(1000, 0)})
+    spec = dataclasses.replace(spec, chunking=ChunkingSpec(size=1000, overlap=0))
     report = run_index(spec, llm_factory=WatchedModels())
     (err,) = report.errors
     assert (err.document_id, err.stage, err.code) == (
