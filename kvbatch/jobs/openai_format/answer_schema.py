@@ -23,7 +23,7 @@ from jsonschema.validators import Draft202012Validator, validator_for
 from referencing import Registry
 from referencing.exceptions import NoSuchResource
 
-from kvbatch.engine.structured.params import StructuredOutputs
+from kvbatch.engine import StructuredOutputs
 
 _MAX_CACHED = 256
 

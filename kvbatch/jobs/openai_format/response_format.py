@@ -24,8 +24,7 @@ from typing import Any
 
 from pydantic_core import PydanticCustomError
 
-from kvbatch.engine.structured.enforced import unenforced
-from kvbatch.engine.structured.params import StructuredOutputs
+from kvbatch.engine import StructuredOutputs, unenforced
 from kvbatch.jobs.openai_format.answer_schema import schema_problem
 from kvbatch.jobs.openai_format.shown import shown
 
