@@ -18,6 +18,7 @@ from kvbatch.engine_args import (
     engine_kwargs,
     non_negative_int,
 )
+from kvbatch.index import cli as index_cli
 from kvbatch.threads import apply_threads
 from kvbatch.worker.settings import metrics_port
 
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tool_call_parser_arg(run)
     add_engine_args(run)
     sub.add_parser("bench", help="benchmarks: kvbatch bench --help")
+    index_cli.add_index_parsers(sub)
     _add_distributed(sub)
     return parser
 
@@ -126,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "run":
         return _run(args)
+    if args.command in ("index", "search"):
+        return index_cli.run(args)
     if args.command == "results":
         from kvbatch.results import results
 

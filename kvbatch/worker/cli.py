@@ -30,6 +30,7 @@ import socket
 import sys
 
 from kvbatch.engine import EngineArgs  # plain Python: no torch to parse arguments
+from kvbatch.redact import redact_url, redact_urls
 from kvbatch.worker.settings import (  # plain Python: no Celery to parse arguments
     DEFAULT_QUEUE,
     metrics_port,
@@ -178,10 +179,15 @@ def _app(args: argparse.Namespace, command: str):
 
 
 def _where(app) -> str:
-    """The app's broker URL for a message: its password masked."""
-    from kombu.utils.url import maybe_sanitize_url
+    """The app's broker URL for a message: its password masked (plain string work: kombu's
+    sanitize_url raises on a URL it cannot parse, inside the handler that reports it)."""
+    return redact_url(str(app.conf.broker_url))
 
-    return maybe_sanitize_url(app.conf.broker_url)
+
+def _broker_error(e: Exception, app) -> str:
+    """A transport's error text, with the broker URL's credentials masked wherever it says
+    them."""
+    return redact_urls(str(e), str(app.conf.broker_url))
 
 
 def submit(args: argparse.Namespace) -> int:
@@ -197,7 +203,10 @@ def submit(args: argparse.Namespace) -> int:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1)
     except Exception as e:  # kombu raises the transport's own errors (redis, botocore, ...)
-        print(f"kvbatch submit: cannot reach the broker {_where(app)}: {e}", file=sys.stderr)
+        print(
+            f"kvbatch submit: cannot reach the broker {_where(app)}: {_broker_error(e, app)}",
+            file=sys.stderr,
+        )
         return 1
     try:
         from kvbatch.worker.sqs import ensure_queue
@@ -493,7 +502,9 @@ def resend(args: argparse.Namespace) -> int:
         return 1
     except Exception as e:  # kombu raises the transport's own errors (redis, botocore, ...)
         print(
-            f"kvbatch resend: cannot read or write the broker {_where(app)}: {e}", file=sys.stderr
+            f"kvbatch resend: cannot read or write the broker {_where(app)}: "
+            f"{_broker_error(e, app)}",
+            file=sys.stderr,
         )
         return 1
     what = "without a result" if args.unwritten else "lost by the broker"
