@@ -40,14 +40,22 @@ class SourceDocument:
 
 def list_documents(source: SourceSpec) -> list[SourceDocument]:
     """The source's documents whose keys match an include glob and no exclude glob, sorted by
-    id. Symbolic links are not followed (a link could lead out of the source)."""
+    id. Symbolic links are not followed (a link could lead out of the source). A listing that
+    matches nothing is a SourceError: it would delete every row of the table."""
     if source.uri.startswith("s3://"):
         found = _list_s3(source.uri)
     else:
         found = _list_folder(source.uri)
-    return sorted(
+    matched = sorted(
         (d for d in found if _matches(d.id, source.include, source.exclude)), key=lambda d: d.id
     )
+    if not matched:  # a typo in a glob or a path must not read as "every document deleted"
+        raise SourceError(
+            f"source: none of the {len(found)} files under {source.uri} matches source.include "
+            f"{list(source.include)} (less source.exclude {list(source.exclude)}): fix the "
+            "globs or the path; to empty the index, remove its table"
+        )
+    return matched
 
 
 def _matches(key: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> bool:

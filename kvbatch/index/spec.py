@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import string
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,9 +125,11 @@ def parse_spec(raw: dict[str, Any], base: Path = Path(".")) -> IndexSpec:
     t.only("source", "chunking", "stages", "models", "output", "engine", "prompt_version")
     src = t.table("source", required=True)
     src.only("path", "include", "exclude", "max_bytes")
+    path = src.string("path", required=True)
+    _s3_bucket("source.path", path)
     source = SourceSpec(
-        uri=_local_or_s3(src.string("path", required=True), base),
-        include=tuple(src.strings("include", DEFAULT_INCLUDE)),
+        uri=_local_or_s3(path, base),
+        include=tuple(src.strings("include", DEFAULT_INCLUDE, nonempty=True)),
         exclude=tuple(src.strings("exclude", ())),
         max_bytes=src.integer("max_bytes", DEFAULT_MAX_BYTES, minimum=1),
     )
@@ -160,13 +163,16 @@ def parse_spec(raw: dict[str, Any], base: Path = Path(".")) -> IndexSpec:
     )
     out = t.table("output", required=True)
     out.only("uri", "runs", "table")
-    uri = _local_or_s3(out.string("uri", required=True), base)
+    uri = out.string("uri", required=True)
+    _s3_bucket("output.uri", uri)
+    uri = _local_or_s3(uri, base)
     runs = out.string("runs")
     if runs is None and uri.startswith("s3://"):
         raise SpecError("output.runs: required when output.uri is on S3 (a local folder)")
     runs = _local(runs, base) if runs else uri.rstrip("/") + ".runs"
     if runs.startswith("s3://"):
         raise SpecError(f"output.runs: {runs!r} must be a local folder (stage jobs resume there)")
+    _outside_source(source.uri, {"output.uri": uri, "output.runs": runs})
     table = out.string("table", "chunks")
     if not table.replace("_", "").replace("-", "").isalnum():
         raise SpecError(f"output.table: {table!r}: use letters, digits, '_' and '-' only")
@@ -223,7 +229,23 @@ _PLACEHOLDERS = {
 }
 
 
+_FIELDS = {ContextStage: {"document", "chunk"}, QuestionsStage: {"document", "chunk", "n"}}
+
+
 def _check_placeholders(where: str, prompt: str, kind: type) -> None:
+    """The prompt is filled by str.format: a field it does not know, or a lone brace, would
+    fail every request after the models loaded; say it now."""
+    known = _FIELDS.get(kind, {"document"})
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(prompt) if f is not None}
+    except ValueError as e:
+        raise SpecError(f"{where}: {e}: write a literal brace as {{{{ or }}}}") from e
+    unknown = sorted(fields - known)
+    if unknown:
+        raise SpecError(
+            f"{where}: unknown placeholder {{{unknown[0]}}}; the prompt may use "
+            f"{', '.join('{' + k + '}' for k in sorted(known))} (a literal brace is {{{{ or }}}})"
+        )
     missing = [p for p in _PLACEHOLDERS[kind] if p not in prompt]
     if missing:
         raise SpecError(f"{where}: the prompt lacks {', '.join(missing)}")
@@ -234,6 +256,28 @@ def _check_placeholders(where: str, prompt: str, kind: type) -> None:
                 f"{where}: put {{document}} before {{chunk}}: the document is the prefix that "
                 "all of its chunks share, computed once"
             )
+
+
+def _outside_source(source: str, outputs: dict[str, str]) -> None:
+    """The index and its run folders never inside the source (nor the source inside them): a
+    run would read its own table, Parquet and manifests back as documents."""
+    if source.startswith("s3://"):
+        return
+    src = Path(source)
+    for name, value in outputs.items():
+        if value.startswith("s3://"):
+            continue
+        out = Path(value)
+        if out == src or out.is_relative_to(src) or src.is_relative_to(out):
+            raise SpecError(
+                f"{name}: {value} overlaps source.path {source}: put the index outside the "
+                "documents' folder"
+            )
+
+
+def _s3_bucket(where: str, value: str) -> None:
+    if value.startswith("s3://") and not value[len("s3://") :].split("/", 1)[0]:
+        raise SpecError(f"{where}: {value!r} names no bucket (s3://bucket/prefix)")
 
 
 def _local_or_s3(value: str, base: Path) -> str:
@@ -288,12 +332,14 @@ class _Table:
             raise SpecError(f"{self._field(key)}: expected a non-empty string, got {value!r}")
         return value
 
-    def strings(self, key: str, default: Any) -> list[str]:
+    def strings(self, key: str, default: Any, nonempty: bool = False) -> list[str]:
         value = self.raw.get(key, default)
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
             raise SpecError(f"{self._field(key)}: expected a list of strings, got {value!r}")
+        if nonempty and not value:
+            raise SpecError(f"{self._field(key)}: an empty list matches nothing; leave it out")
         return list(value)
 
     def integer(self, key: str, default: int, minimum: int) -> int:

@@ -52,3 +52,12 @@ def test_an_unreadable_document_is_an_error_naming_it(tmp_path):
     with pytest.raises(DocumentError) as e:
         read_document(doc, max_bytes=100)
     assert e.value.code == "unreadable" and "gone.txt" in e.value.record("gone.txt").message
+
+
+@pytest.mark.parametrize("spec", [{"include": ("*.mdx",)}, {"exclude": ("*",)}, {}])
+def test_a_listing_that_matches_nothing_stops_the_run(tmp_path, spec):
+    """A glob typo (or an emptied folder) would otherwise delete every row of the index."""
+    if spec:
+        (tmp_path / "a.md").write_text("x")
+    with pytest.raises(SourceError, match=r"source: none of the \d files .*source.include"):
+        list_documents(SourceSpec(str(tmp_path), **spec))

@@ -105,6 +105,26 @@ def test_the_prompt_version_follows_the_prompts_and_stage_settings(tmp_path):
         (lambda s: s.replace('uri = "index"', 'uri = "s3://b/i"'), "output.runs"),
         (lambda s: s.replace('uri = "index"', 'uri = "i"\ntable = "../x"'), "output.table"),
         (lambda s: s + "colour = 'blue'\n", "colour"),
+        (lambda s: s.replace('path = "docs"', 'path = "docs"\ninclude = []'), "source.include"),
+        (lambda s: s.replace('path = "docs"', 'path = "s3://"'), "source.path"),
+        (lambda s: s.replace('uri = "index"', 'uri = "s3:///index"'), "output.uri"),
+        (lambda s: s.replace('uri = "index"', 'uri = "docs/index"'), "output.uri"),
+        (lambda s: s.replace('uri = "index"', 'uri = "docs"'), "output.uri"),
+        (lambda s: s.replace('uri = "index"', 'uri = "."'), "output.uri"),
+        (lambda s: s.replace('uri = "index"', 'uri = "i"\nruns = "docs/runs"'), "output.runs"),
+        (
+            lambda s: s + "[stages.context]\nprompt = '{document} {chunk} {title}'\n",
+            "stages.context.prompt",
+        ),
+        (
+            lambda s: s + "[stages.context]\nprompt = '{document} {chunk} as {\"json\": 1}'\n",
+            "stages.context.prompt",
+        ),
+        (
+            lambda s: s + "[stages.summary]\nprompt = '{document} in {n} words'\n",
+            "stages.summary.prompt",
+        ),
+        (lambda s: s + "[stages.summary]\nprompt = '{document} }'\n", "stages.summary.prompt"),
     ],
 )
 def test_a_wrong_field_is_named(tmp_path, edit, field):
@@ -124,3 +144,11 @@ def test_a_missing_or_broken_file_says_so(tmp_path):
         load_spec(tmp_path / "absent.toml")
     with pytest.raises(SpecError, match="not valid TOML"):
         load_spec(write(tmp_path, "[source\n"))
+
+
+def test_a_prompt_with_escaped_braces_and_its_own_fields_loads(tmp_path):
+    extra = "[stages.questions]\nprompt = '{document} {chunk}: {n} questions as {{\"q\": []}}'\n"
+    spec = load_spec(write(tmp_path, MINIMAL + extra))
+    assert spec.stages.questions.prompt.format(document="d", chunk="c", n=2) == (
+        'd c: 2 questions as {"q": []}'
+    )
