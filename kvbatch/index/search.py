@@ -4,6 +4,7 @@ embedded with (read from the rows), then LanceDB's nearest neighbours by cosine 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvbatch.engine import LLM
 from kvbatch.index.table import connect, open_table
@@ -26,6 +27,12 @@ class Hit:
 def search(uri: str, query: str, k: int = 5, *, table: str = "chunks", llm=None) -> list[Hit]:
     """The k chunks nearest to `query`. `llm` (a kvbatch.engine.LLM of the table's embedding
     model) saves loading it again when searching many times."""
+    if not query.strip():
+        raise SearchError("the query is empty: give the text to search for")
+    if k < 1:
+        raise SearchError(f"-k: {k}: give the number of hits, 1 or more")
+    if not uri.startswith("s3://") and not Path(uri).is_dir():  # connect() would create it
+        raise SearchError(f"no index at {uri}: run `kvbatch index` first (its output.uri)")
     tbl = open_table(connect(uri), table)
     if tbl is None:
         raise SearchError(f"no table {table!r} at {uri}: run `kvbatch index` first")
@@ -41,7 +48,13 @@ def search(uri: str, query: str, k: int = 5, *, table: str = "chunks", llm=None)
             if revision in ("", "main") or revision.startswith("local-")
             else {"revision": revision}
         )
-        llm = LLM(model=first[0]["embedding_model"], **extra)
+        model = first[0]["embedding_model"]
+        try:
+            llm = LLM(model=model, **extra)
+        except (OSError, ValueError) as e:
+            raise SearchError(
+                f"cannot load {model}, the embedding model of the table's rows: {e}"
+            ) from e
     vector = llm.embed([query])[0]
     found = (
         tbl.search(vector, vector_column_name="embedding")

@@ -1,0 +1,66 @@
+"""kvbatch search on bad requests: each a SearchError (a one-line `kvbatch search:` message,
+exit 2) before any model loads, and never a folder created where the user mistyped a path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from kvbatch.cli import main
+from kvbatch.index.search import SearchError, search
+from kvbatch.index.table import chunk_schema, connect, merge_rows
+
+
+def one_row_index(tmp_path: Path, embedding_model: str) -> str:
+    """A real LanceDB index of one chunk whose rows name `embedding_model`."""
+    uri = str(tmp_path / "index")
+    row = {
+        "chunk_id": "c1",
+        "document_id": "tides.txt",
+        "text": "Tides are caused by the Moon.",
+        "embedding": [1.0] + [0.0] * 383,
+        "embedding_model": embedding_model,
+        "embedding_revision": "main",
+    }
+    merge_rows(connect(uri), "chunks", pa.Table.from_pylist([row], schema=chunk_schema(384)), [])
+    return uri
+
+
+@pytest.mark.parametrize(
+    ("query", "k", "message"),
+    [("", 5, "the query is empty"), ("  \n", 5, "the query is empty"), ("tides", 0, "-k: 0")],
+)
+def test_an_empty_query_or_no_hits_asked_is_refused(tmp_path, query, k, message):
+    uri = one_row_index(tmp_path, str(tmp_path / "no-model"))
+    with pytest.raises(SearchError, match=message):
+        search(uri, query, k)
+
+
+@pytest.mark.parametrize("k", ["0", "-3"])
+def test_the_command_exits_2_on_a_bad_k(tmp_path, capsys, k):
+    uri = one_row_index(tmp_path, str(tmp_path / "no-model"))
+    assert main(["search", uri, "tides", "-k", k]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvbatch search: -k:") and "Traceback" not in err
+
+
+def test_a_mistyped_index_path_is_not_created(tmp_path, capsys):
+    absent = tmp_path / "indx"
+    assert main(["search", str(absent), "tides"]) == 2
+    assert "no index at" in capsys.readouterr().err and not absent.exists()
+
+
+def test_a_file_given_as_the_index_is_refused(tmp_path):
+    (tmp_path / "notes.md").write_text("x")
+    with pytest.raises(SearchError, match="no index at"):
+        search(str(tmp_path / "notes.md"), "tides")
+
+
+def test_an_embedding_model_gone_from_its_path_is_named(tmp_path, capsys):
+    gone = str(tmp_path / "models" / "all-MiniLM-L6-v2")
+    uri = one_row_index(tmp_path, gone)
+    assert main(["search", uri, "tides"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvbatch search: cannot load {gone}, the embedding model")
