@@ -41,7 +41,7 @@ from kvbatch.index.table import (
     merge_rows,
     open_table,
 )
-from kvbatch.jobs.local.run import JobError
+from kvbatch.jobs.local.run import JobError, JobInterrupted
 from kvbatch.jobs.model_info import load_tokenizer
 
 log = logging.getLogger("kvbatch.index")
@@ -173,6 +173,11 @@ def _load(factory: LLMFactory, model: str, role: str):
 def _run_stage(folder: Path, model: str, llm, engine: dict, stage: str):
     try:
         return run_stage(folder, model, llm, engine)
+    except JobInterrupted as e:  # its message says `--resume`, a flag `kvbatch index` lacks
+        raise IndexRunError(
+            f"{stage}: interrupted; the answers finished so far are kept in {folder}: run the "
+            "same `kvbatch index` command again to continue from them"
+        ) from e
     except JobError as e:  # another run holds the stage's output, an unwritable folder, ...
         raise IndexRunError(f"{stage}: {e}") from e
 
