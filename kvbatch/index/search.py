@@ -38,9 +38,16 @@ def search(uri: str, query: str, k: int = 5, *, table: str = "chunks", llm=None)
         raise SearchError(f"no table {table!r} at {uri}: run `kvbatch index` first")
     if "embedding" not in tbl.schema.names:
         raise SearchError(f"the table {table!r} at {uri} has no embeddings (stages.embed was off)")
-    first = tbl.search().select(["embedding_model", "embedding_revision"]).limit(1).to_list()
+    first = _embedding_models(tbl)
     if not first:
         return []
+    if len(first) > 1:  # a query vector of one model against another's: wrong hits, silently
+        named = ", ".join(f"{m} ({r})" for m, r in first)
+        raise SearchError(
+            f"the table {table!r} at {uri} holds vectors of {len(first)} embedding models: "
+            f"{named}; run `kvbatch index` until no document fails, or index into a new table"
+        )
+    first = [{"embedding_model": first[0][0], "embedding_revision": first[0][1]}]
     if llm is None:
         revision = first[0]["embedding_revision"]
         extra = (
@@ -74,3 +81,10 @@ def search(uri: str, query: str, k: int = 5, *, table: str = "chunks", llm=None)
         )
         for r in found
     ]
+
+
+def _embedding_models(tbl) -> list[tuple[str, str]]:
+    """The distinct (embedding model, revision) of the table's rows, sorted."""
+    columns = ["embedding_model", "embedding_revision"]
+    rows = tbl.search().select(columns).limit(None).to_arrow().to_pylist()
+    return sorted({(r["embedding_model"] or "", r["embedding_revision"] or "") for r in rows})

@@ -13,18 +13,22 @@ from kvbatch.index.search import SearchError, search
 from kvbatch.index.table import chunk_schema, connect, merge_rows
 
 
-def one_row_index(tmp_path: Path, embedding_model: str) -> str:
-    """A real LanceDB index of one chunk whose rows name `embedding_model`."""
+def one_row_index(tmp_path: Path, embedding_model: str, *more_models: str) -> str:
+    """A real LanceDB index of one chunk whose row names `embedding_model` (and one more
+    chunk per model of `more_models`)."""
     uri = str(tmp_path / "index")
-    row = {
-        "chunk_id": "c1",
-        "document_id": "tides.txt",
-        "text": "Tides are caused by the Moon.",
-        "embedding": [1.0] + [0.0] * 383,
-        "embedding_model": embedding_model,
-        "embedding_revision": "main",
-    }
-    merge_rows(connect(uri), "chunks", pa.Table.from_pylist([row], schema=chunk_schema(384)), [])
+    rows = [
+        {
+            "chunk_id": f"c{i}",
+            "document_id": f"doc{i}.txt",
+            "text": "Tides are caused by the Moon.",
+            "embedding": [1.0] + [0.0] * 383,
+            "embedding_model": model,
+            "embedding_revision": "main",
+        }
+        for i, model in enumerate([embedding_model, *more_models])
+    ]
+    merge_rows(connect(uri), "chunks", pa.Table.from_pylist(rows, schema=chunk_schema(384)), [])
     return uri
 
 
@@ -64,3 +68,11 @@ def test_an_embedding_model_gone_from_its_path_is_named(tmp_path, capsys):
     assert main(["search", uri, "tides"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"kvbatch search: cannot load {gone}, the embedding model")
+
+
+def test_a_table_mixing_two_embedding_models_is_refused(tmp_path, minilm):
+    """Rows kept from a run with another model of the same dimension (a document that failed
+    after the model changed): a query vector of either model would rank the others wrongly."""
+    uri = one_row_index(tmp_path, str(minilm), "org/other-384-dim-model")
+    with pytest.raises(SearchError, match="holds vectors of 2 embedding models: .*other-384"):
+        search(uri, "tides")
