@@ -25,6 +25,9 @@ PDF_SUFFIXES = (".pdf",)
 
 # pypdf logs every recoverable flaw of a file at WARNING; an index run reads thousands.
 logging.getLogger("pypdf").setLevel(logging.ERROR)
+# trafilatura logs a page it finds no text in ("discarding data: None"); that page is an
+# error record already.
+logging.getLogger("trafilatura").setLevel(logging.ERROR)
 
 
 def parse_document(document_id: str, data: bytes) -> str:
@@ -69,7 +72,22 @@ def _html_text(html: str) -> str:
 def _pdf_text(data: bytes) -> str:
     try:
         reader = pypdf.PdfReader(io.BytesIO(data))
+    except Exception as e:  # pypdf raises many kinds on a damaged file
+        raise DocumentError("parse", "unparsable", f"not a readable PDF: {e}") from e
+    if reader.is_encrypted and not _opens_without_password(reader):
+        raise DocumentError(
+            "parse", "encrypted", "a password-protected PDF: save it without a password"
+        )
+    try:
         pages = [page.extract_text() or "" for page in reader.pages]
     except Exception as e:  # pypdf raises many kinds on a damaged file
         raise DocumentError("parse", "unparsable", f"not a readable PDF: {e}") from e
     return "\n\n".join(p.strip() for p in pages if p.strip())
+
+
+def _opens_without_password(reader: pypdf.PdfReader) -> bool:
+    """An encrypted PDF with an empty user password (only its permissions locked) opens."""
+    try:
+        return bool(reader.decrypt(""))
+    except Exception:  # an encryption pypdf cannot undo
+        return False

@@ -3,6 +3,10 @@ and the documents it refuses."""
 
 from __future__ import annotations
 
+import io
+import logging
+
+import pypdf
 import pytest
 
 from kvbatch.index.parse import parse_document
@@ -48,3 +52,33 @@ def test_a_document_without_usable_text_is_an_error_that_says_why(name, data, co
     assert e.value.code == code
     record = e.value.record(name)
     assert record.document_id == name and name in record.message
+
+
+def _encrypted(tmp_path, user_password: str) -> bytes:
+    """A real PDF (fpdf2) encrypted by pypdf with `user_password`."""
+    reader = pypdf.PdfReader(write_pdf(tmp_path / "plain.pdf", CORALS))
+    writer = pypdf.PdfWriter()
+    for page in reader.pages:
+        writer.add_page(page)
+    writer.encrypt(user_password=user_password, owner_password="owner")
+    out = io.BytesIO()
+    writer.write(out)
+    return out.getvalue()
+
+
+def test_a_password_protected_pdf_is_an_error_that_says_so(tmp_path):
+    with pytest.raises(DocumentError) as e:
+        parse_document("locked.pdf", _encrypted(tmp_path, "secret"))
+    assert e.value.code == "encrypted" and "password-protected" in str(e.value)
+
+
+def test_a_pdf_encrypted_with_an_empty_password_is_read(tmp_path):
+    text = " ".join(parse_document("open.pdf", _encrypted(tmp_path, "")).split())
+    assert CORALS[0] in text
+
+
+def test_html_of_scripts_only_is_an_error_and_logs_nothing_else(caplog):
+    html = b"<html><head><script>var a = 1;</script></head><body><script>f()</script></body></html>"
+    with caplog.at_level(logging.WARNING), pytest.raises(DocumentError) as e:
+        parse_document("scripts.html", html)
+    assert e.value.code == "empty" and not caplog.records
