@@ -41,8 +41,13 @@ class Chunker:
     @classmethod
     def for_tokenizer(cls, tokenizer, size: int, overlap: int) -> Chunker:
         """Counts as the embedding model will: its tokenizer, without the special tokens (the
-        embedding stage checks the whole input against the model's limit)."""
-        return cls(lambda t: len(tokenizer.encode(t, add_special_tokens=False)), size, overlap)
+        embedding stage checks the whole input against the model's limit). Not verbose: a whole
+        document is counted too, and transformers would warn it is longer than the model takes."""
+
+        def count(text: str) -> int:
+            return len(tokenizer.encode(text, add_special_tokens=False, verbose=False))
+
+        return cls(count, size, overlap)
 
     def chunk(self, document_id: str, text: str) -> list[Chunk]:
         texts = self.split(text)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
+from transformers import AutoTokenizer
 
 from kvbatch.index.chunking import Chunker
 from tests.index.conftest import TIDES, VOLCANOES_MD
@@ -64,3 +67,14 @@ def test_identical_chunks_of_one_document_get_distinct_ids_in_order(minilm_token
     assert len({c.chunk_id for c in chunks}) == len(chunks)
     again = Chunker.for_tokenizer(minilm_tokenizer, size=8, overlap=0).chunk("d.md", text)
     assert [c.chunk_id for c in again] == [c.chunk_id for c in chunks]
+
+
+def test_a_document_longer_than_the_model_takes_is_counted_without_a_warning(minilm, caplog):
+    """A whole document is counted too; transformers' "longer than the specified maximum"
+    warning would read as an error in every run's log."""
+    tokenizer = AutoTokenizer.from_pretrained(str(minilm))  # its own: the warning is once each
+    with caplog.at_level(logging.WARNING):
+        chunker = Chunker.for_tokenizer(tokenizer, size=64, overlap=0)
+        chunks = chunker.chunk("t.txt", "tide " * 2000)
+    assert len(chunks) > 1
+    assert not [r for r in caplog.records if "longer than the specified" in r.getMessage()]
