@@ -173,6 +173,9 @@ def parse_spec(raw: dict[str, Any], base: Path = Path(".")) -> IndexSpec:
     if runs.startswith("s3://"):
         raise SpecError(f"output.runs: {runs!r} must be a local folder (stage jobs resume there)")
     _outside_source(source.uri, {"output.uri": uri, "output.runs": runs})
+    for name, value in (("output.uri", uri), ("output.runs", runs)):
+        if not value.startswith("s3://") and Path(value).exists() and not Path(value).is_dir():
+            raise SpecError(f"{name}: {value} is a file; name a folder (it is created if absent)")
     table = out.string("table", "chunks")
     if not table.replace("_", "").replace("-", "").isalnum():
         raise SpecError(f"output.table: {table!r}: use letters, digits, '_' and '-' only")

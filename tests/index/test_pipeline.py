@@ -189,6 +189,7 @@ def test_a_chunk_over_the_embedding_models_limit_is_an_error_naming_its_document
         "context_length_exceeded",
     )
     assert "long.txt" in err.message and "256" in err.message
+    assert err.message.endswith("lower chunking.size")  # what the user changes
     assert {r["document_id"] for r in table_rows(spec)} == {"short.txt"}
     assert all(r["context"] is None for r in table_rows(spec))  # no context stage ran
 

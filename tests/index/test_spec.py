@@ -152,3 +152,14 @@ def test_a_prompt_with_escaped_braces_and_its_own_fields_loads(tmp_path):
     assert spec.stages.questions.prompt.format(document="d", chunk="c", n=2) == (
         'd c: 2 questions as {"q": []}'
     )
+
+
+@pytest.mark.parametrize("field", ["uri", "runs"])
+def test_an_output_path_that_is_a_file_is_named(tmp_path, field):
+    (tmp_path / "taken").write_text("x")
+    text = MINIMAL.replace('uri = "index"', 'uri = "index"\nruns = "index.runs"')
+    text = text.replace(
+        f'{field} = "index{".runs" if field == "runs" else ""}"', f'{field} = "taken"'
+    )
+    with pytest.raises(SpecError, match=f"output.{field}: .*taken is a file"):
+        load_spec(write(tmp_path, text))
