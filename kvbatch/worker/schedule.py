@@ -15,6 +15,12 @@
     max_tokens = 48
     template = "<document>\n{document}\n</document>\n...<passage>\n{chunk}\n</passage>..."
 
+    [[jobs]]
+    name = "docs-index"                   # an index run (docs/INDEXING.md), instead of the above
+    cron = "0 2 * * *"
+    index = "/specs/index.toml"           # its spec: output and models come from it
+    # generation_queue = "..."  embedding_queue = "..."  shard_tokens = 200000
+
 Every error is a ScheduleError that names the file, the entry and the field.
 """
 
@@ -87,14 +93,21 @@ class DocumentsInput(BaseModel):
 
 
 class ScheduleEntry(BaseModel):
+    """A recurring job: a JSONL of requests (`input`), documents cut into chat requests
+    (`documents`), or an index run (`index`: the path of an index spec, whose stages run on
+    the workers of each model's queue; worker/index_task.py)."""
+
     model_config = ConfigDict(extra="forbid")
 
     name: str
     cron: str
-    output: str = Field(min_length=1)
-    model: str = Field(min_length=1)
+    output: str | None = Field(default=None, min_length=1)  # required unless `index`
+    model: str | None = Field(default=None, min_length=1)  # required unless `index`
     input: str | None = None
     documents: DocumentsInput | None = None
+    index: str | None = Field(default=None, min_length=1)
+    generation_queue: str | None = None  # index: default kvbatch-<model folder name>
+    embedding_queue: str | None = None
     model_name: str | None = None
     shard_tokens: int = Field(default=200_000, gt=0)
     max_attempts: int = Field(default=3, gt=0)
@@ -116,8 +129,20 @@ class ScheduleEntry(BaseModel):
 
     @model_validator(mode="after")
     def _one_input(self) -> ScheduleEntry:
-        if (self.input is None) == (self.documents is None):
-            raise ValueError("give exactly one of `input` (a JSONL) or `documents` (a prefix)")
+        given = [k for k in ("input", "documents", "index") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of `input` (a JSONL), `documents` (a prefix) or `index` "
+                "(an index spec)"
+            )
+        if self.index is None:
+            missing = [k for k in ("output", "model") if getattr(self, k) is None]
+            if missing:
+                raise ValueError(f"{missing[0]}: missing (required)")
+        else:
+            extra = [k for k in ("output", "model", "model_name") if getattr(self, k) is not None]
+            if extra:
+                raise ValueError(f"{extra[0]}: an index entry takes it from its spec; remove it")
         return self
 
     def crontab(self):
@@ -205,11 +230,11 @@ def _describe(err: ValidationError, data: Any, source: str) -> str:
                 pass
             where = f"job {name!r}" if isinstance(name, str) else f"job #{index + 1}"
             loc = loc[2:]
-        field = ".".join(str(p) for p in loc) or "(entry)"
+        field = ".".join(str(p) for p in loc)
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "missing":
             msg = "missing (required)"
         elif item["type"] == "extra_forbidden":
             msg = "unknown field"
-        lines.append(f"{where}: {field}: {msg}")
+        lines.append(f"{where}: {field}: {msg}" if field else f"{where}: {msg}")
     return f"{source}: " + "; ".join(lines)
