@@ -90,6 +90,13 @@ def _index(args: argparse.Namespace) -> int:
     except (SpecError, SourceError, IndexRunError) as e:
         print(f"kvbatch index: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            "kvbatch index: interrupted; the answers so far are kept in the run folder: run "
+            "the same command again to go on",
+            file=sys.stderr,
+        )
+        return 130
     for err in report.errors:
         print(f"kvbatch index: error: {err.message} ({err.stage}, {err.code})", file=sys.stderr)
     summary = report.to_dict()

@@ -43,7 +43,7 @@ from kvbatch.index.table import (
     merge_rows,
     open_table,
 )
-from kvbatch.jobs.local.run import JobError
+from kvbatch.jobs.local.run import JobError, JobInterrupted
 from kvbatch.jobs.model_info import load_tokenizer
 
 log = logging.getLogger("kvbatch.index")
@@ -235,6 +235,8 @@ def _load(factory: LLMFactory, model: str, role: str):
 def _run_stage(folder: Path, model: str, llm, engine: dict, stage: str):
     try:
         return run_stage(folder, model, llm, engine)
+    except JobInterrupted:  # Ctrl-C or a kill: the stage's answers so far are kept
+        raise KeyboardInterrupt from None
     except JobError as e:  # another run holds the stage's output, an unwritable folder, ...
         raise IndexRunError(f"{stage}: {e}") from e
 
