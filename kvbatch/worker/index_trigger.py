@@ -24,6 +24,7 @@ from pathlib import Path
 
 from kvbatch.index.spec import IndexSpec, load_spec
 from kvbatch.jobs.storage import Storage, open_storage
+from kvbatch.worker.schedule import IndexEntry
 from kvbatch.worker.settings import metrics_port
 
 INDEX_TASK = "kvbatch.index_run"
@@ -59,7 +60,7 @@ def read_record(target: Storage) -> dict | None:
         return json.loads(f.read())
 
 
-def trigger_index_run(entry, run_date: dt.date, app) -> str | None:
+def trigger_index_run(entry: IndexEntry, run_date: dt.date, app) -> str | None:
     """Send the run of index entry `entry` for `run_date` (its record's name), or None when
     that date's run was already sent."""
     path = str(Path(entry.index).resolve())

@@ -30,7 +30,7 @@ from pathlib import PurePosixPath
 
 from kvbatch.jobs.storage import open_storage
 from kvbatch.worker.index_trigger import trigger_index_run
-from kvbatch.worker.schedule import Schedule, ScheduleEntry
+from kvbatch.worker.schedule import IndexEntry, Schedule, ScheduleEntry
 
 SCHEDULED_TASK = "kvbatch.scheduled_run"
 SCHEDULED_QUEUE = "kvbatch-scheduled"  # consumed by `kvbatch beat` itself, not by GPU workers
@@ -135,14 +135,18 @@ def documents_input(entry: ScheduleEntry, model_name: str) -> tuple[bytes, dict[
     return b"".join(lines), taken
 
 
-def start_scheduled_run(entry: ScheduleEntry, run_date: dt.date, *, app=None) -> str | None:
+def start_scheduled_run(
+    entry: ScheduleEntry | IndexEntry, run_date: dt.date, *, app=None
+) -> str | None:
     """Prepare and enqueue the run of `entry` for `run_date`; its job id, or None when that
     date's run already exists (a duplicate trigger) or there is nothing new to run."""
     from kvbatch.jobs.distributed.shards import job_dir
     from kvbatch.jobs.distributed.submit import prepare_job
     from kvbatch.jobs.local.run import JobError
 
-    if entry.index is not None:  # one task message to the index worker (worker/index_trigger.py)
+    if isinstance(
+        entry, IndexEntry
+    ):  # one task message to the index worker (worker/index_trigger.py)
         return trigger_index_run(entry, run_date, app or _default_app())
     job_id = run_id(entry.name, run_date)
     job = job_dir(entry.output, job_id)  # validates the key part
@@ -311,7 +315,7 @@ def beat(args) -> int:
         return 1
     register_scheduled(app, schedule)
     for e in schedule.jobs:
-        where = f"index {e.index} (kvbatch index-worker)" if e.index else e.output
+        where = f"index {e.index} (kvbatch index-worker)" if isinstance(e, IndexEntry) else e.output
         print(f"kvbatch beat: {e.name}: {e.cron} ({schedule.timezone}) -> {where}",
               file=sys.stderr)  # fmt: skip
     app.worker_main(

@@ -19,7 +19,7 @@ import redis
 from kvbatch.index.distributed import model_queue
 from kvbatch.worker.app import make_app
 from kvbatch.worker.index_trigger import INDEX_QUEUE, run_record
-from kvbatch.worker.schedule import ScheduleError, parse_schedule
+from kvbatch.worker.schedule import IndexEntry, ScheduleError, parse_schedule
 from kvbatch.worker.scheduled import start_scheduled_run
 from tests.index.indexing import index_spec, table_rows
 from tests.redis_server import redis_server  # noqa: F401
@@ -33,11 +33,13 @@ def _index_entry(spec: Path | str, **over) -> dict:
 
 def test_an_index_entry_takes_output_and_models_from_its_spec():
     (entry,) = parse_schedule({"jobs": [_index_entry("index.toml")]}).jobs
-    assert entry.index == "index.toml" and entry.output is None and entry.model is None
-    with pytest.raises(ScheduleError, match=r"job 'docs-index': model: an index entry takes"):
+    assert isinstance(entry, IndexEntry) and entry.index == "index.toml"
+    with pytest.raises(ScheduleError, match=r"job 'docs-index': model: unknown field"):
         parse_schedule({"jobs": [_index_entry("index.toml", model="m")]})
-    with pytest.raises(ScheduleError, match=r"exactly one of `input`.*`index`"):
+    with pytest.raises(ScheduleError, match=r"job 'docs-index': input: unknown field"):
         parse_schedule({"jobs": [_index_entry("index.toml", input="in.jsonl")]})
+    with pytest.raises(ScheduleError, match=r"job 'docs-index': cron: "):
+        parse_schedule({"jobs": [_index_entry("index.toml", cron="bad")]})
     with pytest.raises(ScheduleError, match=r"job 'n': output: missing"):
         parse_schedule({"jobs": [{"name": "n", "cron": "0 2 * * *", "model": "m", "input": "i"}]})
 
