@@ -28,7 +28,7 @@ import logging
 import re
 from pathlib import PurePosixPath
 
-from kvbatch.jobs.storage import open_storage
+from kvbatch.jobs.storage import absolute_location, open_storage
 from kvbatch.worker.index_trigger import trigger_index_run
 from kvbatch.worker.schedule import IndexEntry, Schedule, ScheduleEntry
 
@@ -233,8 +233,8 @@ def _send(entry: ScheduleEntry, job, messages, app) -> None:
 
     if messages:
         ensure_queue(app, entry.queue)
-    for msg in messages:
-        send_shard(app, entry.output, msg, entry.queue)
+    for msg in messages:  # an absolute prefix: the workers run in other folders than beat
+        send_shard(app, absolute_location(entry.output), msg, entry.queue)
     if not messages:
         from kvbatch.jobs.distributed.finalize import try_finalize
 
