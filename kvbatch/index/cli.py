@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 
+from kvbatch.redact import redact_url, redact_urls
 from kvbatch.threads import apply_threads
 from kvbatch.worker.settings import metrics_port
 
@@ -156,7 +157,11 @@ def _workers(args: argparse.Namespace, spec):
         for model in {spec.models.generation, spec.models.embedding} - {None}:
             ensure_queue(app, stages.queue_for(model))
     except Exception as e:  # kombu raises the transport's own errors (redis, botocore, ...)
-        raise IndexRunError(f"cannot reach the broker or make its queues: {e}") from e
+        url = str(app.conf.broker_url)
+        raise IndexRunError(
+            f"cannot reach the broker {redact_url(url)} or make its queues: "
+            f"{redact_urls(str(e), url)}"
+        ) from e
     return stages
 
 

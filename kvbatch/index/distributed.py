@@ -119,7 +119,7 @@ class DistributedStages:
         except JobError as e:
             raise IndexRunError(f"models.{role}: {stage}: {e}") from e
         for msg in submitted.messages:
-            send_shard(self.app, str(folder.parent), msg, queue)
+            send_shard(self.app, submitted.output, msg, queue)
         job = job_dir(str(folder.parent), stage)
         if not submitted.messages:  # every line invalid: nothing for a worker to finalize
             try_finalize(job)

@@ -22,8 +22,6 @@ from kvbatch.index.pipeline import run_index
 from tests.index.indexing import WatchedModels, index_spec, table_rows
 from tests.redis_server import redis_server  # noqa: F401
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = {
     "tides.txt": "Tides rise and fall twice a day. The Moon pulls the near side of the sea. "
@@ -47,6 +45,8 @@ def _logs(tmp: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in tmp.glob("*.log"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_worker_killed_mid_shard_leaves_every_chunk_once(
     tmp_path,
     redis_server,  # noqa: F811
@@ -126,3 +126,15 @@ def test_a_worker_killed_mid_shard_leaves_every_chunk_once(
     assert report["run_id"] == expected.run_id
     run = runs / report["run_id"]
     assert sorted(p.name for p in run.iterdir()) == ["chunks.parquet", "manifest.json"]
+
+
+def test_an_unreachable_broker_stops_the_run_before_any_work(tmp_path, minilm, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "tides.txt").write_text(TEXTS["tides.txt"])
+    spec = index_spec(tmp_path, docs, None, minilm)
+    argv = ["index", str(tmp_path / "index.toml"), "--broker", "redis://:s3cret@127.0.0.1:1/0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach the broker redis://:***@127.0.0.1:1/0" in err and "s3cret" not in err
+    assert not Path(spec.output.runs).exists() and not Path(spec.output.uri).exists()
