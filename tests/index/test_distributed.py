@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvbatch.cli import main
 from kvbatch.index.distributed import model_queue
@@ -39,6 +42,23 @@ def _worker(tmp: Path, broker: str, model: Path, env: dict, name: str) -> subpro
             broker, "--queue", model_queue(str(model)), "--device", "cpu", "--max-num-seqs",
             "4", "--metrics-port", "0"]  # fmt: skip
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[tuple[str, str, str], float]:
+    """/metrics, parsed by prometheus_client: (name, stage or kind, what) -> value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            first = sample.labels.get("stage") or sample.labels.get("kind", "")
+            out[(sample.name, first, sample.labels.get("what", ""))] = sample.value
+    return out
 
 
 def _logs(tmp: Path) -> str:
@@ -77,9 +97,10 @@ def test_a_worker_killed_mid_shard_leaves_every_chunk_once(
     def index() -> None:
         argv = ["index", str(tmp_path / "workers" / "index.toml"), "--broker",
                 redis_server.url, "--shard-tokens", "150", "--report",
-                str(tmp_path / "report.json")]  # fmt: skip
+                str(tmp_path / "report.json"), "--metrics-port", str(port)]  # fmt: skip
         result["code"] = main(argv)
 
+    port = _free_port()
     thread = threading.Thread(target=index, daemon=True)
     try:
         thread.start()
@@ -122,6 +143,13 @@ def test_a_worker_killed_mid_shard_leaves_every_chunk_once(
     for got, exp in zip(rows, want, strict=True):
         assert got["embedding"] == pytest.approx(exp["embedding"], abs=1e-4)
         assert got["run_id"] == report["run_id"]
+    # the metrics the command served, per stage, as Prometheus reads them
+    samples = _scrape(port)
+    for stage in ("generate", "embed"):
+        assert samples[("kvbatch_index_stage_progress", stage, "requests_done")] == len(rows)
+        assert samples[("kvbatch_index_stage_progress", stage, "shards_done")] >= 1
+        assert samples[("kvbatch_index_documents_total", stage, "")] >= len(TEXTS)
+    assert samples[("kvbatch_index_prefill_tokens_total", "ideal", "")] > 0
     # the same run folder as on one machine: the same plan, so the same run id
     assert report["run_id"] == expected.run_id
     run = runs / report["run_id"]
