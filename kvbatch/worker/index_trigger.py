@@ -44,6 +44,9 @@ class IndexRunRequest:
     embedding_queue: str | None = None
     shard_tokens: int = 200_000
 
+    def __post_init__(self) -> None:
+        dt.date.fromisoformat(self.run_key)  # ValueError: not a run date; it names a file
+
     def to_kwargs(self) -> dict:
         return dict(self.__dict__)
 

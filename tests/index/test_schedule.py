@@ -18,7 +18,7 @@ import redis
 
 from kvbatch.index.distributed import model_queue
 from kvbatch.worker.app import make_app
-from kvbatch.worker.index_trigger import INDEX_QUEUE, run_record
+from kvbatch.worker.index_trigger import INDEX_QUEUE, IndexRunRequest, run_record
 from kvbatch.worker.schedule import IndexEntry, ScheduleError, parse_schedule
 from kvbatch.worker.scheduled import start_scheduled_run
 from tests.index.indexing import index_spec, table_rows
@@ -42,6 +42,12 @@ def test_an_index_entry_takes_output_and_models_from_its_spec():
         parse_schedule({"jobs": [_index_entry("index.toml", cron="bad")]})
     with pytest.raises(ScheduleError, match=r"job 'n': output: missing"):
         parse_schedule({"jobs": [{"name": "n", "cron": "0 2 * * *", "model": "m", "input": "i"}]})
+
+
+def test_an_index_run_message_names_a_run_date():
+    assert IndexRunRequest("/specs/index.toml", "2026-03-01", "docs-index").to_kwargs()["run_key"]
+    with pytest.raises(ValueError):
+        IndexRunRequest("/specs/index.toml", "../../etc/passwd", "docs-index")
 
 
 def _process(tmp: Path, name: str, *args: str, env: dict) -> subprocess.Popen:
