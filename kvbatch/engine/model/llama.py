@@ -12,11 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvbatch.engine.attention.layer_spec import LayerAttention
-from kvbatch.engine.attention.metadata import UNIT_KV_SCALES, AttentionMetadata, KVScales
+from kvbatch.engine.attention.metadata import AttentionMetadata
+from kvbatch.engine.layers.attention import SelfAttention
+from kvbatch.engine.layers.logits import final_logits
+from kvbatch.engine.layers.mlp import GatedMLP
+from kvbatch.engine.layers.norm import RMSNorm
+from kvbatch.engine.layers.rotary import RotaryEmbedding
 from kvbatch.engine.model.architectures import (
     ARCHITECTURE_BY_MODEL_TYPE,
     ATTENTION_BIAS_ARCHITECTURES,
@@ -29,7 +33,7 @@ from kvbatch.engine.model.architectures import (
 from kvbatch.engine.model.gemma import GemmaConfig, global_rope_params
 from kvbatch.engine.model.moe import MoeConfig, SparseMoeBlock
 from kvbatch.engine.model.multimodal import TEXT_MODEL_OF
-from kvbatch.engine.model.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
+from kvbatch.engine.model.rope import RopeConfig, rope_config_from_hf
 
 
 @dataclass(frozen=True)
@@ -163,91 +167,43 @@ def _has_qkv_bias(architecture: str, hf_config) -> bool:
     )
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as transformers does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
-        super().__init__()
-        self.variant: LayerAttention = cfg.layer_attention(layer)  # window, scale, soft-cap
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        # An FP8 KV cache's scales for this layer: the loader sets a checkpoint's calibrated
-        # k_scale / v_scale (kv_cache_scheme); float caches ignore them.
-        self.kv_scales: KVScales = UNIT_KV_SCALES
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.norm_heads(q, k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
-        out = backend.forward(q, k, v, kv_cache, meta, self.kv_scales, self.variant)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
-    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Qwen3's per-head RMSNorm of q and k ([T, heads, head_dim]); others pass through."""
-        if not hasattr(self, "q_norm"):
-            return q, k
-        return self.q_norm(q), self.k_norm(k)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        bias = cfg.mlp_bias
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = F.silu(self.gate_proj(x), inplace=True)  # in place: one [T, ffn] buffer less
-        return self.down_proj(gate.mul_(self.up_proj(x)))
-
-
 def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
-    """Layer `layer`'s feed-forward block: the experts where the config puts them, else the MLP.
-    Both sit at `mlp.*` (the loader maps Mixtral's `block_sparse_moe.*` there)."""
+    """Layer `layer`'s feed-forward block: the experts where the config puts them, else the
+    SwiGLU MLP. Both sit at `mlp.*` (the loader maps Mixtral's `block_sparse_moe.*` there)."""
     if cfg.moe is not None and cfg.moe.is_sparse(layer):
         return SparseMoeBlock(cfg.hidden_size, cfg.moe)
-    return MLP(cfg)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, "silu", bias=cfg.mlp_bias)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and feed-forward; each norm adds the sublayer output before it to
+    the residual stream (the first layer's input norm has nothing to add yet)."""
+
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        head_norm = (lambda dim: RMSNorm(dim, cfg.rms_norm_eps)) if cfg.qk_norm else None
+        self.self_attn = SelfAttention(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.layer_attention(layer),
+            qkv_bias=cfg.qkv_bias,
+            o_bias=cfg.o_bias,
+            head_norm=head_norm,
+        )
         self.mlp = feed_forward(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
-        # In-place residual adds: x is this forward's own activation (never a weight or input).
-        x += self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        x += self.mlp(self.post_attention_layernorm(x))
-        return x
+    def forward(self, x, residual, rotation, kv_cache, meta, backend):
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(h, rotation, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -273,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
 
     def rebuild_rotary(self, device) -> None:
         """RoPE buffers on `device` (the loader builds modules on the meta device)."""
-        self.rotary = RotaryEmbedding(self.config.rope).to(device)
+        self.rotary.rebuild(device)
 
     @property
     def output_embedding(self) -> torch.Tensor:
@@ -296,13 +252,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [len(logits_indices) or T, vocab] float32
         """`final_hidden`: when given, every row's state after the final norm ([T, hidden]) is
         appended to it, for pooling (engine/pooling/); the logits are unchanged."""
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        x = self.model.embed_tokens(input_ids)  # this forward's own tensor: added to in place
+        rotation = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, backend)
-        if final_hidden is not None:
-            final_hidden.append(self.model.norm(x))
-        if logits_indices is not None:
-            x = x[logits_indices]
-        x = self.model.norm(x)
-        return F.linear(x, self.output_embedding).float()
+            x, residual = layer(x, residual, rotation, kv_cache, meta, backend)
+        return final_logits(
+            self.model.norm, x, residual, self.output_embedding, logits_indices, final_hidden
+        )

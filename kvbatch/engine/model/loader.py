@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvbatch.engine.layers.linear import merge_projections
 from kvbatch.engine.model.architectures import ENCODER_ARCHITECTURES
 from kvbatch.engine.model.bert import BertConfig, BertModel, build_bert
 from kvbatch.engine.model.experts_loader import (
@@ -184,6 +185,7 @@ def _build(
     weights.update((k, v) for k, v in owned.items() if k not in expected)
     model.load_state_dict(weights, assign=True, strict=True)
     model.rebuild_rotary(device)  # its buffers were built on meta
+    merge_projections(model)  # q/k/v and gate/up as one GEMM each (engine/layers/linear.py)
     return model.eval()
 
 

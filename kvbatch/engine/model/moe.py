@@ -8,7 +8,7 @@ routing weights. The experts' weights are stacked at load, as the fused kernel w
 
 (transformers 5 holds them the same way; checkpoints on disk keep one tensor per expert, which
 engine/model/experts_loader.py stacks). Tokens run through kernels/fused_moe.py: the Triton kernel on
-CUDA, its torch reference elsewhere; both compute the same sum.
+the triton backend and on CUDA, its torch reference elsewhere; both compute the same sum.
 
 Routers differ by model, as their configs say:
 - Mixtral: softmax over the experts, top k, the k weights renormalised to sum to one.
@@ -24,9 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kvbatch.engine.layers.kernel_op import KernelOp
+from kvbatch.engine.layers.mlp import GatedMLP
 from kvbatch.engine.model.tensor_names import some_names
 from kvbatch.kernels.fused_moe import fused_moe, fused_moe_ref
 
@@ -208,21 +209,10 @@ class StackedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
 
-class SharedExpert(nn.Module):
-    """Qwen2-MoE's dense expert that every token runs (a plain SwiGLU MLP)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class SparseMoeBlock(nn.Module):
-    """Router, stacked experts and (Qwen2-MoE) the shared expert; `mlp.*` in checkpoints."""
+class SparseMoeBlock(KernelOp):
+    """Router, stacked experts and (Qwen2-MoE) the shared expert, a SwiGLU MLP every token
+    runs; `mlp.*` in checkpoints. The experts run kernels/fused_moe.py: its Triton kernel on
+    the triton backend and on CUDA, its torch reference on the CPU's torch backend."""
 
     def __init__(self, hidden_size: int, cfg: MoeConfig) -> None:
         super().__init__()
@@ -230,16 +220,17 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(hidden_size, cfg.num_experts, bias=False)  # the router
         self.experts = StackedExperts(cfg.num_experts, hidden_size, cfg.intermediate_size)
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = SharedExpert(hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert = GatedMLP(hidden_size, cfg.shared_expert_intermediate_size, "silu")
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, H]
-        experts_fn: ExpertsFn | None = None,  # None: the Triton kernel on CUDA, else reference
-    ) -> torch.Tensor:  # [T, H]
-        if experts_fn is None:
-            experts_fn = fused_moe if x.is_cuda else fused_moe_ref
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x, fused_moe if x.is_cuda else fused_moe_ref)
+
+    def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x, fused_moe)
+
+    def run(self, x: torch.Tensor, experts_fn: ExpertsFn) -> torch.Tensor:  # [T, H] -> [T, H]
+        """The block's output with `experts_fn` (fused_moe or its reference) for the experts."""
         weights, ids = route(self.gate(x), self.cfg.top_k, self.cfg.renormalize)
         out = experts_fn(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         if self.cfg.shared_expert_intermediate_size:
