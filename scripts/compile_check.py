@@ -96,7 +96,7 @@ def rag_shaped_model(dtype: torch.dtype):
 
     from kvbatch.bench.models import LLAMA_3_2_1B
     from kvbatch.engine.layers.linear import merge_projections
-    from kvbatch.engine.model.llama import LlamaForCausalLM, ModelConfig
+    from kvbatch.engine.models.llama import LlamaForCausalLM, ModelConfig
 
     spec = dataclasses.replace(LLAMA_3_2_1B, num_hidden_layers=1, vocab_size=2048)
     cfg = ModelConfig.from_hf(spec.config())
@@ -186,8 +186,8 @@ def drive_gemma(dtype: torch.dtype) -> None:
     from transformers import Gemma3TextConfig
 
     from kvbatch.engine.layers.linear import merge_projections
-    from kvbatch.engine.model.gemma import GemmaForCausalLM
-    from kvbatch.engine.model.llama import ModelConfig
+    from kvbatch.engine.models.gemma import GemmaForCausalLM
+    from kvbatch.engine.models.llama import ModelConfig
 
     hf = Gemma3TextConfig(
         vocab_size=2048,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from transformers import Gemma3TextConfig
 
-from kvbatch.engine.model.llama import ModelConfig
+from kvbatch.engine.models.llama import ModelConfig
 
 H200_BYTES = 141e9
 KV_MEMORY_FRACTION = 0.9  # of what is left after the weights (engine/kv/memory.py's share)

@@ -28,7 +28,7 @@ from kvbatch.engine.kv.device_tables import (
 )
 from kvbatch.engine.kv.kv_cache import KVCacheManager
 from kvbatch.engine.layers.kernel_op import use_kernels
-from kvbatch.engine.model.llama import LlamaForCausalLM
+from kvbatch.engine.models.llama import LlamaForCausalLM
 from kvbatch.engine.pooling.pooler import Pooler, pooling_chunks
 from kvbatch.engine.sched.scheduler import ScheduledChunk, SchedulerOutput
 from kvbatch.engine.spec.rejection import verify

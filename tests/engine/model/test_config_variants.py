@@ -26,9 +26,9 @@ from transformers import (
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kvbatch.engine.model.llama import ModelConfig
 from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.model.rope import RopeConfig, inverse_frequencies
+from kvbatch.engine.models.llama import ModelConfig
 from tests.engine.core.test_llm import random_prompts
 from tests.engine.model.test_architectures import load, with_config
 from tests.engine.model.test_model import prefill_logits

@@ -78,7 +78,7 @@ def test_greedy_matches_transformers(tiny_models, kind, engine_args):
 def test_triton_backend_runs_the_fused_kernel_and_matches_transformers(
     tiny_models, kind, monkeypatch
 ):
-    """The fused forward sends sparse layers to kernels/fused_moe.py (counted here); float32
+    """On the triton backend the MoE block runs kernels/fused_moe.py (counted here); float32
     greedy tokens equal transformers'."""
     import kvbatch.kernels.fused_moe as kernel
 

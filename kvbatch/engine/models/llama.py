@@ -1,6 +1,7 @@
-"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, Phi-3/4, and
-the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in one file, and the ModelConfig every
-architecture reads (Gemma's own layer is engine/model/gemma.py).
+"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE; Phi-3/4 in engine/models/phi3.py) composed
+from engine/layers/, and the ModelConfig every architecture reads (Gemma's own layer is
+engine/models/gemma.py).
 
 It runs over a flat batch: every scheduled token of every sequence in one [num_tokens, hidden]
 tensor, with positions per token, and attention reading and writing the paged KV cache. Only
@@ -21,19 +22,17 @@ from kvbatch.engine.layers.logits import final_logits
 from kvbatch.engine.layers.mlp import GatedMLP
 from kvbatch.engine.layers.norm import RMSNorm
 from kvbatch.engine.layers.rotary import RotaryEmbedding
-from kvbatch.engine.model.architectures import (
-    ARCHITECTURE_BY_MODEL_TYPE,
-    ATTENTION_BIAS_ARCHITECTURES,
-    BASE_MODEL_ARCHITECTURES,
-    MLP_BIAS_ARCHITECTURES,
-    QK_NORM_ARCHITECTURES,
-    SUPPORTED_ARCHITECTURES,
-    check_supported_features,
-)
-from kvbatch.engine.model.gemma import GemmaConfig, global_rope_params
+from kvbatch.engine.model.architectures import check_supported_features
 from kvbatch.engine.model.moe import MoeConfig, SparseMoeBlock
 from kvbatch.engine.model.multimodal import TEXT_MODEL_OF
+from kvbatch.engine.model.registry import (
+    Architecture,
+    architecture_named,
+    register_architecture,
+    supported_architectures,
+)
 from kvbatch.engine.model.rope import RopeConfig, rope_config_from_hf
+from kvbatch.engine.models.gemma import GemmaConfig, global_rope_params
 
 
 @dataclass(frozen=True)
@@ -62,8 +61,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     moe: MoeConfig | None = None  # the experts of mixture-of-experts models
-    gemma: GemmaConfig | None = None  # Gemma 2 / 3 (engine/model/gemma.py)
-    has_lm_head: bool = True  # False for a base model (BASE_MODEL_ARCHITECTURES): embeds only
+    gemma: GemmaConfig | None = None  # Gemma 2 / 3 (engine/models/gemma.py)
+    has_lm_head: bool = True  # False for a base model (Architecture.base_model): embeds only
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -104,20 +103,16 @@ class ModelConfig:
         """Read a transformers config; unsupported architectures are named in the error."""
         archs = list(getattr(hf_config, "architectures", None) or [])
         model_type = getattr(hf_config, "model_type", "")
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        arch = arch or (ARCHITECTURE_BY_MODEL_TYPE.get(model_type) if not archs else None)
-        has_lm_head = arch is not None
-        if arch is None:
-            base = (BASE_MODEL_ARCHITECTURES[a] for a in archs if a in BASE_MODEL_ARCHITECTURES)
-            arch = next(base, None)
-        if arch is None:
+        entry, has_lm_head = architecture_named(archs, model_type)
+        if entry is None:
             found = ", ".join(archs) or model_type or "unknown"
             raise ValueError(
                 f"architecture {found} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES))}, and "
+                f"{', '.join(supported_architectures())}, and "
                 f"the text model of {', '.join(TEXT_MODEL_OF)}"
             )
-        check_supported_features(arch, hf_config)
+        check_supported_features(entry, hf_config)
+        arch = entry.name
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         eos = getattr(hf_config, "eos_token_id", None)
@@ -139,32 +134,29 @@ class ModelConfig:
             max_position_embeddings=hf_config.max_position_embeddings,
             rms_norm_eps=hf_config.rms_norm_eps,
             head_dim=head_dim,
-            qkv_bias=_has_qkv_bias(arch, hf_config),
-            o_bias=arch in ATTENTION_BIAS_ARCHITECTURES
-            and bool(getattr(hf_config, "attention_bias", False)),
-            mlp_bias=arch in MLP_BIAS_ARCHITECTURES and bool(getattr(hf_config, "mlp_bias", False)),
+            qkv_bias=_has_qkv_bias(entry, hf_config),
+            o_bias=entry.attention_bias and bool(getattr(hf_config, "attention_bias", False)),
+            mlp_bias=entry.mlp_bias and bool(getattr(hf_config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             rope=rope_config_from_hf(hf_config, head_dim, global_rope_params(hf_config)),
             sliding_window=sliding,
             layer_types=layer_types if sliding else (),
             eos_token_ids=eos_ids,
-            qk_norm=arch in QK_NORM_ARCHITECTURES,
+            qk_norm=entry.qk_norm,
             moe=MoeConfig.from_hf(arch, hf_config),
             gemma=GemmaConfig.from_hf(arch, hf_config, head_dim),
             has_lm_head=has_lm_head,
         )
 
 
-def _has_qkv_bias(architecture: str, hf_config) -> bool:
+def _has_qkv_bias(architecture: Architecture, hf_config) -> bool:
     """q/k/v biases as transformers builds them: always for Qwen2, Qwen2-MoE's `qkv_bias`
     (default on), and `attention_bias` where the architecture reads it."""
-    if architecture == "Qwen2ForCausalLM":
+    if architecture.name == "Qwen2ForCausalLM":
         return True
-    if architecture == "Qwen2MoeForCausalLM":
+    if architecture.name == "Qwen2MoeForCausalLM":
         return bool(getattr(hf_config, "qkv_bias", True))
-    return architecture in ATTENTION_BIAS_ARCHITECTURES and bool(
-        getattr(hf_config, "attention_bias", False)
-    )
+    return architecture.attention_bias and bool(getattr(hf_config, "attention_bias", False))
 
 
 def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
@@ -260,3 +252,17 @@ class LlamaForCausalLM(nn.Module):
         return final_logits(
             self.model.norm, x, residual, self.output_embedding, logits_indices, final_hidden
         )
+
+
+# The names this file serves: Llama's layer, with the switches each family's config reads.
+_QWEN3 = dict(qk_norm=True, attention_bias=True)
+for _architecture in (
+    Architecture("LlamaForCausalLM", "llama", LlamaForCausalLM, "LlamaModel", attention_bias=True, mlp_bias=True),
+    Architecture("MistralForCausalLM", "mistral", LlamaForCausalLM, "MistralModel"),
+    Architecture("Qwen2ForCausalLM", "qwen2", LlamaForCausalLM, "Qwen2Model"),
+    Architecture("Qwen3ForCausalLM", "qwen3", LlamaForCausalLM, "Qwen3Model", **_QWEN3),
+    Architecture("MixtralForCausalLM", "mixtral", LlamaForCausalLM),
+    Architecture("Qwen2MoeForCausalLM", "qwen2_moe", LlamaForCausalLM),
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", LlamaForCausalLM, **_QWEN3),
+):
+    register_architecture(_architecture)

@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 (text): the transformer of engine/model/llama.py with Gemma's changes.
+"""Gemma 2 and Gemma 3 (text): the transformer of engine/models/llama.py with Gemma's changes.
 
 Per layer, against Llama's:
 
@@ -35,8 +35,10 @@ from kvbatch.engine.layers.logits import final_logits
 from kvbatch.engine.layers.mlp import GatedMLP
 from kvbatch.engine.layers.norm import RMSNorm
 from kvbatch.engine.layers.rotary import RotaryEmbedding
-from kvbatch.engine.model.architectures import GEMMA_ARCHITECTURES
+from kvbatch.engine.model.registry import Architecture, register_architecture
 from kvbatch.engine.model.rope import RopeConfig, rope_config_from_hf
+
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -191,3 +193,17 @@ class GemmaForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+# Gemma's MLP runs the tanh-approximate GELU, under either of its names; `hidden_act`, where a
+# Gemma config also has it, is the same GELU and not read.
+for _name, _model_type in zip(GEMMA_ARCHITECTURES, ("gemma2", "gemma3_text")):
+    register_architecture(
+        Architecture(
+            _name,
+            _model_type,
+            GemmaForCausalLM,
+            activations=("gelu_pytorch_tanh", "gelu_tanh"),
+            activation_key="hidden_activation",
+        )
+    )
