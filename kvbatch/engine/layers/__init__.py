@@ -12,8 +12,8 @@ triton attention backend turns it on with `use_kernels`), as vLLM's CustomOp cho
     activation.py  SiLU-and-mul and GELU(tanh)-and-mul over a merged gate|up output
     mlp.py         the gated MLP (SwiGLU, GeGLU) from the three above
     attention.py   self-attention: merged q/k/v, head norms, rotary, paged attention, o_proj
+    moe.py         the mixture-of-experts block: router, stacked experts (fused_moe), shared expert
     logits.py      the final norm and the vocabulary projection of the rows to sample
 
-Quantized linears (engine/quant/linear.py) pick their GEMM the same way, and the MoE block
-(engine/model/moe.py) its experts kernel.
+Quantized linears (engine/quant/linear.py) pick their GEMM the same way.
 """

@@ -23,7 +23,8 @@ from kvbatch.engine.layers.mlp import GatedMLP
 from kvbatch.engine.layers.norm import RMSNorm
 from kvbatch.engine.layers.rotary import RotaryEmbedding
 from kvbatch.engine.model.architectures import check_supported_features
-from kvbatch.engine.model.moe import MoeConfig, SparseMoeBlock
+from kvbatch.engine.layers.moe import SparseMoeBlock
+from kvbatch.engine.model.moe import MoeConfig
 from kvbatch.engine.model.multimodal import TEXT_MODEL_OF
 from kvbatch.engine.model.registry import (
     Architecture,

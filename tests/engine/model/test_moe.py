@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvbatch.engine import LLM, SamplingParams
+from kvbatch.engine.layers.moe import SparseMoeBlock, route
 from kvbatch.engine.model.experts_loader import split_experts
 from kvbatch.engine.model.loader import load_model
-from kvbatch.engine.model.moe import SparseMoeBlock, route
 from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts, tokens
 from tests.engine.exec.padded_graphs import padded_graph_tokens
 from tests.engine.model.test_model import prefill_logits
