@@ -2,7 +2,7 @@
 
 Two sources: a Hugging Face folder (config.json, safetensors, sharded or not, tokenizer files)
 or a single GGUF file, read and dequantised by transformers' GGUF reader. transformers provides
-configs, tokenizers and the GGUF reader; the forward pass is always ours (engine/models/llama.py).
+configs, tokenizers and the GGUF reader; the forward pass is always ours (engine/models/).
 """
 
 from __future__ import annotations
