@@ -20,7 +20,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from kvbatch.bench import embed_bench, spec_copy
+from kvbatch.bench import embed_bench, embed_gpu, spec_copy
 from kvbatch.bench.embed_workload import EMBED_WORKLOADS, TINY_EMBED_WORKLOADS
 from kvbatch.bench.harness import (
     BenchConfig,
@@ -45,7 +45,7 @@ from kvbatch.bench.workloads import (
     Workload,
     get_workload,
 )
-from kvbatch.engine_args import add_gpu_tuning_args
+from kvbatch.engine_args import QUANTIZATION_CHOICES, add_gpu_tuning_args
 
 
 def _lazy_main(module: str, argv: list[str] | None) -> int:
@@ -58,6 +58,8 @@ TOOLS: dict[str, Callable[[list[str] | None], int]] = {
     "spec-copy": spec_copy.main,  # speculative decoding on and off, its own table
     # embeddings (texts in, vectors out): kvbatch beside sentence-transformers, its own table
     **{name: partial(embed_bench.main, name=name) for name in EMBED_WORKLOADS},
+    # prefill-only throughput on embedding models' shapes (token ids in), against the floor
+    "embed-gpu": embed_gpu.main,
     # the indexing job (kvbatch index) beside transformers + sentence-transformers + LanceDB
     "index-cpu": partial(_lazy_main, "index_bench"),
     # recall@5 and MRR of plain and contextual chunks on the stdlib's pydoc pages
@@ -157,7 +159,7 @@ def build_parser(workload: str | None = None) -> argparse.ArgumentParser:
     add_gpu_tuning_args(e)
     e.add_argument(
         "--quantization",
-        choices=("fp8",),
+        choices=QUANTIZATION_CHOICES,
         help="quantize the float weights at load (kvbatch only): fp8 = FP8 W8A8, per-channel "
         "weight scales, per-token activation scales",
     )

@@ -12,24 +12,55 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getattr__ imports
-    from kvbatch.engine.core.config import SpecConfig as SpecConfig
+    from kvbatch.engine.core.args import EngineArgs as EngineArgs
     from kvbatch.engine.core.llm import LLM as LLM
     from kvbatch.engine.core.llm_engine import LLMEngine as LLMEngine
     from kvbatch.engine.core.outputs import CompletionOutput as CompletionOutput
     from kvbatch.engine.core.outputs import EngineStats as EngineStats
     from kvbatch.engine.core.outputs import RequestOutput as RequestOutput
+    from kvbatch.engine.core.sampling_params import MAX_LOGIT_BIAS as MAX_LOGIT_BIAS
+    from kvbatch.engine.core.sampling_params import MAX_N as MAX_N
+    from kvbatch.engine.core.sampling_params import MAX_PENALTY as MAX_PENALTY
     from kvbatch.engine.core.sampling_params import SamplingParams as SamplingParams
+    from kvbatch.engine.core.sequence import TokenLogprobs as TokenLogprobs
+    from kvbatch.engine.core.spec_config import SpecConfig as SpecConfig
+    from kvbatch.engine.kv.kv_cache import block_hashes as block_hashes
+    from kvbatch.engine.model.architectures import ENCODER_ARCHITECTURES as ENCODER_ARCHITECTURES
+    from kvbatch.engine.model.architectures import (
+        encoder_max_input_length as encoder_max_input_length,
+    )
+    from kvbatch.engine.pooling.config import read_st_max_seq_length as read_st_max_seq_length
+    from kvbatch.engine.pooling.inputs import EmbeddingPrompt as EmbeddingPrompt
+    from kvbatch.engine.pooling.inputs import embedding_inputs as embedding_inputs
+    from kvbatch.engine.pooling.matryoshka import truncate_dimensions as truncate_dimensions
+    from kvbatch.engine.pooling.outputs import EmbeddingOutput as EmbeddingOutput
     from kvbatch.engine.structured.params import StructuredOutputs as StructuredOutputs
 
 _EXPORTS = {
     "LLM": "kvbatch.engine.core.llm",
+    "EngineArgs": "kvbatch.engine.core.args",
     "LLMEngine": "kvbatch.engine.core.llm_engine",
     "SamplingParams": "kvbatch.engine.core.sampling_params",
     "StructuredOutputs": "kvbatch.engine.structured.params",
     "RequestOutput": "kvbatch.engine.core.outputs",
     "CompletionOutput": "kvbatch.engine.core.outputs",
     "EngineStats": "kvbatch.engine.core.outputs",
-    "SpecConfig": "kvbatch.engine.core.config",
+    "SpecConfig": "kvbatch.engine.core.spec_config",
+    # what the jobs layer builds on (kvbatch.jobs, kvbatch.worker import nothing else of the
+    # engine): request limits, logprobs, the prefix cache's block hashes (prefix grouping),
+    # an encoder's input length, embeddings' inputs and vectors
+    "MAX_LOGIT_BIAS": "kvbatch.engine.core.sampling_params",
+    "MAX_N": "kvbatch.engine.core.sampling_params",
+    "MAX_PENALTY": "kvbatch.engine.core.sampling_params",
+    "TokenLogprobs": "kvbatch.engine.core.sequence",
+    "block_hashes": "kvbatch.engine.kv.kv_cache",
+    "ENCODER_ARCHITECTURES": "kvbatch.engine.model.architectures",
+    "encoder_max_input_length": "kvbatch.engine.model.architectures",
+    "read_st_max_seq_length": "kvbatch.engine.pooling.config",
+    "EmbeddingPrompt": "kvbatch.engine.pooling.inputs",
+    "embedding_inputs": "kvbatch.engine.pooling.inputs",
+    "truncate_dimensions": "kvbatch.engine.pooling.matryoshka",
+    "EmbeddingOutput": "kvbatch.engine.pooling.outputs",
 }
 __all__ = list(_EXPORTS)
 

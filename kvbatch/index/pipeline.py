@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,10 +38,10 @@ from kvbatch.index.stage_jobs import run_stage, write_lines
 from kvbatch.index.table import (
     connect,
     document_state,
-    documents_filter,
     merge_rows,
     open_table,
 )
+from kvbatch.jobs.local.run import JobError
 from kvbatch.jobs.model_info import load_tokenizer
 
 log = logging.getLogger("kvbatch.index")
@@ -49,7 +50,8 @@ LLMFactory = Callable[[str], Any]  # model (as the spec names it) -> a kvbatch.e
 
 
 class IndexRunError(Exception):
-    """The run cannot go on (a table whose vectors have another dimension, say)."""
+    """The run cannot go on: a model that does not load, a table whose vectors have another
+    dimension, another run holding the same run folder. The message says what to fix."""
 
 
 def default_llm_factory(spec: IndexSpec) -> LLMFactory:
@@ -72,7 +74,12 @@ def run_index(spec: IndexSpec, *, llm_factory: LLMFactory | None = None) -> Inde
     identity = row_identity(spec)
     factory = llm_factory or default_llm_factory(spec)
     with _timed(report, "plan"):
-        tokenizer = load_tokenizer(spec.models.embedding)
+        try:
+            tokenizer = load_tokenizer(spec.models.embedding)
+        except (OSError, ValueError) as e:
+            raise IndexRunError(
+                f"models.embedding: cannot load the tokenizer of {spec.models.embedding}: {e}"
+            ) from e
         chunker = Chunker.for_tokenizer(tokenizer, spec.chunking.size, spec.chunking.overlap)
         db = connect(spec.output.uri)
         table = open_table(db, spec.output.table)
@@ -124,9 +131,9 @@ def _generate(spec: IndexSpec, docs, folder: Path, factory: LLMFactory, report: 
     model = spec.models.generation
     n = write_lines(folder / "input.jsonl", generation_lines(docs, spec.stages, _name(model)))
     log.info("generate: %d documents, %d chunks, %d requests", len(docs), _chunks(docs), n)
-    llm = factory(model)
+    llm = _load(factory, model, "generation")
     try:
-        answers = run_stage(folder, model, llm, spec.engine)
+        answers = _run_stage(folder, model, llm, spec.engine, "generate")
         report.prefill = prefill_tokens(folder / "input.jsonl", llm.engine, answers)
     finally:
         _release(llm)
@@ -145,13 +152,29 @@ def _embed(spec: IndexSpec, docs, generated: Generated, folder: Path, factory: L
     model = spec.models.embedding
     n = write_lines(folder / "input.jsonl", embedding_lines(docs, generated, _name(model)))
     log.info("embed: %d documents, %d chunks", len(docs), n)
-    llm = factory(model)
+    llm = _load(factory, model, "embedding")
     try:
-        answers = run_stage(folder, model, llm, spec.engine)
+        answers = _run_stage(folder, model, llm, spec.engine, "embed")
     finally:
         _release(llm)
     log.info("embed: %d prompt tokens", answers.prompt_tokens)
     return read_vectors(docs, answers)
+
+
+def _load(factory: LLMFactory, model: str, role: str):
+    try:
+        return factory(model)
+    except (OSError, ValueError) as e:
+        raise IndexRunError(f"models.{role}: cannot load {model}: {e}") from e
+    except TypeError as e:  # a keyword of [engine] that kvbatch.engine.LLM does not take
+        raise IndexRunError(f"engine: {e}: see kvbatch.engine.LLM's keywords") from e
+
+
+def _run_stage(folder: Path, model: str, llm, engine: dict, stage: str):
+    try:
+        return run_stage(folder, model, llm, engine)
+    except JobError as e:  # another run holds the stage's output, an unwritable folder, ...
+        raise IndexRunError(f"{stage}: {e}") from e
 
 
 def _write(
@@ -183,13 +206,14 @@ def _write(
         "rows": rows.num_rows,
     }
     write_run_files(folder, rows, {**manifest, "status": "merging"})
-    if table is not None:
-        before = table.count_rows(documents_filter(replaced)) if replaced else 0
-        report.chunks_deleted = max(0, before - rows.num_rows)
-    report.table_version = merge_rows(db, spec.output.table, rows, replaced)
+    merged = merge_rows(db, spec.output.table, rows, replaced)
+    report.table_version = merged.version
+    report.chunks_deleted = merged.deleted
     report.chunks = rows.num_rows
     report.wrote = True
     write_run_files(folder, rows, {**manifest, "status": "merged", "version": report.table_version})
+    for stage in ("generate", "embed"):  # their inputs repeat each document per chunk
+        shutil.rmtree(folder / stage, ignore_errors=True)
     log.info(
         "write: %d rows for %d documents, %d documents deleted: table version %d",
         rows.num_rows,

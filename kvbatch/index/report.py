@@ -39,7 +39,7 @@ class IndexReport:
     chunks: int = 0  # chunks written (inserted or replaced) this run
     chunks_deleted: int = 0
     prefill: PrefillTokens = field(default_factory=PrefillTokens)
-    stage_seconds: dict[str, float] = field(default_factory=dict)
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # plan, generate, embed, write
     errors: list[ErrorRecord] = field(default_factory=list)
     table_version: int | None = None  # the LanceDB table's version after the merge
     wrote: bool = False  # False when nothing changed: the table was not touched

@@ -55,6 +55,9 @@ def write_run_files(folder: Path, rows: pa.Table, manifest: dict) -> None:
     """chunks.parquet, then manifest.json (written last and atomically: a manifest means the
     Parquet beside it is whole)."""
     folder.mkdir(parents=True, exist_ok=True)
+    for name in ("chunks.parquet", ".manifest.json.tmp"):  # never write through a link
+        if (folder / name).is_symlink():
+            (folder / name).unlink()
     pq.write_table(rows, folder / "chunks.parquet")
     tmp = folder / ".manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")

@@ -46,7 +46,7 @@ def search(uri: str, query: str, k: int = 5, *, table: str = "chunks", llm=None)
     found = (
         tbl.search(vector, vector_column_name="embedding")
         .distance_type("cosine")
-        .select(["document_id", "chunk_id", "text", "context", "source_uri"])
+        .select(["document_id", "chunk_id", "text", "context", "source_uri", "_distance"])
         .limit(k)
         .to_list()
     )

@@ -9,7 +9,9 @@ never half of it. Rows of documents the run did not touch are outside the filter
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import lancedb
 import pyarrow as pa
@@ -40,7 +42,13 @@ def chunk_schema(dimension: int | None) -> pa.Schema:
 
 
 def connect(uri: str):
-    return lancedb.connect(uri)
+    """The LanceDB database at `uri`. On S3, an endpoint from AWS_ENDPOINT_URL(_S3) (MinIO,
+    moto) served over plain http is allowed, as boto3 allows it."""
+    options = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if uri.startswith("s3://") and endpoint and endpoint.startswith("http://"):
+        options = {"endpoint": endpoint, "allow_http": "true"}
+    return lancedb.connect(uri, storage_options=options or None)
 
 
 def open_table(db, name: str):
@@ -75,16 +83,26 @@ def documents_filter(document_ids: Iterable[str]) -> str:
     return f"document_id IN ({', '.join(sql_string(i) for i in ids)})"
 
 
-def merge_rows(db, name: str, rows: pa.Table, replaced_documents: Iterable[str]) -> int:
+@dataclass(frozen=True)
+class Merged:
+    version: int  # the table's version after the merge
+    inserted: int
+    updated: int
+    deleted: int
+
+
+def merge_rows(db, name: str, rows: pa.Table, replaced_documents: Iterable[str]) -> Merged:
     """Write `rows` and remove what `replaced_documents` had that `rows` does not, in one
-    transaction; returns the table's version after it. A table that does not exist is created
-    with the rows (its first version)."""
+    transaction. A table that does not exist is created with the rows (its first version)."""
     table = open_table(db, name)
     if table is None:
-        return db.create_table(name, data=rows, schema=rows.schema).version
+        created = db.create_table(name, data=rows, schema=rows.schema)
+        return Merged(created.version, rows.num_rows, 0, 0)
     replaced = list(replaced_documents)
     merge = table.merge_insert("chunk_id").when_matched_update_all().when_not_matched_insert_all()
     if replaced:
         merge = merge.when_not_matched_by_source_delete(documents_filter(replaced))
-    merge.execute(rows)
-    return table.version
+    result = merge.execute(rows)
+    return Merged(
+        result.version, result.num_inserted_rows, result.num_updated_rows, result.num_deleted_rows
+    )

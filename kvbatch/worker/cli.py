@@ -29,12 +29,14 @@ import os
 import socket
 import sys
 
+from kvbatch.engine import EngineArgs  # plain Python: no torch to parse arguments
 from kvbatch.worker.settings import (  # plain Python: no Celery to parse arguments
     DEFAULT_QUEUE,
     metrics_port,
 )
 
 log = logging.getLogger("kvbatch.worker")
+DEFAULTS = EngineArgs()  # the engine's defaults, for the flags below
 
 
 def _count(power_of_two: bool = False):
@@ -75,8 +77,8 @@ def add_submit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--block-size",
         type=_count(power_of_two=True),
-        default=16,
-        help="the workers' KV block size, a power of two (default 16)",
+        default=DEFAULTS.block_size,
+        help=f"the workers' KV block size, a power of two (default {DEFAULTS.block_size})",
     )
     p.add_argument(
         "--max-model-len",

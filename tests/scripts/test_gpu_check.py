@@ -104,6 +104,7 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
         "rag-hf-cb": "ok",
         "rag-qwen3": "ok",
         "rag-sweep": "skipped",
+        "embed-gpu": "skipped",
         "index-gpu": "skipped",
         "summary": "ok",
     }
