@@ -64,7 +64,7 @@ class IndexWorkload:
         )
 
 
-INDEX_CPU = IndexWorkload(docs=200, max_chars=1500, chunk_size=256, context_max_tokens=48)
+INDEX_CPU = IndexWorkload(docs=200, max_chars=1500, chunk_size=200, context_max_tokens=48)
 TINY_INDEX_CPU = IndexWorkload(docs=2, max_chars=400, chunk_size=64, context_max_tokens=4)
 
 
@@ -248,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="2 short pages (tests, a quick check)")
     p.add_argument("--docs", type=int, help=f"documents (default {INDEX_CPU.docs})")
     p.add_argument("--max-chars", type=int, help="cut each page to this many characters")
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        help="chunk tokens (default 200: a chunk, its context and [CLS]/[SEP] stay within "
+        "all-MiniLM-L6-v2's 256)",
+    )
     p.add_argument("--context-tokens", type=int, help="max tokens of each chunk's context")
     p.add_argument("--threads", type=int, help="torch threads for both pipelines")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda: both pipelines")
@@ -272,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in (
             ("docs", args.docs),
             ("max_chars", args.max_chars),
+            ("chunk_size", args.chunk_size),
             ("context_max_tokens", args.context_tokens),
         )  # fmt: skip
         if v is not None

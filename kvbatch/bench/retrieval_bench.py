@@ -61,7 +61,7 @@ class RetrievalWorkload:
 
 
 INDEX_RETRIEVAL = RetrievalWorkload(
-    docs=None, max_chars=1500, chunk_size=256, context_max_tokens=48
+    docs=None, max_chars=1500, chunk_size=200, context_max_tokens=48
 )
 TINY_INDEX_RETRIEVAL = RetrievalWorkload(docs=4, max_chars=600, chunk_size=64, context_max_tokens=6)
 
@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="4 short pages (tests, a quick check)")
     p.add_argument("--docs", type=int, help="documents (default: every usable module)")
     p.add_argument("--max-chars", type=int, help="cut each page to this many characters")
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        help="chunk tokens (default 200: a chunk, its context and [CLS]/[SEP] stay within "
+        "all-MiniLM-L6-v2's 256)",
+    )
     p.add_argument("--context-tokens", type=int, help="max tokens of each chunk's context")
     p.add_argument("--plain-only", action="store_true", help="skip the contextual index")
     p.add_argument("--threads", type=int, help="torch threads")
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in (
             ("docs", args.docs),
             ("max_chars", args.max_chars),
+            ("chunk_size", args.chunk_size),
             ("context_max_tokens", args.context_tokens),
         )  # fmt: skip
         if v is not None
