@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getatt
     from kvbatch.engine.core.outputs import CompletionOutput as CompletionOutput
     from kvbatch.engine.core.outputs import EngineStats as EngineStats
     from kvbatch.engine.core.outputs import RequestOutput as RequestOutput
+    from kvbatch.engine.core.prompt_input import ContextLengthError as ContextLengthError
     from kvbatch.engine.core.sampling_params import SamplingParams as SamplingParams
     from kvbatch.engine.structured.params import StructuredOutputs as StructuredOutputs
 
@@ -30,6 +31,7 @@ _EXPORTS = {
     "CompletionOutput": "kvbatch.engine.core.outputs",
     "EngineStats": "kvbatch.engine.core.outputs",
     "SpecConfig": "kvbatch.engine.core.config",
+    "ContextLengthError": "kvbatch.engine.core.prompt_input",
 }
 __all__ = list(_EXPORTS)
 

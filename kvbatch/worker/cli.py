@@ -29,6 +29,7 @@ import os
 import socket
 import sys
 
+from kvbatch.jobs.context_flags import as_flags
 from kvbatch.worker.settings import (  # plain Python: no Celery to parse arguments
     DEFAULT_QUEUE,
     metrics_port,
@@ -261,7 +262,7 @@ def worker(args: argparse.Namespace, engine: dict) -> int:
     try:
         model.llm()  # once, before taking any shard; a bad model fails here, not per shard
     except (OSError, ValueError) as e:
-        print(f"kvbatch worker: cannot load the model: {e}", file=sys.stderr)
+        print(f"kvbatch worker: cannot load the model: {as_flags(str(e))}", file=sys.stderr)
         return 1
     app.tasks[TASK_NAME].use_model(model)
     try:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from kvbatch.jobs.context_flags import as_flags, long_line_advice
 from kvbatch.jobs.grouping import feed_in_order, group_by_prefix
 from kvbatch.jobs.local.eta import JobWork
 from kvbatch.jobs.local.output_lock import OutputBusy, output_lock
@@ -270,7 +271,7 @@ def _run_locked(opts: RunOptions, paths: JobPaths, source, llm) -> BatchRecord:
         try:
             llm = LLM(model=opts.model, **opts.engine)
         except (OSError, ValueError) as e:
-            raise JobError(f"cannot load the model: {e}") from e
+            raise JobError(f"cannot load the model: {as_flags(str(e))}") from e
     engine = llm.engine
     partial = PartialOutput(paths.partial)
     identity = json.loads(json.dumps(job_identity(opts), default=str))
@@ -295,6 +296,7 @@ def _run_locked(opts: RunOptions, paths: JobPaths, source, llm) -> BatchRecord:
             job = prepare_requests(
                 source, opts, engine.tokenizer, engine.max_model_len, store, done
             )
+            _advise_long_lines(job, engine)
             record.mark_in_progress()
             _answer(opts, engine, store, job, partial, record)
     finally:
@@ -309,6 +311,19 @@ def _run_locked(opts: RunOptions, paths: JobPaths, source, llm) -> BatchRecord:
         raise JobError(f"cannot write {where}: {e.strerror}; {_kept(paths)}") from e
     partial.remove()
     return record
+
+
+def _advise_long_lines(job: PreparedJob, engine) -> None:
+    """Lines longer than a context the engine capped at its KV cache (no --max-model-len) say
+    which flags would admit them."""
+    advice = long_line_advice(engine)
+    if advice:
+        job.errors[:] = [
+            dataclasses.replace(e, message=e.message + advice)
+            if e.code == "context_length_exceeded"
+            else e
+            for e in job.errors
+        ]
 
 
 def _fresh_private_folder(folder: Path) -> None:
