@@ -180,6 +180,7 @@ QUANT_ROW_TIMEOUT=${QUANT_ROW_TIMEOUT:-90}
 MOE_GREEDY_TIMEOUT=${MOE_GREEDY_TIMEOUT:-60}
 RAG_MOE_TIMEOUT=${RAG_MOE_TIMEOUT:-150}  # builds the 3.1 B-parameter model; skipped past BUDGET_S
 RAG_QWEN3_TIMEOUT=${RAG_QWEN3_TIMEOUT:-150}  # builds the 2.8 B-parameter model; as rag-moe
+EMBED_GPU_TIMEOUT=${EMBED_GPU_TIMEOUT:-120}  # builds two random embedding models; as rag-moe
 RAG_TIMEOUT=${RAG_TIMEOUT:-200}
 LONG_PREFILL_TIMEOUT=${LONG_PREFILL_TIMEOUT:-70}
 LONG_PREFILL_CAP_TIMEOUT=${LONG_PREFILL_CAP_TIMEOUT:-60}  # each; skipped past BUDGET_S
@@ -193,7 +194,8 @@ OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 LOG="$OUT_DIR/gpu-check.log"
 STEPS="$OUT_DIR/steps.tsv"
 rm -f "$OUT_DIR"/rag*.json "$OUT_DIR"/long-prefill*.json "$OUT_DIR"/quant-*.json \
-  "$OUT_DIR"/moe-*.json "$OUT_DIR"/qwen3-*.json "$OUT_DIR/summary.txt"
+  "$OUT_DIR"/moe-*.json "$OUT_DIR"/qwen3-*.json "$OUT_DIR"/embed-gpu.json \
+  "$OUT_DIR/summary.txt"
 STEP_LOG="$(mktemp)"
 trap 'rm -rf "$STEP_LOG"' EXIT
 printf 'step\tstatus\trc\tseconds\tlimit\tlast line\n' > "$STEPS"
@@ -343,6 +345,14 @@ if ! wanted rag-qwen3; then
 elif fits rag-qwen3 "$RAG_QWEN3_TIMEOUT"; then
   step rag-qwen3 "$RAG_QWEN3_TIMEOUT" "$PY" -m kvbatch.cli bench rag-qwen3 \
     ${TINY[@]+"${TINY[@]}"} --peers hf-static --repeat 1 --json "$OUT_DIR/qwen3-rag.json"
+fi
+# embed-gpu: LLM.embed on bge-base's and Qwen3-Embedding-0.6B's shapes (random weights, token
+# ids) beside transformers batched as sentence-transformers does, with each model's floor
+if ! wanted embed-gpu; then
+  skip embed-gpu "not in --only"
+elif fits embed-gpu "$EMBED_GPU_TIMEOUT"; then
+  step embed-gpu "$EMBED_GPU_TIMEOUT" "$PY" -m kvbatch.cli bench embed-gpu ${TINY[@]+"${TINY[@]}"} \
+    --repeat 3 --json "$OUT_DIR/embed-gpu.json"
 fi
 # The same with every mixed step eager (no CUDA graphs for steps with a chunk): what the
 # mixed-step graphs gain; LONG_PREFILL_EAGER=0 skips it

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from kvbatch.bench import embed_bench, spec_copy
+from kvbatch.bench import embed_bench, embed_gpu, spec_copy
 from kvbatch.bench.embed_workload import EMBED_WORKLOADS, TINY_EMBED_WORKLOADS
 from kvbatch.bench.harness import (
     BenchConfig,
@@ -50,6 +50,8 @@ TOOLS: dict[str, Callable[[list[str] | None], int]] = {
     "spec-copy": spec_copy.main,  # speculative decoding on and off, its own table
     # embeddings (texts in, vectors out): kvbatch beside sentence-transformers, its own table
     **{name: partial(embed_bench.main, name=name) for name in EMBED_WORKLOADS},
+    # prefill-only throughput on embedding models' shapes (token ids in), against the floor
+    "embed-gpu": embed_gpu.main,
 }
 """Benchmarks with their own options: `kvbatch bench NAME ...` hands them the rest of argv."""
 

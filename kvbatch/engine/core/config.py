@@ -124,10 +124,9 @@ class SpecConfig:
     large_batch_acceptance: float = 0.6  # needed at max_batch_size (linear in between)
     acceptance_decay: float = 0.5  # EWMA weight of the newest step's acceptance
     backoff_steps: int = 16
-    # Decodes per step above which nobody speculates. On the CPU with SmolLM2 (spec-copy, ~90%
-    # acceptance, speculation forced) verification won 1.37x at batch 16 but only 1.06x at 32
-    # with two threads (1.3x with one): batch 32 is at the crossover, where lower acceptance
-    # loses. 16 keeps batch 32 as fast as without (bench/spec_copy.py).
+    # Decodes per step above which nobody speculates: verification pays at small batches and
+    # stops paying near 32 (`kvbatch bench spec-copy`; docs/BENCHMARKS.md), so 16 keeps a
+    # large batch as fast as without speculation.
     max_batch_size: int = 16
 
     def __post_init__(self) -> None:

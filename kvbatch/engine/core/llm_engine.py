@@ -68,9 +68,8 @@ log = logging.getLogger(__name__)
 
 # Decode steps of more sequences than this run eagerly; each bucket's graph costs capture time
 # (36 buckets up to 512, each plain and shared-prefix). 512 as vLLM's default capture size:
-# for a small model the GPU is not busy long enough to hide an eager step's launches even at
-# 512 sequences (Llama-3.2-1B: ~250 launches a step, ~100 of them Triton kernels whose
-# Python launcher alone costs tens of microseconds, against a GPU step of ~1.5 ms).
+# for a small model the GPU is not busy long enough to hide an eager step's hundreds of kernel
+# launches (each Triton launcher costs tens of microseconds of Python) even at 512 sequences.
 CUDA_GRAPH_MAX_BATCH = 512
 
 
