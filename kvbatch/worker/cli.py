@@ -83,7 +83,8 @@ def add_submit_args(p: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=_count(),
         default=None,
-        help="the workers' --max-model-len: longer requests are errors (default: the model's)",
+        help="the workers' --max-model-len: longer requests are errors (default: the model's, "
+        "capped at what the KV cache holds)",
     )
     p.add_argument("--max-attempts", type=_count(), default=3, help="deliveries of a shard at most")
     p.add_argument("--job-id", help="default: job-<UTC time>-<random>")

@@ -149,8 +149,8 @@ def fitted_max_model_len(
         )
     log.info(
         "max_model_len=%d: the model's context of %d does not fit the KV cache (%d tokens), "
-        "so requests are capped at what it holds; set max_model_len with a larger "
-        "kv_cache_bytes for longer ones",
+        "so requests are capped at what it holds; for longer ones set max_model_len "
+        "(--max-model-len) and a kv_cache_bytes (--kv-cache-bytes) that holds it",
         pool_tokens,
         max_model_len,
         pool_tokens,
