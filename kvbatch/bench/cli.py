@@ -44,7 +44,7 @@ from kvbatch.bench.workloads import (
     Workload,
     get_workload,
 )
-from kvbatch.engine_args import add_gpu_tuning_args
+from kvbatch.engine_args import QUANTIZATION_CHOICES, add_gpu_tuning_args
 
 TOOLS: dict[str, Callable[[list[str] | None], int]] = {
     "spec-copy": spec_copy.main,  # speculative decoding on and off, its own table
@@ -147,7 +147,7 @@ def build_parser(workload: str | None = None) -> argparse.ArgumentParser:
     add_gpu_tuning_args(e)
     e.add_argument(
         "--quantization",
-        choices=("fp8",),
+        choices=QUANTIZATION_CHOICES,
         help="quantize the float weights at load (kvbatch only): fp8 = FP8 W8A8, per-channel "
         "weight scales, per-token activation scales",
     )

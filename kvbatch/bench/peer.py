@@ -24,6 +24,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvbatch.engine.core.args import DEFAULTS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 WARMUP_PROMPT_LEN = 8
@@ -36,14 +38,14 @@ class EngineOptions:
 
     device: str = "cpu"
     dtype: str = "float32"
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULTS.max_num_seqs
     max_num_batched_tokens: int | None = None  # None: the engine's default
-    block_size: int = 16
-    enable_prefix_caching: bool = True
+    block_size: int = DEFAULTS.block_size
+    enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching
     kv_cache_memory_fraction: float | None = None  # CUDA KV pool share; None = the engine's
     kv_cache_dtype: str | None = None  # kvbatch: "auto" or "fp8"; None = the engine's default
     quantization: str | None = None  # kvbatch: "fp8" (online); None = the checkpoint's own
-    attention_backend: str = "auto"  # kvbatch: "auto" is triton on CUDA, torch on the CPU
+    attention_backend: str = DEFAULTS.attention_backend  # kvbatch: auto = triton on CUDA
     long_prefill_token_threshold: int | None = None  # kvbatch: None = the engine's default
     long_prefill_step_ratio: float | None = None  # kvbatch: None = the engine's default
     cuda_graph_max_chunk: int | None = None  # kvbatch: None = the engine's default

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 from transformers import Gemma3TextConfig
 
+from kvbatch.engine.core.args import DEFAULTS
 from kvbatch.engine.model.llama import ModelConfig
 
 H200_BYTES = 141e9
-KV_MEMORY_FRACTION = 0.9  # of what is left after the weights (engine/kv/memory.py's share)
-MAX_NUM_SEQS = 256  # the scheduler's default cap on sequences at once
+KV_MEMORY_FRACTION = DEFAULTS.kv_cache_memory_fraction  # of what is left after the weights
+MAX_NUM_SEQS = DEFAULTS.max_num_seqs  # the scheduler's default cap on sequences at once
 
 GEMMA3_SHAPES = {
     # Published Gemma 3 text configs (the fields that size weights and KV).
@@ -77,7 +78,9 @@ class KvFootprint:
         return 1.0 - self.blocks_freed / self.blocks_now
 
 
-def footprint(cfg: ModelConfig, num_tokens: int, block_size: int = 16) -> KvFootprint:
+def footprint(
+    cfg: ModelConfig, num_tokens: int, block_size: int = DEFAULTS.block_size
+) -> KvFootprint:
     full_blocks = -(-num_tokens // block_size)
     now = freed = 0
     for layer in range(cfg.num_layers):
@@ -108,7 +111,7 @@ def measure(model: str, prompt_tokens: int, output_tokens: int, *, kv_bytes: flo
     """The pool's capacity for sequences of prompt + output tokens (their size at the end,
     where they hold the most), today and with out-of-window blocks freed."""
     cfg = gemma3_config(model)
-    block_size = 16
+    block_size = DEFAULTS.block_size
     tokens = prompt_tokens + output_tokens
     fp = footprint(cfg, tokens, block_size)
     block_bytes = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * kv_bytes  # K and V

@@ -29,6 +29,7 @@ import os
 import socket
 import sys
 
+from kvbatch.engine.core.args import DEFAULTS  # plain Python: no torch to parse arguments
 from kvbatch.jobs.context_flags import as_flags
 from kvbatch.worker.settings import (  # plain Python: no Celery to parse arguments
     DEFAULT_QUEUE,
@@ -76,15 +77,15 @@ def add_submit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--block-size",
         type=_count(power_of_two=True),
-        default=16,
-        help="the workers' KV block size, a power of two (default 16)",
+        default=DEFAULTS.block_size,
+        help=f"the workers' KV block size, a power of two (default {DEFAULTS.block_size})",
     )
     p.add_argument(
         "--max-model-len",
         type=_count(),
         default=None,
-        help="the workers' --max-model-len: longer requests are errors (default: the model's, "
-        "capped at what the KV cache holds)",
+        help="the workers' --max-model-len: longer requests are errors (default: the model's; "
+        "a worker without one caps it at what its KV cache holds)",
     )
     p.add_argument("--max-attempts", type=_count(), default=3, help="deliveries of a shard at most")
     p.add_argument("--job-id", help="default: job-<UTC time>-<random>")

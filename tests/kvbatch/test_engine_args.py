@@ -15,17 +15,13 @@ import pytest
 
 from kvbatch.engine_args import add_engine_args, byte_size, engine_kwargs
 
-BASE_KEYS = {
+BASE_KEYS = {  # the settings whose default is not None (None leaves the engine's)
     "device",
     "dtype",
     "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
     "block_size",
     "enable_prefix_caching",
     "attention_backend",
-    "speculative",
-    "num_speculative_tokens",
 }
 
 EVERY_FLAG = [

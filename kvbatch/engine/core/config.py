@@ -1,15 +1,22 @@
-"""Engine settings: one small frozen dataclass per part, validated on construction."""
+"""Engine settings: one small frozen dataclass per part, validated on construction. Their
+defaults are EngineArgs' (args.py), where each setting is written once."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from kvbatch.engine.core.args import (
+    CPU_BATCHED_TOKENS,
+    CUDA_BATCHED_TOKENS,
+    CUDA_LONG_PREFILL_STEP_RATIO,
+    DEFAULTS,
+    EngineArgs,
+)
+from kvbatch.engine.core.args import DEFAULT_CPU_KV_BYTES as DEFAULT_CPU_KV_BYTES
+from kvbatch.engine.core.spec_config import SpecConfig as SpecConfig
 from kvbatch.engine.quant.detect import ONLINE_METHODS as ONLINE_QUANTIZATION
-
-DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
 
 # kv_cache_dtype values (vLLM's names): "auto" keeps K/V in the model's dtype; "fp8" stores
 # them in E4M3 with a per-layer scale (engine/attention/kv_scales.py), half of bfloat16's bytes.
@@ -18,12 +25,12 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.f
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_memory_fraction: float = 0.90  # CUDA: share of free memory given to the KV pool
-    kv_cache_bytes: int | None = None  # CPU: byte budget (default 1 GiB); CUDA: overrides
-    num_kv_blocks: int | None = None  # exact pool size, overrides both budgets
-    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": E4M3 with scales
+    block_size: int = DEFAULTS.block_size
+    enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching
+    kv_cache_memory_fraction: float = DEFAULTS.kv_cache_memory_fraction  # CUDA: share of free
+    kv_cache_bytes: int | None = DEFAULTS.kv_cache_bytes  # CPU: byte budget; CUDA: overrides
+    num_kv_blocks: int | None = DEFAULTS.num_kv_blocks  # exact pool size, over both budgets
+    kv_cache_dtype: str = DEFAULTS.kv_cache_dtype  # "auto": the model's dtype; "fp8": E4M3
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -50,13 +57,13 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None = auto: 8192 on CUDA, 4096 on the CPU
+    max_num_seqs: int = DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int | None = DEFAULTS.max_num_batched_tokens  # None: by device
     max_model_len: int = 0  # filled in by the engine from the model (0 = the model's context)
     # While other sequences decode, one prompt's chunk in a step is at most this many tokens
     # (0 = no cap): a 32k-token prompt then costs running requests several short waits for
     # their next token instead of a few long ones. Prompts shorter than this are unaffected.
-    long_prefill_token_threshold: int = 2048
+    long_prefill_token_threshold: int = DEFAULTS.long_prefill_token_threshold
     # The context length at which one prompt token's attention costs as much as its matmuls
     # (None = the engine reads it off the model, ModelConfig.attention_break_even_context;
     # 0 = count tokens only). With it, the cap above is in tokens' worth of compute: a token
@@ -69,7 +76,7 @@ class SchedulerConfig:
     # on the CPU; 0 = off (chunks by the token cap alone, the same on every run: with timing,
     # chunk boundaries follow the measured times, so in half precision a rerun may break a
     # near tie differently).
-    long_prefill_step_ratio: float | None = None
+    long_prefill_step_ratio: float | None = DEFAULTS.long_prefill_step_ratio
 
     def __post_init__(self) -> None:
         ratio = self.long_prefill_step_ratio
@@ -98,107 +105,10 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
-SPEC_METHODS = ("ngram", "draft")
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """Speculative decoding: who proposes tokens, how many, and when it switches itself off.
-
-    `method` "ngram" looks the sequence's last tokens up in its own prompt and output; "draft"
-    runs `draft_model` (a checkpoint with the target's vocabulary). Speculation is decided per
-    sequence and per step: a sequence whose acceptance (an EWMA of accepted / proposed) falls
-    below `min_acceptance` decodes normally for `backoff_steps` steps, then tries again; the
-    acceptance a sequence needs grows with the step's decode batch (to `large_batch_acceptance`
-    at `max_batch_size`), since verification costs more there; and no sequence speculates in a
-    step whose decode batch is larger than `max_batch_size` (the step is compute-bound there,
-    and verifying k extra tokens per sequence costs more than it saves).
-    """
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    draft_model: str | None = None
-    ngram_min: int = 2  # shortest n-gram looked up
-    ngram_max: int = 4  # longest n-gram looked up (longest match wins)
-    min_acceptance: float = 0.25  # needed at batch 1; backoff below it
-    large_batch_acceptance: float = 0.6  # needed at max_batch_size (linear in between)
-    acceptance_decay: float = 0.5  # EWMA weight of the newest step's acceptance
-    backoff_steps: int = 16
-    # Decodes per step above which nobody speculates: verification pays at small batches and
-    # stops paying near 32 (`kvbatch bench spec-copy`; docs/BENCHMARKS.md), so 16 keeps a
-    # large batch as fast as without speculation.
-    max_batch_size: int = 16
-
-    def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(
-                f"speculative method {self.method!r} is not known; use 'ngram' or 'draft:PATH'"
-            )
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError("speculative method 'draft' needs a draft model: 'draft:PATH'")
-        if self.method == "ngram" and self.draft_model is not None:
-            raise ValueError("draft_model is only used with method 'draft'")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(
-                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
-            )
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(
-                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"
-            )
-        if not 0.0 <= self.min_acceptance <= 1.0:
-            raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
-        if not 0.0 <= self.large_batch_acceptance <= 1.0:
-            raise ValueError(
-                f"large_batch_acceptance must be in [0, 1], got {self.large_batch_acceptance}"
-            )
-        if not 0.0 < self.acceptance_decay <= 1.0:
-            raise ValueError(f"acceptance_decay must be in (0, 1], got {self.acceptance_decay}")
-        if self.backoff_steps < 0:
-            raise ValueError(f"backoff_steps must be >= 0, got {self.backoff_steps}")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-
-    @classmethod
-    def parse(
-        cls, value: str | SpecConfig | None, num_speculative_tokens: int | None = None
-    ) -> SpecConfig | None:
-        """`"ngram"`, `"draft:PATH"`, a SpecConfig or None (off); `num_speculative_tokens`
-        overrides k when given."""
-        if value is None:
-            if num_speculative_tokens is not None:
-                raise ValueError("num_speculative_tokens needs speculative='ngram' or 'draft:PATH'")
-            return None
-        if isinstance(value, SpecConfig):
-            config = value
-        elif isinstance(value, str):
-            method, _, path = value.partition(":")
-            if method == "ngram" and not path:
-                config = cls("ngram")
-            elif method == "draft" and path:
-                config = cls("draft", draft_model=path)
-            else:
-                raise ValueError(
-                    f"speculative={value!r}: expected 'ngram' or 'draft:PATH' "
-                    "(PATH a Hugging Face folder or .gguf with the target's vocabulary)"
-                )
-        else:
-            raise ValueError(
-                f"speculative must be None, 'ngram', 'draft:PATH' or a SpecConfig, "
-                f"not {type(value).__name__}"
-            )
-        if num_speculative_tokens is not None:
-            config = dataclasses.replace(config, num_speculative_tokens=num_speculative_tokens)
-        return config
-
-
 def default_batched_tokens(device: torch.device) -> int:
     """Tokens per step when the user sets none. On the CPU smaller steps keep the activations
     in cache (4096 beat 8192 on SmolLM2); GPUs want big steps."""
-    return 8192 if device.type == "cuda" else 4096
-
-
-CUDA_LONG_PREFILL_STEP_RATIO = 2.5  # under the target of 3 decode steps, for the gaps' jitter
+    return CUDA_BATCHED_TOKENS if device.type == "cuda" else CPU_BATCHED_TOKENS
 
 
 def default_long_prefill_step_ratio(device: torch.device) -> float:
@@ -210,24 +120,24 @@ def default_long_prefill_step_ratio(device: torch.device) -> float:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    device: str = "auto"
-    dtype: str = "auto"
-    attention_backend: str = "auto"
-    cascade_attention: bool = True  # decodes sharing prefix blocks read them once per group
-    cuda_graphs: bool = True  # CUDA + triton: decode steps replay captured graphs
+    device: str = DEFAULTS.device
+    dtype: str = DEFAULTS.dtype
+    attention_backend: str = DEFAULTS.attention_backend
+    cascade_attention: bool = DEFAULTS.cascade_attention  # prefix blocks read once per group
+    cuda_graphs: bool = DEFAULTS.cuda_graphs  # CUDA + triton: decode steps replay graphs
     # ... and so do decode steps with one prompt chunk of up to this many tokens (a long
     # prompt's short chunks beside running decodes); 0: decode steps only
-    cuda_graph_max_chunk: int = 512
+    cuda_graph_max_chunk: int = DEFAULTS.cuda_graph_max_chunk
     # Queue each step before the previous one's tokens reach the host (engine/core/llm_engine.py);
     # None = on for CUDA (off with speculative decoding), off on the CPU, where it gains nothing.
-    async_scheduling: bool | None = None
+    async_scheduling: bool | None = DEFAULTS.async_scheduling
     # Freeze the heap the engine starts with, out of the cycle collector's full passes
     # (engine/core/startup_heap.py); None = on CUDA, where one pass stalls many steps.
-    freeze_gc: bool | None = None
-    seed: int = 0
+    freeze_gc: bool | None = DEFAULTS.freeze_gc
+    seed: int = DEFAULTS.seed
     # Online quantization of a float checkpoint at load ("fp8", vLLM's name); None: the
     # checkpoint's own (config.json's quantization_config) or none. engine/quant/detect.py.
-    quantization: str | None = None
+    quantization: str | None = DEFAULTS.quantization
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpecConfig | None = None  # None: no speculative decoding
@@ -244,6 +154,39 @@ class EngineConfig:
                 f"cuda_graph_max_chunk must be >= 0 (0: no graphs for steps with a prompt "
                 f"chunk), got {self.cuda_graph_max_chunk}"
             )
+
+    @classmethod
+    def from_args(cls, model: str, args: EngineArgs) -> EngineConfig:
+        """The engine's configuration of `model` (a local path) with the settings `args`."""
+        return cls(
+            model=model,
+            device=args.device,
+            dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            cascade_attention=args.cascade_attention,
+            cuda_graphs=args.cuda_graphs,
+            cuda_graph_max_chunk=args.cuda_graph_max_chunk,
+            async_scheduling=args.async_scheduling,
+            freeze_gc=args.freeze_gc,
+            seed=args.seed,
+            quantization=args.quantization,
+            cache=CacheConfig(
+                block_size=args.block_size,
+                enable_prefix_caching=args.enable_prefix_caching,
+                kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                kv_cache_bytes=args.kv_cache_bytes,
+                num_kv_blocks=args.num_kv_blocks,
+                kv_cache_dtype=args.kv_cache_dtype,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len or 0,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                long_prefill_step_ratio=args.long_prefill_step_ratio,
+            ),
+            speculative=SpecConfig.parse(args.speculative, args.num_speculative_tokens),
+        )
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

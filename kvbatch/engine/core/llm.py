@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvbatch.engine.core.args import EngineArgs, EngineKwargs
 from kvbatch.engine.core.chat import (
     Conversation,
     as_conversations,
     render_chat,
     require_chat_template,
 )
-from kvbatch.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from kvbatch.engine.core.config import EngineConfig
 from kvbatch.engine.core.llm_engine import LLMEngine
 from kvbatch.engine.core.outputs import CompletionOutput, EngineStats, RequestOutput
 from kvbatch.engine.core.prompt_input import PromptType
@@ -24,6 +26,9 @@ from kvbatch.engine.pooling.inputs import embedding_inputs
 from kvbatch.engine.pooling.matryoshka import check_dimensions, truncate_dimensions
 from kvbatch.hub import resolve_model
 
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's; type checkers read this one on 3.10 too
+    from typing_extensions import Unpack
+
 
 class LLM:
     """Load a model once, then generate for many prompts at a time.
@@ -33,70 +38,13 @@ class LLM:
     ...                 SamplingParams(max_tokens=32, temperature=0))
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        revision: str | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        long_prefill_token_threshold: int = 2048,
-        long_prefill_step_ratio: float | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        kv_cache_memory_fraction: float = 0.90,
-        kv_cache_bytes: int | None = None,
-        num_kv_blocks: int | None = None,
-        kv_cache_dtype: str = "auto",
-        attention_backend: str = "auto",
-        cascade_attention: bool = True,
-        cuda_graphs: bool = True,
-        cuda_graph_max_chunk: int = 512,
-        async_scheduling: bool | None = None,
-        freeze_gc: bool | None = None,
-        seed: int = 0,
-        speculative: str | SpecConfig | None = None,
-        num_speculative_tokens: int | None = None,
-        quantization: str | None = None,
-    ) -> None:
+    def __init__(self, model: str, **settings: Unpack[EngineKwargs]) -> None:
         """`model`: a Hugging Face folder, a .gguf file or a Hub id (kvbatch.hub; `revision`
-        picks its branch, tag or commit). `speculative`: None (off), "ngram" (prompt lookup),
-        "draft:PATH" (a draft model with the target's vocabulary) or a SpecConfig;
-        `num_speculative_tokens` = k (4).
-        `quantization`: "fp8" quantizes a float checkpoint at load (FP8 weights with
-        per-channel scales, activations per token); quantized checkpoints need nothing."""
-        config = EngineConfig(
-            model=resolve_model(model, revision),
-            device=device,
-            dtype=dtype,
-            attention_backend=attention_backend,
-            cascade_attention=cascade_attention,
-            cuda_graphs=cuda_graphs,
-            cuda_graph_max_chunk=cuda_graph_max_chunk,
-            async_scheduling=async_scheduling,
-            freeze_gc=freeze_gc,
-            seed=seed,
-            quantization=quantization,
-            cache=CacheConfig(
-                block_size=block_size,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_cache_memory_fraction=kv_cache_memory_fraction,
-                kv_cache_bytes=kv_cache_bytes,
-                num_kv_blocks=num_kv_blocks,
-                kv_cache_dtype=kv_cache_dtype,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len or 0,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-                long_prefill_step_ratio=long_prefill_step_ratio,
-            ),
-            speculative=SpecConfig.parse(speculative, num_speculative_tokens),
-        )
+        picks its branch, tag or commit). `settings`: EngineArgs' fields (engine/core/args.py,
+        the table in docs/ENGINE.md), e.g. `max_num_seqs=64`, `speculative="ngram"` or
+        `quantization="fp8"`; each left out keeps its default, some chosen by device."""
+        args = EngineArgs.from_keywords(settings)
+        config = EngineConfig.from_args(resolve_model(model, args.revision), args)
         # an encoder checkpoint (BERT, RoBERTa) gets the encoder engine: the same streaming
         # API, embeddings only, no KV cache (engine/encoder/)
         encoder = is_encoder_checkpoint(config.model)
