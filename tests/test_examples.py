@@ -45,6 +45,25 @@ def test_every_example_file_the_docs_name_exists():
     assert not missing, f"named but missing: {missing}"
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="no git on PATH")
+def test_the_readmes_commands_write_where_git_ignores():
+    """Trying the README's commands in a clone leaves `git status` clean: every output they
+    write (the answers, and the error records and batch.json beside them) is ignored."""
+    readme = (ROOT / "README.md").read_text()
+    outputs = re.findall(r"kvbatch (?:run|results) [^\n`]*?-o (\S+)", readme)
+    assert outputs, "the README shows no `kvbatch run ... -o FILE`"
+    written = [
+        name
+        for out in outputs
+        if out != "-" and "://" not in out
+        for name in (out, re.sub(r"\.jsonl$", ".errors.jsonl", out), out[:-6] + ".batch.json")
+    ]
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True, text=True
+    )
+    assert set(ignored.stdout.split()) == set(written), ignored.stderr
+
+
 @pytest.mark.parametrize("name", ["rag_job.jsonl", "chat_job.jsonl", "chat_prompts.jsonl"])
 def test_example_jsonl_files_parse(name):
     lines = (ROOT / "examples" / name).read_text().splitlines()

@@ -159,6 +159,32 @@ def test_no_bare_or_private_imports_across_packages():
     assert not problems, "\n".join(problems)
 
 
+def _engine_exports() -> set[str]:
+    """The names `kvbatch.engine` exports, read from its __init__ (its `_EXPORTS` table)."""
+    tree = ast.parse((PACKAGE / "engine" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_EXPORTS":
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("kvbatch/engine/__init__.py has no _EXPORTS table")
+
+
+def test_jobs_and_worker_use_only_the_engines_public_api():
+    """kvbatch.jobs and kvbatch.worker build on what `kvbatch.engine` exports, never on one of
+    its modules: the engine's inside can then move without breaking them."""
+    exports = _engine_exports()
+    problems = []
+    for name, path in MODULES.items():
+        if not name.startswith(("kvbatch.jobs", "kvbatch.worker")):
+            continue
+        for module, names, line in _imports(name, path):
+            where = f"{path.relative_to(ROOT)}:{line}"
+            if module.startswith("kvbatch.engine."):
+                problems.append(f"{where}: imports {module}; use `from kvbatch.engine import ...`")
+            elif module == "kvbatch.engine" and set(names) - exports:
+                problems.append(f"{where}: {sorted(set(names) - exports)} not exported")
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.slow
 def test_wheel_holds_one_top_level_package(tmp_path):
     subprocess.run(

@@ -19,8 +19,22 @@ if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getatt
     from kvbatch.engine.core.outputs import EngineStats as EngineStats
     from kvbatch.engine.core.outputs import RequestOutput as RequestOutput
     from kvbatch.engine.core.prompt_input import ContextLengthError as ContextLengthError
+    from kvbatch.engine.core.sampling_params import MAX_LOGIT_BIAS as MAX_LOGIT_BIAS
+    from kvbatch.engine.core.sampling_params import MAX_N as MAX_N
+    from kvbatch.engine.core.sampling_params import MAX_PENALTY as MAX_PENALTY
     from kvbatch.engine.core.sampling_params import SamplingParams as SamplingParams
+    from kvbatch.engine.core.sequence import TokenLogprobs as TokenLogprobs
     from kvbatch.engine.core.spec_config import SpecConfig as SpecConfig
+    from kvbatch.engine.kv.kv_cache import block_hashes as block_hashes
+    from kvbatch.engine.model.architectures import ENCODER_ARCHITECTURES as ENCODER_ARCHITECTURES
+    from kvbatch.engine.model.architectures import (
+        encoder_max_input_length as encoder_max_input_length,
+    )
+    from kvbatch.engine.pooling.config import read_st_max_seq_length as read_st_max_seq_length
+    from kvbatch.engine.pooling.inputs import EmbeddingPrompt as EmbeddingPrompt
+    from kvbatch.engine.pooling.inputs import embedding_inputs as embedding_inputs
+    from kvbatch.engine.pooling.matryoshka import truncate_dimensions as truncate_dimensions
+    from kvbatch.engine.pooling.outputs import EmbeddingOutput as EmbeddingOutput
     from kvbatch.engine.structured.params import StructuredOutputs as StructuredOutputs
 
 _EXPORTS = {
@@ -34,6 +48,21 @@ _EXPORTS = {
     "EngineStats": "kvbatch.engine.core.outputs",
     "SpecConfig": "kvbatch.engine.core.spec_config",
     "ContextLengthError": "kvbatch.engine.core.prompt_input",
+    # what the jobs layer builds on (kvbatch.jobs, kvbatch.worker import nothing else of the
+    # engine): request limits, logprobs, the prefix cache's block hashes (prefix grouping),
+    # an encoder's input length, embeddings' inputs and vectors
+    "MAX_LOGIT_BIAS": "kvbatch.engine.core.sampling_params",
+    "MAX_N": "kvbatch.engine.core.sampling_params",
+    "MAX_PENALTY": "kvbatch.engine.core.sampling_params",
+    "TokenLogprobs": "kvbatch.engine.core.sequence",
+    "block_hashes": "kvbatch.engine.kv.kv_cache",
+    "ENCODER_ARCHITECTURES": "kvbatch.engine.model.architectures",
+    "encoder_max_input_length": "kvbatch.engine.model.architectures",
+    "read_st_max_seq_length": "kvbatch.engine.pooling.config",
+    "EmbeddingPrompt": "kvbatch.engine.pooling.inputs",
+    "embedding_inputs": "kvbatch.engine.pooling.inputs",
+    "truncate_dimensions": "kvbatch.engine.pooling.matryoshka",
+    "EmbeddingOutput": "kvbatch.engine.pooling.outputs",
 }
 __all__ = list(_EXPORTS)
 

@@ -1,6 +1,6 @@
 """Prefix grouping: order a whole job so that every shared prefix is computed once.
 
-Every prompt is cut into the engine's chained block hashes (``kvbatch.engine.kv.kv_cache.block_hashes``,
+Every prompt is cut into the engine's chained block hashes (``kvbatch.engine.block_hashes``,
 so a prefix here is exactly a prefix the engine's cache can hit). The chains go into a trie;
 requests are then emitted depth-first, so the requests under any trie node (all prompts that
 share that node's prefix) are contiguous in the order::
@@ -65,10 +65,13 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvbatch.engine.core.outputs import CompletionOutput, RequestOutput
-from kvbatch.engine.core.prompt_input import ContextLengthError
-from kvbatch.engine.core.sampling_params import SamplingParams
-from kvbatch.engine.kv.kv_cache import block_hashes
+from kvbatch.engine import (
+    CompletionOutput,
+    ContextLengthError,
+    RequestOutput,
+    SamplingParams,
+    block_hashes,
+)
 from kvbatch.jobs.context_flags import as_flags
 
 __all__ = ["GroupedOrder", "feed_in_order", "group_boundaries", "group_by_prefix"]

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvbatch.engine.model.architectures import ENCODER_ARCHITECTURES, encoder_max_input_length
-from kvbatch.engine.pooling.config import read_st_max_seq_length
+from kvbatch.engine import (
+    ENCODER_ARCHITECTURES,
+    encoder_max_input_length,
+    read_st_max_seq_length,
+)
 
 
 def _split_gguf(model: str) -> tuple[str, str] | None:

@@ -29,7 +29,7 @@ import os
 import socket
 import sys
 
-from kvbatch.engine.core.args import DEFAULTS  # plain Python: no torch to parse arguments
+from kvbatch.engine import EngineArgs  # plain Python: no torch to parse arguments
 from kvbatch.jobs.context_flags import as_flags
 from kvbatch.worker.settings import (  # plain Python: no Celery to parse arguments
     DEFAULT_QUEUE,
@@ -37,6 +37,7 @@ from kvbatch.worker.settings import (  # plain Python: no Celery to parse argume
 )
 
 log = logging.getLogger("kvbatch.worker")
+DEFAULTS = EngineArgs()  # the engine's defaults, for the flags below
 
 
 def _count(power_of_two: bool = False):

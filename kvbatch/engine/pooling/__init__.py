@@ -3,7 +3,8 @@
 config.py reads sentence-transformers' files (modules.json, 1_Pooling/config.json, Normalize);
 pooler.py pools the final hidden states on the device, chunk by chunk; inputs.py reads OpenAI's
 `input` shapes; matryoshka.py truncates to `dimensions`; outputs.py is what the engine hands
-back; openai_body.py builds `/v1/embeddings` response bodies.
+back. The `/v1/embeddings` response body is the jobs layer's
+(kvbatch.jobs.openai_format.embedding_body).
 
 The engine side: LLMEngine.add_embedding_request queues a Sequence with `pooling` set; the
 scheduler prefills it like any prompt (chunked, from prefix hits when

@@ -17,7 +17,7 @@ def embedding_inputs(value: object) -> list[EmbeddingPrompt]:
     elif isinstance(value, (list, tuple)):
         if not value:
             raise ValueError("input is empty: give a string, a list of strings or token ids")
-        if all(_is_token(t) for t in value):
+        if all(_is_int(t) for t in value):  # token ids; a negative one is named below
             prompts = [list(value)]
         elif all(isinstance(v, str) for v in value):
             prompts = list(value)
@@ -37,9 +37,15 @@ def embedding_inputs(value: object) -> list[EmbeddingPrompt]:
             raise ValueError(f"input {i} is empty: every input needs at least one token")
         if isinstance(p, list) and not all(_is_token(t) for t in p):
             bad = next(t for t in p if not _is_token(t))
+            if _is_int(bad):
+                raise ValueError(f"input {i}: token id {bad} is negative: token ids are 0 or more")
             raise ValueError(f"input {i}: token id {bad!r} is not a non-negative int")
     return prompts
 
 
+def _is_int(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
 def _is_token(t: object) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+    return _is_int(t) and t >= 0

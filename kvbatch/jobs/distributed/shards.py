@@ -9,8 +9,9 @@ prompt).
     ShardMessage(job_id, shard_id, uri, sha256)  what goes on the queue
 
 `run_shard` is the engine part of a worker's task: read the payload (checking its sha256),
-run it in the shard's prefix order, and return one output or error line per request, keyed
-by the request's position in the job (`index`) so finalize can restore input order.
+run it in the shard's prefix order through the answer loop `kvbatch run` uses too
+(kvbatch.jobs.answering), and return one output or error line per request, keyed by the
+request's position in the job (`index`) so finalize can restore input order.
 """
 
 from __future__ import annotations
@@ -24,12 +25,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvbatch.engine.core.sampling_params import SamplingParams
-from kvbatch.engine.structured.params import StructuredOutputs
+from kvbatch.engine import SamplingParams, StructuredOutputs
+from kvbatch.jobs.answering import EngineRequest, LineContext, answer
 from kvbatch.jobs.distributed.cancelled import cancelled_line
-from kvbatch.jobs.grouping import feed_in_order
-from kvbatch.jobs.openai_format.embedding_lines import EmbeddingLines
-from kvbatch.jobs.openai_format.responses import success_line
 from kvbatch.jobs.openai_format.tools import ToolCalling
 from kvbatch.jobs.openai_format.validate import JobRequest
 from kvbatch.jobs.storage import Storage, open_storage, validate_key_part
@@ -111,13 +109,13 @@ class ShardRequest:
     def embedding_spec(self) -> EmbeddingSpec | None:
         return None if self.embedding is None else EmbeddingSpec(**self.embedding)
 
-    def engine_requests(self) -> list[tuple[str, list[int], SamplingParams | None]]:
-        """What feed_in_order runs for this line: one request, or one per embeddings input
-        (ids "<index>:<input>", params None)."""
+    def engine_requests(self) -> list[EngineRequest]:
+        """What the answer loop runs for this line (keyed by its index in the job): one
+        request, or one per embeddings input (params None)."""
         spec = self.embedding_spec()
         if spec is None:
-            return [(str(self.index), self.prompt_token_ids, self.sampling_params())]
-        return [(f"{self.index}:{i}", ids, None) for i, ids in enumerate(spec.inputs)]
+            return [EngineRequest(self.index, 0, self.prompt_token_ids, self.sampling_params())]
+        return [EngineRequest(self.index, i, ids, None) for i, ids in enumerate(spec.inputs)]
 
     def sampling_params(self) -> SamplingParams:
         """The params as the payload holds them: JSON turned logit_bias ids into strings
@@ -261,35 +259,18 @@ def run_shard(
     batch_cancelled error line: the result still holds one line per request.
 
     `on_output` (the worker's latency metrics) sees every engine output of this shard."""
-    engine = llm.engine
     requests = read_shard(msg)
-    by_index = {str(r.index): r for r in requests}
-    created = int(time.time()) if created is None else created
-    window = window or 4 * engine.config.scheduler.max_num_seqs
+    by_index = {r.index: r for r in requests}
+    context = LineContext(model_name, batch_id, int(time.time()) if created is None else created)
     feed = (item for r in requests for item in r.engine_requests())
-    vectors = EmbeddingLines(model_name, engine, batch_id)
     results: list[tuple[int, dict]] = []
-    for out in feed_in_order(engine, feed, window, should_stop):
-        index, _, part = out.request_id.partition(":")
-        req = by_index.get(index)
-        if req is None:  # someone else's request in the same engine
-            continue
+    for done in answer(
+        llm.engine, feed, _job_requests(by_index), context, window=window, should_stop=should_stop
+    ):
         if on_output is not None:
-            on_output(out)
-        if req.embedding is not None:
-            line = vectors.add(req.to_job_request(), int(part), out)
-            if line is None:  # the line's other inputs are still running
-                continue
-        else:
-            line = success_line(
-                req.to_job_request(),
-                out,
-                model=model_name,
-                tokenizer=engine.tokenizer,
-                batch_id=batch_id,
-                created=created,
-            )
-        results.append((req.index, line))
+            on_output(done.output)
+        if done.line is not None:
+            results.append((done.key, done.line))
     if len(results) < len(requests):  # stopped: the rest were cancelled
         answered = {i for i, _ in results}
         results.extend(
@@ -298,3 +279,18 @@ def run_shard(
             if r.index not in answered
         )
     return results
+
+
+def _job_requests(by_index: dict[int, ShardRequest]) -> Callable[[int], JobRequest | None]:
+    """The answer loop's view of a shard's lines: each JobRequest built once, when asked."""
+    cache: dict[int, JobRequest] = {}
+
+    def request_of(index: int) -> JobRequest | None:
+        if index not in cache:
+            r = by_index.get(index)
+            if r is None:
+                return None
+            cache[index] = r.to_job_request()
+        return cache[index]
+
+    return request_of

@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbatch.engine.kv.kv_cache import block_hashes
+from kvbatch.engine import block_hashes
 from kvbatch.jobs import model_info
 from kvbatch.jobs.distributed.shards import (
     EmbeddingSpec,

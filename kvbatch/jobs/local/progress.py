@@ -36,7 +36,9 @@ class Progress:
         every_seconds: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         bar: bool | None = None,  # None: when stderr is a terminal
+        embeddings: bool = False,  # an embeddings job: counts inputs, generates no tokens
     ) -> None:
+        self.embeddings = embeddings
         self.engine, self.every, self.clock = engine, every_seconds, clock
         self.total = len(work.max_tokens)
         self.done = self.tokens = 0
@@ -47,18 +49,19 @@ class Progress:
         if sys.stderr.isatty() if bar is None else bar:
             self.bar = tqdm(
                 total=self.total,
-                unit="req",
+                unit="input" if embeddings else "req",
                 desc="kvbatch run",
                 file=sys.stderr,
                 bar_format=_BAR_FORMAT,
             )
 
-    def update(self, out) -> None:
+    def update(self, out, request: int | None = None) -> None:
+        """`out` finished: `request` is its position in the job's work (default: its id)."""
         self.done += 1
         outputs = getattr(out, "outputs", None)  # an embedding generates no tokens
         generated = sum(len(c.token_ids) for c in outputs or ())
         self.tokens += generated
-        self.eta.finished(out.request_id, generated)
+        self.eta.finished(out.request_id if request is None else request, generated)
         if self.bar is not None:
             self.bar.set_postfix_str(self.postfix(), refresh=False)
             self.bar.update(1)
@@ -71,7 +74,8 @@ class Progress:
         if due or seconds is not None:
             self._last_log = self.clock()
             self._logged_an_eta |= seconds is not None
-            log.info("%d/%d requests, %s", self.done, self.total, self._postfix(stats, seconds))
+            what = "inputs" if self.embeddings else "requests"
+            log.info("%d/%d %s, %s", self.done, self.total, what, self._postfix(stats, seconds))
 
     def postfix(self) -> str:
         """What the bar shows after the count, e.g. "12.5 tok/s, prefix hit 40%, ETA 95 s"."""
@@ -80,6 +84,9 @@ class Progress:
 
     def _postfix(self, stats, seconds: float | None) -> str:
         elapsed = max(self.clock() - self.start, 1e-9)
+        if self.embeddings:  # no output tokens, and inputs rarely share a prefix
+            eta = format_eta(seconds, lower_bound=not self.eta.settled)
+            return f"{self.done / elapsed:.1f} inputs/s, {eta}"
         return (
             f"{self.tokens / elapsed:.1f} tok/s, prefix hit {stats.prefix_hit_rate:.0%}, "
             f"{format_eta(seconds, lower_bound=not self.eta.settled)}"
@@ -89,4 +96,7 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
         elapsed = self.clock() - self.start
+        if self.embeddings:
+            log.info("embedded %d inputs in %.1f s", self.done, elapsed)
+            return
         log.info("ran %d requests, %d output tokens in %.1f s", self.done, self.tokens, elapsed)

@@ -6,8 +6,9 @@
       --engine, bounded window--> answers, committed in flushed batches (resumable)
       --finalize--> output.jsonl (input order), errors.jsonl, batch.json
 
-Exit status: 0 when the job completed, bad lines or not; an error before any work (missing
-input, unwritable output, unloadable model) raises JobError with one clear message.
+Exit status (kvbatch.cli): 0 when at least one line was answered, 1 when every line failed
+(at validation or in the engine); an error before any work (missing input, unwritable output,
+unloadable model) raises JobError with one clear message.
 """
 
 from __future__ import annotations
@@ -18,21 +19,24 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from kvbatch.jobs.answering import EngineRequest, LineContext, answer
 from kvbatch.jobs.context_flags import as_flags, long_line_advice
-from kvbatch.jobs.grouping import feed_in_order, group_by_prefix
+from kvbatch.jobs.grouping import group_by_prefix
 from kvbatch.jobs.local.eta import JobWork
 from kvbatch.jobs.local.output_lock import OutputBusy, output_lock
 from kvbatch.jobs.local.partial import PartialError, PartialOutput
+from kvbatch.jobs.local.partial_claim import claim_partial
 from kvbatch.jobs.local.progress import Progress
 from kvbatch.jobs.local.token_store import TokenStore
 from kvbatch.jobs.openai_format.batch_record import MAX_BATCH_ERRORS, BatchRecord
-from kvbatch.jobs.openai_format.embedding_lines import EmbeddingLines
 from kvbatch.jobs.openai_format.endpoint import EndpointRule
 from kvbatch.jobs.openai_format.prompts import (
     PromptError,
@@ -40,7 +44,8 @@ from kvbatch.jobs.openai_format.prompts import (
     prompt_token_ids,
     sampling_params_for,
 )
-from kvbatch.jobs.openai_format.responses import error_line, success_line
+from kvbatch.jobs.openai_format.responses import error_line
+from kvbatch.jobs.openai_format.schemas import EMBEDDINGS_URL
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError, read_lines, validate_lines
 from kvbatch.jobs.storage import StorageError, open_storage
 
@@ -49,6 +54,10 @@ log = logging.getLogger("kvbatch.run")
 
 class JobError(Exception):
     """The job could not run at all (nothing was answered)."""
+
+
+class JobInterrupted(JobError):
+    """Ctrl-C: the message says whether answers were kept for `--resume`."""
 
 
 class RunMonitor(Protocol):
@@ -82,6 +91,10 @@ class JobPaths:
     errors: str
     batch: str
     partial: Path
+    # False for a run to stdout that found the usual partial output held by another run and
+    # keeps its answers in one of its own (kvbatch.jobs.local.partial_claim), which --resume
+    # does not look for
+    resumable: bool = True
 
 
 def resolve_paths(opts: RunOptions) -> JobPaths:
@@ -152,7 +165,12 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
 
     The output is locked for the run (a second run on it raises JobError naming the holder).
     On every way out, KeyboardInterrupt included, the answers finished so far are committed to
-    the partial output, so `--resume` continues from them."""
+    the partial output, so `--resume` continues from them; Ctrl-C raises JobInterrupted saying
+    whether there are any.
+
+    The model is loaded when the first line needs its tokenizer: a job where no line can run
+    (an empty file, every line refused at validation or answered by an earlier run) ends
+    without loading it."""
     paths = resolve_paths(opts)
     try:
         source = open_storage(opts.input)
@@ -174,8 +192,16 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
     except StorageError as e:
         raise JobError(str(e)) from e
     try:
-        with output_lock(paths.output, opts.input):
+        with output_lock(paths.output, opts.input), ExitStack() as held:
+            if paths.output == "-":  # no output file to lock: the partial output is locked
+                claim = claim_partial(paths.partial, opts.input, resume=opts.resume)
+                partial = held.enter_context(claim)
+                paths = dataclasses.replace(
+                    paths, partial=partial, resumable=partial == paths.partial
+                )
             return _run_locked(opts, paths, source, llm)
+    except KeyboardInterrupt:
+        raise JobInterrupted(_interrupted(paths)) from None
     except OutputBusy as e:
         raise JobError(str(e)) from e
     except StorageError as e:
@@ -186,10 +212,40 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
 
 
 def _kept(paths: JobPaths) -> str:
+    if not paths.resumable:
+        return (
+            f"the answers finished so far are kept in {paths.partial}, this run's own partial "
+            "output (another run to stdout held the usual one): --resume does not read it"
+        )
     return (
         f"the answers finished so far are kept in {paths.partial}: fix that, then run the "
         "same command with --resume"
     )
+
+
+def _interrupted(paths: JobPaths) -> str:
+    if _holds_answers(paths.partial):
+        if not paths.resumable:
+            return f"interrupted; {_kept(paths)}"
+        return (
+            f"interrupted; the answers finished so far are kept in {paths.partial}: run the "
+            "same command with --resume to continue"
+        )
+    return "interrupted before any answer was finished: nothing to resume; run it again"
+
+
+def _holds_answers(partial: Path) -> bool:
+    """Whether a partial output holds an answer after its header line (a link or a special
+    file planted at its name is never followed: it holds none)."""
+    try:
+        fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        f.readline()
+        return bool(f.read(1))
 
 
 def _refuse_overwriting_the_input(input_uri: str, outputs: list[str]) -> None:
@@ -265,15 +321,20 @@ def _run_locked(opts: RunOptions, paths: JobPaths, source, llm) -> BatchRecord:
         errors_uri=paths.errors,
         model=opts.model,
     )
-    if llm is None:
-        from kvbatch.engine import LLM
-
-        try:
-            llm = LLM(model=opts.model, **opts.engine)
-        except (OSError, ValueError) as e:
-            raise JobError(f"cannot load the model: {as_flags(str(e))}") from e
-    engine = llm.engine
+    model = ModelOnDemand(opts, llm)
     partial = PartialOutput(paths.partial)
+    try:
+        return _run_into(partial, opts, paths, source, model, record)
+    except (_ModelNotLoaded, KeyboardInterrupt):
+        partial.close()  # commits what finished
+        if not _holds_answers(paths.partial):  # nothing to resume: nothing left behind
+            partial.remove()
+        raise
+
+
+def _run_into(
+    partial: PartialOutput, opts: RunOptions, paths: JobPaths, source, model, record
+) -> BatchRecord:
     identity = json.loads(json.dumps(job_identity(opts), default=str))
     try:
         done = partial.recover(identity) if opts.resume else partial.reset(identity)
@@ -293,16 +354,24 @@ def _run_locked(opts: RunOptions, paths: JobPaths, source, llm) -> BatchRecord:
     _fresh_private_folder(spill)
     try:
         with TokenStore(spill) as store:
-            job = prepare_requests(
-                source, opts, engine.tokenizer, engine.max_model_len, store, done
-            )
-            _advise_long_lines(job, engine)
+            job = _prepare(source, opts, model, store, done)
+            if model.loaded:  # a line needed the engine: it may have capped its context
+                _advise_long_lines(job, model.engine)
             record.mark_in_progress()
-            _answer(opts, engine, store, job, partial, record)
+            if len(store):
+                _answer(opts, model.engine, store, job, partial, record)
+            else:
+                log.info(
+                    "no line to run (%d answered by an earlier run, %d refused): the model is "
+                    "not needed",
+                    len(done),
+                    len(job.errors),
+                )
     finally:
         partial.close()
         shutil.rmtree(spill, ignore_errors=True)
-    _log_speculation(engine)
+    if model.loaded:
+        _log_speculation(model.engine)
     record.mark_finalizing()
     try:
         _finalize(paths, partial, job, record)
@@ -334,42 +403,91 @@ def _fresh_private_folder(folder: Path) -> None:
     folder.mkdir(mode=0o700, parents=True)
 
 
+class _ModelNotLoaded(JobError):
+    """The model failed to load."""
+
+
+class ModelOnDemand:
+    """The job's engine, loaded the first time a line needs its tokenizer (or `llm`, given).
+    Has what the validation pass asks of a model: `tokenizer` and `max_model_len`."""
+
+    def __init__(self, opts: RunOptions, llm=None) -> None:
+        self._opts, self._llm = opts, llm
+
+    @property
+    def loaded(self) -> bool:
+        return self._llm is not None
+
+    @property
+    def engine(self):
+        if self._llm is None:
+            from kvbatch.engine import LLM  # torch is imported here, once a line can run
+
+            try:
+                self._llm = LLM(model=self._opts.model, **self._opts.engine)
+            except (OSError, ValueError) as e:
+                raise _ModelNotLoaded(f"cannot load the model: {as_flags(str(e))}") from e
+        return self._llm.engine
+
+    @property
+    def tokenizer(self):
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise JobError(f"the model {self._opts.model} has no tokenizer: jobs need one")
+        return tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+
+class _Given:
+    """A tokenizer and context length known beforehand (`kvbatch submit` reads them without
+    loading the weights)."""
+
+    def __init__(self, tokenizer, max_model_len: int) -> None:
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+
+
 def _answer(opts: RunOptions, engine, store: TokenStore, job: PreparedJob, partial, record):
     order = group_by_prefix((store[i] for i in range(len(store))), engine.config.cache.block_size)
-    log.info(
-        "%d requests to run, %d invalid lines; prefix grouping: %d of %d prompt tokens shareable",
-        len(store),
-        len(job.errors),
-        order.ideal_cached_tokens,
-        order.prompt_tokens,
+    if job.endpoint == EMBEDDINGS_URL:
+        log.info("%d inputs to embed, %d invalid lines", len(store), len(job.errors))
+    else:
+        log.info(
+            "%d requests to run, %d invalid lines; prefix grouping: %d of %d prompt tokens "
+            "shareable",
+            len(store),
+            len(job.errors),
+            order.ideal_cached_tokens,
+            order.prompt_tokens,
+        )
+    # An embeddings line fills one store entry per input: its key is its first entry's.
+    feed = (
+        EngineRequest(
+            key=i - job.input_index[i],
+            input=job.input_index[i],
+            token_ids=store[i],
+            params=_engine_params(job.requests[i]),
+        )
+        for i in order.order
     )
-    window = opts.window or 4 * engine.config.scheduler.max_num_seqs
-    feed = ((str(i), store[i], _engine_params(job.requests[i])) for i in order.order)
     work = JobWork.of(job.requests, order.prompt_tokens, order.ideal_cached_tokens)
-    progress = Progress(engine, work)
-    vectors = EmbeddingLines(job.model_name, engine, record.id)
+    progress = Progress(engine, work, embeddings=job.endpoint == EMBEDDINGS_URL)
+    context = LineContext(job.model_name, record.id, record.created_at)
     monitor = opts.monitor
     watch = None if monitor is None else lambda: monitor.step(engine) or False
     try:
-        for out in feed_in_order(engine, feed, window, watch):
+        answers = answer(
+            engine, feed, job.requests.__getitem__, context, window=opts.window, should_stop=watch
+        )
+        for done in answers:
             if monitor is not None:
-                monitor.output(out)
-            index = int(out.request_id)
-            req = job.requests[index]
-            if req.is_embedding:
-                line = vectors.add(req, job.input_index[index], out)
-            else:
-                line = success_line(
-                    req,
-                    out,
-                    model=job.model_name,
-                    tokenizer=engine.tokenizer,
-                    batch_id=record.id,
-                    created=record.created_at,
-                )
-            if line is not None:
-                partial.add(line, job.digest_of[req.custom_id])
-            progress.update(out)
+                monitor.output(done.output)
+            if done.line is not None:
+                req = job.requests[done.key]
+                partial.add(done.line, job.digest_of[req.custom_id])
+            progress.update(done.output, done.key + done.input)
     finally:
         progress.close()
 
@@ -408,6 +526,12 @@ def prepare_requests(
     `kvbatch run` and `kvbatch submit`, so both judge lines the same way."""
     if tokenizer is None:
         raise JobError(f"the model {opts.model} has no tokenizer: jobs need one")
+    return _prepare(source, opts, _Given(tokenizer, max_len), store, done)
+
+
+def _prepare(source, opts: RunOptions, model, store: TokenStore, done: Mapping[str, str]):
+    """prepare_requests, asking `model` (ModelOnDemand, or _Given) for the tokenizer and the
+    context length only when a line needs them."""
     requests: list[JobRequest] = []
     line_of: dict[str, int] = {}
     digest_of: dict[str, str] = {}
@@ -452,7 +576,7 @@ def prepare_requests(
                     continue
                 if item.is_embedding:
                     try:
-                        inputs = embedding_token_ids(item, tokenizer, max_len)
+                        inputs = embedding_token_ids(item, model.tokenizer, model.max_model_len)
                     except PromptError as e:
                         errors.append(e.line_error(item))
                         continue
@@ -463,8 +587,8 @@ def prepare_requests(
                         store.append(ids)
                     continue
                 try:
-                    ids = prompt_token_ids(item, tokenizer, max_len)
-                    params = sampling_params_for(item, len(ids), max_len)
+                    ids = prompt_token_ids(item, model.tokenizer, model.max_model_len)
+                    params = sampling_params_for(item, len(ids), model.max_model_len)
                 except PromptError as e:
                     errors.append(
                         LineError(item.line, item.custom_id, e.code, f"line {item.line}: {e}")
@@ -525,7 +649,9 @@ def _finalize(
             failed.append((n, offset, length))
         else:
             answered.append((n, offset, length))
-            record.add_usage(line["response"]["body"]["usage"])
+            body = line["response"]["body"]
+            record.add_usage(body["usage"])
+            record.vectors += len(body.get("data") or ())  # an embeddings answer's
     answered.sort()
     _write(paths.output, partial.read_at((o, ln) for _, o, ln in answered))
     # Error records: the engine's (in the partial) and validation's (in memory), by line.

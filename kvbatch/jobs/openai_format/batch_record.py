@@ -51,6 +51,7 @@ class BatchRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    vectors: int = 0  # of an embeddings job: what `kvbatch run` reports (batch.json has none)
     errors: list[dict] = field(default_factory=list)  # OpenAI BatchError objects
 
     @classmethod

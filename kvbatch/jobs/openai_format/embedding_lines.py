@@ -38,7 +38,7 @@ class EmbeddingLines:
             return self._error(req, "invalid_prompt", which + refused.error)
         # Imported here, not with the module: the body stacks vectors with torch, and the
         # commands that read shards without answering them (status, finalize) never load it.
-        from kvbatch.engine.pooling.openai_body import embedding_response
+        from kvbatch.jobs.openai_format.embedding_body import embedding_response
 
         try:
             body = embedding_response(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.engine import SamplingParams
 from kvbatch.jobs.openai_format.tool_parsers import get_parser
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError
 

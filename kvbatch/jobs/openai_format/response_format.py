@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic_core import PydanticCustomError
 
-from kvbatch.engine.structured.params import StructuredOutputs
+from kvbatch.engine import StructuredOutputs
 from kvbatch.jobs.openai_format.shown import shown
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name

@@ -30,8 +30,7 @@ import re
 import weakref
 from typing import Any
 
-from kvbatch.engine.core.outputs import RequestOutput
-from kvbatch.engine.core.sequence import TokenLogprobs
+from kvbatch.engine import RequestOutput, TokenLogprobs
 from kvbatch.jobs.openai_format.tools import read_answer
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError
 

@@ -38,14 +38,15 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from kvbatch.engine.core.sampling_params import (
+from kvbatch.engine import (
     MAX_LOGIT_BIAS,
     MAX_N,
     MAX_PENALTY,
+    EmbeddingPrompt,
     SamplingParams,
+    StructuredOutputs,
+    embedding_inputs,
 )
-from kvbatch.engine.pooling.inputs import EmbeddingPrompt, embedding_inputs
-from kvbatch.engine.structured.params import StructuredOutputs
 from kvbatch.jobs.openai_format.response_format import PARAMETER_RULE, SHAPES, read_response_format
 from kvbatch.jobs.openai_format.tools import (
     CHOICES,

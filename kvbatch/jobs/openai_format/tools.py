@@ -30,7 +30,7 @@ from jsonschema.exceptions import SchemaError
 from jsonschema.validators import Draft202012Validator, validator_for
 from pydantic_core import PydanticCustomError
 
-from kvbatch.engine.structured.params import StructuredOutputs
+from kvbatch.engine import StructuredOutputs
 from kvbatch.jobs.openai_format.response_format import PARAMETER_RULE
 from kvbatch.jobs.openai_format.shown import shown
 from kvbatch.jobs.openai_format.tool_parsers import get_parser

@@ -45,7 +45,7 @@ from typing import Any, BinaryIO
 
 from pydantic import BaseModel, ValidationError
 
-from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.engine import SamplingParams
 from kvbatch.jobs.openai_format.schemas import (
     BODIES,
     CHAT_URL,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -15,6 +17,27 @@ class StorageError(Exception):
 
 class AlreadyExists(StorageError):
     """A conditional write (`if_absent=True`) found the object already written by someone else."""
+
+
+def refuse_endless_input(uri: str, st: os.stat_result) -> None:
+    """Raise StorageError unless a file of this kind (`st`, its stat) can be read to its end:
+    a regular file, a pipe, a socket or /dev/null. Another device (/dev/zero, /dev/urandom, a
+    disk) may never end, and a job's input is read whole before the model runs a line."""
+    if not (stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)) or _is_dev_null(st):
+        return
+    kind = "a character device" if stat.S_ISCHR(st.st_mode) else "a block device"
+    raise StorageError(
+        f"{uri} is {kind}, not a file: a job is read to its end, and a device may never end; "
+        "give a file, or pipe the job in"
+    )
+
+
+def _is_dev_null(st: os.stat_result) -> bool:
+    try:
+        null = os.stat(os.devnull)
+    except OSError:
+        return False
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == null.st_rdev
 
 
 # One path segment or key segment: safe as a file name on every platform and as an S3 key part

@@ -16,6 +16,7 @@ from kvbatch.jobs.storage.base import (
     AlreadyExists,
     Storage,
     StorageError,
+    refuse_endless_input,
     relative_key,
     validate_list_prefix,
 )
@@ -46,6 +47,12 @@ class LocalStorage(Storage):
         return self.path.exists()
 
     def check_readable(self) -> None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            st = None  # open_read names the problem
+        if st is not None:
+            refuse_endless_input(self.uri, st)
         self.open_read().close()
 
     def check_writable(self) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import BinaryIO, NoReturn
 
-from kvbatch.jobs.storage.base import Storage, StorageError
+from kvbatch.jobs.storage.base import Storage, StorageError, refuse_endless_input
 
 
 class StdioStorage(Storage):
@@ -30,6 +32,11 @@ class StdioStorage(Storage):
             raise StorageError(
                 "input '-' means stdin, which is a terminal: pipe the job in (... - < job.jsonl)"
             )
+        try:
+            st = os.fstat(sys.stdin.fileno())
+        except (OSError, ValueError, io.UnsupportedOperation):
+            return  # a stream without a file (tests, embedding): read as it comes
+        refuse_endless_input("input '-' (stdin)", st)
 
     def check_writable(self) -> None:
         if sys.stdout is None:

@@ -136,6 +136,6 @@ def test_a_resumed_run_with_everything_answered_shows_no_nan(llm, tmp_path: Path
     with caplog.at_level(logging.INFO, logger="kvbatch.run"):
         record = run_job(opts, llm=llm)
     assert record.completed == len(lines)
-    assert "ran 0 requests, 0 output tokens" in caplog.text
+    assert "no line to run (6 answered by an earlier run, 0 refused)" in caplog.text
     assert "nan" not in caplog.text
     assert json.loads((tmp_path / "out.jsonl").read_text().splitlines()[0])["custom_id"] == "r0"

@@ -1,7 +1,9 @@
 """A property of `kvbatch run` over arbitrary input files (hypothesis): whatever each line holds
 (any JSON value, request-shaped objects with odd fields, raw bytes, lone surrogate escapes,
 deep nesting, huge numbers), the run completes, each good line is answered exactly once and
-each other line has exactly one error record with its line number."""
+each other line has exactly one error record with its line number. Sampling parameters at the
+limits of the floating-point types the sampler may compute in get a valid answer or an error
+record naming the parameter, never an answer made of NaN logits."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -72,6 +75,86 @@ JUNK = st.one_of(
     st.integers(4301, 6000).map(lambda n: b'{"custom_id": "x", "n": ' + b"7" * n + b"}"),
     st.sampled_from([rb'{"custom_id": "\ud800"}', rb'{"\udfff": 1}', b"1e400", b"[" * 100_000]),
 )
+
+
+def _limits(dtype: torch.dtype) -> list[float]:
+    info = torch.finfo(dtype)
+    return [info.smallest_normal, info.tiny / 2**10, info.max, info.eps, 1 - info.eps / 2]
+
+
+# Where float32, bfloat16 and float16 (and float64, which JSON numbers are) run out: the
+# smallest subnormal-ish and normal values, the largest, epsilon and the float just under 1.
+# 1e-46 and 1e-300 round to 0 in float32; 3.5e38 overflows it.
+DTYPE_LIMITS = sorted(
+    {v for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64) for v in _limits(d)}
+    | {1e-46, 1e-300, 5e-324, 3.5e38, 1.7976931348623157e308}
+)
+
+
+@st.composite
+def near_dtype_limits(draw) -> float:
+    """A float at, or a hair either side of, one of DTYPE_LIMITS, of either sign."""
+    limit = draw(st.sampled_from(DTYPE_LIMITS))
+    value = limit * draw(st.sampled_from([1.0, 0.999, 1.001, 0.5, 2.0]))
+    value = value if value != float("inf") else limit  # JSON has no infinity
+    return value * draw(st.sampled_from([1.0, 1.0, -1.0]))
+
+
+FLOAT_PARAMETERS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+@st.composite
+def limit_float_lines(draw) -> tuple[list[dict], dict[str, list[str]]]:
+    """Completions whose sampling floats sit at the dtypes' limits, and the parameters each
+    line set (what its error, if it gets one, must name)."""
+    lines, named = [], {}
+    for n in range(draw(st.integers(1, 4))):
+        params = draw(
+            st.dictionaries(st.sampled_from(FLOAT_PARAMETERS), near_dtype_limits(), min_size=1)
+        )
+        custom_id = f"float-{n}"
+        body = {"prompt": "count to three:", "max_tokens": 2, "seed": n, **params}
+        lines.append({"custom_id": custom_id, "method": "POST", "url": "/v1/completions"})
+        lines[-1]["body"] = body
+        named[custom_id] = sorted(params)
+    return lines, named
+
+
+@settings(
+    max_examples=15,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(job=limit_float_lines())
+def test_floats_at_the_dtype_limits_get_an_answer_or_an_error_naming_them(llm, job):  # noqa: F811
+    lines, named = job
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "in.jsonl"
+        source.write_bytes(b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+        opts = RunOptions(input=str(source), model="unused", output=str(Path(tmp) / "out.jsonl"))
+        run_job(opts, llm=llm)
+        answers = _read(Path(tmp) / "out.jsonl")
+        errors = _read(Path(tmp) / "out.errors.jsonl")
+    got = [r["custom_id"] for r in answers + errors]
+    assert sorted(got) == sorted(named), (answers, errors)
+    for answer in answers:
+        body = answer["response"]["body"]
+        (choice,) = body["choices"]
+        assert choice["finish_reason"] in ("stop", "length"), answer
+        assert 1 <= body["usage"]["completion_tokens"] <= 2, answer
+        assert choice["finish_reason"] == "stop" or choice["text"], answer  # not 2 empty tokens
+    for error in errors:
+        message = error["error"]["message"]
+        params = named[error["custom_id"]]
+        assert any(p in message for p in params), (params, message)
 
 
 @st.composite

@@ -9,8 +9,8 @@ from openai import BaseModel as OpenAIModel
 from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 
+from kvbatch.engine import TokenLogprobs
 from kvbatch.engine.core.outputs import CompletionOutput, RequestOutput
-from kvbatch.engine.core.sequence import TokenLogprobs
 from kvbatch.jobs.openai_format.responses import error_line, success_line
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError, validate_lines
 

@@ -6,7 +6,8 @@
 `encoding_format="base64"` carries each vector as the base64 of its little-endian float32
 bytes, which is what OpenAI sends and what its client decodes with
 `np.frombuffer(base64.b64decode(s), dtype="float32")`: a quarter of the size of the JSON
-floats, and exact. The jobs layer builds one body per `/v1/embeddings` line with this.
+floats, and exact. kvbatch.jobs.openai_format.embedding_lines builds one body per `/v1/embeddings` line
+with this.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvbatch.engine.pooling.matryoshka import truncate_dimensions
-from kvbatch.engine.pooling.outputs import EmbeddingOutput
+from kvbatch.engine import EmbeddingOutput, truncate_dimensions
 
 ENCODING_FORMATS = ("float", "base64")
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from openai.types import CreateEmbeddingResponse
 
-from kvbatch.engine.pooling.openai_body import embedding_body, embedding_response
-from kvbatch.engine.pooling.outputs import EmbeddingOutput
+from kvbatch.engine import EmbeddingOutput
+from kvbatch.jobs.openai_format.embedding_body import embedding_body, embedding_response
 
 
 def outputs(n: int = 3, dim: int = 48, seed: int = 0) -> list[EmbeddingOutput]:

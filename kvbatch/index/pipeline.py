@@ -1,0 +1,271 @@
+"""`kvbatch index SPEC.toml` on one machine: plan, generate, embed, merge.
+
+    source --read, hash (unchanged: skipped)--> parse --> chunk
+      --generation job (context, questions, summary; the document a shared prefix)-->
+      --embeddings job (chunk with its context)--> rows
+      --one merge on chunk_id--> LanceDB table; the rows as Parquet + manifest in the run folder
+
+The generation and the embedding model load in turn (one in memory at a time). Each model
+stage is a kvbatch job in the run's folder, run with --resume: a killed run started again
+finds the same plan (nothing was merged), so the same run folder, and answers only what the
+killed one had not.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbatch.engine import LLM
+from kvbatch.index.chunking import Chunker
+from kvbatch.index.embed import embedding_lines, read_vectors
+from kvbatch.index.generate import Generated, generation_lines, read_generated
+from kvbatch.index.identity import RowIdentity, row_identity
+from kvbatch.index.plan import Plan, WorkDocument, make_plan
+from kvbatch.index.prefill import prefill_tokens
+from kvbatch.index.report import ErrorRecord, IndexReport
+from kvbatch.index.rows import build_rows, write_run_files
+from kvbatch.index.spec import IndexSpec
+from kvbatch.index.stage_jobs import run_stage, write_lines
+from kvbatch.index.table import (
+    connect,
+    document_state,
+    merge_rows,
+    open_table,
+)
+from kvbatch.jobs.local.run import JobError
+from kvbatch.jobs.model_info import load_tokenizer
+
+log = logging.getLogger("kvbatch.index")
+
+LLMFactory = Callable[[str], Any]  # model (as the spec names it) -> a kvbatch.engine.LLM
+
+
+class IndexRunError(Exception):
+    """The run cannot go on: a model that does not load, a table whose vectors have another
+    dimension, another run holding the same run folder. The message says what to fix."""
+
+
+def default_llm_factory(spec: IndexSpec) -> LLMFactory:
+    """LLM(model, **spec.engine), with the spec's revision for that model."""
+    revisions = {
+        spec.models.embedding: spec.models.embedding_revision,
+        spec.models.generation: spec.models.generation_revision,
+    }
+
+    def make(model: str):
+        extra = {"revision": revisions[model]} if revisions.get(model) else {}
+        return LLM(model=model, **{**spec.engine, **extra})
+
+    return make
+
+
+def run_index(spec: IndexSpec, *, llm_factory: LLMFactory | None = None) -> IndexReport:
+    """Bring the table up to date with the source; see the module docstring."""
+    report = IndexReport()
+    identity = row_identity(spec)
+    factory = llm_factory or default_llm_factory(spec)
+    with _timed(report, "plan"):
+        try:
+            tokenizer = load_tokenizer(spec.models.embedding)
+        except (OSError, ValueError) as e:
+            raise IndexRunError(
+                f"models.embedding: cannot load the tokenizer of {spec.models.embedding}: {e}"
+            ) from e
+        chunker = Chunker.for_tokenizer(tokenizer, spec.chunking.size, spec.chunking.overlap)
+        db = connect(spec.output.uri)
+        table = open_table(db, spec.output.table)
+        plan = make_plan(spec.source, document_state(table), identity, chunker)
+    _count_plan(report, plan)
+    if plan.empty:
+        log.info("index: %d documents, all up to date: nothing to write", plan.seen)
+        return report
+    report.run_id = plan.run_id(identity)
+    folder = Path(spec.output.runs) / report.run_id
+    docs = plan.work
+    generated = Generated()
+    if spec.stages.generates and docs:
+        with _timed(report, "generate"):
+            generated, errors = _generate(spec, docs, folder / "generate", factory, report)
+        report.errors += errors
+        docs = _without(docs, errors)
+    vectors: dict[str, list[float]] = {}
+    if spec.stages.embed and docs:
+        with _timed(report, "embed"):
+            vectors, errors = _embed(spec, docs, generated, folder / "embed", factory)
+        report.errors += errors
+        docs = _without(docs, errors)
+    with _timed(report, "write"):
+        _write(spec, db, plan, docs, generated, vectors, identity, folder, report)
+    report.documents_failed = len({e.document_id for e in report.errors})
+    return report
+
+
+def _count_plan(report: IndexReport, plan: Plan) -> None:
+    report.documents_seen = plan.seen
+    report.documents_parsed = len(plan.work)
+    report.documents_skipped = plan.skipped
+    report.documents_deleted = len(plan.deleted)
+    report.errors = list(plan.errors)
+    report.documents_failed = len(plan.errors)
+    log.info(
+        "index: %d documents: %d to do (%d chunks), %d unchanged, %d deleted, %d failed",
+        plan.seen,
+        len(plan.work),
+        sum(len(d.chunks) for d in plan.work),
+        plan.skipped,
+        len(plan.deleted),
+        len(plan.errors),
+    )
+
+
+def _generate(spec: IndexSpec, docs, folder: Path, factory: LLMFactory, report: IndexReport):
+    model = spec.models.generation
+    n = write_lines(folder / "input.jsonl", generation_lines(docs, spec.stages, _name(model)))
+    log.info("generate: %d documents, %d chunks, %d requests", len(docs), _chunks(docs), n)
+    llm = _load(factory, model, "generation")
+    try:
+        answers = _run_stage(folder, model, llm, spec.engine, "generate")
+        report.prefill = prefill_tokens(folder / "input.jsonl", llm.engine, answers)
+    finally:
+        _release(llm)
+    p = report.prefill
+    log.info(
+        "generate: prefill tokens computed %d, ideal %d, without sharing %d",
+        p.computed,
+        p.ideal,
+        p.no_sharing,
+    )
+    generated = read_generated(docs, spec.stages, answers)
+    return generated, generated.errors
+
+
+def _embed(spec: IndexSpec, docs, generated: Generated, folder: Path, factory: LLMFactory):
+    model = spec.models.embedding
+    n = write_lines(folder / "input.jsonl", embedding_lines(docs, generated, _name(model)))
+    log.info("embed: %d documents, %d chunks", len(docs), n)
+    llm = _load(factory, model, "embedding")
+    try:
+        answers = _run_stage(folder, model, llm, spec.engine, "embed")
+    finally:
+        _release(llm)
+    log.info("embed: %d prompt tokens", answers.prompt_tokens)
+    return read_vectors(docs, answers)
+
+
+def _load(factory: LLMFactory, model: str, role: str):
+    try:
+        return factory(model)
+    except (OSError, ValueError) as e:
+        raise IndexRunError(f"models.{role}: cannot load {model}: {e}") from e
+    except TypeError as e:  # a keyword of [engine] that kvbatch.engine.LLM does not take
+        raise IndexRunError(f"engine: {e}: see kvbatch.engine.LLM's keywords") from e
+
+
+def _run_stage(folder: Path, model: str, llm, engine: dict, stage: str):
+    try:
+        return run_stage(folder, model, llm, engine)
+    except JobError as e:  # another run holds the stage's output, an unwritable folder, ...
+        raise IndexRunError(f"{stage}: {e}") from e
+
+
+def _write(
+    spec: IndexSpec,
+    db,
+    plan: Plan,
+    docs: list[WorkDocument],
+    generated: Generated,
+    vectors: dict[str, list[float]],
+    identity: RowIdentity,
+    folder: Path,
+    report: IndexReport,
+) -> None:
+    table = open_table(db, spec.output.table)
+    dimension = _dimension(spec, table, vectors)
+    if spec.stages.embed and dimension is None:  # nothing embedded and no table yet
+        return
+    rows = build_rows(docs, generated, vectors, dimension, identity, report.run_id)
+    replaced = [d.id for d in docs] + plan.deleted
+    if table is None and rows.num_rows == 0:
+        return
+    manifest = {
+        "run_id": report.run_id,
+        "table": {"uri": spec.output.uri, "name": spec.output.table},
+        "identity": identity.__dict__,
+        "documents": {d.id: d.hash for d in docs},
+        "deleted": plan.deleted,
+        "errors": [e.__dict__ for e in report.errors],
+        "rows": rows.num_rows,
+    }
+    write_run_files(folder, rows, {**manifest, "status": "merging"})
+    merged = merge_rows(db, spec.output.table, rows, replaced)
+    report.table_version = merged.version
+    report.chunks_deleted = merged.deleted
+    report.chunks = rows.num_rows
+    report.wrote = True
+    write_run_files(folder, rows, {**manifest, "status": "merged", "version": report.table_version})
+    for stage in ("generate", "embed"):  # their inputs repeat each document per chunk
+        shutil.rmtree(folder / stage, ignore_errors=True)
+    log.info(
+        "write: %d rows for %d documents, %d documents deleted: table version %d",
+        rows.num_rows,
+        len(docs),
+        len(plan.deleted),
+        report.table_version,
+    )
+
+
+def _dimension(spec: IndexSpec, table, vectors: dict[str, list[float]]) -> int | None:
+    if not spec.stages.embed:
+        return None
+    new = len(next(iter(vectors.values()))) if vectors else None
+    old = None
+    if table is not None and "embedding" in table.schema.names:
+        old = table.schema.field("embedding").type.list_size
+    if new is not None and old is not None and new != old:
+        raise IndexRunError(
+            f"the embedding model gives {new}-dimensional vectors but the table "
+            f"{spec.output.table} holds {old}-dimensional ones: name a new table (output.table)"
+        )
+    return new or old
+
+
+def _without(docs: list[WorkDocument], errors: list[ErrorRecord]) -> list[WorkDocument]:
+    failed = {e.document_id for e in errors}
+    return [d for d in docs if d.id not in failed]
+
+
+def _chunks(docs: list[WorkDocument]) -> int:
+    return sum(len(d.chunks) for d in docs)
+
+
+def _name(model: str) -> str:
+    return Path(model.rstrip("/")).name
+
+
+def _release(llm) -> None:
+    """Drop the model before the next loads: on one machine they take turns."""
+    engine = getattr(llm, "engine", None)
+    del llm, engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextmanager
+def _timed(report: IndexReport, stage: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        report.stage_seconds[stage] = report.stage_seconds.get(stage, 0.0) + (
+            time.perf_counter() - start
+        )

@@ -1,0 +1,64 @@
+"""The run's rows: one per chunk of each document done this run, as an Arrow table (what the
+LanceDB merge takes), and the same rows as Parquet in the run's folder with a manifest, for
+any other store to load."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kvbatch.index.generate import Generated
+from kvbatch.index.identity import RowIdentity
+from kvbatch.index.plan import WorkDocument
+from kvbatch.index.table import chunk_schema
+
+
+def build_rows(
+    docs: list[WorkDocument],
+    generated: Generated,
+    vectors: dict[str, list[float]] | None,
+    dimension: int | None,
+    identity: RowIdentity,
+    run_id: str,
+) -> pa.Table:
+    """Rows of `docs` (the documents that got through every stage), in document order."""
+    ident = asdict(identity)
+    rows = []
+    for doc in docs:
+        for chunk in doc.chunks:
+            row = {
+                "chunk_id": chunk.chunk_id,
+                "document_id": doc.id,
+                "chunk_index": chunk.index,
+                "source_uri": doc.uri,
+                "document_hash": doc.hash,
+                "chunk_hash": chunk.chunk_hash,
+                "text": chunk.text,
+                "context": generated.context.get(chunk.chunk_id),
+                "questions": generated.questions.get(chunk.chunk_id),
+                "summary": generated.summary.get(doc.id),
+                **ident,
+                "run_id": run_id,
+            }
+            if dimension is not None:
+                row["embedding"] = vectors[chunk.chunk_id]
+            rows.append(row)
+    return pa.Table.from_pylist(rows, schema=chunk_schema(dimension))
+
+
+def write_run_files(folder: Path, rows: pa.Table, manifest: dict) -> None:
+    """chunks.parquet, then manifest.json (written last and atomically: a manifest means the
+    Parquet beside it is whole)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("chunks.parquet", ".manifest.json.tmp"):  # never write through a link
+        if (folder / name).is_symlink():
+            (folder / name).unlink()
+    pq.write_table(rows, folder / "chunks.parquet")
+    tmp = folder / ".manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, folder / "manifest.json")

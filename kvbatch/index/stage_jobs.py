@@ -1,0 +1,115 @@
+"""The model stages as ordinary kvbatch jobs: OpenAI batch lines written into the run's folder,
+run by `kvbatch run`'s run_job with --resume, answers read back by custom_id. So a stage
+resumes after a kill (run_job's partial output) and answers each line once, and a stage that
+finished in an earlier attempt of the same run is read back, not run again."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvbatch.jobs.local.run import RunOptions, run_job
+
+log = logging.getLogger("kvbatch.index")
+
+
+@dataclass
+class StageAnswers:
+    """What a stage's job gave: per custom_id an answer body or an error, and its usage."""
+
+    bodies: dict[str, dict] = field(default_factory=dict)
+    errors: dict[str, dict] = field(default_factory=dict)  # custom_id -> {"code", "message"}
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def chat_line(custom_id: str, model: str, prompt: str, max_tokens: int) -> dict:
+    """A greedy chat line: the same answer on every run (and every resume)."""
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+    }
+
+
+def embedding_line(custom_id: str, model: str, text: str) -> dict:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/embeddings",
+        "body": {"model": model, "input": text},
+    }
+
+
+def write_lines(path: Path, lines: Iterable[dict]) -> int:
+    """Write the job's input (again: it is the same for the same run) and count its lines."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
+def stage_finished(folder: Path) -> bool:
+    """The stage's job completed in an earlier attempt of this run (batch.json says so)."""
+    batch = folder / "output.batch.json"
+    try:
+        return json.loads(batch.read_text()).get("status") == "completed"
+    except (OSError, ValueError):
+        return False
+
+
+def run_stage(folder: Path, model: str, llm, engine: dict) -> StageAnswers:
+    """Run (or resume) the job whose input is folder/input.jsonl, then read its answers."""
+    if not stage_finished(folder):
+        opts = RunOptions(
+            input=str(folder / "input.jsonl"),
+            model=model,
+            output=str(folder / "output.jsonl"),
+            resume=True,
+            engine=dict(engine),
+        )
+        run_job(opts, llm=llm)
+    return read_answers(folder)
+
+
+def read_answers(folder: Path) -> StageAnswers:
+    answers = StageAnswers()
+    for line in _jsonl(folder / "output.jsonl"):
+        body = line["response"]["body"]
+        answers.bodies[line["custom_id"]] = body
+        usage = body.get("usage") or {}
+        answers.prompt_tokens += usage.get("prompt_tokens", 0)
+        details = usage.get("prompt_tokens_details") or {}
+        answers.cached_tokens += details.get("cached_tokens", 0) or 0
+    for line in _jsonl(folder / "output.errors.jsonl"):
+        answers.errors[line["custom_id"]] = line["error"]
+    return answers
+
+
+def _jsonl(path: Path) -> Iterator[dict]:
+    if not path.exists():
+        return
+    with open(path, encoding="utf-8") as f:
+        for raw in f:
+            if raw.strip():
+                yield json.loads(raw)
+
+
+def chat_text(body: dict) -> str:
+    return (body["choices"][0]["message"].get("content") or "").strip()
+
+
+def embedding_vector(body: dict) -> list[float]:
+    return body["data"][0]["embedding"]

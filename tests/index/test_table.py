@@ -1,0 +1,75 @@
+"""The merge on LanceDB itself: one version per run, untouched documents untouched, a
+replaced document's vanished chunks removed, ids with quotes handled."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from kvbatch.index.identity import RowIdentity
+from kvbatch.index.table import (
+    chunk_schema,
+    connect,
+    document_state,
+    merge_rows,
+    open_table,
+)
+
+IDENT = RowIdentity("emb", "r1", "gen", "r2", "p1", "size=8,overlap=0")
+
+
+def rows(items: list[tuple[str, str, str]], run: str) -> pa.Table:
+    """(chunk id, document id, text) -> rows of the table's schema."""
+    return pa.Table.from_pylist(
+        [
+            {
+                "chunk_id": c,
+                "document_id": d,
+                "chunk_index": i,
+                "document_hash": "h-" + d,
+                "text": t,
+                "embedding": [float(i), 1.0],
+                **IDENT.__dict__,
+                "run_id": run,
+            }
+            for i, (c, d, t) in enumerate(items)
+        ],
+        schema=chunk_schema(2),
+    )
+
+
+def test_one_merge_inserts_replaces_and_deletes_only_what_the_run_names(tmp_path):
+    db = connect(str(tmp_path / "index"))
+    first = merge_rows(
+        db,
+        "chunks",
+        rows(
+            [
+                ("a1", "a.md", "x"),
+                ("a2", "a.md", "y"),
+                ("q1", "o'brien.md", "z"),
+                ("k1", "keep.md", "k"),
+            ],
+            "run1",
+        ),
+        [],
+    )
+    assert (first.version, first.inserted) == (1, 4)
+    second = merge_rows(
+        db,
+        "chunks",
+        rows([("a1", "a.md", "x2"), ("a3", "a.md", "w")], "run2"),
+        ["a.md", "o'brien.md"],
+    )
+    assert (second.version, second.inserted, second.updated, second.deleted) == (2, 1, 1, 2)
+    table = open_table(db, "chunks")
+    got = {r["chunk_id"]: (r["text"], r["run_id"]) for r in table.to_arrow().to_pylist()}
+    assert got == {"a1": ("x2", "run2"), "a3": ("w", "run2"), "k1": ("k", "run1")}
+    assert document_state(table) == {
+        "a.md": {("h-a.md", *IDENT.key())},
+        "keep.md": {("h-keep.md", *IDENT.key())},
+    }
+
+
+def test_a_missing_table_opens_as_none(tmp_path):
+    assert open_table(connect(str(tmp_path / "nothing")), "chunks") is None
+    assert document_state(None) == {}
