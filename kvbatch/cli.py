@@ -7,7 +7,6 @@ import importlib.metadata
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Annotated
 
 from kvbatch.engine_args import (
@@ -216,7 +215,6 @@ def _add_results_args(p: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     import logging
 
-    from kvbatch.hub import ModelNotFoundError, split_hub_id
     from kvbatch.jobs.local.run import JobError, JobInterrupted, RunOptions, resolve_paths, run_job
 
     # INFO for our own loggers only: at the root, boto3 and others would log their chatter
@@ -248,14 +246,6 @@ def _run(args: argparse.Namespace) -> int:
             )
             return 1
         opts.monitor = RunMetrics(args.model_name or args.model.rstrip("/").rsplit("/", 1)[-1])
-    # The model loads only when a line needs it; a path that does not exist fails now, even
-    # for a job with nothing to run (a Hub id is fetched later, when it is needed).
-    try:
-        if not Path(args.model).expanduser().exists():
-            split_hub_id(args.model)
-    except ModelNotFoundError as e:
-        print(f"kvbatch run: {e}", file=sys.stderr)
-        return 2
     try:
         paths = resolve_paths(opts)
         record = run_job(opts)

@@ -12,6 +12,7 @@ kvbatch/cli.py, so that building the parser imports none of this).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 
@@ -26,6 +27,15 @@ def results(args: argparse.Namespace) -> int:
     name = "errors.jsonl" if args.errors else "output.jsonl"
     try:
         job = job_dir(args.output, args.job_id)
+        inside = inside_folder(args.to, job.uri)
+        if inside:
+            print(
+                f"kvbatch results: -o {args.to} is inside the job's own folder {inside}, whose "
+                "files (job.json, batch.json, the shards) the job needs: write the answers "
+                "elsewhere",
+                file=sys.stderr,
+            )
+            return 1
         if not job.join("job.json").exists():
             print(f"kvbatch results: no job {args.job_id!r} under {args.output}", file=sys.stderr)
             return 1
@@ -49,3 +59,17 @@ def results(args: argparse.Namespace) -> int:
     if args.to != "-":
         print(f"kvbatch results: {source.uri} -> {args.to}", file=sys.stderr)
     return 0
+
+
+def inside_folder(target: str, folder: str) -> str | None:
+    """`folder` (a job's folder: a local path or s3:// prefix), as compared, when `target`
+    lies in it or is it; None otherwise. Local paths are compared resolved (symlinks, '..'),
+    S3 keys as written (S3 has no '..'); '-' (stdout) is never inside."""
+    if target == "-":
+        return None
+    if target.startswith("s3://") or folder.startswith("s3://"):
+        base = folder.rstrip("/")
+        return base if target == base or target.startswith(base + "/") else None
+    base = os.path.realpath(folder.removeprefix("file://"))
+    path = os.path.realpath(target.removeprefix("file://"))
+    return base if path == base or path.startswith(base.rstrip(os.sep) + os.sep) else None

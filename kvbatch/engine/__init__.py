@@ -22,6 +22,12 @@ if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getatt
     from kvbatch.engine.core.sampling_params import MAX_LOGIT_BIAS as MAX_LOGIT_BIAS
     from kvbatch.engine.core.sampling_params import MAX_N as MAX_N
     from kvbatch.engine.core.sampling_params import MAX_PENALTY as MAX_PENALTY
+    from kvbatch.engine.core.sampling_params import (
+        MAX_REPETITION_PENALTY as MAX_REPETITION_PENALTY,
+    )
+    from kvbatch.engine.core.sampling_params import (
+        MIN_REPETITION_PENALTY as MIN_REPETITION_PENALTY,
+    )
     from kvbatch.engine.core.sampling_params import SamplingParams as SamplingParams
     from kvbatch.engine.core.sequence import TokenLogprobs as TokenLogprobs
     from kvbatch.engine.core.spec_config import SpecConfig as SpecConfig
@@ -35,6 +41,7 @@ if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getatt
     from kvbatch.engine.pooling.inputs import embedding_inputs as embedding_inputs
     from kvbatch.engine.pooling.matryoshka import truncate_dimensions as truncate_dimensions
     from kvbatch.engine.pooling.outputs import EmbeddingOutput as EmbeddingOutput
+    from kvbatch.engine.structured.enforced import unenforced as unenforced
     from kvbatch.engine.structured.params import StructuredOutputs as StructuredOutputs
 
 _EXPORTS = {
@@ -54,6 +61,9 @@ _EXPORTS = {
     "MAX_LOGIT_BIAS": "kvbatch.engine.core.sampling_params",
     "MAX_N": "kvbatch.engine.core.sampling_params",
     "MAX_PENALTY": "kvbatch.engine.core.sampling_params",
+    "MIN_REPETITION_PENALTY": "kvbatch.engine.core.sampling_params",
+    "MAX_REPETITION_PENALTY": "kvbatch.engine.core.sampling_params",
+    "unenforced": "kvbatch.engine.structured.enforced",  # strict structured outputs
     "TokenLogprobs": "kvbatch.engine.core.sequence",
     "block_hashes": "kvbatch.engine.kv.kv_cache",
     "ENCODER_ARCHITECTURES": "kvbatch.engine.model.architectures",

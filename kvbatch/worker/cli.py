@@ -31,6 +31,7 @@ import sys
 
 from kvbatch.engine import EngineArgs  # plain Python: no torch to parse arguments
 from kvbatch.jobs.context_flags import as_flags
+from kvbatch.redact import redact_url, redact_urls
 from kvbatch.worker.settings import (  # plain Python: no Celery to parse arguments
     DEFAULT_QUEUE,
     metrics_port,
@@ -180,10 +181,15 @@ def _app(args: argparse.Namespace, command: str):
 
 
 def _where(app) -> str:
-    """The app's broker URL for a message: its password masked."""
-    from kombu.utils.url import maybe_sanitize_url
+    """The app's broker URL for a message: its password masked (plain string work: kombu's
+    sanitize_url raises on a URL it cannot parse, inside the handler that reports it)."""
+    return redact_url(str(app.conf.broker_url))
 
-    return maybe_sanitize_url(app.conf.broker_url)
+
+def _broker_error(e: Exception, app) -> str:
+    """A transport's error text, with the broker URL's credentials masked wherever it says
+    them."""
+    return redact_urls(str(e), str(app.conf.broker_url))
 
 
 def submit(args: argparse.Namespace) -> int:
@@ -199,7 +205,10 @@ def submit(args: argparse.Namespace) -> int:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1)
     except Exception as e:  # kombu raises the transport's own errors (redis, botocore, ...)
-        print(f"kvbatch submit: cannot reach the broker {_where(app)}: {e}", file=sys.stderr)
+        print(
+            f"kvbatch submit: cannot reach the broker {_where(app)}: {_broker_error(e, app)}",
+            file=sys.stderr,
+        )
         return 1
     try:
         from kvbatch.worker.sqs import ensure_queue
@@ -226,7 +235,7 @@ def submit(args: argparse.Namespace) -> int:
         return 1
     try:
         for msg in job.messages:
-            send_shard(app, args.output, msg, args.queue)
+            send_shard(app, job.output, msg, args.queue)
     except Exception as e:
         from kvbatch.jobs.distributed.finalize import mark_job_failed
         from kvbatch.jobs.distributed.shards import job_dir
@@ -264,6 +273,8 @@ def worker(args: argparse.Namespace, engine: dict) -> int:
     model = WorkerModel(args.model, engine)
     try:
         model.llm()  # once, before taking any shard; a bad model fails here, not per shard
+        # jobs submitted for another checkpoint are left to other workers (worker/tasks.py)
+        log.info("model fingerprint %s", model.fingerprint().digest)
     except (OSError, ValueError) as e:
         print(f"kvbatch worker: cannot load the model: {as_flags(str(e))}", file=sys.stderr)
         return 1
@@ -433,6 +444,9 @@ def format_status(s: dict) -> str:
         rows.append(("fetch", f"kvbatch results {s['job_id']} --output {prefix} -o FILE"))
     failures = s.get("shard_failures") or {}
     rows += [(f"shard {k}", f"last failure: {v}") for k, v in failures.items()]
+    rows += [(f"shard {k}", f"waiting: {v}") for k, v in (s.get("shard_waits") or {}).items()]
+    if s.get("hint") and s["status"] == "in_progress":
+        rows.append(("hint", s["hint"]))
     rows += [("error", e) for e in s.get("errors") or []]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -467,7 +481,7 @@ def cancel(args: argparse.Namespace) -> int:
 def resend(args: argparse.Namespace) -> int:
     from kvbatch.jobs.distributed.finalize import read_manifest
     from kvbatch.jobs.distributed.shards import job_dir
-    from kvbatch.jobs.storage import StorageError
+    from kvbatch.jobs.storage import StorageError, absolute_location
     from kvbatch.worker.resend import ResendError, resend
 
     if args.settle < 0:
@@ -482,7 +496,7 @@ def resend(args: argparse.Namespace) -> int:
             print(f"kvbatch resend: no job {args.job_id!r} under {args.output}", file=sys.stderr)
             return 1
         result = resend(
-            app, args.queue, args.output, job, read_manifest(job),
+            app, args.queue, absolute_location(args.output), job, read_manifest(job),
             unwritten=args.unwritten, settle=args.settle,
         )  # fmt: skip
     except (ResendError, ValueError, StorageError) as e:
@@ -490,7 +504,9 @@ def resend(args: argparse.Namespace) -> int:
         return 1
     except Exception as e:  # kombu raises the transport's own errors (redis, botocore, ...)
         print(
-            f"kvbatch resend: cannot read or write the broker {_where(app)}: {e}", file=sys.stderr
+            f"kvbatch resend: cannot read or write the broker {_where(app)}: "
+            f"{_broker_error(e, app)}",
+            file=sys.stderr,
         )
         return 1
     what = "without a result" if args.unwritten else "lost by the broker"

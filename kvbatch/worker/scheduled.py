@@ -27,7 +27,7 @@ import logging
 import re
 from pathlib import PurePosixPath
 
-from kvbatch.jobs.storage import open_storage
+from kvbatch.jobs.storage import absolute_location, open_storage
 from kvbatch.worker.schedule import Schedule, ScheduleEntry
 
 SCHEDULED_TASK = "kvbatch.scheduled_run"
@@ -221,8 +221,8 @@ def _send(entry: ScheduleEntry, job, messages, app) -> None:
 
     if messages:
         ensure_queue(app, entry.queue)
-    for msg in messages:
-        send_shard(app, entry.output, msg, entry.queue)
+    for msg in messages:  # an absolute prefix: the workers run in other folders than beat
+        send_shard(app, absolute_location(entry.output), msg, entry.queue)
     if not messages:
         from kvbatch.jobs.distributed.finalize import try_finalize
 

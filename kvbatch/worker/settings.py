@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
+from urllib.parse import urlsplit
+
+from kvbatch.redact import redact_url
 
 TASK_NAME = "kvbatch.run_shard"
 DEFAULT_QUEUE = "kvbatch"
@@ -28,6 +30,10 @@ def broker_url(flag: str | None = None) -> str:
         raise BrokerError("no broker: give --broker URL or set KVBATCH_BROKER_URL")
     if not url.startswith(SCHEMES):
         raise BrokerError(f"broker URL {redact_url(url)!r}: expected one of {', '.join(SCHEMES)}")
+    try:
+        _ = urlsplit(url).port  # kombu and Celery parse it: what fails them fails here
+    except ValueError as e:
+        raise BrokerError(f"broker URL {redact_url(url)!r} is malformed ({e}): fix it") from None
     return url
 
 
@@ -53,22 +59,6 @@ def task_events() -> bool:
     if raw in ("1", "true", "yes", "on"):
         return True
     raise BrokerError(f"KVBATCH_TASK_EVENTS={raw!r}: expected 1 or 0 (true or false)")
-
-
-_SCHEME_PREFIX = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/*")
-
-
-def redact_url(url: str) -> str:
-    """`url` with the password (or token) before its '@' hidden, typos included
-    ('amqp://admin:***@host//', 'redis:/admin:***@host'): error messages never echo it."""
-    at = url.rfind("@")
-    if at < 0:
-        return url
-    scheme = _SCHEME_PREFIX.match(url)
-    start = scheme.end() if scheme else 0
-    userinfo = url[start:at]
-    user = userinfo.split(":", 1)[0] + ":" if ":" in userinfo else ""
-    return f"{url[:start]}{user}***{url[at:]}"
 
 
 def metrics_port(text: str) -> int:

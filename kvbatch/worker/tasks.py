@@ -3,11 +3,16 @@
 A message is a claim check, `{"output": prefix, "shard": ShardMessage dict}`: the worker
 finds the job's folder from the prefix and the job id, and the payload from the shard's uri.
 
-    validate the message  -> bad: reject (acknowledged, never retried)
+    validate the message  -> bad (or a relative output path): reject (acknowledged, never
+                             retried)
     compare with job.json -> another sha256/uri, or no such shard (tampered or stale): dropped,
                              logged and counted; no attempt claimed, no result written
     result already there  -> a duplicate delivery: nothing to run
     job cancelled         -> the shard's lines become batch_cancelled records (jobs/distributed/cancel.py)
+    another model         -> job.json's model_fingerprint is not this worker's checkpoint
+                             (jobs/model_fingerprint.py): no attempt claimed, the reason noted
+                             for `kvbatch status` (jobs/distributed/waiting.py), sent again
+                             later for a worker that has the job's model
     running elsewhere     -> a fresh heartbeat (jobs/distributed/running.py): a redelivery of a shard that
                              still runs; sent again later, no attempt claimed
     record_attempt        -> None (the cap is reached): the shard's lines become error records
@@ -63,7 +68,14 @@ from kvbatch.jobs.distributed.shards import (
     manifest_mismatch,
     run_shard,
 )
-from kvbatch.jobs.storage import Storage, StorageError
+from kvbatch.jobs.distributed.waiting import note_waiting
+from kvbatch.jobs.model_fingerprint import (
+    FingerprintError,
+    ModelFingerprint,
+    describe_mismatch,
+    fingerprint,
+)
+from kvbatch.jobs.storage import Storage, StorageError, is_relative_path
 from kvbatch.worker import metrics
 from kvbatch.worker.settings import TASK_NAME, visibility_timeout
 from kvbatch.worker.sqs import visibility_heartbeat
@@ -81,6 +93,8 @@ INFRA_RETRIES = 6
 MAX_RETRY_COUNTDOWN = 60
 # Seconds before a delivery of a shard that runs elsewhere is tried again.
 RUNNING_RECHECK = 5
+# Seconds before a shard this worker's model cannot run is offered again (to any worker).
+OTHER_MODEL_RECHECK = 5
 # Names this process in the running heartbeat of the shard it runs.
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -93,6 +107,14 @@ class WorkerModel:
     path: str
     engine: dict = field(default_factory=dict)  # engine.LLM keyword arguments
     _llm: Any = field(default=None, repr=False)
+    _fingerprint: ModelFingerprint | None = field(default=None, repr=False)
+
+    def fingerprint(self) -> ModelFingerprint:
+        """The loaded checkpoint's fingerprint (of the folder or file the engine read: a Hub
+        id's snapshot), computed once."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.llm().engine.config.model)
+        return self._fingerprint
 
     def llm(self):
         if self._llm is None:
@@ -199,6 +221,7 @@ def _handle(task: ShardTask, msg: ShardMessage, job: Storage) -> dict:
         _drop_if_not_in_manifest(msg, manifest)
         or _finish_if_written(msg, job)
         or _skip_if_cancelled(msg, job)
+        or _defer_if_other_model(task, msg, job, manifest)
         or _defer_if_running(task, msg, job)
         or _claim_and_run(task, msg, job, manifest)
     )
@@ -240,6 +263,38 @@ def _skip_if_cancelled(msg: ShardMessage, job: Storage) -> dict | None:
     _count_written(msg, "cancelled", job if written else None)
     _finalize(job)
     return {"cancelled": True}
+
+
+def _defer_if_other_model(
+    task: ShardTask, msg: ShardMessage, job: Storage, manifest: dict
+) -> dict | None:
+    """A shard of a job submitted for another checkpoint (model_fingerprint in job.json): this
+    worker would answer with the wrong model. It claims no attempt, notes why the shard waits
+    (`kvbatch status` shows it) and sends the shard back to the queue for a worker that has
+    the job's model. A job without a fingerprint (submitted by an older kvbatch) runs."""
+    recorded = manifest.get("model_fingerprint")
+    if recorded is None:
+        return None
+    try:
+        task.model.llm()
+    except Exception:  # a model that cannot load fails the run itself: attempts count it
+        return None
+    with stage("fingerprinting the model"):
+        mine = task.model.fingerprint()
+    try:
+        reason = describe_mismatch(ModelFingerprint.from_dict(recorded), mine)
+    except FingerprintError as e:
+        reason = f"job.json's model_fingerprint cannot be read ({e})"
+    if reason is None:
+        return None
+    reason = f"{reason}; the job is for {manifest.get('model')}, this worker has {task.model.path}"
+    log.warning("%s/%s: not running it: %s; leaving it for a worker with the job's model "
+                "(offered again in %d s)", msg.job_id, msg.shard_id, reason,
+                OTHER_MODEL_RECHECK)  # fmt: skip
+    with stage("noting why the shard waits"):
+        note_waiting(job, msg.shard_id, WORKER_ID, reason)
+    metrics.message_deferred()
+    raise task.retry(countdown=OTHER_MODEL_RECHECK, max_retries=None)
 
 
 def _defer_if_running(task: ShardTask, msg: ShardMessage, job: Storage) -> dict | None:
@@ -334,7 +389,8 @@ def _failed_outside_run(task, msg, job, step: str, error: Exception) -> dict:
     """An exception outside the shard's run: retry with backoff, then fail the shard."""
     where = f"{msg.job_id}/{msg.shard_id}"
     if step == READING_MANIFEST and _exists(job.join("job.json")) is False:
-        log.error("%s: the job has no job.json (deleted?); dropping the shard", where)
+        log.error("%s: the job has no job.json at %s (deleted, or a folder this worker "
+                  "cannot see?); dropping the shard", where, job.join("job.json").uri)  # fmt: skip
         return {"job_id": msg.job_id, "shard_id": msg.shard_id, "dropped": True}
     _note_failure(job, msg, f"{step} failed: {error}")
     retries = int(getattr(task.request, "retries", 0) or 0)
@@ -425,6 +481,12 @@ def _parse(output: str, shard: dict):
     try:
         if not isinstance(output, str) or not output:
             raise ValueError(f"output prefix {output!r} is not a URI")
+        if is_relative_path(output):
+            raise ValueError(
+                f"output prefix {output!r} is a relative path: it named a folder under the "
+                f"submitter's working folder, not under this worker's ({os.getcwd()}); "
+                "resubmit the job with an absolute --output or an s3:// prefix"
+            )
         msg = ShardMessage.from_dict(shard)
         job = job_dir(output, msg.job_id)
         expected = job.join("shards", f"{msg.shard_id}.jsonl").uri

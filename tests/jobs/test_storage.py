@@ -412,3 +412,33 @@ def test_s3_unreachable_endpoint_says_so(s3_server, bucket, monkeypatch, fresh_c
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # no backoff: connection refused is final
     with pytest.raises(StorageError, match=f"cannot reach S3 endpoint http://127.0.0.1:{port}"):
         open_storage(f"s3://{bucket}/in.jsonl").check_readable()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "shown"),
+    [
+        ("http://user:pw@127.0.0.1:{port}", "http://user:***@127.0.0.1:{port}"),
+        ("http://token@127.0.0.1:{port}", "http://***@127.0.0.1:{port}"),
+        ("http://user:pw@[::1:{port}", "http://user:***@[::1:{port}"),  # no parser accepts it
+    ],
+)
+def test_s3_endpoint_credentials_are_masked(
+    s3_server,  # noqa: F811
+    bucket,
+    monkeypatch,
+    fresh_client,
+    endpoint,
+    shown,
+):
+    import traceback
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint.format(port=port))
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    with pytest.raises(StorageError) as info:
+        open_storage(f"s3://{bucket}/in.jsonl").check_readable()
+    printed = "".join(traceback.format_exception(info.value))  # what a worker's log shows
+    assert shown.format(port=port) in str(info.value)
+    assert "pw" not in printed and "token" not in printed, printed

@@ -158,3 +158,81 @@ def test_a_job_that_is_not_there_is_one_line_saying_so(tmp_path, command, job_id
     assert (status, out) == (1, "")
     assert err.startswith(f"kvbatch {command}: "), err
     assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_results_refuse_to_write_into_the_jobs_own_folder(tmp_path, make_llm, tiny_chat_model):  # noqa: F811
+    """`-o PREFIX/JOB/job.json` overwrote the job's manifest (and `kvbatch status` then failed
+    with a bare "Extra data"): any target inside the job's folder is refused, through a
+    symlink or '..' too, and the folder stays as it was."""
+    sub = prepare(tmp_path, tiny_chat_model, rag_lines(), shard_tokens=100_000)
+    prefix = str(tmp_path / "out")
+    folder = tmp_path / "out" / sub.job_id
+    run_shards(make_llm(), job_dir(prefix, sub.job_id), sub.messages)
+    (tmp_path / "link").symlink_to(folder)
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    for target in (
+        folder / "job.json",
+        folder / "batch.json",
+        folder / "shards" / "shard-00000.jsonl",
+        folder / "new.jsonl",
+        tmp_path / "link" / "job.json",
+        tmp_path / "out" / "x" / ".." / sub.job_id / "output.jsonl",
+    ):
+        code, out, err = run_main(["results", sub.job_id, "--output", prefix, "-o", str(target)])
+        assert (code, out) == (1, ""), (target, err)
+        assert f"inside the job's own folder {folder}" in err, err
+    after = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert after == before
+    assert run_main(["status", sub.job_id, "--output", prefix])[0] == 0
+    beside = tmp_path / "out" / f"{sub.job_id}.answers.jsonl"  # same prefix, not inside
+    code, _, err = run_main(["results", sub.job_id, "--output", prefix, "-o", str(beside)])
+    assert code == 0, err
+    assert beside.read_bytes() == (folder / "output.jsonl").read_bytes()
+
+
+def test_results_refuse_an_s3_target_inside_the_job(
+    tmp_path,
+    make_llm,  # noqa: F811
+    tiny_chat_model,
+    s3_server: S3Server,
+):
+    from kvbatch.jobs.distributed.submit import prepare_job
+    from tests.jobs.distributed.test_submit import BLOCK_SIZE, MAX_MODEL_LEN, write_jsonl
+
+    bucket = s3_server.make_bucket()
+    prefix = f"s3://{bucket}/jobs"
+    src = write_jsonl(tmp_path / "in.jsonl", rag_lines())
+    sub = prepare_job(str(src), prefix, str(tiny_chat_model), block_size=BLOCK_SIZE,
+                      max_model_len=MAX_MODEL_LEN, shard_tokens=100_000)  # fmt: skip
+    run_shards(make_llm(), job_dir(prefix, sub.job_id), sub.messages)
+    key = f"jobs/{sub.job_id}/job.json"
+    manifest = s3_server.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+    code, out, err = run_main(
+        ["results", sub.job_id, "--output", prefix, "-o", f"{prefix}/{key[5:]}"]
+    )  # noqa: E501
+    assert (code, out) == (1, "") and "inside the job's own folder" in err, err
+    assert s3_server.client().get_object(Bucket=bucket, Key=key)["Body"].read() == manifest
+    code, _, err = run_main(
+        ["results", sub.job_id, "--output", prefix, "-o", f"{prefix}/{sub.job_id}-answers.jsonl"]
+    )  # noqa: E501
+    assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b'{"id": "a"}\n{"id": "b"}\n', "is not valid JSON (Extra data"),
+        (b"[]\n", "is not a job manifest"),
+    ],
+)
+def test_a_damaged_manifest_is_named(tmp_path, tiny_chat_model, content, says):
+    """A job.json holding answers (or anything else) makes status, results, finalize and
+    cancel say which file is damaged, not a bare "Extra data: line 2 column 1"."""
+    sub = prepare(tmp_path, tiny_chat_model, rag_lines(), shard_tokens=100_000)
+    prefix = str(tmp_path / "out")
+    manifest = tmp_path / "out" / sub.job_id / "job.json"
+    manifest.write_bytes(content)
+    for command in ("status", "results", "finalize", "cancel"):
+        code, out, err = run_main([command, sub.job_id, "--output", prefix])
+        assert (code, out) == (1, ""), (command, err)
+        assert f"{manifest} {says}" in err and err.startswith(f"kvbatch {command}: "), err

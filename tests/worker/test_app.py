@@ -136,3 +136,35 @@ def test_a_bad_broker_url_is_named_without_its_password(url, monkeypatch):
     with pytest.raises(BrokerError) as caught:
         broker_url(None)
     assert "PASSWORD" not in str(caught.value)
+
+
+MALFORMED = "redis://user:secret@[::1:1/9"  # kombu's sanitize_url raises on it
+
+
+def test_a_malformed_broker_url_is_one_masked_line():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "kvbatch.cli", "worker", "--model", "unused", "--broker", MALFORMED],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "secret" not in result.stderr + result.stdout and "Traceback" not in result.stderr
+    assert "redis://user:***@[::1:1/9" in result.stderr and "malformed" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_the_error_handler_masks_a_url_no_parser_accepts():
+    """The handler that reports a broker error masks the URL by plain string work: kombu's
+    sanitize_url raised inside it on this URL, and the message was lost."""
+    from kvbatch.worker.cli import _broker_error, _where
+
+    app = make_app("redis://user:secret@[::1:1/9")  # past broker_url's check
+    assert _where(app) == "redis://user:***@[::1:1/9"
+    error = ValueError(f"cannot connect to {MALFORMED}: Invalid IPv6 URL")
+    assert (
+        _broker_error(error, app) == "cannot connect to redis://user:***@[::1:1/9: Invalid IPv6 URL"
+    )

@@ -226,3 +226,36 @@ def test_a_run_whose_sends_failed_is_sent_by_the_next_trigger(
     assert queued == len(manifest["shards"]) >= 1
     record = json.loads((out / "runs" / "rag-2025-04-01.json").read_text())
     assert record["sent"] is True and "tides.txt" in record["documents"]
+
+
+def test_a_relative_output_reaches_the_workers_as_an_absolute_path(
+    tmp_path,
+    redis_server,  # noqa: F811
+    tiny_chat_model,
+    monkeypatch,
+):
+    """`output = "out/scheduled"` named beat's folder in the job and another folder (the
+    worker's) in the messages: the job never ran and the next trigger did nothing."""
+    import base64
+
+    import redis
+
+    from kvbatch.worker.app import DEFAULT_QUEUE, make_app
+    from kvbatch.worker.scheduled import start_scheduled_run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text(
+        json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"messages": [{"role": "user", "content": "hi"}]}}) + "\n"
+    )  # fmt: skip
+    entry = parse_schedule(
+        {"jobs": [_entry(name="rel", output="out/scheduled", model=str(tiny_chat_model))]}
+    ).jobs[0]
+    assert start_scheduled_run(entry, dt.date(2025, 3, 1), app=make_app(redis_server.url))
+    folder = tmp_path / "out" / "scheduled" / "rel-2025-03-01"
+    manifest = json.loads((folder / "job.json").read_text())
+    assert [s["uri"] for s in manifest["shards"]] == [str(folder / "shards/shard-00000.jsonl")]
+    (raw,) = redis.Redis.from_url(redis_server.url).lrange(DEFAULT_QUEUE, 0, -1)
+    _, kwargs, _ = json.loads(base64.b64decode(json.loads(raw)["body"]))
+    assert kwargs["output"] == str(tmp_path / "out" / "scheduled")
+    assert kwargs["shard"]["uri"] == manifest["shards"][0]["uri"]

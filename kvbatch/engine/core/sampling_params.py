@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,21 @@ MAX_LOGIT_BIAS = 100.0
 
 MAX_PENALTY = 2.0
 """OpenAI's bound on |presence_penalty| and |frequency_penalty|."""
+
+# The sampler works in float32: a value that rounds to 0 or overflows there changes meaning
+# (a top_p of 1e-46 becomes 0 and masks every token; a repetition penalty of 1e-46 divides
+# logits by 0). Below and above these bounds a value is refused, naming the bound.
+MIN_TOP_P = 2.0**-126
+"""float32's smallest normal number: a smaller top_p rounds to 0 (or to a subnormal that a
+GPU flushes to 0)."""
+
+MIN_REPETITION_PENALTY = 1e-30
+MAX_REPETITION_PENALTY = 1e30
+"""Logits divided or multiplied by a repetition penalty in this range stay finite in float32
+(|logit| up to 3e8)."""
+
+MAX_TEMPERATURE = 1e30
+"""Above this, dividing logits by the temperature leaves float32 nothing but zeros."""
 
 
 def _is_int(x: object) -> bool:
@@ -76,13 +90,22 @@ class SamplingParams:
         if type(self.max_tokens) is not int:
             set_(self, "max_tokens", int(self.max_tokens))
 
-        if not _is_real(self.temperature) or not (0 <= self.temperature < float("inf")):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.temperature) or not (0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(
+                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (the sampler's float32 "
+                f"bound), got {self.temperature!r}"
+            )
         if type(self.temperature) is not float:
             set_(self, "temperature", float(self.temperature))
 
         if not _is_real(self.top_p) or not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.top_p < MIN_TOP_P:
+            raise ValueError(
+                f"top_p must be at least {MIN_TOP_P:.8g} (smaller values round to 0 in float32, "
+                f"the sampler's dtype, and mask every token), got {self.top_p!r}: use top_k 1 "
+                "to keep only the most likely token"
+            )
         if type(self.top_p) is not float:
             set_(self, "top_p", float(self.top_p))
 
@@ -150,8 +173,12 @@ class SamplingParams:
                 )
             set_(self, name, float(value))
         rp = self.repetition_penalty
-        if not _is_real(rp) or not (0 < rp < math.inf):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        if not _is_real(rp) or not (MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY):
+            raise ValueError(
+                f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1 = off; beyond these bounds float32, the "
+                f"sampler's dtype, turns logits into 0 or infinity), got {rp!r}"
+            )
         set_(self, "repetition_penalty", float(rp))
         set_(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
         so = self.structured_outputs

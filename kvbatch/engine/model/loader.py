@@ -7,7 +7,6 @@ configs, tokenizers and the GGUF reader; the forward pass is always ours (engine
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,15 @@ import torch
 
 from kvbatch.engine.model.architectures import ENCODER_ARCHITECTURES
 from kvbatch.engine.model.bert import BertConfig, BertModel, build_bert
+from kvbatch.engine.model.checkpoint_errors import (
+    CONFIG,
+    CheckpointError,
+    ShapeMismatch,
+    check_config_values,
+    check_shapes,
+    read_json_object,
+    read_safetensors,
+)
 from kvbatch.engine.model.experts_loader import (
     install_quantized_experts,
     quantize_experts_online,
@@ -69,8 +77,20 @@ def load_model(
 
     A checkpoint's config.json `quantization_config` is read before any weight and picks each
     layer's quantized module (engine/quant); `quantization="fp8"` quantizes a float checkpoint
-    at load. Formats the engine cannot run fail here, never at the first answer."""
+    at load. Formats the engine cannot run fail here, never at the first answer. A broken
+    file is a CheckpointError: one line naming the file and the problem."""
     path = Path(path).expanduser()
+    try:
+        return _load_model(path, dtype, device, quantization)
+    except (CheckpointError, FileNotFoundError, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # whatever a library raised on a file it could not use
+        raise CheckpointError(path, _problem(e)) from None
+
+
+def _load_model(
+    path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None
+) -> LoadedModel:
     if not path.exists():
         raise FileNotFoundError(
             f"model path {path} does not exist (pass a Hugging Face folder "
@@ -102,7 +122,10 @@ def load_model(
     quantized_experts: list[CheckpointExperts] = []
     if cfg.moe is not None:
         state_dict, quantized_experts = split_experts(state_dict, cfg.moe.num_experts, quant)
-    model = _build(cfg, state_dict, dtype, device, quant, quantized_experts)
+    try:
+        model = _build(cfg, state_dict, dtype, device, quant, quantized_experts)
+    except ShapeMismatch as e:  # weights and config.json disagree
+        raise CheckpointError(path / CONFIG if path.is_dir() else path, str(e)) from None
     eos = list(cfg.eos_token_ids) + generation_eos
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.append(tokenizer.eos_token_id)
@@ -130,9 +153,14 @@ class LoadedEncoder:
 def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedEncoder:
     """Load an encoder folder (engine/model/bert.py); errors name what the forward lacks."""
     path = Path(path).expanduser()
-    cfg = BertConfig.from_hf(_config_dict(path) or {})
-    model = build_bert(cfg, _read_weights(path), dtype, device)
-    return LoadedEncoder(cfg, model, _read_tokenizer(path), weight_bytes(model))
+    try:
+        cfg = BertConfig.from_hf(_config_dict(path) or {})
+        model = build_bert(cfg, _read_weights(path), dtype, device)
+        return LoadedEncoder(cfg, model, _read_tokenizer(path), weight_bytes(model))
+    except (CheckpointError, FileNotFoundError, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # whatever a library raised on a file it could not use
+        raise CheckpointError(path, _problem(e)) from None
 
 
 def _pop_kv_scales(state_dict: dict) -> dict:
@@ -180,6 +208,7 @@ def _build(
     if missing:
         shown = some_names(missing, 5)
         raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
+    check_shapes(state_dict, {k: owned[k] for k in expected}, cfg)
     weights = {k: state_dict[k].to(device=device, dtype=dtype) for k in expected}
     weights.update((k, v) for k, v in owned.items() if k not in expected)
     model.load_state_dict(weights, assign=True, strict=True)
@@ -217,8 +246,8 @@ def _reject_unused_tensors(state_dict: dict, owned: dict) -> None:
 
 def _config_dict(path: Path) -> dict | None:
     """config.json as written (None when absent: _read_hf_folder names that error)."""
-    config = path / "config.json"
-    return json.loads(config.read_text()) if config.is_file() else None
+    config = path / CONFIG
+    return read_json_object(config) if config.exists() else None
 
 
 def _read_hf_folder(path: Path):
@@ -226,9 +255,12 @@ def _read_hf_folder(path: Path):
 
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
-    hf_config, multimodal = language_model_config(
-        AutoConfig.from_pretrained(str(path), local_files_only=True)
-    )
+    try:
+        read = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers' checks of the values (a float that is an int, ...)
+        raise CheckpointError(path / CONFIG, f"{type(e).__name__}: {e}") from None
+    check_config_values(read, path / CONFIG)
+    hf_config, multimodal = language_model_config(read)
     ModelConfig.from_hf(hf_config)  # fail on an unsupported architecture before reading weights
     state_dict = _read_weights(path)
     if multimodal:  # the text model of a vision-language checkpoint
@@ -242,35 +274,42 @@ def _read_tokenizer(path: Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # tokenizers' parse errors, a KeyError for a missing section, ...
+        named = [n for n in TOKENIZER_FILES if (path / n).is_file()]
+        raise CheckpointError(
+            path / named[0],
+            f"the tokenizer cannot be read ({type(e).__name__}: {e}): check {', '.join(named)}",
+        ) from None
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / s for s in shards]
-    elif (path / "model.safetensors").is_file():
+    if index.exists():
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(s, str) for s in weight_map.values()
+        ):
+            raise CheckpointError(index, "has no 'weight_map' of tensor names to shard files")
+        files = [path / s for s in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise FileNotFoundError(f"weight shard {f} listed in {index.name} is missing")
+    elif (path / "model.safetensors").exists():
         files = [path / "model.safetensors"]
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no .safetensors weights")
-    state_dict: dict[str, torch.Tensor] = {}
-    for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"weight shard {f} listed in the index is missing")
-        state_dict.update(load_file(str(f)))
-    return state_dict
+    return read_safetensors(files)
 
 
 def _generation_eos(path: Path) -> list[int]:
     gen = path / "generation_config.json"
-    if not gen.is_file():
+    if not gen.exists():
         return []
-    eos = json.loads(gen.read_text()).get("eos_token_id")
+    eos = read_json_object(gen).get("eos_token_id")
     if eos is None:
         return []
     return list(eos) if isinstance(eos, list) else [eos]
@@ -296,3 +335,8 @@ def _read_gguf(path: Path):
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     state_dict = {k: torch.as_tensor(v) for k, v in tensors.items()}
     return hf_config, state_dict, tokenizer
+
+
+def _problem(e: Exception) -> str:
+    """A library's error as the problem of a CheckpointError (ValueErrors already say it)."""
+    return str(e) if isinstance(e, ValueError) else f"cannot be loaded ({type(e).__name__}: {e})"

@@ -45,6 +45,7 @@ class CancelResult:
 def cancel_job(job: Storage) -> CancelResult:
     """Ask a job to stop: write the marker, mark batch.json "cancelling", write the pending
     shards' results as cancelled, and finalize if nothing is left running. Idempotent."""
+    manifest = read_manifest(job)  # a damaged one stops the cancel before it changes anything
     marker = job.join(CANCEL_MARKER)
     finished = _finalized(job)
     if finished is not None:  # finalized before this cancel: nothing to change
@@ -53,7 +54,6 @@ def cancel_job(job: Storage) -> CancelResult:
     if changed:
         _mark_cancelling(job)
     skipped = 0
-    manifest = read_manifest(job)
     attempted = {key.split("/", 1)[1].rsplit(".", 1)[0] for key in job.list("attempts/")}
     for shard in manifest["shards"]:
         if shard["shard_id"] in attempted:

@@ -30,6 +30,7 @@ from kvbatch.jobs.distributed.cancelled import (
 )
 from kvbatch.jobs.distributed.shard_progress import running_progress
 from kvbatch.jobs.distributed.shards import ShardMessage, read_shard, read_shard_lines
+from kvbatch.jobs.distributed.waiting import unclaimed_hint, waiting_shards
 from kvbatch.jobs.openai_format.batch_record import MAX_BATCH_ERRORS, BatchRecord
 from kvbatch.jobs.openai_format.responses import error_line
 from kvbatch.jobs.openai_format.schemas import CHAT_URL
@@ -38,9 +39,33 @@ from kvbatch.jobs.storage import Storage, StorageError, validate_key_part
 
 
 def read_manifest(job: Storage) -> dict:
-    """The job's job.json (written last by submit)."""
-    with job.join("job.json").open_read() as f:
-        return json.loads(f.read())
+    """The job's job.json (written last by submit). A file that is not a manifest (damaged,
+    or overwritten by something else) raises StorageError naming it."""
+    manifest = read_job_file(job, "job.json")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
+        raise DamagedFile(
+            f"{job.join('job.json').uri} is not a job manifest (no list of shards): it was "
+            "overwritten or damaged; resubmit the input"
+        )
+    return manifest
+
+
+class DamagedFile(StorageError):
+    """A file of the job's folder that is there but cannot be read as what it should be."""
+
+
+def read_job_file(job: Storage, name: str):
+    """A JSON file of the job's folder; one that is not JSON raises StorageError naming it
+    (a bare "Extra data: line 1 column 5" says neither which file nor what to do)."""
+    target = job.join(name)
+    with target.open_read() as f:
+        data = f.read()
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise DamagedFile(
+            f"{target.uri} is not valid JSON ({e}): it was overwritten or damaged"
+        ) from None
 
 
 def record_attempt(job: Storage, shard_id: str, max_attempts: int) -> int | None:
@@ -245,21 +270,25 @@ def job_status(job: Storage, *, now: float | None = None) -> dict:
     in_shards = running_progress(job, running)  # requests done inside shards still running
     status["running_finished"] = in_shards["finished"]
     try:
-        with job.join("batch.json").open_read() as f:
-            batch = json.loads(f.read())
+        batch = read_job_file(job, "batch.json")
         status["status"] = batch["status"]
         if batch["status"] in ("completed", "cancelled"):
             status["request_counts"] = batch["request_counts"]
             status["usage"] = batch["usage"]
         if batch.get("errors"):
             status["errors"] = [e.get("message") for e in batch["errors"].get("data", [])]
-    except StorageError:
+    except DamagedFile:
+        raise
+    except StorageError:  # not written yet
         pass
     # Why shards without a result last failed (worker/tasks.py notes it): a job stuck
     # in_progress because its results cannot be written says so here.
     status["shard_failures"] = {
         key.split("/", 1)[1].removesuffix(".json"): reason for key, reason in _failures(job, done)
     }
+    # Shards a worker left to others (its model is not the job's), and a job no worker took.
+    status["shard_waits"] = waiting_shards(job, done)
+    status["hint"] = unclaimed_hint(job, manifest, time.time() if now is None else now)
     if status["status"] == "in_progress" and cancel_requested(job):
         status["status"] = "cancelling"
     started = _first_attempt_time(job)

@@ -36,9 +36,10 @@ from kvbatch.jobs.distributed.shards import (
 from kvbatch.jobs.grouping import group_by_prefix
 from kvbatch.jobs.local.run import JobError, PreparedJob, RunOptions, prepare_requests
 from kvbatch.jobs.local.token_store import TokenStore
+from kvbatch.jobs.model_fingerprint import FingerprintError, fingerprint
 from kvbatch.jobs.openai_format.batch_record import BatchRecord
 from kvbatch.jobs.openai_format.responses import error_line
-from kvbatch.jobs.storage import StorageError, open_storage
+from kvbatch.jobs.storage import StorageError, absolute_location, open_storage
 
 DEFAULT_MAX_ATTEMPTS = 3
 
@@ -50,6 +51,7 @@ class SubmittedJob:
     messages: list[ShardMessage]
     num_requests: int
     num_invalid: int
+    output: str = ""  # the output prefix as the workers get it (a local path made absolute)
 
 
 def batch_id_for(job_id: str) -> str:
@@ -116,6 +118,9 @@ def prepare_job(
     `tool_call_parser` (kvbatch.jobs.openai_format.tool_parsers) goes into every shard request that needs it,
     so the workers read answers for tool calls without a flag of their own."""
     job_id = new_job_id() if job_id is None else job_id
+    # Workers run in other folders (and on other machines): a relative path would name
+    # another folder there.
+    output_prefix, input_uri = absolute_location(output_prefix), absolute_location(input_uri)
     job, source = _open_job_folder(input_uri, output_prefix, job_id)
     tokenizer, max_len = _read_model(model, max_model_len)
     batch_id = batch_id_for(job_id)
@@ -153,9 +158,11 @@ def prepare_job(
         "ideal_cached_tokens": sharded.ideal_cached_tokens,
         "max_attempts": max_attempts,
         "tool_call_parser": tool_call_parser,
+        "model_fingerprint": _fingerprint(model),
     }
     _publish(job, job_id, record, manifest)
-    return SubmittedJob(job_id, job.uri, sharded.messages, sharded.num_units, sharded.num_invalid)
+    return SubmittedJob(job_id, job.uri, sharded.messages, sharded.num_units, sharded.num_invalid,
+                        output=output_prefix)  # fmt: skip
 
 
 def _open_job_folder(input_uri: str, output_prefix: str, job_id: str):
@@ -185,6 +192,15 @@ def _read_model(model: str, max_model_len: int | None):
         return tokenizer, model_info.max_model_len(model, max_model_len, tokenizer)
     except (OSError, ValueError) as e:
         raise JobError(f"cannot read the model's tokenizer or config: {e}") from e
+
+
+def _fingerprint(model: str) -> dict:
+    """The model's fingerprint (kvbatch.jobs.model_fingerprint): a worker with another
+    checkpoint leaves the job's shards to one that has this one."""
+    try:
+        return fingerprint(model).to_dict()
+    except (OSError, FingerprintError) as e:
+        raise JobError(f"cannot fingerprint the model {model}: {e}") from e
 
 
 @dataclass

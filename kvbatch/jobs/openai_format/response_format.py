@@ -7,10 +7,14 @@ Three shapes, as OpenAI's Chat Completions API takes them::
     {"type": "json_schema", "json_schema": {"name": "...", "schema": {...},
                                             "description": "...", "strict": true}}
 
-kvbatch always constrains decoding to the schema, with `strict` true or false alike: OpenAI's
-non-strict mode is best effort, and exact adherence is a valid kind of best effort. A
-json_schema without `schema` asks for any JSON object, as json_object does. Whether the schema
-compiles is checked by the engine when the request is added (a per-line error there).
+kvbatch always constrains decoding to the schema. With `strict` true or left out, a schema
+keyword the grammar cannot enforce (kvbatch.engine.structured.enforced) makes the line an
+`unsupported_parameter` error that names it, as OpenAI's strict mode refuses what it cannot
+guarantee; `strict: false` runs the line with those keywords unenforced. Either way the
+answer is validated against the schema before it is written
+(kvbatch.jobs.openai_format.answer_schema). A json_schema without `schema` asks for any JSON
+object, as json_object does. Whether the schema compiles is checked by the engine when the
+request is added (a per-line error there).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from typing import Any
 
 from pydantic_core import PydanticCustomError
 
-from kvbatch.engine import StructuredOutputs
+from kvbatch.engine import StructuredOutputs, unenforced
+from kvbatch.jobs.openai_format.answer_schema import schema_problem
 from kvbatch.jobs.openai_format.shown import shown
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
@@ -35,6 +40,11 @@ SHAPES = (
 PARAMETER_RULE = "parameter_rule"
 """The pydantic error type of a field check whose message is whole: it names the field and
 says what to fix (reported with code invalid_parameter)."""
+
+
+UNENFORCED = "unsupported_parameter"
+"""The pydantic error type of a strict schema the grammar cannot enforce (reported with code
+unsupported_parameter)."""
 
 
 def _invalid(why: str) -> PydanticCustomError:
@@ -88,4 +98,26 @@ def _json_schema(spec: Any) -> StructuredOutputs:
         return StructuredOutputs(json_object=True)
     if not isinstance(schema, dict):
         raise _invalid(f"json_schema.schema must be a JSON Schema object, got {shown(schema)}")
+    problem = schema_problem(schema)
+    if problem is not None:
+        raise _invalid(f"json_schema.schema is not a valid JSON Schema ({problem}): fix it")
+    if spec.get("strict") is not False:
+        refused = strictness_refusal(schema, "json_schema.schema", "json_schema.strict")
+        if refused is not None:
+            raise refused
     return StructuredOutputs(json_schema=schema)
+
+
+def strictness_refusal(schema: dict, what: str, flag: str) -> PydanticCustomError | None:
+    """The error of a strict `schema` (named `what` in the message) with a keyword the grammar
+    cannot enforce, or None; `flag` is the field that opts out."""
+    found = unenforced(schema)
+    if found is None:
+        return None
+    return PydanticCustomError(
+        UNENFORCED,
+        "{what}: {found}. Strict mode refuses what decoding cannot guarantee (supported keywords: "
+        "docs/STRUCTURED_OUTPUTS.md); {flag}: false runs it anyway, with the answer checked "
+        "against the schema afterwards",
+        {"what": what, "found": str(found), "flag": flag},
+    )

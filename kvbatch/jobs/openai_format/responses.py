@@ -5,7 +5,9 @@ A success line::
     {"id": "batch_req_…", "custom_id": …, "error": null,
      "response": {"status_code": 200, "request_id": "req_…", "body": <chat.completion | text_completion>}}
 
-An error line (a bad input line, or a prompt the model cannot run)::
+An error line (a bad input line, a prompt the model cannot run, or a constrained answer that
+completed but breaks its JSON schema: code `invalid_output`; one cut by max_tokens is a
+success with finish_reason "length", as OpenAI writes it)::
 
     {"id": "batch_req_…", "custom_id": … | "kvbatch-line-N", "response": null,
      "error": {"code": …, "message": "line N: …", "line": N}}
@@ -31,6 +33,7 @@ import weakref
 from typing import Any
 
 from kvbatch.engine import RequestOutput, TokenLogprobs
+from kvbatch.jobs.openai_format.answer_schema import ANSWERS
 from kvbatch.jobs.openai_format.tools import read_answer
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError
 
@@ -62,6 +65,12 @@ def success_line(
             LineError(req.line, req.custom_id, code, f"line {req.line}: {refusal(out.error)}"),
             batch_id=batch_id,
         )
+    broken = _schema_violation(req, out)
+    if broken is not None:
+        return error_line(
+            LineError(req.line, req.custom_id, "invalid_output", f"line {req.line}: {broken}"),
+            batch_id=batch_id,
+        )
     key = _key(batch_id, req.line, req.custom_id)
     tokens = _TokenTexts.of(tokenizer)
     choices = [_choice(req, c, tokens, key) for c in sorted(out.outputs, key=lambda c: c.index)]
@@ -84,6 +93,25 @@ def success_line(
         "response": {"status_code": 200, "request_id": "req_" + key, "body": body},
         "error": None,
     }
+
+
+def _schema_violation(req: JobRequest, out: RequestOutput) -> str | None:
+    """Why a completed choice of a constrained request breaks its schema, or None. A choice
+    cut by max_tokens is not checked: it is written with finish_reason "length"."""
+    spec = req.params.structured_outputs
+    if spec is None:
+        return None
+    for choice in out.outputs:
+        if choice.finish_reason != "stop":
+            continue
+        why = ANSWERS.violation(spec, choice.text)
+        if why is not None:
+            return (
+                f"the answer (choice {choice.index}) does not follow its JSON schema: {why}. It "
+                "is not written: decoding enforced only part of the schema (strict false), or a "
+                "stop string cut the answer; docs/STRUCTURED_OUTPUTS.md lists what is enforced"
+            )
+    return None
 
 
 def _choice(req: JobRequest, completion, tokens: _TokenTexts, key: str) -> dict[str, Any]:

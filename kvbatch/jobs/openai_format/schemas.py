@@ -42,6 +42,8 @@ from kvbatch.engine import (
     MAX_LOGIT_BIAS,
     MAX_N,
     MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
     EmbeddingPrompt,
     SamplingParams,
     StructuredOutputs,
@@ -283,7 +285,11 @@ class _Body(BaseModel):
         None, ge=-MAX_PENALTY, le=MAX_PENALTY, description=_PENALTY_RULE
     )
     repetition_penalty: float | None = Field(  # vLLM's extra parameter
-        None, gt=0, description="a number > 0 (1 = off; above 1 discourages repeats)"
+        None,
+        ge=MIN_REPETITION_PENALTY,
+        le=MAX_REPETITION_PENALTY,
+        description=f"a number between {MIN_REPETITION_PENALTY:g} and {MAX_REPETITION_PENALTY:g} "
+        "(1 = off; above 1 discourages repeats; the sampler's float32 bounds)",
     )
     logit_bias: dict[str, float] | None = Field(None, description=_LOGIT_BIAS_RULE)
     stream: bool | None = Field(None, description="false")

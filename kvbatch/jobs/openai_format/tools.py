@@ -31,7 +31,7 @@ from jsonschema.validators import Draft202012Validator, validator_for
 from pydantic_core import PydanticCustomError
 
 from kvbatch.engine import StructuredOutputs
-from kvbatch.jobs.openai_format.response_format import PARAMETER_RULE
+from kvbatch.jobs.openai_format.response_format import PARAMETER_RULE, strictness_refusal
 from kvbatch.jobs.openai_format.shown import shown
 from kvbatch.jobs.openai_format.tool_parsers import get_parser
 
@@ -191,11 +191,24 @@ def tool_calling_for(
 def tool_constraint(
     tools: list[dict], choice: str, parallel: bool | None
 ) -> StructuredOutputs | None:
-    """The output constraint of a forced tool_choice (named or "required"), else None."""
+    """The output constraint of a forced tool_choice (named or "required"), else None. A
+    function whose `strict` is not false must have parameters the grammar enforces
+    (PydanticCustomError naming the keyword otherwise)."""
     functions = [t["function"] for t in tools]
     name = forced_name(choice)
     if name is not None:
-        function = next(f for f in functions if f["name"] == name)
+        functions = [f for f in functions if f["name"] == name]
+    for function in functions:
+        if function.get("strict") is not False and function.get("parameters"):
+            refused = strictness_refusal(
+                function["parameters"],
+                f"'tools' ({function['name']}) parameters",
+                "the function's 'strict'",
+            )
+            if refused is not None:
+                raise refused
+    if name is not None:
+        function = functions[0]
         return StructuredOutputs(json_schema=function.get("parameters") or NO_PARAMETERS)
     if choice != "required":
         return None

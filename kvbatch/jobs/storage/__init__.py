@@ -12,6 +12,7 @@ boto3 is imported only when an s3:// URI is opened.
 
 from __future__ import annotations
 
+import os
 import re
 
 from kvbatch.jobs.storage.base import (
@@ -30,6 +31,8 @@ __all__ = [
     "StdioStorage",
     "Storage",
     "StorageError",
+    "absolute_location",
+    "is_relative_path",
     "open_storage",
     "relative_key",
     "validate_key_part",
@@ -59,3 +62,26 @@ def open_storage(uri: str) -> Storage:
     if name == "file":
         return LocalStorage(uri[len("file://") :])
     raise StorageError(f"{uri}: unsupported scheme {name}://; use a local path, '-' or s3://")
+
+
+def _local_path(uri: str) -> str | None:
+    """The path of a local location (a plain path or file://), None for '-' and other schemes."""
+    if not isinstance(uri, str) or uri in ("", "-"):
+        return None
+    if uri.startswith("file://"):
+        return uri[len("file://") :]
+    return None if _SCHEME.match(uri) else uri
+
+
+def is_relative_path(uri: str) -> bool:
+    """True for a local path that depends on the working directory ('out/jobs')."""
+    path = _local_path(uri)
+    return path is not None and not os.path.isabs(os.path.expanduser(path))
+
+
+def absolute_location(uri: str) -> str:
+    """`uri` with a local path made absolute (from this process's working directory, '~'
+    expanded), so that it means the same folder to a process started elsewhere; '-' and
+    s3:// unchanged."""
+    path = _local_path(uri)
+    return uri if path is None else os.path.abspath(os.path.expanduser(path))

@@ -41,6 +41,7 @@ from kvbatch.jobs.storage.base import (
     relative_key,
     validate_list_prefix,
 )
+from kvbatch.redact import redact_urls
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,16 @@ def client() -> Any:
                     request_checksum_calculation="when_required",
                     response_checksum_validation="when_required",
                 )
-                _client = boto3.session.Session().client("s3", config=config)
+                try:
+                    _client = boto3.session.Session().client("s3", config=config)
+                except ValueError as e:  # botocore's own check, or urllib's on a bad bracket
+                    endpoint = next((u for u in _endpoints() if u), "")
+                    raise StorageError(
+                        _without_credentials(
+                            f"the S3 endpoint {endpoint!r} (AWS_ENDPOINT_URL) is not a usable "
+                            f"URL ({e}): fix it"
+                        )
+                    ) from None
     return _client
 
 
@@ -195,7 +205,9 @@ class S3Storage(Storage):
                     if not name.rpartition("/")[2].startswith(_PROBE):
                         yield name
         except (ClientError, BotoCoreError) as e:
-            raise self._error(e, "listing", "list_objects_v2") from e
+            raise self._error(
+                e, "listing", "list_objects_v2"
+            ) from None  # the cause would print the raw endpoint URL
 
     # -- helpers
 
@@ -204,7 +216,9 @@ class S3Storage(Storage):
         try:
             return getattr(client(), op)(Bucket=self.bucket, **kwargs)
         except (ClientError, BotoCoreError) as e:
-            raise self._error(e, action, op, kwargs.get("Key")) from e
+            raise self._error(
+                e, action, op, kwargs.get("Key")
+            ) from None  # the cause would print the raw endpoint URL
 
     def _put_if_absent(self, op: str, **kwargs: Any) -> None:
         """A conditional put/complete: AlreadyExists on 412; 409 retried with backoff.
@@ -311,8 +325,19 @@ class _S3Error(StorageError):
     """A StorageError that remembers the HTTP status, so callers can tell 404/409/412 apart."""
 
     def __init__(self, message: str, status: int | None):
-        super().__init__(message)
+        super().__init__(_without_credentials(message))
         self.status = status
+
+
+def _endpoints() -> list[str | None]:
+    """The S3 endpoints the environment names (boto3 reads them by itself)."""
+    return [os.environ.get(name) for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")]
+
+
+def _without_credentials(message: str) -> str:
+    """`message` with the credentials of an endpoint URL (http://user:password@host, which
+    botocore repeats in its own errors) masked, as broker URLs are."""
+    return redact_urls(message, *_endpoints())
 
 
 class _BodyReader(io.RawIOBase):
@@ -328,7 +353,9 @@ class _BodyReader(io.RawIOBase):
         try:
             return self._body.readinto(buffer)
         except BotoCoreError as e:
-            raise StorageError(f"reading {self._uri} broke off: {e}; run again") from e
+            raise StorageError(
+                _without_credentials(f"reading {self._uri} broke off: {e}; run again")
+            ) from None
 
     def close(self) -> None:
         if not self.closed:

@@ -127,26 +127,3 @@ def test_an_embeddings_run_counts_inputs_and_vectors(
     for words in ("tok/s", "prefix hit", "output tokens", "cached_tokens", "requests"):
         assert words not in said, said
     assert "embedded 4 inputs" in said
-
-
-def test_a_model_path_that_does_not_exist_fails_even_with_nothing_to_run(tmp_path, capsys):
-    """The model loads only when a line needs it; a mistyped path is still refused at once."""
-    from kvbatch.cli import main
-
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    assert (
-        main(
-            [
-                "run",
-                str(empty),
-                "-o",
-                str(tmp_path / "out.jsonl"),
-                "--model",
-                str(tmp_path / "nope"),
-            ]
-        )
-        == 2
-    )
-    assert "does not exist" in capsys.readouterr().err
-    assert not (tmp_path / "out.jsonl").exists()

@@ -9,7 +9,11 @@ import re
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
+from hypothesis import given as hypothesis_given
+from hypothesis import settings
+from hypothesis import strategies as st
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
@@ -123,7 +127,11 @@ def test_bodies_without_the_new_fields_map_as_before():
         ("n", 129, "between 1 and 128"),
         ("presence_penalty", 2.5, "'presence_penalty' must be a number between -2 and 2"),
         ("frequency_penalty", "1", "'frequency_penalty' must be a number between -2 and 2"),
-        ("repetition_penalty", 0, "'repetition_penalty' must be a number > 0"),
+        ("repetition_penalty", 0, "'repetition_penalty' must be a number between 1e-30 and 1e+30"),
+        ("repetition_penalty", 1e-46, "between 1e-30 and 1e+30 (1 = off"),
+        ("repetition_penalty", 1e-300, "between 1e-30 and 1e+30 (1 = off"),
+        ("top_p", 1e-46, "top_p must be at least 1.1754944e-38"),
+        ("top_p", 1e-300, "top_p must be at least 1.1754944e-38"),
         ("logit_bias", {"cat": 1}, "'logit_bias' keys must be token ids written as strings"),
         ("logit_bias", {"5": 101}, "between -100 and 100, got 101"),
         ("logit_bias", [1], "'logit_bias' must be an object of token id strings"),
@@ -255,6 +263,18 @@ def test_structured_lines_parse_beside_free_ones(tmp_path: Path, llm):  # noqa: 
             "x",
             response_format={
                 "type": "json_schema",
+                "json_schema": {
+                    "name": "bad",
+                    "schema": {"$ref": "#/$defs/missing"},
+                    "strict": False,  # strict mode refuses it earlier, when the line is read
+                },
+            },
+        ),
+        chat(
+            "dangling",
+            "x",
+            response_format={
+                "type": "json_schema",
                 "json_schema": {"name": "bad", "schema": {"$ref": "#/$defs/missing"}},
             },
         ),
@@ -272,6 +292,9 @@ def test_structured_lines_parse_beside_free_ones(tmp_path: Path, llm):  # noqa: 
     assert "cannot be compiled" in message and "missing" in message
     # xgrammar's log prefix (a clock time, a C++ path) once made each run's error file differ
     assert "\n" not in message and not re.search(r"\d\d:\d\d:\d\d|\.cc:\d", message), message
+    dangling = errors["dangling"]["error"]
+    assert dangling["code"] == "unsupported_parameter"
+    assert "keyword '$ref'" in dangling["message"] and "'#/$defs/missing'" in dangling["message"]
 
 
 @pytest.mark.parametrize(
@@ -307,3 +330,32 @@ def test_embedding_inputs_keep_their_shapes():
         req = record({"input": given, "encoding_format": "base64"}, url="/v1/embeddings")
         assert isinstance(req, JobRequest) and req.is_embedding
         assert (req.inputs, req.num_inputs, req.encoding_format) == (want, len(want), "base64")
+
+
+# Floats near float32's limits (the sampler's dtype), for every float field of a body.
+NEAR_FLOAT32_LIMITS = st.one_of(
+    st.sampled_from([1e-46, 1e-300, 5e-324, 1.4e-45, 1.1754943508222875e-38, 1e-38, 1e-30, 3.5e38]),
+    st.floats(min_value=0, max_value=1e-37, allow_subnormal=True),
+    st.floats(min_value=-2, max_value=2),
+)
+FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias",
+)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@hypothesis_given(field=st.sampled_from(FLOAT_FIELDS), value=NEAR_FLOAT32_LIMITS)
+def test_sampling_floats_near_float32_limits(field: str, value: float) -> None:
+    """Each float is refused naming its field, or holds its meaning in float32: no top_p or
+    repetition penalty that rounds to 0, nothing that overflows."""
+    body = {"messages": USER, field: {"5": value} if field == "logit_bias" else value}
+    out = record(body)
+    if isinstance(out, LineError):
+        assert field in out.message, out.message
+        return
+    p = out.params
+    assert p.top_p == 1.0 or np.float32(p.top_p) > 0  # top_p 0 is greedy: top_k 1, top_p 1
+    rp = np.float32(p.repetition_penalty)
+    assert rp > 0 and np.isfinite(np.float32(100) / rp) and np.isfinite(np.float32(-100) * rp)
+    assert np.isfinite(np.float32(p.temperature))
