@@ -45,7 +45,7 @@ SLIDING_KINDS = ("mistral-window",)
 """Sliding-window attention on every layer (Mistral's `sliding_window`)."""
 
 GEMMA_KINDS = ("gemma2", "gemma3")
-"""Gemma's layer (engine/model/gemma.py), local and global layers alternating."""
+"""Gemma's layer (engine/models/gemma.py), local and global layers alternating."""
 
 KINDS = LLAMA_KINDS + ("qwen3",) + MOE_KINDS + PHI3_KINDS + SLIDING_KINDS + GEMMA_KINDS
 """Every kind build_tiny_checkpoint knows."""

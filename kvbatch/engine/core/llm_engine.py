@@ -53,7 +53,6 @@ from kvbatch.engine.kv.sizing import (
     log_kv_pool,
     model_context_len,
 )
-from kvbatch.engine.model.fused import model_forward
 from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.pooling.config import PoolingConfig, read_pooling_config
 from kvbatch.engine.pooling.outputs import EmbeddingOutput
@@ -101,8 +100,6 @@ class LLMEngine:
         scheduler_config = self._resolved_scheduler_config()
         self.async_scheduling = self._async_scheduling()
         backend = get_backend(config.attention_backend, self.device, self.kv_dtype)
-        # The triton backend comes with the fused kernels and GEMMs (engine/model/fused.py).
-        self.forward = model_forward(self.model, fused=backend.name == "triton")
         # A draft model keeps a KV pool of as many blocks as the target's: load it first, so
         # that its weights are counted in free memory and its blocks in the KV budget.
         draft = self._load_draft_model()
@@ -123,7 +120,6 @@ class LLMEngine:
             backend,
             seed=config.seed,
             cascade=config.cascade_attention,
-            forward=self.forward,
             kv_dtype=self.kv_dtype,
         )
         self.stop_checker = StopChecker(loaded.eos_token_ids, self.max_model_len, self.tokenizer)
