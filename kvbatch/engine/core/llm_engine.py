@@ -187,7 +187,7 @@ class LLMEngine:
                 cache=cache,
                 scheduler=scheduler_config,
                 model=self.model,
-                forward=self.forward,
+                forward=self.model,  # the model is its step function
                 backend=backend,
                 device=self.device,
                 kv_dtype=self.kv_dtype,

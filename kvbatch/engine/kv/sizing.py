@@ -35,7 +35,7 @@ class KVPoolRequest:
     cache: CacheConfig
     scheduler: SchedulerConfig  # max_num_batched_tokens resolved
     model: torch.nn.Module
-    forward: object  # the model's step function, profiled on CUDA
+    forward: object  # the step function profiled on CUDA (the model itself)
     backend: object
     device: torch.device
     kv_dtype: torch.dtype
