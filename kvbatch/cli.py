@@ -137,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvbatch.worker.scheduled import beat
 
         return beat(args)
+    if args.command == "index-worker":
+        from kvbatch.worker.index_run import index_worker
+
+        return index_worker(args)
     if args.command in ("submit", "worker", "finalize", "status", "cancel", "resend"):
         from kvbatch.worker import cli as worker_cli
 
@@ -185,6 +189,13 @@ def _add_distributed(sub) -> None:
 
     add_beat_args(
         sub.add_parser("beat", help="run the recurring jobs of a schedule file (celery beat)")
+    )
+    from kvbatch.worker.index_trigger import add_index_worker_args
+
+    add_index_worker_args(
+        sub.add_parser(
+            "index-worker", help="run the scheduled index runs of `kvbatch beat` (no model)"
+        )
     )
 
 

@@ -7,14 +7,14 @@ a GPU: compile errors, shared memory and register spills show up before any GPU 
 Triton ships ptxas, so the whole chain (Python -> TTIR -> TTGIR -> LLVM -> PTX -> cubin) runs on
 the CPU once the runtime is told the target instead of asking a driver. This script puts a
 compile-only driver in place and turns every launch into a compile (`warmup`), then drives the
-engine's own GPU path on the CPU: the fused forward (engine/model/fused.py) and the triton attention
-backend of a one-layer model of `rag`'s shape (hidden 2048, 32 heads, 8 KV heads, head dim 64,
+engine's own GPU path on the CPU: the model's layers on their Triton kernels (engine/layers/)
+and the triton attention backend of a one-layer model of `rag`'s shape (hidden 2048, 32 heads, 8 KV heads, head dim 64,
 ffn 8192, llama3 rope), through a scheduler and the model runner over shared-prefix requests,
 chunked prefill and the padded decode-graph path, so each kernel is compiled with exactly the
 constexprs and argument specialisations the engine gives it. `--models` adds the other GPU
 paths, each one layer of a real shape: `moe` (Qwen3-30B-A3B's expert shapes, 16 of its
 experts: float, W4A16, online FP8 and block-FP8 experts in the fused MoE kernels), `gemma`
-(Gemma 3 1B's shapes on Gemma's fused forward) and `quantized` (rag's layer with W4A16, online
+(Gemma 3 1B's shapes on Gemma's layers) and `quantized` (rag's layer with W4A16, online
 FP8 and block-FP8 projections on kvbatch.kernels' GEMMs). Outputs are never computed (the
 torch ops between kernels run on the CPU on uninitialised data).
 
@@ -95,16 +95,16 @@ def rag_shaped_model(dtype: torch.dtype):
     import dataclasses
 
     from kvbatch.bench.models import LLAMA_3_2_1B
-    from kvbatch.engine.model.llama import LlamaForCausalLM, ModelConfig
-    from kvbatch.engine.model.rope import RotaryEmbedding
+    from kvbatch.engine.layers.linear import merge_projections
+    from kvbatch.engine.models.llama import LlamaForCausalLM, ModelConfig
 
     spec = dataclasses.replace(LLAMA_3_2_1B, num_hidden_layers=1, vocab_size=2048)
     cfg = ModelConfig.from_hf(spec.config())
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device="cpu").to(dtype)
-    model.rotary = RotaryEmbedding(cfg.rope)  # float32 frequencies, as the loader builds them
-    return model
+    model.rebuild_rotary(torch.device("cpu"))  # float32 frequencies, as the loader builds them
+    return merge_projections(model)
 
 
 def drive_engine(dtype: torch.dtype) -> None:
@@ -182,11 +182,12 @@ def drive_random_model(spec, weights: str, quantization, dtype, cache: Path) -> 
 
 def drive_gemma(dtype: torch.dtype) -> None:
     """One global and one local layer of Gemma 3 1B's shapes (head dim 256, one KV head,
-    GELU(tanh) MLP, (1 + w) norms, a 512-token window) on Gemma's fused forward."""
+    GELU(tanh) MLP, (1 + w) norms, a 512-token window) on Gemma's layers' Triton kernels."""
     from transformers import Gemma3TextConfig
 
-    from kvbatch.engine.model.gemma import GemmaForCausalLM
-    from kvbatch.engine.model.llama import ModelConfig
+    from kvbatch.engine.layers.linear import merge_projections
+    from kvbatch.engine.models.gemma import GemmaForCausalLM
+    from kvbatch.engine.models.llama import ModelConfig
 
     hf = Gemma3TextConfig(
         vocab_size=2048,
@@ -206,6 +207,7 @@ def drive_gemma(dtype: torch.dtype) -> None:
         model = GemmaForCausalLM(cfg)
     model = model.to_empty(device="cpu").to(dtype)
     model.rebuild_rotary(torch.device("cpu"))
+    merge_projections(model)
     prompts = [[3 + i] * (9 + 13 * i) for i in range(5)] + [list(range(3, 703))]
     run_steps(model, dtype, prompts, [3] * len(prompts), max_num_batched_tokens=256)
 
@@ -227,7 +229,6 @@ def run_steps(model, dtype, prompts, max_tokens, max_num_batched_tokens):
     from kvbatch.engine.core.sequence import Sequence
     from kvbatch.engine.exec.runner import ModelRunner
     from kvbatch.engine.kv.kv_cache import KVCacheManager
-    from kvbatch.engine.model.fused import model_forward
     from kvbatch.engine.sched.scheduler import Scheduler
 
     block_size, num_blocks = 16, 512
@@ -241,8 +242,7 @@ def run_steps(model, dtype, prompts, max_tokens, max_num_batched_tokens):
         block_size,
         torch.device("cpu"),
         dtype,
-        TritonAttentionBackend(),
-        forward=model_forward(model, fused=True),
+        TritonAttentionBackend(),  # the model's layers take its kernels too
     )
     for i, (p, n) in enumerate(zip(prompts, max_tokens)):
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)

@@ -77,6 +77,12 @@
 #                 at once serve rag better than the defaults (256 x 8192: the rag step's
 #                 kvbatch row) ($RAG_SWEEP_ARGS replaces the grid; empty skips it); skipped,
 #                 like the caps, when it could not end inside BUDGET_S
+#   index-gpu     kvbatch bench index-cpu --device cuda --json index-gpu.json: the indexing job
+#                 (kvbatch index: context + embed into LanceDB) beside transformers generate +
+#                 sentence-transformers encode + LanceDB add, rows and vectors compared; needs
+#                 lancedb, sentence-transformers, semchunk and gguf (the models come from
+#                 wheels), which the H200 image lacks: skipped with a line naming what is absent
+#                 (INDEX_GPU_DOCS documents, default 40; skipped past BUDGET_S)
 #   summary       scripts/gpu_check_summary.py: the short table (also summary.txt)
 #
 # The results folder gets gpu-check.log (every step's output), steps.tsv, rag.json,
@@ -186,6 +192,7 @@ LONG_PREFILL_TIMEOUT=${LONG_PREFILL_TIMEOUT:-70}
 LONG_PREFILL_CAP_TIMEOUT=${LONG_PREFILL_CAP_TIMEOUT:-60}  # each; skipped past BUDGET_S
 RAG_SWEEP_TIMEOUT=${RAG_SWEEP_TIMEOUT:-90}  # skipped past BUDGET_S
 RAG_HF_CB_TIMEOUT=${RAG_HF_CB_TIMEOUT:-120}  # skipped past BUDGET_S; two hf-cb runs on CUDA
+INDEX_GPU_TIMEOUT=${INDEX_GPU_TIMEOUT:-150}  # skipped past BUDGET_S
 SUMMARY_TIMEOUT=${SUMMARY_TIMEOUT:-15}
 BUDGET_S=${BUDGET_S:-560}  # the optional steps run only while the run can end inside it
 
@@ -195,7 +202,7 @@ LOG="$OUT_DIR/gpu-check.log"
 STEPS="$OUT_DIR/steps.tsv"
 rm -f "$OUT_DIR"/rag*.json "$OUT_DIR"/long-prefill*.json "$OUT_DIR"/quant-*.json \
   "$OUT_DIR"/moe-*.json "$OUT_DIR"/qwen3-*.json "$OUT_DIR"/embed-gpu.json \
-  "$OUT_DIR/summary.txt"
+  "$OUT_DIR/index-gpu.json" "$OUT_DIR/summary.txt"
 STEP_LOG="$(mktemp)"
 trap 'rm -rf "$STEP_LOG"' EXIT
 printf 'step\tstatus\trc\tseconds\tlimit\tlast line\n' > "$STEPS"
@@ -393,6 +400,20 @@ if [ ${#RAG_SWEEP_GRID[@]} -eq 0 ]; then
 elif fits rag-sweep "$RAG_SWEEP_TIMEOUT"; then
   step rag-sweep "$RAG_SWEEP_TIMEOUT" "$PY" -m kvbatch.cli bench rag ${TINY[@]+"${TINY[@]}"} \
     --sweep "${RAG_SWEEP_GRID[@]}" --json "$OUT_DIR/rag-sweep.json"
+fi
+# The indexing job on the device beside the user's pipeline, where its packages are there
+INDEX_GPU_ABSENT="$("$PY" -c 'import importlib.util, sys
+print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' \
+  lancedb sentence_transformers semchunk gguf)"
+if ! wanted index-gpu; then
+  skip index-gpu "not in --only"
+elif [ -n "$INDEX_GPU_ABSENT" ]; then
+  skip index-gpu "needs $INDEX_GPU_ABSENT, absent here (the H200 image has torch, triton, transformers)"
+elif fits index-gpu "$INDEX_GPU_TIMEOUT"; then
+  if [ "$CPU" = 1 ]; then INDEX_GPU=(--tiny --device cpu); else
+    INDEX_GPU=(--docs "${INDEX_GPU_DOCS:-40}" --device cuda); fi
+  step index-gpu "$INDEX_GPU_TIMEOUT" "$PY" -m kvbatch.cli bench index-cpu "${INDEX_GPU[@]}" \
+    --json "$OUT_DIR/index-gpu.json"
 fi
 step summary "$SUMMARY_TIMEOUT" "$PY" scripts/gpu_check_summary.py "$OUT_DIR" \
   --write "$OUT_DIR/summary.txt"

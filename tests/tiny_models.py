@@ -45,7 +45,7 @@ SLIDING_KINDS = ("mistral-window",)
 """Sliding-window attention on every layer (Mistral's `sliding_window`)."""
 
 GEMMA_KINDS = ("gemma2", "gemma3")
-"""Gemma's layer (engine/model/gemma.py), local and global layers alternating."""
+"""Gemma's layer (engine/models/gemma.py), local and global layers alternating."""
 
 KINDS = LLAMA_KINDS + ("qwen3",) + MOE_KINDS + PHI3_KINDS + SLIDING_KINDS + GEMMA_KINDS
 """Every kind build_tiny_checkpoint knows."""
@@ -189,13 +189,16 @@ def tiny_config(kind: str) -> PretrainedConfig:
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(KINDS)}")
 
 
-def build_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
+def build_tiny_checkpoint(kind: str, path: Path, seed: int = 0, **config_overrides) -> Path:
     """Save a tiny random `kind` checkpoint (float32 safetensors) into `path`; return `path`.
+    `config_overrides` replace fields of its config (e.g. a long max_position_embeddings).
 
     The weights depend only on `kind` and `seed`; "llama-sharded" is llama-gqa (same weights)
     saved in several shards with a model.safetensors.index.json.
     """
     config = tiny_config(kind)
+    for name, value in config_overrides.items():
+        setattr(config, name, value)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Kinds with the same tensor names and shapes (llama-gqa, llama3-rope, mistral) would
     # otherwise get the same weights; llama-sharded keeps llama-gqa's on purpose.

@@ -12,6 +12,7 @@ table (`TOOLS`, e.g. spec-copy) takes the rest of the command line.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shlex
 import sys
@@ -46,12 +47,23 @@ from kvbatch.bench.workloads import (
 )
 from kvbatch.engine_args import QUANTIZATION_CHOICES, add_gpu_tuning_args
 
+
+def _lazy_main(module: str, argv: list[str] | None) -> int:
+    """kvbatch.bench.MODULE's main, imported when asked for: the indexing benchmarks need
+    lancedb and sentence-transformers, which a GPU image running the other workloads lacks."""
+    return importlib.import_module(f"kvbatch.bench.{module}").main(argv)
+
+
 TOOLS: dict[str, Callable[[list[str] | None], int]] = {
     "spec-copy": spec_copy.main,  # speculative decoding on and off, its own table
     # embeddings (texts in, vectors out): kvbatch beside sentence-transformers, its own table
     **{name: partial(embed_bench.main, name=name) for name in EMBED_WORKLOADS},
     # prefill-only throughput on embedding models' shapes (token ids in), against the floor
     "embed-gpu": embed_gpu.main,
+    # the indexing job (kvbatch index) beside transformers + sentence-transformers + LanceDB
+    "index-cpu": partial(_lazy_main, "index_bench"),
+    # recall@5 and MRR of plain and contextual chunks on the stdlib's pydoc pages
+    "index-retrieval": partial(_lazy_main, "retrieval_bench"),
 }
 """Benchmarks with their own options: `kvbatch bench NAME ...` hands them the rest of argv."""
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from transformers import Gemma3TextConfig
 
 from kvbatch.engine.core.args import DEFAULTS
-from kvbatch.engine.model.llama import ModelConfig
+from kvbatch.engine.models.llama import ModelConfig
 
 H200_BYTES = 141e9
 KV_MEMORY_FRACTION = DEFAULTS.kv_cache_memory_fraction  # of what is left after the weights

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getatt
     from kvbatch.engine.core.outputs import CompletionOutput as CompletionOutput
     from kvbatch.engine.core.outputs import EngineStats as EngineStats
     from kvbatch.engine.core.outputs import RequestOutput as RequestOutput
+    from kvbatch.engine.core.prompt_input import ContextLengthError as ContextLengthError
     from kvbatch.engine.core.sampling_params import MAX_LOGIT_BIAS as MAX_LOGIT_BIAS
     from kvbatch.engine.core.sampling_params import MAX_N as MAX_N
     from kvbatch.engine.core.sampling_params import MAX_PENALTY as MAX_PENALTY
@@ -53,6 +54,7 @@ _EXPORTS = {
     "CompletionOutput": "kvbatch.engine.core.outputs",
     "EngineStats": "kvbatch.engine.core.outputs",
     "SpecConfig": "kvbatch.engine.core.spec_config",
+    "ContextLengthError": "kvbatch.engine.core.prompt_input",
     # what the jobs layer builds on (kvbatch.jobs, kvbatch.worker import nothing else of the
     # engine): request limits, logprobs, the prefix cache's block hashes (prefix grouping),
     # an encoder's input length, embeddings' inputs and vectors

@@ -9,7 +9,9 @@ import json
 import logging
 import sys
 
+from kvbatch.redact import redact_url, redact_urls
 from kvbatch.threads import apply_threads
+from kvbatch.worker.settings import metrics_port
 
 
 def add_index_parsers(sub) -> None:
@@ -20,6 +22,32 @@ def add_index_parsers(sub) -> None:
     index.add_argument(
         "--report", metavar="FILE", help="also write the run's report as JSON to FILE"
     )
+    index.add_argument(
+        "--broker",
+        help="run the model stages on the workers: redis://, rediss:// or sqs:// "
+        "(docs/INDEXING.md, 'On the workers'); without it, on this machine",
+    )
+    index.add_argument(
+        "--generation-queue",
+        help="the queue of the generation model's workers (default kvbatch-<model name>)",
+    )
+    index.add_argument(
+        "--embedding-queue",
+        help="the queue of the embedding model's workers (default kvbatch-<model name>)",
+    )
+    index.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=200_000,
+        help="prompt tokens per shard of a stage's job (with --broker; default 200000)",
+    )
+    index.add_argument(
+        "--metrics-port",
+        type=metrics_port,
+        default=0,
+        help="serve Prometheus metrics per stage on this port while the run lasts (0: off)",
+    )
+    index.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
     _threads(index)
     search = sub.add_parser("search", help="the chunks of an index nearest to a query")
     search.add_argument("uri", help="the index: a LanceDB folder or s3:// URI (output.uri)")
@@ -51,11 +79,25 @@ def _index(args: argparse.Namespace) -> int:
     from kvbatch.index.sources import SourceError
     from kvbatch.index.spec import SpecError, load_spec
 
+    metrics = _serve_metrics(args)
+    if metrics is False:
+        return 1
     try:
-        report = run_index(load_spec(args.spec))
+        spec = load_spec(args.spec)
+        stages = _workers(args, spec) if args.broker else None
+        if stages is not None and metrics:
+            stages.on_progress = lambda p: metrics.progress(p.stage, p.status)
+        report = run_index(spec, stages=stages, metrics=metrics)
     except (SpecError, SourceError, IndexRunError) as e:
         print(f"kvbatch index: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            "kvbatch index: interrupted; the answers so far are kept in the run folder: run "
+            "the same command again to go on",
+            file=sys.stderr,
+        )
+        return 130
     for err in report.errors:
         print(f"kvbatch index: error: {err.message} ({err.stage}, {err.code})", file=sys.stderr)
     summary = report.to_dict()
@@ -66,6 +108,61 @@ def _index(args: argparse.Namespace) -> int:
             json.dump(report.to_dict(), f, indent=2)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _serve_metrics(args: argparse.Namespace):
+    """The process's index metrics, served on --metrics-port; None when off, False (after
+    saying why) when the port cannot be served."""
+    if not args.metrics_port:
+        return None
+    from kvbatch.index.metrics import process_metrics
+    from kvbatch.worker.metrics import start_metrics_server
+
+    metrics = process_metrics()
+    try:
+        start_metrics_server(args.metrics_port, args.metrics_host)
+    except OSError as e:
+        print(
+            f"kvbatch index: cannot serve metrics on {args.metrics_host}:{args.metrics_port}"
+            f" ({e.strerror}): pick another --metrics-port",
+            file=sys.stderr,
+        )
+        return False
+    return metrics
+
+
+def _workers(args: argparse.Namespace, spec):
+    """The stages on the workers of `--broker`: the broker reached and each queue made (SQS)
+    before any work, so an unreachable broker leaves no job nobody runs."""
+    from kvbatch.index.distributed import DistributedStages
+    from kvbatch.index.pipeline import IndexRunError
+    from kvbatch.worker.app import BrokerError, broker_url, make_app
+    from kvbatch.worker.sqs import ensure_queue
+
+    if args.shard_tokens < 1:
+        raise IndexRunError(f"--shard-tokens must be positive, got {args.shard_tokens}")
+    try:
+        app = make_app(broker_url(args.broker))
+    except BrokerError as e:
+        raise IndexRunError(str(e)) from e
+    queues = {}
+    if args.generation_queue and spec.models.generation:
+        queues[spec.models.generation] = args.generation_queue
+    if args.embedding_queue:
+        queues[spec.models.embedding] = args.embedding_queue
+    stages = DistributedStages(app, queues, shard_tokens=args.shard_tokens)
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1)
+        for model in {spec.models.generation, spec.models.embedding} - {None}:
+            ensure_queue(app, stages.queue_for(model))
+    except Exception as e:  # kombu raises the transport's own errors (redis, botocore, ...)
+        url = str(app.conf.broker_url)
+        raise IndexRunError(
+            f"cannot reach the broker {redact_url(url)} or make its queues: "
+            f"{redact_urls(str(e), url)}"
+        ) from e
+    return stages
 
 
 def _search(args: argparse.Namespace) -> int:

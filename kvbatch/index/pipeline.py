@@ -19,8 +19,9 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -29,12 +30,13 @@ from kvbatch.index.chunking import Chunker
 from kvbatch.index.embed import embedding_lines, read_vectors
 from kvbatch.index.generate import Generated, generation_lines, read_generated
 from kvbatch.index.identity import RowIdentity, row_identity
+from kvbatch.index.metrics import IndexMetrics
 from kvbatch.index.plan import Plan, WorkDocument, make_plan
 from kvbatch.index.prefill import prefill_tokens
-from kvbatch.index.report import ErrorRecord, IndexReport
+from kvbatch.index.report import ErrorRecord, IndexReport, PrefillTokens
 from kvbatch.index.rows import build_rows, write_run_files
 from kvbatch.index.spec import IndexSpec
-from kvbatch.index.stage_jobs import run_stage, write_lines
+from kvbatch.index.stage_jobs import StageAnswers, run_stage, write_lines
 from kvbatch.index.table import (
     connect,
     document_state,
@@ -68,11 +70,55 @@ def default_llm_factory(spec: IndexSpec) -> LLMFactory:
     return make
 
 
-def run_index(spec: IndexSpec, *, llm_factory: LLMFactory | None = None) -> IndexReport:
-    """Bring the table up to date with the source; see the module docstring."""
+@dataclass
+class StageOutcome:
+    """What a model stage's job gave back, and (generation) its prefill accounting."""
+
+    answers: StageAnswers
+    prefill: PrefillTokens | None = None
+
+
+class StageRunner(Protocol):
+    """Runs one model stage's job, whose lines are already in folder/input.jsonl, to the end
+    (or resumes it) and reads its answers: on this machine (LocalStages) or on the workers
+    (kvbatch.index.distributed.DistributedStages)."""
+
+    def run(self, stage: str, folder: Path, model: str, role: str) -> StageOutcome: ...
+
+
+@dataclass
+class LocalStages:
+    """The stages on this machine: each model loads in turn (one in memory at a time)."""
+
+    factory: LLMFactory
+    engine: dict
+
+    def run(self, stage: str, folder: Path, model: str, role: str) -> StageOutcome:
+        llm = _load(self.factory, model, role)
+        try:
+            answers = _run_stage(folder, model, llm, self.engine, stage)
+            prefill = None
+            if stage == "generate":
+                prefill = prefill_tokens(folder / "input.jsonl", llm.engine, answers)
+        finally:
+            _release(llm)
+        return StageOutcome(answers, prefill)
+
+
+def run_index(
+    spec: IndexSpec,
+    *,
+    llm_factory: LLMFactory | None = None,
+    stages: StageRunner | None = None,
+    metrics: IndexMetrics | None = None,
+) -> IndexReport:
+    """Bring the table up to date with the source; see the module docstring. `stages` runs
+    the model stages (default: on this machine, with `llm_factory`'s models); `metrics`
+    counts each stage's documents, chunks and seconds (kvbatch.index.metrics)."""
     report = IndexReport()
     identity = row_identity(spec)
-    factory = llm_factory or default_llm_factory(spec)
+    runner = stages or LocalStages(llm_factory or default_llm_factory(spec), spec.engine)
+    observe = _Observer(report, metrics)
     with _timed(report, "plan"):
         try:
             tokenizer = load_tokenizer(spec.models.embedding)
@@ -85,8 +131,10 @@ def run_index(spec: IndexSpec, *, llm_factory: LLMFactory | None = None) -> Inde
         table = open_table(db, spec.output.table)
         plan = make_plan(spec.source, document_state(table), identity, chunker)
     _count_plan(report, plan)
+    observe.stage("plan", plan.work)
     if plan.empty:
         log.info("index: %d documents, all up to date: nothing to write", plan.seen)
+        observe.finished()
         return report
     report.run_id = plan.run_id(identity)
     folder = Path(spec.output.runs) / report.run_id
@@ -94,19 +142,40 @@ def run_index(spec: IndexSpec, *, llm_factory: LLMFactory | None = None) -> Inde
     generated = Generated()
     if spec.stages.generates and docs:
         with _timed(report, "generate"):
-            generated, errors = _generate(spec, docs, folder / "generate", factory, report)
+            generated, errors = _generate(spec, docs, folder / "generate", runner, report)
+        observe.stage("generate", docs)
         report.errors += errors
         docs = _without(docs, errors)
     vectors: dict[str, list[float]] = {}
     if spec.stages.embed and docs:
         with _timed(report, "embed"):
-            vectors, errors = _embed(spec, docs, generated, folder / "embed", factory)
+            vectors, errors = _embed(spec, docs, generated, folder / "embed", runner)
+        observe.stage("embed", docs)
         report.errors += errors
         docs = _without(docs, errors)
     with _timed(report, "write"):
         _write(spec, db, plan, docs, generated, vectors, identity, folder, report)
+    observe.stage("write", docs, chunks=report.chunks)
     report.documents_failed = len({e.document_id for e in report.errors})
+    observe.finished()
     return report
+
+
+@dataclass
+class _Observer:
+    """Hands each finished stage's counts and seconds to the metrics, when there are any."""
+
+    report: IndexReport
+    metrics: IndexMetrics | None
+
+    def stage(self, stage: str, docs: list[WorkDocument], chunks: int | None = None) -> None:
+        if self.metrics is not None:
+            n = _chunks(docs) if chunks is None else chunks
+            self.metrics.stage(stage, len(docs), n, self.report.stage_seconds.get(stage, 0.0))
+
+    def finished(self) -> None:
+        if self.metrics is not None:
+            self.metrics.finished(self.report)
 
 
 def _count_plan(report: IndexReport, plan: Plan) -> None:
@@ -127,16 +196,13 @@ def _count_plan(report: IndexReport, plan: Plan) -> None:
     )
 
 
-def _generate(spec: IndexSpec, docs, folder: Path, factory: LLMFactory, report: IndexReport):
+def _generate(spec: IndexSpec, docs, folder: Path, runner: StageRunner, report: IndexReport):
     model = spec.models.generation
     n = write_lines(folder / "input.jsonl", generation_lines(docs, spec.stages, _name(model)))
     log.info("generate: %d documents, %d chunks, %d requests", len(docs), _chunks(docs), n)
-    llm = _load(factory, model, "generation")
-    try:
-        answers = _run_stage(folder, model, llm, spec.engine, "generate")
-        report.prefill = prefill_tokens(folder / "input.jsonl", llm.engine, answers)
-    finally:
-        _release(llm)
+    outcome = runner.run("generate", folder, model, "generation")
+    answers = outcome.answers
+    report.prefill = outcome.prefill or PrefillTokens()
     p = report.prefill
     log.info(
         "generate: prefill tokens computed %d, ideal %d, without sharing %d",
@@ -148,15 +214,11 @@ def _generate(spec: IndexSpec, docs, folder: Path, factory: LLMFactory, report: 
     return generated, generated.errors
 
 
-def _embed(spec: IndexSpec, docs, generated: Generated, folder: Path, factory: LLMFactory):
+def _embed(spec: IndexSpec, docs, generated: Generated, folder: Path, runner: StageRunner):
     model = spec.models.embedding
     n = write_lines(folder / "input.jsonl", embedding_lines(docs, generated, _name(model)))
     log.info("embed: %d documents, %d chunks", len(docs), n)
-    llm = _load(factory, model, "embedding")
-    try:
-        answers = _run_stage(folder, model, llm, spec.engine, "embed")
-    finally:
-        _release(llm)
+    answers = runner.run("embed", folder, model, "embedding").answers
     log.info("embed: %d prompt tokens", answers.prompt_tokens)
     return read_vectors(docs, answers)
 
@@ -173,11 +235,8 @@ def _load(factory: LLMFactory, model: str, role: str):
 def _run_stage(folder: Path, model: str, llm, engine: dict, stage: str):
     try:
         return run_stage(folder, model, llm, engine)
-    except JobInterrupted as e:  # its message says `--resume`, a flag `kvbatch index` lacks
-        raise IndexRunError(
-            f"{stage}: interrupted; the answers finished so far are kept in {folder}: run the "
-            "same `kvbatch index` command again to continue from them"
-        ) from e
+    except JobInterrupted:  # Ctrl-C or a kill: the stage's answers so far are kept
+        raise KeyboardInterrupt from None
     except JobError as e:  # another run holds the stage's output, an unwritable folder, ...
         raise IndexRunError(f"{stage}: {e}") from e
 

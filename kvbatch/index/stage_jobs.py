@@ -84,7 +84,9 @@ def run_stage(folder: Path, model: str, llm, engine: dict) -> StageAnswers:
     return read_answers(folder)
 
 
-def read_answers(folder: Path) -> StageAnswers:
+def read_answers(folder: Path, errors: str = "output.errors.jsonl") -> StageAnswers:
+    """The answers in folder/output.jsonl and the error lines in folder/`errors` (a
+    distributed job's folder names them errors.jsonl)."""
     answers = StageAnswers()
     for line in _jsonl(folder / "output.jsonl"):
         body = line["response"]["body"]
@@ -93,7 +95,7 @@ def read_answers(folder: Path) -> StageAnswers:
         answers.prompt_tokens += usage.get("prompt_tokens", 0)
         details = usage.get("prompt_tokens_details") or {}
         answers.cached_tokens += details.get("cached_tokens", 0) or 0
-    for line in _jsonl(folder / "output.errors.jsonl"):
+    for line in _jsonl(folder / errors):
         answers.errors[line["custom_id"]] = line["error"]
     return answers
 

@@ -65,7 +65,14 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvbatch.engine import CompletionOutput, RequestOutput, SamplingParams, block_hashes
+from kvbatch.engine import (
+    CompletionOutput,
+    ContextLengthError,
+    RequestOutput,
+    SamplingParams,
+    block_hashes,
+)
+from kvbatch.jobs.context_flags import as_flags
 
 __all__ = ["GroupedOrder", "feed_in_order", "group_boundaries", "group_by_prefix"]
 
@@ -230,7 +237,7 @@ def feed_in_order(
                     added = engine.add_request(token_ids, params, request_id=request_id)
                 inside.add(added)
             except ValueError as e:
-                yield _error_output(request_id, token_ids, str(e))
+                yield _error_output(request_id, token_ids, e)
         if not engine.has_unfinished():
             if exhausted:
                 return
@@ -244,12 +251,16 @@ def feed_in_order(
             yield out
 
 
-def _error_output(request_id: str, token_ids: Sequence[int], message: str) -> RequestOutput:
+def _error_output(request_id: str, token_ids: Sequence[int], error: ValueError) -> RequestOutput:
+    """The refusal as an output; its message names the command-line flags (jobs run from the
+    command line), and a request too long for the context says so in its code."""
+    too_long = isinstance(error, ContextLengthError)
     return RequestOutput(
         request_id=request_id,
         prompt=None,
         prompt_token_ids=list(token_ids),
         outputs=[CompletionOutput(0, "", [], "error")],
         finished=True,
-        error=message,
+        error=as_flags(str(error)),
+        error_code="context_length_exceeded" if too_long else None,
     )

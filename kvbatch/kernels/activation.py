@@ -1,7 +1,7 @@
 """The gate of a gated MLP, act(gate) * up: SiLU-and-mul (SwiGLU) and GELU(tanh)-and-mul (GeGLU).
 
-Semantics are engine/model/llama.py's MLP (`F.silu(gate, inplace=True).mul_(up)`) and
-engine/model/gemma.py's (`F.gelu(gate, approximate="tanh") * up`): the activation is computed
+Semantics are engine/layers/activation.py's SiluAndMul (`F.silu(gate) * up`) and
+GeluTanhAndMul (`F.gelu(gate, approximate="tanh") * up`): the activation is computed
 in float32 and rounded to the input's dtype, then the product is rounded once more, so float16
 results match the eager ops. silu is g / (1 + exp(-g)); the tanh GELU is torch's
 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), its tanh from one exp of a non-positive

@@ -1,6 +1,6 @@
 """RMSNorm, alone and fused with the residual add that precedes it in every decoder layer.
 
-Semantics are engine/model/llama.py's RMSNorm (and transformers'): normalise in float32, cast back
+Semantics are engine/layers/norm.py's RMSNorm (and transformers'): normalise in float32, cast back
 to the input's dtype, and only then multiply by the weight:
 
     y = weight * (x32 * rsqrt(mean(x32 ** 2) + eps)).to(x.dtype)
@@ -9,7 +9,7 @@ The product with the weight is done in float32 and rounded once to x's dtype, wh
 torch does for a float16/bfloat16 multiply (the product of two such numbers is exact in
 float32), so the kernel matches the module up to the order of the float32 sum.
 
-Gemma's norm (`unit_offset=True`, engine/model/gemma.py GemmaRMSNorm) differs in two places:
+Gemma's norm (`unit_offset=True`, RMSNorm(unit_offset=True) in the layer) differs in two places:
 the weight is stored around zero and multiplies as (1 + w), and the product is taken in
 float32 before the only rounding:
 
@@ -77,8 +77,8 @@ def rms_norm(
     out: torch.Tensor | None = None,  # [T, hidden], x's dtype; may be x itself
     unit_offset: bool = False,  # Gemma's (1 + w) norm
 ) -> torch.Tensor:  # [T, hidden], x's dtype
-    """RMSNorm of each row of x, as kvbatch.engine.model.llama.RMSNorm computes it (or
-    kvbatch.engine.model.gemma.GemmaRMSNorm with `unit_offset`)."""
+    """RMSNorm of each row of x, as kvbatch.engine.layers.norm.RMSNorm computes it (or
+    with `unit_offset`, as RMSNorm(unit_offset=True) does)."""
     x = _rows(x, weight, "x")
     out = torch.empty_like(x) if out is None else _check_out(out, x)
     _launch(x, None, weight, out, eps, unit_offset)
@@ -114,8 +114,8 @@ def rms_norm_ref(
     out: torch.Tensor | None = None,
     unit_offset: bool = False,
 ) -> torch.Tensor:
-    """Plain-torch reference: kvbatch.engine.model.llama.RMSNorm with the weight in x's dtype,
-    or with `unit_offset` kvbatch.engine.model.gemma.GemmaRMSNorm."""
+    """Plain-torch reference: kvbatch.engine.layers.norm.RMSNorm with the weight in x's dtype,
+    or with `unit_offset` the layer's RMSNorm(unit_offset=True)."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if unit_offset:

@@ -134,7 +134,7 @@ def apply_rotary_(
     positions: torch.Tensor,  # [T] int64
     inv_freq: torch.Tensor,  # [head_dim / 2] float32 (kvbatch.engine.model.rope.inverse_frequencies)
 ) -> None:
-    """Rotate q and k in place by each token's position (kvbatch.engine.model.rope.RotaryEmbedding)."""
+    """Rotate q and k in place by each token's position (kvbatch.engine.layers.rotary.RotaryEmbedding)."""
     _check_shapes(q, k, positions, inv_freq)
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
@@ -162,7 +162,7 @@ def apply_rotary_(
 def apply_rotary_ref(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
 ) -> None:
-    """Plain-torch reference: kvbatch.engine.model.rope.RotaryEmbedding's cos_sin and apply, written back."""
+    """Plain-torch reference: kvbatch.engine.layers.rotary.RotaryEmbedding's cos_sin and apply, written back."""
     _check_shapes(q, k, positions, inv_freq)
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim]

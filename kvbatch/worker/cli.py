@@ -30,6 +30,7 @@ import socket
 import sys
 
 from kvbatch.engine import EngineArgs  # plain Python: no torch to parse arguments
+from kvbatch.jobs.context_flags import as_flags
 from kvbatch.redact import redact_url, redact_urls
 from kvbatch.worker.settings import (  # plain Python: no Celery to parse arguments
     DEFAULT_QUEUE,
@@ -85,7 +86,8 @@ def add_submit_args(p: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=_count(),
         default=None,
-        help="the workers' --max-model-len: longer requests are errors (default: the model's)",
+        help="the workers' --max-model-len: longer requests are errors (default: the model's; "
+        "a worker without one caps it at what its KV cache holds)",
     )
     p.add_argument("--max-attempts", type=_count(), default=3, help="deliveries of a shard at most")
     p.add_argument("--job-id", help="default: job-<UTC time>-<random>")
@@ -274,7 +276,7 @@ def worker(args: argparse.Namespace, engine: dict) -> int:
         # jobs submitted for another checkpoint are left to other workers (worker/tasks.py)
         log.info("model fingerprint %s", model.fingerprint().digest)
     except (OSError, ValueError) as e:
-        print(f"kvbatch worker: cannot load the model: {e}", file=sys.stderr)
+        print(f"kvbatch worker: cannot load the model: {as_flags(str(e))}", file=sys.stderr)
         return 1
     app.tasks[TASK_NAME].use_model(model)
     try:

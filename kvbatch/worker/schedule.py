@@ -15,6 +15,12 @@
     max_tokens = 48
     template = "<document>\n{document}\n</document>\n...<passage>\n{chunk}\n</passage>..."
 
+    [[jobs]]
+    name = "docs-index"                   # an index run (docs/INDEXING.md), instead of the above
+    cron = "0 2 * * *"
+    index = "/specs/index.toml"           # its spec: output and models come from it
+    # generation_queue = "..."  embedding_queue = "..."  shard_tokens = 200000
+
 Every error is a ScheduleError that names the file, the entry and the field.
 """
 
@@ -22,9 +28,18 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvbatch.jobs.storage import validate_key_part
 
@@ -86,19 +101,14 @@ class DocumentsInput(BaseModel):
         return v
 
 
-class ScheduleEntry(BaseModel):
+class _Timed(BaseModel):
+    """What every entry has: a name that keys its runs and a cron."""
+
     model_config = ConfigDict(extra="forbid")
 
     name: str
     cron: str
-    output: str = Field(min_length=1)
-    model: str = Field(min_length=1)
-    input: str | None = None
-    documents: DocumentsInput | None = None
-    model_name: str | None = None
     shard_tokens: int = Field(default=200_000, gt=0)
-    max_attempts: int = Field(default=3, gt=0)
-    queue: str = "kvbatch"
 
     @field_validator("name")
     @classmethod
@@ -114,21 +124,58 @@ class ScheduleEntry(BaseModel):
         parse_cron(v)
         return v
 
+    def crontab(self):
+        return parse_cron(self.cron)
+
+
+class ScheduleEntry(_Timed):
+    """A recurring job: a JSONL of requests (`input`) or documents cut into chat requests
+    (`documents`), sent to one model's queue."""
+
+    output: str = Field(min_length=1)
+    model: str = Field(min_length=1)
+    input: str | None = None
+    documents: DocumentsInput | None = None
+    model_name: str | None = None
+    max_attempts: int = Field(default=3, gt=0)
+    queue: str = "kvbatch"
+
     @model_validator(mode="after")
     def _one_input(self) -> ScheduleEntry:
         if (self.input is None) == (self.documents is None):
-            raise ValueError("give exactly one of `input` (a JSONL) or `documents` (a prefix)")
+            raise ValueError(
+                "give exactly one of `input` (a JSONL) or `documents` (a prefix), or `index` "
+                "(an index spec) alone"
+            )
         return self
 
-    def crontab(self):
-        return parse_cron(self.cron)
+
+class IndexEntry(_Timed):
+    """A recurring index run (docs/INDEXING.md): `index` is the path of its spec, whose
+    output and models it uses; its stages run on the workers of each model's queue
+    (worker/index_trigger.py)."""
+
+    index: str = Field(min_length=1)
+    generation_queue: str | None = None  # default kvbatch-<model folder name>
+    embedding_queue: str | None = None
+
+
+def _entry_kind(data: Any) -> str:
+    return "index" if isinstance(data, dict) and "index" in data else "requests"
+
+
+Entry = Annotated[
+    Annotated[ScheduleEntry, Tag("requests")] | Annotated[IndexEntry, Tag("index")],
+    Discriminator(_entry_kind),
+]
+_TAGS = ("requests", "index")
 
 
 class Schedule(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     timezone: str = "UTC"
-    jobs: list[ScheduleEntry] = Field(min_length=1)
+    jobs: list[Entry] = Field(min_length=1)
 
     @field_validator("timezone")
     @classmethod
@@ -150,7 +197,7 @@ class Schedule(BaseModel):
             seen.add(e.name)
         return self
 
-    def entry(self, name: str) -> ScheduleEntry:
+    def entry(self, name: str) -> ScheduleEntry | IndexEntry:
         for e in self.jobs:
             if e.name == name:
                 return e
@@ -205,11 +252,13 @@ def _describe(err: ValidationError, data: Any, source: str) -> str:
                 pass
             where = f"job {name!r}" if isinstance(name, str) else f"job #{index + 1}"
             loc = loc[2:]
-        field = ".".join(str(p) for p in loc) or "(entry)"
+            if loc and loc[0] in _TAGS:  # the kind of entry, not a field
+                loc = loc[1:]
+        field = ".".join(str(p) for p in loc)
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "missing":
             msg = "missing (required)"
         elif item["type"] == "extra_forbidden":
             msg = "unknown field"
-        lines.append(f"{where}: {field}: {msg}")
+        lines.append(f"{where}: {field or '(entry)'}: {msg}")
     return f"{source}: " + "; ".join(lines)

@@ -1,5 +1,6 @@
 """Scheduled runs: `kvbatch.scheduled_run(name, run_key)` prepares and enqueues one run of a
-schedule entry (worker/schedule.py).
+schedule entry (worker/schedule.py). An `index` entry only sends one task to the index worker
+(worker/index_trigger.py); the steps below are those of the `input` and `documents` entries.
 
 A run is keyed by its date: its job id is `<name>-<YYYY-MM-DD>`, so a duplicate trigger (two
 beats, a redelivered message, a manual rerun) finds `<output>/<job id>/job.json` and does
@@ -28,7 +29,8 @@ import re
 from pathlib import PurePosixPath
 
 from kvbatch.jobs.storage import absolute_location, open_storage
-from kvbatch.worker.schedule import Schedule, ScheduleEntry
+from kvbatch.worker.index_trigger import trigger_index_run
+from kvbatch.worker.schedule import IndexEntry, Schedule, ScheduleEntry
 
 SCHEDULED_TASK = "kvbatch.scheduled_run"
 SCHEDULED_QUEUE = "kvbatch-scheduled"  # consumed by `kvbatch beat` itself, not by GPU workers
@@ -133,13 +135,19 @@ def documents_input(entry: ScheduleEntry, model_name: str) -> tuple[bytes, dict[
     return b"".join(lines), taken
 
 
-def start_scheduled_run(entry: ScheduleEntry, run_date: dt.date, *, app=None) -> str | None:
+def start_scheduled_run(
+    entry: ScheduleEntry | IndexEntry, run_date: dt.date, *, app=None
+) -> str | None:
     """Prepare and enqueue the run of `entry` for `run_date`; its job id, or None when that
     date's run already exists (a duplicate trigger) or there is nothing new to run."""
     from kvbatch.jobs.distributed.shards import job_dir
     from kvbatch.jobs.distributed.submit import prepare_job
     from kvbatch.jobs.local.run import JobError
 
+    if isinstance(
+        entry, IndexEntry
+    ):  # one task message to the index worker (worker/index_trigger.py)
+        return trigger_index_run(entry, run_date, app or _default_app())
     job_id = run_id(entry.name, run_date)
     job = job_dir(entry.output, job_id)  # validates the key part
     out = open_storage(entry.output)
@@ -210,12 +218,16 @@ def _write_run_record(out, record: dict) -> None:
     target.write_bytes(json.dumps(record, indent=2).encode() + b"\n")
 
 
+def _default_app():
+    from kvbatch.worker.app import broker_url, make_app
+
+    return make_app(broker_url())
+
+
 def _send(entry: ScheduleEntry, job, messages, app) -> None:
     """One message per shard, then finalize a job with nothing to run."""
     if app is None:
-        from kvbatch.worker.app import broker_url, make_app
-
-        app = make_app(broker_url())
+        app = _default_app()
     from kvbatch.worker.sqs import ensure_queue
     from kvbatch.worker.tasks import send_shard
 
@@ -303,7 +315,8 @@ def beat(args) -> int:
         return 1
     register_scheduled(app, schedule)
     for e in schedule.jobs:
-        print(f"kvbatch beat: {e.name}: {e.cron} ({schedule.timezone}) -> {e.output}",
+        where = f"index {e.index} (kvbatch index-worker)" if isinstance(e, IndexEntry) else e.output
+        print(f"kvbatch beat: {e.name}: {e.cron} ({schedule.timezone}) -> {where}",
               file=sys.stderr)  # fmt: skip
     app.worker_main(
         [

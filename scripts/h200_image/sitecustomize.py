@@ -26,13 +26,18 @@ MISSING = frozenset(
         "celery",
         "gguf",
         "kombu",
+        "lancedb",
         "moto",
         "openai",
         "pycurl",
         "pydantic",
         "pydantic_core",
+        "pyarrow",
+        "pypdf",
         "redis",
         "s3transfer",
+        "semchunk",
+        "trafilatura",
         "vine",
     }
 )

@@ -8,7 +8,7 @@ import pytest
 
 from kvbatch.index.pipeline import IndexRunError, run_index
 from kvbatch.index.sources import SourceError
-from tests.index.indexing import WatchedModels, index_spec, table_rows
+from tests.index.indexing import index_spec
 
 
 def test_an_embedding_model_that_is_not_there_is_named(tmp_path, docs_folder):
@@ -35,17 +35,3 @@ def test_an_engine_keyword_the_engine_does_not_take_is_named(tmp_path, docs_fold
     with pytest.raises(IndexRunError, match="engine: .*max_num_seqz"):
         run_index(spec)
 
-
-def test_an_interrupted_embed_stage_says_to_run_the_same_command_again(
-    tmp_path, docs_folder, minilm
-):
-    """`kvbatch index` has no --resume: the message names what the user runs to continue."""
-    spec = index_spec(tmp_path, docs_folder, None, minilm)
-    with pytest.raises(IndexRunError) as e:
-        run_index(spec, llm_factory=WatchedModels(stop_after=1, stop_model=str(minilm)))
-    message = str(e.value)
-    assert message.startswith("embed: interrupted") and "--resume" not in message
-    assert "run the same `kvbatch index` command again" in message
-    report = run_index(spec, llm_factory=WatchedModels())
-    rows = table_rows(spec)
-    assert report.chunks == len(rows) == len({r["chunk_id"] for r in rows}) > 0

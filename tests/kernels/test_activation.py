@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvbatch.engine.layers.activation import GeluTanhAndMul, SiluAndMul
 from kvbatch.kernels.activation import (
     gelu_tanh_and_mul,
     gelu_tanh_and_mul_ref,
@@ -68,9 +69,10 @@ def test_in_place_on_gate_of_fused_gate_up(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_reference_matches_engine_mlp(dtype):
-    """kvbatch.engine.model.llama.MLP computes F.silu(gate, inplace=True).mul_(up): the reference, to the bit."""
+    """The SwiGLU layer's torch path (engine/layers/activation.py) is the reference, to the bit."""
     gate, up = _inputs(7, 576, dtype)
-    expected = F.silu(gate.clone(), inplace=True).mul_(up)
+    expected = SiluAndMul()(torch.cat([gate, up], dim=-1))
+    assert torch.equal(expected, F.silu(gate.clone(), inplace=True).mul_(up))
     assert torch.equal(silu_and_mul_ref(gate, up), expected)
     out = torch.empty_like(gate)
     assert torch.equal(silu_and_mul_ref(gate, up, out=out), expected)
@@ -113,9 +115,10 @@ def test_gelu_tanh_in_place_on_gate_of_fused_gate_up(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gelu_tanh_reference_matches_gemma_mlp(dtype):
-    """kvbatch.engine.model.gemma.GemmaMLP computes F.gelu(gate, approximate="tanh") * up."""
+    """The GeGLU layer's torch path (engine/layers/activation.py) is the reference, to the bit."""
     gate, up = _inputs(7, 576, dtype)
-    expected = F.gelu(gate, approximate="tanh") * up
+    expected = GeluTanhAndMul()(torch.cat([gate, up], dim=-1))
+    assert torch.equal(expected, F.gelu(gate, approximate="tanh") * up)
     assert torch.equal(gelu_tanh_and_mul_ref(gate, up), expected)
     out = torch.empty_like(gate)
     assert torch.equal(gelu_tanh_and_mul_ref(gate, up, out=out), expected)

@@ -1,13 +1,12 @@
 """kernels/rms_norm.py: RMSNorm and fused add + RMSNorm against their references and the engine's
-RMSNorm module. On the CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py)."""
+RMSNorm layer (engine/layers/norm.py). On the CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvbatch.engine.model.gemma import GemmaRMSNorm
-from kvbatch.engine.model.llama import RMSNorm
+from kvbatch.engine.layers.norm import RMSNorm
 from kvbatch.kernels.rms_norm import (
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
@@ -97,6 +96,8 @@ def test_references_match_engine_rmsnorm(dtype):
         out, new_residual = fused_add_rms_norm_ref(x, residual.clone(), weight, EPS)
         assert torch.equal(new_residual, residual + x)
         assert torch.equal(out, module(residual + x))
+        layer_out, layer_residual = module(x, residual.clone())  # the fused add, torch path
+        assert torch.equal(layer_out, out) and torch.equal(layer_residual, new_residual)
 
 
 def test_bad_shapes_are_named():
@@ -143,7 +144,7 @@ def test_unit_offset_reference_matches_gemma_rmsnorm(dtype):
     """The unit-offset reference is the engine's Gemma module to the bit, with a float32
     weight (as loaded beside float16 activations or not) and one in x's dtype."""
     x, weight = _inputs(7, 576, dtype)
-    module = GemmaRMSNorm(576, EPS).to(device=_device())
+    module = RMSNorm(576, EPS, unit_offset=True).to(device=_device())
     for w in (weight.float(), weight):
         with torch.no_grad():
             module.to(w.dtype).weight.copy_(w)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbatch.engine.model.rope import RopeConfig, RotaryEmbedding, inverse_frequencies
+from kvbatch.engine.layers.rotary import RotaryEmbedding
+from kvbatch.engine.model.rope import RopeConfig, inverse_frequencies
 from kvbatch.kernels.rotary import apply_rotary_, apply_rotary_ref
 
 

@@ -104,6 +104,8 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
         "rag-hf-cb": "ok",
         "rag-qwen3": "ok",
         "rag-sweep": "skipped",
+        "embed-gpu": "skipped",
+        "index-gpu": "skipped",
         "summary": "ok",
     }
     assert sorted(p.name for p in out.iterdir()) == [
@@ -126,6 +128,25 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
         ["bash", "scripts/gpu-check.sh", "--bogus"], cwd=ROOT, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "unknown option --bogus" in bad.stderr
+
+
+def test_the_index_step_is_skipped_with_what_the_image_lacks(tmp_path: Path):
+    """index-gpu needs lancedb, sentence-transformers, semchunk and gguf: the H200 image (as
+    --cpu imitates it) has none of them, so the step is skipped with a line naming them, and
+    the check does not fail for it."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    r = subprocess.run(
+        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", "index-gpu", "--out", str(out)],
+        cwd=ROOT, env=env | {"VERSIONS_TIMEOUT": "120"}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with (out / "steps.tsv").open() as f:
+        rows = {row[0]: row for row in (line.rstrip("\n").split("\t") for line in f)}
+    assert rows["index-gpu"][1] == "skipped"
+    assert rows["index-gpu"][5].startswith("needs lancedb sentence_transformers semchunk gguf")
+    assert not (out / "index-gpu.json").exists()
 
 
 @pytest.mark.slow

@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvbatch.jobs.distributed.finalize import job_status
 from kvbatch.jobs.local.run import RunOptions, run_job
+from kvbatch.jobs.storage import open_storage
 from tests.engine.pooling.st_checkpoints import build_embedding_checkpoint, ids_to_text
 from tests.redis_server import redis_server  # noqa: F401
 from tests.worker.test_distributed import Workers, _env, _submit, _wait_completed
@@ -62,6 +64,9 @@ def test_embeddings_job_through_workers(tmp_path: Path, redis_server):  # noqa: 
         assert vectors.shape == want[custom_id].shape == (2, vectors.shape[1])
         cosine = F.cosine_similarity(vectors, want[custom_id], dim=-1)
         assert cosine.min().item() >= 0.9999, (custom_id, cosine)
+    # `kvbatch status` reads an embeddings job too (its usage has no completion tokens)
+    status = job_status(open_storage(str(out / job_id)))
+    assert (status["completed"], status["output_tokens"]) == (8, 0)
 
 
 def test_choices_and_structured_lines_through_workers(

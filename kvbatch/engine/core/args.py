@@ -109,7 +109,7 @@ class EngineArgs:
     max_model_len: int | None = _setting(
         None,
         "longest prompt + answer in tokens; a longer request fails alone",
-        shown="the model's context length",
+        shown="the model's context length, capped at what the KV cache holds",
         flag=Flag(type=positive_int, metavar="N"),
     )
     block_size: int = _setting(

@@ -27,8 +27,6 @@ from typing import TYPE_CHECKING
 from kvbatch.engine.attention.backends import get_backend
 from kvbatch.engine.core.choices import fork_choices, make_choices, needs_fork
 from kvbatch.engine.core.config import (
-    DEFAULT_CPU_KV_BYTES,
-    CacheConfig,
     EngineConfig,
     SchedulerConfig,
     default_batched_tokens,
@@ -36,6 +34,7 @@ from kvbatch.engine.core.config import (
 )
 from kvbatch.engine.core.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from kvbatch.engine.core.prompt_input import (
+    ContextLengthError,
     PromptType,
     check_embedding_input,
     prompt_token_ids,
@@ -45,15 +44,15 @@ from kvbatch.engine.core.sequence import Sequence, SequenceStatus, TokenLogprobs
 from kvbatch.engine.core.startup_heap import freeze_startup_heap, thaw_startup_heap
 from kvbatch.engine.core.stopping import StopChecker
 from kvbatch.engine.exec.launched_step import LaunchedStep, StepResult, start_clock
-from kvbatch.engine.exec.runner import ModelRunner, kv_bytes_per_block
+from kvbatch.engine.exec.runner import ModelRunner
 from kvbatch.engine.kv.kv_cache import KVCacheManager
-from kvbatch.engine.kv.memory import (
-    KV_POOL_REQUESTS_PER_SEQ,
-    cuda_kv_budget,
-    kv_blocks_worth_having,
-    profile_peak_activation_bytes,
+from kvbatch.engine.kv.sizing import (
+    KVPoolRequest,
+    fitted_max_model_len,
+    kv_pool_blocks,
+    log_kv_pool,
+    model_context_len,
 )
-from kvbatch.engine.model.fused import model_forward
 from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.pooling.config import PoolingConfig, read_pooling_config
 from kvbatch.engine.pooling.outputs import EmbeddingOutput
@@ -96,17 +95,17 @@ class LLMEngine:
             f"quantized: {self.quantization}" if self.quantization else f"{self.dtype}",
         )
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = self._max_model_len()
-        self.model.rotary.fit_context(self.max_model_len)  # LongRoPE: short or long factors
+        self.model_context = self.model_config.max_position_embeddings  # the model's own
+        self.max_model_len = self._max_model_len()  # capped at the KV pool below if not asked
         scheduler_config = self._resolved_scheduler_config()
         self.async_scheduling = self._async_scheduling()
         backend = get_backend(config.attention_backend, self.device, self.kv_dtype)
-        # The triton backend comes with the fused kernels and GEMMs (engine/model/fused.py).
-        self.forward = model_forward(self.model, fused=backend.name == "triton")
         # A draft model keeps a KV pool of as many blocks as the target's: load it first, so
         # that its weights are counted in free memory and its blocks in the KV budget.
         draft = self._load_draft_model()
         num_blocks = self._checked_num_blocks(backend, scheduler_config, draft)
+        scheduler_config = dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
+        self.model.rotary.fit_context(self.max_model_len)  # LongRoPE: short or long factors
         cache = config.cache
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.step_cost = self._step_cost_model(scheduler_config)
@@ -121,7 +120,6 @@ class LLMEngine:
             backend,
             seed=config.seed,
             cascade=config.cascade_attention,
-            forward=self.forward,
             kv_dtype=self.kv_dtype,
         )
         self.stop_checker = StopChecker(loaded.eos_token_ids, self.max_model_len, self.tokenizer)
@@ -140,7 +138,13 @@ class LLMEngine:
         self._num_finished = 0
         self._in_flight: LaunchedStep | None = None  # async scheduling: not yet finished
         self._capture_decode_graphs(backend, scheduler_config)
-        self._log_kv_pool(num_blocks)
+        log_kv_pool(
+            num_blocks,
+            cache.block_size,
+            self.kv_dtype,
+            self.max_model_len,
+            scheduler_config.max_num_seqs,
+        )
         self.frozen_gc_objects = 0  # objects the startup freeze took out of GC passes
         if self._freeze_gc():
             self.frozen_gc_objects = freeze_startup_heap()
@@ -175,17 +179,30 @@ class LLMEngine:
         return None
 
     def _checked_num_blocks(self, backend, scheduler_config: SchedulerConfig, draft) -> int:
-        """The KV pool's blocks; refused when one request of max_model_len would not fit."""
+        """The KV pool's blocks (engine/kv/sizing.py). A max_model_len asked for is refused
+        when one request of it would not fit; the model's own context is capped at the pool."""
         cache = self.config.cache
-        num_blocks = self._num_blocks(backend, scheduler_config, draft)
-        if num_blocks * cache.block_size < self.max_model_len:
-            shared = " (the budget pays for the draft model's KV too)" if draft else ""
-            raise ValueError(
-                f"the KV cache holds {num_blocks * cache.block_size} tokens ({num_blocks} blocks "
-                f"of {cache.block_size}){shared} but one request may need max_model_len="
-                f"{self.max_model_len}: raise kv_cache_bytes (or num_kv_blocks, or "
-                "kv_cache_memory_fraction on CUDA) or lower max_model_len"
+        num_blocks = kv_pool_blocks(
+            KVPoolRequest(
+                cache=cache,
+                scheduler=scheduler_config,
+                model=self.model,
+                forward=self.model,  # the model is its step function
+                backend=backend,
+                device=self.device,
+                kv_dtype=self.kv_dtype,
+                model_dtype=self.dtype,
+                max_model_len=self.max_model_len,
+                draft_model=None if draft is None else draft.model,
             )
+        )
+        self.max_model_len = fitted_max_model_len(
+            num_blocks,
+            cache.block_size,
+            self.max_model_len,
+            asked=self.max_model_len_asked,
+            draft=draft is not None,
+        )
         return num_blocks
 
     def _step_cost_model(self, scheduler_config: SchedulerConfig) -> StepCostModel | None:
@@ -212,33 +229,6 @@ class LLMEngine:
                 max_chunk=self.config.cuda_graph_max_chunk,
             )
 
-    def _log_kv_pool(self, num_blocks: int) -> None:
-        kv_tokens = num_blocks * self.config.cache.block_size
-        log.info(
-            "KV cache (%s): %d tokens (%d blocks of %d), shared by the requests running at once: "
-            "prompt + answer tokens of all of them must fit, so %s; requests beyond that wait "
-            "their turn (shared prefixes are stored once)",
-            str(self.kv_dtype).removeprefix("torch."),
-            kv_tokens,
-            num_blocks,
-            self.config.cache.block_size,
-            self._requests_at_once(kv_tokens),
-        )
-
-    def _requests_at_once(self, kv_tokens: int) -> str:
-        """How many requests fit the pool, in words: of a typical 1,000 tokens, and of the
-        whole max_model_len."""
-        longest = f"{kv_tokens / self.max_model_len:.1f}".removesuffix(".0")
-        whole = f"even if each used the whole max_model_len ({self.max_model_len})"
-        if self.max_model_len <= 1000:
-            return f"at least {longest} run together {whole}"
-        typical = min(kv_tokens // 1000, self.scheduler.config.max_num_seqs)
-        noun, verb = ("request", "runs") if typical == 1 else ("requests", "run")
-        return (
-            f"about {typical} {noun} of 1,000 tokens {verb} together, and at least {longest} "
-            f"{whole}"
-        )
-
     def _freeze_gc(self) -> bool:
         asked = self.config.freeze_gc
         return self.device.type == "cuda" if asked is None else asked
@@ -255,85 +245,23 @@ class LLMEngine:
         return self.device.type == "cuda" if asked is None else asked
 
     def _max_model_len(self) -> int:
-        cfg = self.model_config
-        limit = cfg.max_position_embeddings  # windowed layers mask, so no cap at the window
-        asked = self.config.scheduler.max_model_len
-        if asked > limit:
-            raise ValueError(f"max_model_len={asked} exceeds the model's context of {limit}")
-        return asked or limit
+        return model_context_len(self.config.scheduler.max_model_len, self.model_context)
 
-    def _num_blocks(self, backend, scheduler_config, draft=None) -> int:
-        """Blocks of the KV pool (and of the draft model's, which has as many): the budget
-        divided by what one block costs, both models' KV together."""
-        cache = self.config.cache
-        self._warn_unused_fraction()
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        per_block = kv_bytes_per_block(self.model, cache.block_size, self.kv_dtype)
-        if draft is not None:
-            per_block += kv_bytes_per_block(draft.model, cache.block_size, self.dtype)
-        if cache.kv_cache_bytes is not None:
-            budget = cache.kv_cache_bytes
-        elif self.device.type == "cuda":
-            peak = profile_peak_activation_bytes(
-                self.model,
-                self.forward,
-                backend,
-                num_tokens=scheduler_config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                max_num_seqs=scheduler_config.max_num_seqs,
-                block_size=cache.block_size,
-                dtype=self.kv_dtype,
-                device=self.device,
-            )
-            budget = cuda_kv_budget(peak, cache.kv_cache_memory_fraction, self.device)
-            log.info(
-                "profiled the largest step (%d tokens): %.2f GiB of activations; KV pool "
-                "%.2f GiB (kv_cache_memory_fraction=%.2f of what is left)",
-                scheduler_config.max_num_batched_tokens,
-                peak / 2**30,
-                budget / 2**30,
-                cache.kv_cache_memory_fraction,
-            )
-        else:
-            budget = DEFAULT_CPU_KV_BYTES
-        blocks = max(0, budget // per_block)
-        if cache.kv_cache_bytes is None:  # a default budget: no more than can be put to use
-            most = kv_blocks_worth_having(
-                scheduler_config.max_num_seqs, self.max_model_len, cache.block_size
-            )
-            if blocks > most:
-                log.info(
-                    "KV pool capped at %d blocks (%d x max_num_seqs=%d requests of "
-                    "max_model_len=%d) instead of the %d the budget allows",
-                    most,
-                    KV_POOL_REQUESTS_PER_SEQ,
-                    scheduler_config.max_num_seqs,
-                    self.max_model_len,
-                    blocks,
-                )
-                blocks = most
-        return blocks
+    @property
+    def max_model_len_asked(self) -> bool:
+        """Whether max_model_len was set; if not, the engine picked it (kv/sizing.py)."""
+        return self.config.scheduler.max_model_len > 0
 
-    def _warn_unused_fraction(self) -> None:
-        """A kv_cache_memory_fraction asked for but not used says so (a user tuning it on the
-        CPU, or beside an explicit pool size, would otherwise see no change and no reason)."""
-        cache = self.config.cache
-        if cache.kv_cache_memory_fraction == CacheConfig.kv_cache_memory_fraction:
-            return
-        if cache.num_kv_blocks is not None:
-            why = "num_kv_blocks sets the pool"
-        elif cache.kv_cache_bytes is not None:
-            why = "kv_cache_bytes sets the pool"
-        elif self.device.type != "cuda":
-            why = (
-                f"it sizes the pool on CUDA only; on {self.device} kv_cache_bytes does "
-                f"(default {DEFAULT_CPU_KV_BYTES >> 20} MiB)"
-            )
-        else:
-            return
-        log.warning(
-            "kv_cache_memory_fraction=%g is not used: %s", cache.kv_cache_memory_fraction, why
+    def context_advice(self) -> str:
+        """What admits a request longer than the context the engine capped at its KV cache,
+        for the error that refuses one ("" when the model's whole context is in use, or
+        max_model_len was set)."""
+        if self.max_model_len_asked or self.max_model_len >= self.model_context:
+            return ""
+        return (
+            f"; the KV cache holds {self.max_model_len} tokens of the model's "
+            f"{self.model_context}: set max_model_len up to {self.model_context} with a "
+            "kv_cache_bytes that holds it"
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -354,12 +282,7 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens but the model's context is "
-                f"max_model_len={self.max_model_len} (including at least one output token): "
-                "shorten the prompt"
-            )
+        self._check_context(len(token_ids), params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 "stop strings need a tokenizer and this model has none; use stop_token_ids"
@@ -376,6 +299,24 @@ class LLMEngine:
         self._prompt_tokens += len(token_ids)
         self.scheduler.add(seq)
         return request_id
+
+    def _check_context(self, prompt_len: int, max_tokens: int) -> None:
+        """A prompt must leave room for one output token. Where the engine capped its context
+        at the KV cache (max_model_len not set), max_tokens must fit too: a request would
+        otherwise be cut short of the model's real context without a word."""
+        if prompt_len >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {prompt_len} tokens but the model's context is "
+                f"max_model_len={self.max_model_len} (including at least one output token): "
+                f"shorten the prompt{self.context_advice()}"
+            )
+        capped = not self.max_model_len_asked and self.max_model_len < self.model_context
+        if capped and prompt_len + max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {prompt_len} tokens and max_tokens asks for {max_tokens} more, "
+                f"but max_model_len={self.max_model_len}: lower max_tokens to "
+                f"{self.max_model_len - prompt_len} or less{self.context_advice()}"
+            )
 
     def _check_logits_options(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: logit_bias ids against the vocabulary, and

@@ -47,6 +47,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when this request alone failed (the others still ran)
+    error_code: str | None = None  # with error: "context_length_exceeded" or None
     metrics: RequestMetrics | None = None
     spec_stats: SpecDecodeStats | None = None  # draft tokens proposed / accepted (speculation on)
 

@@ -10,6 +10,12 @@ from __future__ import annotations
 PromptType = str | list[int] | dict
 
 
+class ContextLengthError(ValueError):
+    """A request longer than the engine's max_model_len (prompt, or prompt + max_tokens where
+    the engine capped its context at the KV cache): jobs report it as
+    context_length_exceeded."""
+
+
 def prompt_token_ids(
     prompt: PromptType, tokenizer, vocab_size: int
 ) -> tuple[str | None, list[int]]:
@@ -58,7 +64,7 @@ def check_embedding_input(token_ids: list[int], max_model_len: int) -> None:
     if not token_ids:
         raise ValueError("the input is empty: give at least one token")
     if len(token_ids) > max_model_len:
-        raise ValueError(
+        raise ContextLengthError(
             f"the input has {len(token_ids)} tokens but the model's context is "
             f"max_model_len={max_model_len}: shorten it"
         )

@@ -27,7 +27,8 @@ from kvbatch.engine.kv.device_tables import (
     plan_decode_tables,
 )
 from kvbatch.engine.kv.kv_cache import KVCacheManager
-from kvbatch.engine.model.llama import LlamaForCausalLM
+from kvbatch.engine.layers.kernel_op import use_kernels
+from kvbatch.engine.models.llama import LlamaForCausalLM
 from kvbatch.engine.pooling.pooler import Pooler, pooling_chunks
 from kvbatch.engine.sched.scheduler import ScheduledChunk, SchedulerOutput
 from kvbatch.engine.spec.rejection import verify
@@ -60,12 +61,12 @@ class ModelRunner:
         backend,
         seed: int = 0,
         cascade: bool = True,
-        forward=None,  # the model's forward (engine/model/fused.py model_forward); default: model
         kv_dtype: torch.dtype | None = None,  # the pool's (kv_cache_dtype); default: dtype
     ) -> None:
         cfg = model.config
         self.model, self.kv, self.device, self.backend = model, kv, device, backend
-        self.forward = forward or model
+        # The layers run the kernels of the attention backend's kind (engine/layers/).
+        use_kernels(model, backend.name)
         self.block_size = block_size
         self.cascade = cascade  # shared-prefix attention for decodes (engine/attention/cascade.py)
         # One tensor per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim], in the
@@ -120,7 +121,7 @@ class ModelRunner:
         final hidden state for the pooler; the pooling requests' logits rows are dropped
         before sampling (they are never sampled), the other requests' are sampled as usual."""
         hidden: list[torch.Tensor] = []
-        logits = self.forward(
+        logits = self.model(
             input_ids,
             meta.positions,
             self.kv_caches,
@@ -182,7 +183,7 @@ class ModelRunner:
         """Replay the graph of `key` (from _graph_key) when there is one, else run eagerly."""
         if key is not None:
             return self.step_graphs.run(key, input_ids, meta.positions, meta.attention, logits_rows)
-        return self.forward(
+        return self.model(
             input_ids,
             meta.positions,
             self.kv_caches,
@@ -200,7 +201,7 @@ class ModelRunner:
         from kvbatch.engine.exec.cuda_graphs import StepGraphs
 
         def forward(ids, positions, meta, logits_indices=None):
-            return self.forward(
+            return self.model(
                 ids, positions, self.kv_caches, meta, self.backend, logits_indices=logits_indices
             )
 

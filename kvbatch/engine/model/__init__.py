@@ -1,1 +1,2 @@
-"""The transformer forward, its fused layers, rotary embeddings and the checkpoint loader."""
+"""Loading and reading checkpoints: the architecture registry, config features refused by
+name, the loader (safetensors, GGUF, MoE experts), RoPE frequencies, the MoE block, encoders."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvbatch.engine.model.moe import CheckpointExperts, SparseMoeBlock, collect_expert_tensors
+from kvbatch.engine.layers.moe import SparseMoeBlock
+from kvbatch.engine.model.moe import CheckpointExperts, collect_expert_tensors
 from kvbatch.engine.quant.apply import format_name, load_quantized_linear
 from kvbatch.engine.quant.experts import quantize_experts_fp8, stack_quantized_experts
 from kvbatch.engine.quant.layer_tensors import LayerTensors

@@ -2,7 +2,7 @@
 
 Two sources: a Hugging Face folder (config.json, safetensors, sharded or not, tokenizer files)
 or a single GGUF file, read and dequantised by transformers' GGUF reader. transformers provides
-configs, tokenizers and the GGUF reader; the forward pass is always ours (engine/model/llama.py).
+configs, tokenizers and the GGUF reader; the forward pass is always ours (engine/models/).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from kvbatch.engine.layers.linear import merge_projections
 from kvbatch.engine.model.architectures import ENCODER_ARCHITECTURES
 from kvbatch.engine.model.bert import BertConfig, BertModel, build_bert
 from kvbatch.engine.model.checkpoint_errors import (
@@ -29,13 +30,13 @@ from kvbatch.engine.model.experts_loader import (
     quantize_experts_online,
     split_experts,
 )
-from kvbatch.engine.model.gemma import GemmaForCausalLM
 from kvbatch.engine.model.gguf import complete_gguf_config
-from kvbatch.engine.model.llama import LlamaForCausalLM, ModelConfig
 from kvbatch.engine.model.moe import CheckpointExperts
 from kvbatch.engine.model.multimodal import language_model_config, language_model_weights
-from kvbatch.engine.model.phi3 import PHI3_ARCHITECTURES, split_fused_projections
+from kvbatch.engine.model.registry import ARCHITECTURES
 from kvbatch.engine.model.tensor_names import some_names
+from kvbatch.engine.models.gemma import GemmaForCausalLM
+from kvbatch.engine.models.llama import LlamaForCausalLM, ModelConfig
 from kvbatch.engine.quant.apply import quantize_linears, reject_quantized_leftovers, weight_bytes
 from kvbatch.engine.quant.detect import detect_quantization
 from kvbatch.engine.quant.scheme import QuantConfig
@@ -112,13 +113,9 @@ def _load_model(
             k if k.startswith("model.") else f"model.{k}": v for k, v in state_dict.items()
         }
     kv_scales = _pop_kv_scales(state_dict)
-    if cfg.architecture in PHI3_ARCHITECTURES:
-        state_dict = split_fused_projections(
-            state_dict,
-            cfg.num_heads * cfg.head_dim,
-            cfg.num_kv_heads * cfg.head_dim,
-            cfg.intermediate_size,
-        )
+    adapt = ARCHITECTURES[cfg.architecture].adapt_checkpoint  # e.g. Phi-3's fused tensors
+    if adapt is not None:
+        state_dict = adapt(state_dict, cfg)
     quantized_experts: list[CheckpointExperts] = []
     if cfg.moe is not None:
         state_dict, quantized_experts = split_experts(state_dict, cfg.moe.num_experts, quant)
@@ -191,7 +188,7 @@ def _build(
     """Create the modules without initialising them, swap in the quantized layers and experts
     (which arrive with their tensors), then adopt the checkpoint's remaining tensors."""
     with torch.device("meta"):
-        model = (GemmaForCausalLM if cfg.gemma is not None else LlamaForCausalLM)(cfg)
+        model = ARCHITECTURES[cfg.architecture].model_class(cfg)
     if cfg.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)
     if quant is not None:
@@ -213,6 +210,7 @@ def _build(
     weights.update((k, v) for k, v in owned.items() if k not in expected)
     model.load_state_dict(weights, assign=True, strict=True)
     model.rebuild_rotary(device)  # its buffers were built on meta
+    merge_projections(model)  # q/k/v and gate/up as one GEMM each (engine/layers/linear.py)
     return model.eval()
 
 

@@ -1,39 +1,23 @@
-"""The mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE, Qwen2-MoE).
-
-A router scores every expert per token, the top k run, and their outputs are summed with the
-routing weights. The experts' weights are stacked at load, as the fused kernel wants them:
-
-    experts.gate_up_proj  [E, 2I, H]   gate rows then up rows of each expert
-    experts.down_proj     [E, H, I]
-
-(transformers 5 holds them the same way; checkpoints on disk keep one tensor per expert, which
-engine/model/experts_loader.py stacks). Tokens run through kernels/fused_moe.py: the Triton kernel on
-CUDA, its torch reference elsewhere; both compute the same sum.
+"""The experts of a mixture-of-experts model (Mixtral, Qwen3-MoE, Qwen2-MoE): their config,
+and a checkpoint's per-expert tensors grouped by layer and stacked as the block wants them
+(engine/layers/moe.py runs the block; engine/model/experts_loader.py loads it).
 
 Routers differ by model, as their configs say:
 - Mixtral: softmax over the experts, top k, the k weights renormalised to sum to one.
 - Qwen3-MoE and Qwen2-MoE: the same, renormalised only when `norm_topk_prob` is set.
 - Qwen2-MoE adds a shared expert (a dense SwiGLU MLP every token runs) scaled by a sigmoid gate.
-The softmax is taken in float32, as transformers does, whatever the model's dtype.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from kvbatch.engine.model.tensor_names import some_names
-from kvbatch.kernels.fused_moe import fused_moe, fused_moe_ref
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-
-ExpertsFn = Callable[..., torch.Tensor]
-"""fused_moe's signature: (x, w_gate_up, w_down, topk_weights, topk_ids) -> [T, H]."""
 
 
 @dataclass(frozen=True)
@@ -90,17 +74,6 @@ class MoeConfig:
                 or 0,
             )
         return None
-
-
-def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] (float32), expert ids [T, k]
-    """Softmax in float32 over the experts, the top k, optionally renormalised."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 # One expert's tensor in a checkpoint: Mixtral's w1 (gate), w3 (up), w2 (down) under
@@ -195,53 +168,3 @@ def collect_expert_tensors(
     for experts in layers.values():
         experts.check_complete(num_experts)
     return rest, list(layers.values())
-
-
-class StackedExperts(nn.Module):
-    """Every expert's SwiGLU weights in two stacked tensors (names as transformers 5's)."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
-        )
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-
-
-class SharedExpert(nn.Module):
-    """Qwen2-MoE's dense expert that every token runs (a plain SwiGLU MLP)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class SparseMoeBlock(nn.Module):
-    """Router, stacked experts and (Qwen2-MoE) the shared expert; `mlp.*` in checkpoints."""
-
-    def __init__(self, hidden_size: int, cfg: MoeConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.gate = nn.Linear(hidden_size, cfg.num_experts, bias=False)  # the router
-        self.experts = StackedExperts(cfg.num_experts, hidden_size, cfg.intermediate_size)
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = SharedExpert(hidden_size, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, H]
-        experts_fn: ExpertsFn | None = None,  # None: the Triton kernel on CUDA, else reference
-    ) -> torch.Tensor:  # [T, H]
-        if experts_fn is None:
-            experts_fn = fused_moe if x.is_cuda else fused_moe_ref
-        weights, ids = route(self.gate(x), self.cfg.top_k, self.cfg.renormalize)
-        out = experts_fn(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
-        if self.cfg.shared_expert_intermediate_size:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out

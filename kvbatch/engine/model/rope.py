@@ -179,46 +179,6 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(torch.nn.Module):
-    """Applies RoPE to flat q/k: [num_tokens, num_heads, head_dim] with one position per token."""
-
-    def __init__(self, cfg: RopeConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.attention_factor = cfg.attention_factor
-        self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
-
-    def fit_context(self, max_model_len: int) -> None:
-        """Rotate for contexts of up to `max_model_len` tokens (RopeConfig.with_context_len:
-        LongRoPE's long factors past the pretraining length); others are unchanged."""
-        cfg = self.config.with_context_len(max_model_len)
-        if cfg != self.config:
-            self.config = cfg
-            self.inv_freq.copy_(inverse_frequencies(cfg))
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos and sin, each [num_tokens, 1, rotated dims], computed in float32 like
-        transformers (and scaled by the attention factor there)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotated/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos(), emb.sin()
-        if self.attention_factor != 1.0:
-            cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        return cos.to(dtype), sin.to(dtype)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate-half form (transformers' layout, not the interleaved one). With a partial
-        rotary factor cos/sin cover the first dimensions only; the rest pass unchanged."""
-        rot = cos.shape[-1]
-        if rot < x.shape[-1]:
-            x_rot, x_pass = x[..., :rot], x[..., rot:]
-            return torch.cat((RotaryEmbedding.apply(x_rot, cos, sin), x_pass), dim=-1)
-        half = rot // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
-
 def rope_config_from_hf(hf_config, head_dim: int, params: dict | None = None) -> RopeConfig:
     """Read RoPE settings from transformers 5 (`rope_parameters`) or 4 (`rope_theta` +
     `rope_scaling`) configs; `params` overrides them (Gemma 3's local layers have their own)."""

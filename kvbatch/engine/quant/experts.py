@@ -51,7 +51,7 @@ LoadLinear = Callable[[int, str], QuantLinear]
 
 
 class QuantizedExperts(nn.Module):
-    """Stand-in for StackedExperts: `gate_up_proj` and `down_proj` are the kernel's quantized
+    """Stand-in for layers/moe.py StackedExperts: `gate_up_proj` and `down_proj` are the kernel's quantized
     weight records over this module's buffers (so `.to(device)` moves them and the state dict
     lists them). A record is built (and validated) once per set of buffers, not every step."""
 

@@ -337,7 +337,8 @@ def _progress(job: Storage, shard_ids: list[str]) -> dict:
                 counts["cancelled"] += line["error"]["code"] == CANCELLED
             else:
                 counts["completed"] += 1
-                counts["output_tokens"] += line["response"]["body"]["usage"]["completion_tokens"]
+                usage = line["response"]["body"]["usage"]  # an embedding's has no completion
+                counts["output_tokens"] += usage.get("completion_tokens", 0)
     return counts
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kvbatch.jobs.answering import EngineRequest, LineContext, answer
+from kvbatch.jobs.context_flags import as_flags, long_line_advice
 from kvbatch.jobs.grouping import group_by_prefix
 from kvbatch.jobs.local.eta import JobWork
 from kvbatch.jobs.local.output_lock import OutputBusy, output_lock
@@ -354,6 +355,8 @@ def _run_into(
     try:
         with TokenStore(spill) as store:
             job = _prepare(source, opts, model, store, done)
+            if model.loaded:  # a line needed the engine: it may have capped its context
+                _advise_long_lines(job, model.engine)
             record.mark_in_progress()
             if len(store):
                 _answer(opts, model.engine, store, job, partial, record)
@@ -377,6 +380,19 @@ def _run_into(
         raise JobError(f"cannot write {where}: {e.strerror}; {_kept(paths)}") from e
     partial.remove()
     return record
+
+
+def _advise_long_lines(job: PreparedJob, engine) -> None:
+    """Lines longer than a context the engine capped at its KV cache (no --max-model-len) say
+    which flags would admit them."""
+    advice = long_line_advice(engine)
+    if advice:
+        job.errors[:] = [
+            dataclasses.replace(e, message=e.message + advice)
+            if e.code == "context_length_exceeded"
+            else e
+            for e in job.errors
+        ]
 
 
 def _fresh_private_folder(folder: Path) -> None:
@@ -410,7 +426,7 @@ class ModelOnDemand:
             try:
                 self._llm = LLM(model=self._opts.model, **self._opts.engine)
             except (OSError, ValueError) as e:
-                raise _ModelNotLoaded(f"cannot load the model: {e}") from e
+                raise _ModelNotLoaded(f"cannot load the model: {as_flags(str(e))}") from e
         return self._llm.engine
 
     @property

@@ -160,7 +160,7 @@ def embedding_token_ids(req: JobRequest, tokenizer, max_model_len: int) -> list[
             raise PromptError(
                 "context_length_exceeded",
                 f"input {i} has {len(ids)} tokens but the model takes at most {max_model_len} "
-                f"(max_model_len): shorten it",
+                f"(--max-model-len): shorten it",
             )
         out.append(ids)
     if not out:
@@ -184,7 +184,7 @@ def max_tokens_for(req: JobRequest, prompt_len: int, max_model_len: int) -> int:
         raise PromptError(
             "context_length_exceeded",
             f"the prompt has {prompt_len} tokens and max_tokens asks for {req.max_tokens} more, "
-            f"but the model takes {max_model_len} in all (max_model_len): lower max_tokens to "
+            f"but the model takes {max_model_len} in all (--max-model-len): lower max_tokens to "
             f"{room} or less, or shorten the prompt",
         )
     return req.max_tokens
@@ -200,5 +200,5 @@ def sampling_params_for(req: JobRequest, prompt_len: int, max_model_len: int) ->
 def _prompt_too_long(prompt_len: int, max_model_len: int) -> str:
     return (
         f"the prompt has {prompt_len} tokens but the model takes at most {max_model_len - 1} "
-        f"(max_model_len={max_model_len}, including one output token): shorten the prompt"
+        f"(--max-model-len {max_model_len}, including one output token): shorten the prompt"
     )

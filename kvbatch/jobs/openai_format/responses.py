@@ -57,12 +57,12 @@ def success_line(
     req: JobRequest, out: RequestOutput, *, model: str, tokenizer, batch_id: str, created: int
 ) -> dict[str, Any]:
     """The output line of a request the engine ran. If the engine refused it (`out.error`),
-    the error line (code invalid_prompt) instead: check `line["error"]` to count it."""
+    the error line (code invalid_prompt, or the engine's: context_length_exceeded) instead:
+    check `line["error"]` to count it."""
     if out.error is not None:
+        code = out.error_code or "invalid_prompt"
         return error_line(
-            LineError(
-                req.line, req.custom_id, "invalid_prompt", f"line {req.line}: {refusal(out.error)}"
-            ),
+            LineError(req.line, req.custom_id, code, f"line {req.line}: {refusal(out.error)}"),
             batch_id=batch_id,
         )
     broken = _schema_violation(req, out)

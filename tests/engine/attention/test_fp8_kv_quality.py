@@ -43,7 +43,7 @@ def teacher_forced_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:  # [n - 1
         device=engine.device,
     )
     step.input_ids.copy_(torch.tensor(ids))
-    logits = engine.forward(
+    logits = engine.model(
         step.input_ids, step.positions, step.kv_caches, step.meta, engine.runner.backend,
         logits_indices=step.logits_rows,
     )  # fmt: skip

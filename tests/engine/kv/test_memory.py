@@ -21,7 +21,7 @@ def test_blocks_worth_having_counts_full_length_requests():
 def test_a_default_budget_is_capped_and_says_so(tiny_models, caplog):
     """The CPU's default 1 GiB holds ~260k blocks of the tiny model; 8 requests of 64 tokens
     can use 4 x 8 x 4 of them."""
-    with caplog.at_level(logging.INFO, logger="kvbatch.engine.core.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="kvbatch.engine.kv.sizing"):
         llm = LLM(tiny_models("llama-gqa"), device="cpu", max_model_len=64, max_num_seqs=8)
     assert llm.engine.kv.num_blocks == kv_blocks_worth_having(8, 64, 16)
     assert "KV pool capped at 128 blocks" in caplog.text
@@ -52,12 +52,12 @@ def test_a_fraction_that_sizes_nothing_says_so(tiny_models, caplog):
     ]
     for extra, why in cases:
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="kvbatch.engine.core.llm_engine"):
+        with caplog.at_level(logging.WARNING, logger="kvbatch.engine.kv.sizing"):
             asked = LLM(path, kv_cache_memory_fraction=0.5, **args, **extra)
         assert f"kv_cache_memory_fraction=0.5 is not used: {why}" in caplog.text
         default = LLM(path, **args, **extra)
         assert asked.engine.kv.num_blocks == default.engine.kv.num_blocks
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="kvbatch.engine.core.llm_engine"):
+    with caplog.at_level(logging.WARNING, logger="kvbatch.engine.kv.sizing"):
         LLM(path, **args)
     assert "kv_cache_memory_fraction" not in caplog.text

@@ -9,11 +9,13 @@ import shutil
 import pytest
 import torch
 
-from kvbatch.engine.model.architectures import SUPPORTED_ARCHITECTURES
 from kvbatch.engine.model.loader import load_model
+from kvbatch.engine.model.registry import supported_architectures
 from tests.engine.core.test_llm import random_prompts
 from tests.engine.model.test_model import prefill_logits
 from tests.reference import hf_logits
+
+SUPPORTED_ARCHITECTURES = supported_architectures()  # as registered by engine/models/*.py
 
 
 def with_config(src, dst, **changes):

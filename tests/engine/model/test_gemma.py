@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvbatch.engine import LLM, SamplingParams
-from kvbatch.engine.model.gemma import GemmaForCausalLM
 from kvbatch.engine.model.loader import load_model
+from kvbatch.engine.models.gemma import GemmaForCausalLM
 from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts, tokens
 from tests.engine.model.test_model import prefill_logits
 from tests.reference import (

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvbatch.engine import LLM, SamplingParams
+from kvbatch.engine.layers.moe import SparseMoeBlock, route
 from kvbatch.engine.model.experts_loader import split_experts
 from kvbatch.engine.model.loader import load_model
-from kvbatch.engine.model.moe import SparseMoeBlock, route
 from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts, tokens
 from tests.engine.exec.padded_graphs import padded_graph_tokens
 from tests.engine.model.test_model import prefill_logits
@@ -78,7 +78,7 @@ def test_greedy_matches_transformers(tiny_models, kind, engine_args):
 def test_triton_backend_runs_the_fused_kernel_and_matches_transformers(
     tiny_models, kind, monkeypatch
 ):
-    """The fused forward sends sparse layers to kernels/fused_moe.py (counted here); float32
+    """On the triton backend the MoE block runs kernels/fused_moe.py (counted here); float32
     greedy tokens equal transformers'."""
     import kvbatch.kernels.fused_moe as kernel
 

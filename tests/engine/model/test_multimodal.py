@@ -20,8 +20,8 @@ from transformers import (
 )
 
 from kvbatch.engine import LLM, SamplingParams
-from kvbatch.engine.model.gemma import GemmaForCausalLM
 from kvbatch.engine.model.loader import load_model
+from kvbatch.engine.models.gemma import GemmaForCausalLM
 from tests.engine.core.test_llm import random_prompts, tokens
 from tests.engine.model.test_model import prefill_logits
 from tests.tiny_models import randomize_weights

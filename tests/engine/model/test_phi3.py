@@ -72,7 +72,7 @@ def test_logprobs_are_transformers(tiny_models):
 
 
 def test_triton_backend_matches_transformers(tiny_models):
-    """The fused forward rotates only the first 12 dimensions and applies the factor."""
+    """The Triton rotary kernel rotates only the first 12 dimensions and applies the factor."""
     path = tiny_models("phi3")
     prompts = random_prompts(512, (7, 30), seed=5)
     llm = LLM(

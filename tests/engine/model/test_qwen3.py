@@ -79,7 +79,7 @@ def test_logprobs_are_transformers(tiny_models):
 
 
 def test_triton_backend_matches_transformers(tiny_models):
-    """The fused forward (engine/model/fused.py) norms q and k per head too."""
+    """The layers' Triton path (engine/layers/) norms q and k per head too."""
     path = tiny_models("qwen3")
     prompts = random_prompts(512, (7, 30, 18), seed=5)
     llm = LLM(str(path), device="cpu", dtype="float32", attention_backend="triton")

@@ -233,7 +233,7 @@ def test_abort_mid_prefill_drops_the_partial_state(checkpoints):
 
 
 def test_triton_backend_with_step_graphs(checkpoints):
-    """The fused forward (triton kernels, under the interpreter on the CPU) with the padded
+    """The layers' Triton path (triton kernels, under the interpreter on the CPU) with the padded
     step-graph path on: steps with embedding chunks run eagerly, keep their hidden states,
     and leave the graphed generation steps' tokens unchanged."""
     path = checkpoints["mean"]

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 import kvbatch.kernels.fused_moe as fused_moe_kernel
 from kvbatch.engine import LLM, SamplingParams
+from kvbatch.engine.layers.moe import SparseMoeBlock
 from kvbatch.engine.model.loader import load_model
-from kvbatch.engine.model.moe import SparseMoeBlock
 from kvbatch.engine.quant.experts import QuantizedExperts, stack_quantized_experts
 from kvbatch.engine.quant.layer_tensors import CheckpointFormatError
 from kvbatch.engine.quant.linear import Fp8BlockLinear, Fp8Linear, Int8Linear, WNA16Linear

@@ -85,7 +85,7 @@ def test_prompt_longer_than_the_model_allows(tokenizer):
         prompt_token_ids(req, tokenizer, n)
     err = info.value
     assert err.code == "context_length_exceeded"
-    assert f"{n} tokens" in err.message and f"max_model_len={n}" in err.message
+    assert f"{n} tokens" in err.message and f"--max-model-len {n}" in err.message
     assert "shorten the prompt" in err.message
     record = err.line_error(req)
     assert (record.line, record.custom_id, record.code) == (1, "r", "context_length_exceeded")

@@ -1,17 +1,32 @@
-"""Phi-3 and Phi-4 checkpoints: Llama's layer with fused projections on disk.
+"""Phi-3 and Phi-4: Llama's layer with fused projections on disk. The smallest architecture
+file, and the example of adding one (docs/ENGINE.md): it names the model class to build, the
+config switches that class reads, and how the checkpoint's tensors map onto its modules.
 
 A Phi-3 checkpoint stores each layer's q, k and v as one `qkv_proj` ([q; k; v] rows) and gate
 and up as one `gate_up_proj` ([gate; up] rows). The engine's modules keep Llama's separate
-projections (quantized layers and the plain forward use them; engine/model/fused.py joins them
-again, as views, for the GPU), so the tensors are split at load. Everything else of Phi-3
-(LongRoPE, a partial rotary factor, sliding windows) is configuration the Llama path reads.
+projections under the names other checkpoints and the quantization configs use, so the tensors
+are split at load; engine/layers/linear.py merges them again, as views, for one GEMM each.
+Everything else of Phi-3 (LongRoPE, a partial rotary factor, sliding windows) is configuration
+the Llama layers read.
 """
 
 from __future__ import annotations
 
 import torch
 
-PHI3_ARCHITECTURES = ("Phi3ForCausalLM",)
+from kvbatch.engine.model.registry import Architecture, register_architecture
+from kvbatch.engine.models.llama import LlamaForCausalLM, ModelConfig
+
+
+def llama_names(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under Llama's module names."""
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return split_fused_projections(state_dict, q_size, kv_size, cfg.intermediate_size)
+
+
+register_architecture(
+    Architecture("Phi3ForCausalLM", "phi3", LlamaForCausalLM, adapt_checkpoint=llama_names)
+)
 
 
 def split_fused_projections(

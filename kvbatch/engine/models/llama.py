@@ -1,6 +1,7 @@
-"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, Phi-3/4, and
-the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) in one file, and the ModelConfig every
-architecture reads (Gemma's own layer is engine/model/gemma.py).
+"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE; Phi-3/4 in engine/models/phi3.py) composed
+from engine/layers/, and the ModelConfig every architecture reads (Gemma's own layer is
+engine/models/gemma.py).
 
 It runs over a flat batch: every scheduled token of every sequence in one [num_tokens, hidden]
 tensor, with positions per token, and attention reading and writing the paged KV cache. Only
@@ -12,24 +13,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvbatch.engine.attention.layer_spec import LayerAttention
-from kvbatch.engine.attention.metadata import UNIT_KV_SCALES, AttentionMetadata, KVScales
-from kvbatch.engine.model.architectures import (
-    ARCHITECTURE_BY_MODEL_TYPE,
-    ATTENTION_BIAS_ARCHITECTURES,
-    BASE_MODEL_ARCHITECTURES,
-    MLP_BIAS_ARCHITECTURES,
-    QK_NORM_ARCHITECTURES,
-    SUPPORTED_ARCHITECTURES,
-    check_supported_features,
-)
-from kvbatch.engine.model.gemma import GemmaConfig, global_rope_params
-from kvbatch.engine.model.moe import MoeConfig, SparseMoeBlock
+from kvbatch.engine.attention.metadata import AttentionMetadata
+from kvbatch.engine.layers.attention import SelfAttention
+from kvbatch.engine.layers.logits import final_logits
+from kvbatch.engine.layers.mlp import GatedMLP
+from kvbatch.engine.layers.norm import RMSNorm
+from kvbatch.engine.layers.rotary import RotaryEmbedding
+from kvbatch.engine.model.architectures import check_supported_features
+from kvbatch.engine.layers.moe import SparseMoeBlock
+from kvbatch.engine.model.moe import MoeConfig
 from kvbatch.engine.model.multimodal import TEXT_MODEL_OF
-from kvbatch.engine.model.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
+from kvbatch.engine.model.registry import (
+    Architecture,
+    architecture_named,
+    register_architecture,
+    supported_architectures,
+)
+from kvbatch.engine.model.rope import RopeConfig, rope_config_from_hf
+from kvbatch.engine.models.gemma import GemmaConfig, global_rope_params
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     moe: MoeConfig | None = None  # the experts of mixture-of-experts models
-    gemma: GemmaConfig | None = None  # Gemma 2 / 3 (engine/model/gemma.py)
-    has_lm_head: bool = True  # False for a base model (BASE_MODEL_ARCHITECTURES): embeds only
+    gemma: GemmaConfig | None = None  # Gemma 2 / 3 (engine/models/gemma.py)
+    has_lm_head: bool = True  # False for a base model (Architecture.base_model): embeds only
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -100,20 +104,16 @@ class ModelConfig:
         """Read a transformers config; unsupported architectures are named in the error."""
         archs = list(getattr(hf_config, "architectures", None) or [])
         model_type = getattr(hf_config, "model_type", "")
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        arch = arch or (ARCHITECTURE_BY_MODEL_TYPE.get(model_type) if not archs else None)
-        has_lm_head = arch is not None
-        if arch is None:
-            base = (BASE_MODEL_ARCHITECTURES[a] for a in archs if a in BASE_MODEL_ARCHITECTURES)
-            arch = next(base, None)
-        if arch is None:
+        entry, has_lm_head = architecture_named(archs, model_type)
+        if entry is None:
             found = ", ".join(archs) or model_type or "unknown"
             raise ValueError(
                 f"architecture {found} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES))}, and "
+                f"{', '.join(supported_architectures())}, and "
                 f"the text model of {', '.join(TEXT_MODEL_OF)}"
             )
-        check_supported_features(arch, hf_config)
+        check_supported_features(entry, hf_config)
+        arch = entry.name
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         eos = getattr(hf_config, "eos_token_id", None)
@@ -135,119 +135,68 @@ class ModelConfig:
             max_position_embeddings=hf_config.max_position_embeddings,
             rms_norm_eps=hf_config.rms_norm_eps,
             head_dim=head_dim,
-            qkv_bias=_has_qkv_bias(arch, hf_config),
-            o_bias=arch in ATTENTION_BIAS_ARCHITECTURES
-            and bool(getattr(hf_config, "attention_bias", False)),
-            mlp_bias=arch in MLP_BIAS_ARCHITECTURES and bool(getattr(hf_config, "mlp_bias", False)),
+            qkv_bias=_has_qkv_bias(entry, hf_config),
+            o_bias=entry.attention_bias and bool(getattr(hf_config, "attention_bias", False)),
+            mlp_bias=entry.mlp_bias and bool(getattr(hf_config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             rope=rope_config_from_hf(hf_config, head_dim, global_rope_params(hf_config)),
             sliding_window=sliding,
             layer_types=layer_types if sliding else (),
             eos_token_ids=eos_ids,
-            qk_norm=arch in QK_NORM_ARCHITECTURES,
+            qk_norm=entry.qk_norm,
             moe=MoeConfig.from_hf(arch, hf_config),
             gemma=GemmaConfig.from_hf(arch, hf_config, head_dim),
             has_lm_head=has_lm_head,
         )
 
 
-def _has_qkv_bias(architecture: str, hf_config) -> bool:
+def _has_qkv_bias(architecture: Architecture, hf_config) -> bool:
     """q/k/v biases as transformers builds them: always for Qwen2, Qwen2-MoE's `qkv_bias`
     (default on), and `attention_bias` where the architecture reads it."""
-    if architecture == "Qwen2ForCausalLM":
+    if architecture.name == "Qwen2ForCausalLM":
         return True
-    if architecture == "Qwen2MoeForCausalLM":
+    if architecture.name == "Qwen2MoeForCausalLM":
         return bool(getattr(hf_config, "qkv_bias", True))
-    return architecture in ATTENTION_BIAS_ARCHITECTURES and bool(
-        getattr(hf_config, "attention_bias", False)
-    )
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as transformers does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
-        super().__init__()
-        self.variant: LayerAttention = cfg.layer_attention(layer)  # window, scale, soft-cap
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        # An FP8 KV cache's scales for this layer: the loader sets a checkpoint's calibrated
-        # k_scale / v_scale (kv_cache_scheme); float caches ignore them.
-        self.kv_scales: KVScales = UNIT_KV_SCALES
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.norm_heads(q, k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
-        out = backend.forward(q, k, v, kv_cache, meta, self.kv_scales, self.variant)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
-    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Qwen3's per-head RMSNorm of q and k ([T, heads, head_dim]); others pass through."""
-        if not hasattr(self, "q_norm"):
-            return q, k
-        return self.q_norm(q), self.k_norm(k)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        bias = cfg.mlp_bias
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = F.silu(self.gate_proj(x), inplace=True)  # in place: one [T, ffn] buffer less
-        return self.down_proj(gate.mul_(self.up_proj(x)))
+    return architecture.attention_bias and bool(getattr(hf_config, "attention_bias", False))
 
 
 def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
-    """Layer `layer`'s feed-forward block: the experts where the config puts them, else the MLP.
-    Both sit at `mlp.*` (the loader maps Mixtral's `block_sparse_moe.*` there)."""
+    """Layer `layer`'s feed-forward block: the experts where the config puts them, else the
+    SwiGLU MLP. Both sit at `mlp.*` (the loader maps Mixtral's `block_sparse_moe.*` there)."""
     if cfg.moe is not None and cfg.moe.is_sparse(layer):
         return SparseMoeBlock(cfg.hidden_size, cfg.moe)
-    return MLP(cfg)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, "silu", bias=cfg.mlp_bias)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and feed-forward; each norm adds the sublayer output before it to
+    the residual stream (the first layer's input norm has nothing to add yet)."""
+
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        head_norm = (lambda dim: RMSNorm(dim, cfg.rms_norm_eps)) if cfg.qk_norm else None
+        self.self_attn = SelfAttention(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.layer_attention(layer),
+            qkv_bias=cfg.qkv_bias,
+            o_bias=cfg.o_bias,
+            head_norm=head_norm,
+        )
         self.mlp = feed_forward(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
-        # In-place residual adds: x is this forward's own activation (never a weight or input).
-        x += self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        x += self.mlp(self.post_attention_layernorm(x))
-        return x
+    def forward(self, x, residual, rotation, kv_cache, meta, backend):
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(h, rotation, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -273,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
 
     def rebuild_rotary(self, device) -> None:
         """RoPE buffers on `device` (the loader builds modules on the meta device)."""
-        self.rotary = RotaryEmbedding(self.config.rope).to(device)
+        self.rotary.rebuild(device)
 
     @property
     def output_embedding(self) -> torch.Tensor:
@@ -296,13 +245,25 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [len(logits_indices) or T, vocab] float32
         """`final_hidden`: when given, every row's state after the final norm ([T, hidden]) is
         appended to it, for pooling (engine/pooling/); the logits are unchanged."""
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        x = self.model.embed_tokens(input_ids)  # this forward's own tensor: added to in place
+        rotation = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, backend)
-        if final_hidden is not None:
-            final_hidden.append(self.model.norm(x))
-        if logits_indices is not None:
-            x = x[logits_indices]
-        x = self.model.norm(x)
-        return F.linear(x, self.output_embedding).float()
+            x, residual = layer(x, residual, rotation, kv_cache, meta, backend)
+        return final_logits(
+            self.model.norm, x, residual, self.output_embedding, logits_indices, final_hidden
+        )
+
+
+# The names this file serves: Llama's layer, with the switches each family's config reads.
+_QWEN3 = dict(qk_norm=True, attention_bias=True)
+for _architecture in (
+    Architecture("LlamaForCausalLM", "llama", LlamaForCausalLM, "LlamaModel", attention_bias=True, mlp_bias=True),
+    Architecture("MistralForCausalLM", "mistral", LlamaForCausalLM, "MistralModel"),
+    Architecture("Qwen2ForCausalLM", "qwen2", LlamaForCausalLM, "Qwen2Model"),
+    Architecture("Qwen3ForCausalLM", "qwen3", LlamaForCausalLM, "Qwen3Model", **_QWEN3),
+    Architecture("MixtralForCausalLM", "mixtral", LlamaForCausalLM),
+    Architecture("Qwen2MoeForCausalLM", "qwen2_moe", LlamaForCausalLM),
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", LlamaForCausalLM, **_QWEN3),
+):
+    register_architecture(_architecture)

@@ -1,6 +1,6 @@
-"""The GPU forward (fused projections and kernels; TRITON_INTERPRET=1 on the CPU) with
-quantized layers: their projections stay apart and run kvbatch.kernels' GEMMs, and the greedy
-tokens are those of the plain forward (the dequantized weights)."""
+"""The layers' Triton path (kernels and GEMMs; TRITON_INTERPRET=1 on the CPU) with quantized
+layers: their projections stay apart and run kvbatch.kernels' GEMMs, and the greedy tokens are
+those of the torch path (the dequantized weights)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("scheme", ["fp8-dynamic", "fp8-static", "int8-w8a8", "w4a16-asym"])
-def test_fused_forward_runs_quantized_layers(ct_checkpoints, scheme):
+def test_triton_path_runs_quantized_layers(ct_checkpoints, scheme):
     path = str(ct_checkpoints(scheme))
     prompts = [[5, 9, 14, 200, 31], list(range(40, 73))]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -32,6 +32,7 @@ def test_fused_forward_runs_quantized_layers(ct_checkpoints, scheme):
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
         ]
     layer = llm.engine.model.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, QuantLinear) and layer.self_attn.qkv_weight is None
-    assert layer.self_attn.q_proj.backend == "triton"  # the fused forward runs the kernels
+    attn = layer.self_attn
+    assert isinstance(attn.q_proj, QuantLinear) and attn.qkv_proj.weight is None
+    assert attn.q_proj.backend == "triton"  # the triton path runs the kernels' GEMMs
     assert runs["triton"] == runs["torch"]

@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 (text): the transformer of engine/model/llama.py with Gemma's changes.
+"""Gemma 2 and Gemma 3 (text): the transformer of engine/models/llama.py with Gemma's changes.
 
 Per layer, against Llama's:
 
@@ -16,8 +16,8 @@ Per layer, against Llama's:
   their own RoPE base (rope_parameters["sliding_attention"]).
 
 The attention variants (window, scale, soft-cap) reach the backends as a LayerAttention per
-layer; the KV cache, scheduler and backends are Llama's. The triton backend runs the same
-layers with fused GEMMs and kernels (engine/model/gemma_fused.py).
+layer; the KV cache, scheduler and backends are Llama's, and so are the layers
+(engine/layers/), which pick their torch or Triton kernels by backend.
 """
 
 from __future__ import annotations
@@ -26,14 +26,19 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvbatch.engine.attention.layer_spec import LayerAttention
-from kvbatch.engine.attention.metadata import UNIT_KV_SCALES, AttentionMetadata, KVScales
-from kvbatch.engine.model.architectures import GEMMA_ARCHITECTURES
-from kvbatch.engine.model.gemma_fused import gemma_fused_forward
-from kvbatch.engine.model.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
+from kvbatch.engine.attention.metadata import AttentionMetadata
+from kvbatch.engine.layers.attention import SelfAttention
+from kvbatch.engine.layers.logits import final_logits
+from kvbatch.engine.layers.mlp import GatedMLP
+from kvbatch.engine.layers.norm import RMSNorm
+from kvbatch.engine.layers.rotary import RotaryEmbedding
+from kvbatch.engine.model.registry import Architecture, register_architecture
+from kvbatch.engine.model.rope import RopeConfig, rope_config_from_hf
+
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -85,80 +90,47 @@ def global_rope_params(hf_config) -> dict | None:
     return params.get("full_attention")
 
 
-class GemmaRMSNorm(nn.Module):
-    """RMSNorm times (1 + w), all in float32, then cast (transformers' Gemma order)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-
-
-class GemmaAttention(nn.Module):
-    def __init__(self, cfg, layer: int) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        self.is_sliding = cfg.is_sliding(layer)
-        self.variant: LayerAttention = cfg.layer_attention(layer)
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.kv_scales: KVScales = UNIT_KV_SCALES
-        if cfg.gemma.qk_norm:
-            self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        out = backend.forward(q, k, v, kv_cache, meta, self.kv_scales, self.variant)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
-
-class GemmaMLP(nn.Module):
-    def __init__(self, cfg) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = F.gelu(self.gate_proj(x), approximate="tanh")
-        return self.down_proj(gate * self.up_proj(x))
+def gemma_norm(dim: int, eps: float) -> RMSNorm:
+    """Gemma's RMSNorm: times (1 + w), in float32 before the cast (transformers' order)."""
+    return RMSNorm(dim, eps, unit_offset=True)
 
 
 class GemmaDecoderLayer(nn.Module):
+    """Gemma norms each sublayer's output before adding it to the residual stream, so the add
+    that fuses into a norm is the one feeding the NEXT pre-norm, not the post-norm itself:
+
+        h, x = input_norm(p, x)       x += p (the last layer's post-FFN output), h = norm(x)
+        p = post_attn_norm(attn(h))   norm alone
+        h, x = pre_ffn_norm(p, x)
+        p = post_ffn_norm(mlp(h))     added by the next layer's input norm (or the final one)
+    """
+
     def __init__(self, cfg, layer: int) -> None:
         super().__init__()
-        self.self_attn = GemmaAttention(cfg, layer)
-        self.mlp = GemmaMLP(cfg)
         eps = cfg.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.is_sliding = cfg.is_sliding(layer)  # local layers rotate with the local RoPE
+        self.self_attn = SelfAttention(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.layer_attention(layer),
+            head_norm=(lambda dim: gemma_norm(dim, eps)) if cfg.gemma.qk_norm else None,
+        )
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, "gelu_tanh")
+        self.input_layernorm = gemma_norm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = gemma_norm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = gemma_norm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = gemma_norm(cfg.hidden_size, eps)
 
-    def forward(self, x, cos_sin, kv_cache, meta, backend) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, backend)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(h)
+    def forward(self, x, residual, rotation, kv_cache, meta, backend):
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        x = self.post_attention_layernorm(self.self_attn(h, rotation, kv_cache, meta, backend))
+        h, residual = self.pre_feedforward_layernorm(x, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class GemmaBackbone(nn.Module):
@@ -168,15 +140,11 @@ class GemmaBackbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = gemma_norm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class GemmaForCausalLM(nn.Module):
-    """Gemma 2 / Gemma 3 text models; the same call as LlamaForCausalLM's. The triton backend
-    runs `fused_forward` (engine/model/gemma_fused.py: fused GEMMs and norm kernels) instead,
-    through engine/model/fused.py model_forward."""
-
-    fused_forward = gemma_fused_forward
+    """Gemma 2 / Gemma 3 text models; the same call as LlamaForCausalLM's."""
 
     def __init__(self, cfg) -> None:
         super().__init__()
@@ -195,9 +163,8 @@ class GemmaForCausalLM(nn.Module):
 
     def rebuild_rotary(self, device) -> None:
         """RoPE buffers on `device` (the loader builds modules on the meta device)."""
-        self.rotary = RotaryEmbedding(self.config.rope).to(device)
-        self.local_rotary = RotaryEmbedding(self.config.gemma.local_rope or self.config.rope)
-        self.local_rotary.to(device)
+        self.rotary.rebuild(device)
+        self.local_rotary.rebuild(device)
 
     @torch.inference_mode()
     def forward(
@@ -213,17 +180,30 @@ class GemmaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         # sqrt(hidden) rounded to the activations' dtype first, as transformers multiplies
         x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
-        global_cs = self.rotary.cos_sin(positions, x.dtype)
-        local_cs = self.local_rotary.cos_sin(positions, x.dtype)
+        global_rotation = self.rotary(positions, x.dtype)
+        local_rotation = self.local_rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            cos_sin = local_cs if layer.self_attn.is_sliding else global_cs
-            x = layer(x, cos_sin, kv_cache, meta, backend)
-        if final_hidden is not None:
-            final_hidden.append(self.model.norm(x))
-        if logits_indices is not None:
-            x = x[logits_indices]
-        logits = F.linear(self.model.norm(x), self.output_embedding).float()
+            rotation = local_rotation if layer.is_sliding else global_rotation
+            x, residual = layer(x, residual, rotation, kv_cache, meta, backend)
+        logits = final_logits(
+            self.model.norm, x, residual, self.output_embedding, logits_indices, final_hidden
+        )
         cap = self.config.gemma.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+# Gemma's MLP runs the tanh-approximate GELU, under either of its names; `hidden_act`, where a
+# Gemma config also has it, is the same GELU and not read.
+for _name, _model_type in zip(GEMMA_ARCHITECTURES, ("gemma2", "gemma3_text")):
+    register_architecture(
+        Architecture(
+            _name,
+            _model_type,
+            GemmaForCausalLM,
+            activations=("gelu_pytorch_tanh", "gelu_tanh"),
+            activation_key="hidden_activation",
+        )
+    )

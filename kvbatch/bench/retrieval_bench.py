@@ -1,0 +1,212 @@
+"""`kvbatch bench index-retrieval [--docs N | --tiny] [--threads N] [--json PATH]`
+
+Retrieval quality of `kvbatch index` on text nobody here wrote, with known answers, offline:
+the Python stdlib's pydoc pages (kvbatch.bench.stdlib_corpus). Each module's one-line summary
+is a query; its own page, with the summary removed, is the one relevant document. The corpus
+is indexed twice, with plain chunks (the context stage off) and with contextual chunks (each
+chunk embedded after the context the generation model wrote for it), and every query is
+searched through kvbatch.index.search.search. A search returns chunks; documents are ranked
+by their best chunk, and recall@5 and MRR are taken over that document ranking (a document
+not among the DEPTH chunks returned counts 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbatch.bench.index_run import (
+    IndexBenchError,
+    Models,
+    SpecOptions,
+    bench_models,
+    work_folder,
+    write_spec,
+)
+from kvbatch.bench.machine import machine_info
+from kvbatch.bench.retrieval_metrics import RetrievalScores, document_ranking, rank_of, score
+from kvbatch.bench.stdlib_corpus import StdlibCorpus, build_corpus
+from kvbatch.bench.text_table import format_rows
+from kvbatch.engine import LLM
+from kvbatch.index.pipeline import run_index
+from kvbatch.index.search import search
+
+K = 5
+DEPTH = 50  # chunks returned per query
+
+
+@dataclass(frozen=True)
+class RetrievalWorkload:
+    docs: int | None  # None: every usable module
+    max_chars: int
+    chunk_size: int
+    context_max_tokens: int
+
+    def summary(self) -> str:
+        n = "all usable" if self.docs is None else str(self.docs)
+        return (
+            f"{n} stdlib pydoc pages cut to {self.max_chars} characters, chunks of "
+            f"{self.chunk_size} tokens, contexts of at most {self.context_max_tokens} tokens; "
+            f"recall@{K} and MRR over the best chunk of each document among {DEPTH} chunks"
+        )
+
+
+INDEX_RETRIEVAL = RetrievalWorkload(
+    docs=None, max_chars=1500, chunk_size=200, context_max_tokens=48
+)
+TINY_INDEX_RETRIEVAL = RetrievalWorkload(docs=4, max_chars=600, chunk_size=64, context_max_tokens=6)
+
+
+@dataclass
+class VariantResult:
+    name: str  # plain, contextual
+    chunks: int
+    index_seconds: float
+    scores: RetrievalScores
+
+
+def evaluate(corpus: StdlibCorpus, uri: str, embedding_model: str) -> RetrievalScores:
+    """Each document's summary searched for; its rank among the documents returned."""
+    llm = LLM(model=embedding_model)  # loaded once for all queries
+    ranks = []
+    for doc in corpus.documents:
+        hits = search(uri, doc.summary, DEPTH, llm=llm)
+        ranks.append(rank_of(doc.document_id, document_ranking(h.document_id for h in hits)))
+    return score(ranks, K, DEPTH)
+
+
+def run_variant(
+    name: str, corpus: StdlibCorpus, folder: Path, work: Path, models: Models, opts: SpecOptions
+) -> VariantResult:
+    spec = write_spec(work / f"{name}.toml", folder, work / f"{name}.lance", models, opts)
+    start = time.perf_counter()
+    report = run_index(spec)
+    seconds = time.perf_counter() - start
+    if report.documents_failed:
+        first = report.errors[0].message if report.errors else ""
+        raise IndexBenchError(f"{name}: {report.documents_failed} documents failed: {first}")
+    return VariantResult(
+        name, report.chunks, seconds, evaluate(corpus, spec.output.uri, models.embedding)
+    )
+
+
+def format_table(
+    workload: RetrievalWorkload, corpus: StdlibCorpus, models: Models, results: list[VariantResult],
+    machine: dict[str, Any], date: str,
+) -> str:  # fmt: skip
+    lines = [
+        f"index-retrieval: {workload.summary()}",
+        f"corpus: {corpus.describe()}",
+        f"models: {models.names()}; {machine['torch_threads']} torch threads, {date}",
+        "",
+    ]
+    rows = [("chunks", "queries", "chunk rows", f"recall@{K}", "MRR", "index seconds")]
+    for r in results:
+        s = r.scores
+        rows.append((r.name, str(s.queries), str(r.chunks), f"{s.recall_at_k:.3f}", f"{s.mrr:.3f}",
+                     f"{r.index_seconds:.1f}"))  # fmt: skip
+    return "\n".join(lines + format_rows(rows))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvbatch bench index-retrieval",
+        description=__doc__.split("\n\n", 1)[1]
+        + f"\ndefault: {INDEX_RETRIEVAL.summary()}\n--tiny: {TINY_INDEX_RETRIEVAL.summary()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--tiny", action="store_true", help="4 short pages (tests, a quick check)")
+    p.add_argument("--docs", type=int, help="documents (default: every usable module)")
+    p.add_argument("--max-chars", type=int, help="cut each page to this many characters")
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        help="chunk tokens (default 200: a chunk, its context and [CLS]/[SEP] stay within "
+        "all-MiniLM-L6-v2's 256)",
+    )
+    p.add_argument("--context-tokens", type=int, help="max tokens of each chunk's context")
+    p.add_argument("--plain-only", action="store_true", help="skip the contextual index")
+    p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--work",
+        type=Path,
+        metavar="DIR",
+        help="an empty folder to work in, kept after the run: the corpus, the specs and both "
+        "indexes (plain.lance, contextual.lance); default a temporary one",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    w = TINY_INDEX_RETRIEVAL if args.tiny else INDEX_RETRIEVAL
+    changes = {
+        k: v
+        for k, v in (
+            ("docs", args.docs),
+            ("max_chars", args.max_chars),
+            ("chunk_size", args.chunk_size),
+            ("context_max_tokens", args.context_tokens),
+        )  # fmt: skip
+        if v is not None
+    }
+    w = RetrievalWorkload(**{**asdict(w), **changes})
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    progress = lambda m: print(m, file=sys.stderr, flush=True)
+    try:
+        corpus = build_corpus(limit=w.docs, max_chars=w.max_chars)
+        progress(corpus.describe())
+        with work_folder(args.work, "kvbatch-retrieval-bench-") as work:
+            folder = corpus.write(work / "corpus")
+            models = bench_models(work)
+            results = []
+            variants = [("plain", False)] + ([] if args.plain_only else [("contextual", True)])
+            for name, context in variants:
+                opts = SpecOptions(w.chunk_size, context, w.context_max_tokens)
+                results.append(run_variant(name, corpus, folder, work, models, opts))
+                progress(f"{name}: {results[-1].scores.to_dict()}")
+    except (IndexBenchError, ValueError) as e:
+        print(f"kvbatch bench: error: {e}", file=sys.stderr)
+        return 2
+    machine = machine_info("cpu")
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    print(format_table(w, corpus, models, results, machine, date))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "kind": "index-retrieval",
+            "workload": asdict(w),
+            "corpus": corpus.to_dict(),
+            "models": models.names(),
+            "results": [
+                {
+                    "name": r.name,
+                    "chunks": r.chunks,
+                    "index_seconds": r.index_seconds,
+                    **r.scores.to_dict(),
+                }
+                for r in results
+            ],  # fmt: skip
+            "machine": machine,
+            "date": date,
+            "command": shlex.join(["kvbatch", "bench", "index-retrieval", *argv]),
+        }
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""How many blocks the KV pool gets, the context length that fits it, and the startup lines
+that say so.
+
+    budget   = kv_cache_bytes | profiled on CUDA (kv/memory.py) | DEFAULT_CPU_KV_BYTES
+    blocks   = budget // bytes of one block (the draft model's KV counted in), or num_kv_blocks,
+               capped by what a default budget can put to use
+    max_model_len = the one asked for (refused when one request of it would not fit), else the
+               model's context capped at what the pool holds (said once in the log)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvbatch.engine.core.config import DEFAULT_CPU_KV_BYTES, CacheConfig, SchedulerConfig
+from kvbatch.engine.exec.runner import kv_bytes_per_block
+from kvbatch.engine.kv.memory import (
+    KV_POOL_REQUESTS_PER_SEQ,
+    cuda_kv_budget,
+    kv_blocks_worth_having,
+    profile_peak_activation_bytes,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVPoolRequest:
+    """What sizing the pool reads: the settings, the model (and draft) whose KV it holds, the
+    device, and the longest request it must hold."""
+
+    cache: CacheConfig
+    scheduler: SchedulerConfig  # max_num_batched_tokens resolved
+    model: torch.nn.Module
+    forward: object  # the step function profiled on CUDA (the model itself)
+    backend: object
+    device: torch.device
+    kv_dtype: torch.dtype
+    model_dtype: torch.dtype
+    max_model_len: int
+    draft_model: torch.nn.Module | None = None
+
+
+def kv_pool_blocks(req: KVPoolRequest) -> int:
+    """Blocks of the KV pool (and of the draft model's, which has as many): the budget divided
+    by what one block costs, both models' KV together."""
+    cache = req.cache
+    warn_unused_fraction(cache, req.device)
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    per_block = kv_bytes_per_block(req.model, cache.block_size, req.kv_dtype)
+    if req.draft_model is not None:
+        per_block += kv_bytes_per_block(req.draft_model, cache.block_size, req.model_dtype)
+    blocks = max(0, _budget_bytes(req) // per_block)
+    if cache.kv_cache_bytes is None:  # a default budget: no more than can be put to use
+        most = kv_blocks_worth_having(
+            req.scheduler.max_num_seqs, req.max_model_len, cache.block_size
+        )
+        if blocks > most:
+            log.info(
+                "KV pool capped at %d blocks (%d x max_num_seqs=%d requests of "
+                "max_model_len=%d) instead of the %d the budget allows",
+                most,
+                KV_POOL_REQUESTS_PER_SEQ,
+                req.scheduler.max_num_seqs,
+                req.max_model_len,
+                blocks,
+            )
+            blocks = most
+    return blocks
+
+
+def _budget_bytes(req: KVPoolRequest) -> int:
+    cache = req.cache
+    if cache.kv_cache_bytes is not None:
+        return cache.kv_cache_bytes
+    if req.device.type != "cuda":
+        return DEFAULT_CPU_KV_BYTES
+    scheduler = req.scheduler
+    peak = profile_peak_activation_bytes(
+        req.model,
+        req.forward,
+        req.backend,
+        num_tokens=scheduler.max_num_batched_tokens,
+        max_model_len=req.max_model_len,
+        max_num_seqs=scheduler.max_num_seqs,
+        block_size=cache.block_size,
+        dtype=req.kv_dtype,
+        device=req.device,
+    )
+    budget = cuda_kv_budget(peak, cache.kv_cache_memory_fraction, req.device)
+    log.info(
+        "profiled the largest step (%d tokens): %.2f GiB of activations; KV pool "
+        "%.2f GiB (kv_cache_memory_fraction=%.2f of what is left)",
+        scheduler.max_num_batched_tokens,
+        peak / 2**30,
+        budget / 2**30,
+        cache.kv_cache_memory_fraction,
+    )
+    return budget
+
+
+def warn_unused_fraction(cache: CacheConfig, device: torch.device) -> None:
+    """A kv_cache_memory_fraction asked for but not used says so (a user tuning it on the
+    CPU, or beside an explicit pool size, would otherwise see no change and no reason)."""
+    if cache.kv_cache_memory_fraction == CacheConfig.kv_cache_memory_fraction:
+        return
+    if cache.num_kv_blocks is not None:
+        why = "num_kv_blocks sets the pool"
+    elif cache.kv_cache_bytes is not None:
+        why = "kv_cache_bytes sets the pool"
+    elif device.type != "cuda":
+        why = (
+            f"it sizes the pool on CUDA only; on {device} kv_cache_bytes does "
+            f"(default {DEFAULT_CPU_KV_BYTES >> 20} MiB)"
+        )
+    else:
+        return
+    log.warning("kv_cache_memory_fraction=%g is not used: %s", cache.kv_cache_memory_fraction, why)
+
+
+def model_context_len(asked: int, limit: int) -> int:
+    """The context asked for (0 = the model's own, `limit`); more than the model has is refused.
+    Windowed layers mask, so a sliding window does not cap it."""
+    if asked > limit:
+        raise ValueError(f"max_model_len={asked} exceeds the model's context of {limit}")
+    return asked or limit
+
+
+def fitted_max_model_len(
+    num_blocks: int, block_size: int, max_model_len: int, *, asked: bool, draft: bool = False
+) -> int:
+    """The context length the pool can serve. One asked for (`asked`) must fit whole: a pool
+    too small is refused, naming what to raise or lower. The model's own context is instead
+    capped at what the pool holds, and the log says so once."""
+    pool_tokens = num_blocks * block_size
+    if pool_tokens >= max_model_len:
+        return max_model_len
+    if asked or pool_tokens < 2:
+        shared = " (the budget pays for the draft model's KV too)" if draft else ""
+        raise ValueError(
+            f"the KV cache holds {pool_tokens} tokens ({num_blocks} blocks "
+            f"of {block_size}){shared} but one request may need max_model_len="
+            f"{max_model_len}: raise kv_cache_bytes (or num_kv_blocks, or "
+            "kv_cache_memory_fraction on CUDA) or lower max_model_len"
+        )
+    log.info(
+        "max_model_len=%d: the model's context of %d does not fit the KV cache (%d tokens), "
+        "so requests are capped at what it holds; for longer ones set max_model_len "
+        "(--max-model-len) and a kv_cache_bytes (--kv-cache-bytes) that holds it",
+        pool_tokens,
+        max_model_len,
+        pool_tokens,
+    )
+    return pool_tokens
+
+
+def log_kv_pool(
+    num_blocks: int, block_size: int, kv_dtype: torch.dtype, max_model_len: int, max_num_seqs: int
+) -> None:
+    """The startup line: how much the pool holds and what that means for requests at once."""
+    kv_tokens = num_blocks * block_size
+    log.info(
+        "KV cache (%s): %d tokens (%d blocks of %d), max_model_len=%d; shared by the requests "
+        "running at once: prompt + answer tokens of all of them must fit, so %s; requests "
+        "beyond that wait their turn (shared prefixes are stored once)",
+        str(kv_dtype).removeprefix("torch."),
+        kv_tokens,
+        num_blocks,
+        block_size,
+        max_model_len,
+        requests_at_once(kv_tokens, max_model_len, max_num_seqs),
+    )
+
+
+def requests_at_once(kv_tokens: int, max_model_len: int, max_num_seqs: int) -> str:
+    """How many requests fit the pool, in words: of a typical 1,000 tokens, and of the
+    whole max_model_len."""
+    longest = f"{kv_tokens / max_model_len:.1f}".removesuffix(".0")
+    whole = f"even if each used the whole max_model_len ({max_model_len})"
+    if max_model_len <= 1000:
+        return f"at least {longest} run together {whole}"
+    typical = min(kv_tokens // 1000, max_num_seqs)
+    noun, verb = ("request", "runs") if typical == 1 else ("requests", "run")
+    return f"about {typical} {noun} of 1,000 tokens {verb} together, and at least {longest} {whole}"
