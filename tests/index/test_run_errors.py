@@ -34,4 +34,3 @@ def test_an_engine_keyword_the_engine_does_not_take_is_named(tmp_path, docs_fold
     spec = dataclasses.replace(spec, engine={"max_num_seqz": 4})
     with pytest.raises(IndexRunError, match="engine: .*max_num_seqz"):
         run_index(spec)
-
