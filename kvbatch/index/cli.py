@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 
 from kvbatch.redact import redact_url, redact_urls
@@ -99,7 +100,8 @@ def _index(args: argparse.Namespace) -> int:
         )
         return 130
     for err in report.errors:
-        print(f"kvbatch index: error: {err.message} ({err.stage}, {err.code})", file=sys.stderr)
+        message = _one_line(err.message)
+        print(f"kvbatch index: error: {message} ({err.stage}, {err.code})", file=sys.stderr)
     summary = report.to_dict()
     summary.pop("errors")
     summary["errors"] = len(report.errors)
@@ -177,3 +179,12 @@ def _search(args: argparse.Namespace) -> int:
         text = " ".join(hit.text.split())
         print(f"{i}. {hit.document_id}  score {hit.score:.3f}\n   {text[:300]}")
     return 0
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _one_line(message: str) -> str:
+    """A document id may hold a newline or a terminal escape (a file name can): shown escaped,
+    one error per line."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], message)

@@ -60,3 +60,19 @@ def test_a_spec_error_exits_2_naming_the_field(tmp_path, capsys):
 def test_search_of_a_missing_index_says_to_run_index(tmp_path, capsys):
     assert main(["search", str(tmp_path / "none"), "q"]) == 2
     assert "run `kvbatch index` first" in capsys.readouterr().err
+
+
+def test_an_error_record_is_one_line_whatever_the_file_name(tmp_path, minilm, capsys):
+    """A file name may hold a newline or an escape sequence: its error line stays one line."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "ok.txt").write_text("Tides rise and fall twice a day.")
+    (docs / "new\nline\x1b[2J.txt").write_text("")  # empty: an error record
+    spec = tmp_path / "index.toml"
+    spec.write_text(
+        f'[source]\npath = "{docs}"\n[models]\nembedding = "{minilm}"\n[stages]\n'
+        f'context = false\n[output]\nuri = "{tmp_path / "index"}"\n[engine]\ndevice = "cpu"\n'
+    )
+    assert main(["index", str(spec)]) == 0
+    errors = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+    assert errors == [r"kvbatch index: error: new\nline\x1b[2J.txt: no text in it (parse, empty)"]
