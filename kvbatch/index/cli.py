@@ -79,6 +79,7 @@ def _index(args: argparse.Namespace) -> int:
     from kvbatch.index.pipeline import IndexRunError, run_index
     from kvbatch.index.sources import SourceError
     from kvbatch.index.spec import SpecError, load_spec
+    from kvbatch.index.table import TableError
 
     metrics = _serve_metrics(args)
     if metrics is False:
@@ -89,7 +90,7 @@ def _index(args: argparse.Namespace) -> int:
         if stages is not None and metrics:
             stages.on_progress = lambda p: metrics.progress(p.stage, p.status)
         report = run_index(spec, stages=stages, metrics=metrics)
-    except (SpecError, SourceError, IndexRunError) as e:
+    except (SpecError, SourceError, IndexRunError, TableError) as e:
         print(f"kvbatch index: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

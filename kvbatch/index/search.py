@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbatch.engine import LLM
-from kvbatch.index.table import connect, open_table
+from kvbatch.index.table import TableError, connect, open_table
 
 
 class SearchError(Exception):
@@ -33,7 +33,10 @@ def search(uri: str, query: str, k: int = 5, *, table: str = "chunks", llm=None)
         raise SearchError(f"-k: {k}: give the number of hits, 1 or more")
     if not uri.startswith("s3://") and not Path(uri).is_dir():  # connect() would create it
         raise SearchError(f"no index at {uri}: run `kvbatch index` first (its output.uri)")
-    tbl = open_table(connect(uri), table)
+    try:
+        tbl = open_table(connect(uri), table)
+    except TableError as e:
+        raise SearchError(str(e)) from e
     if tbl is None:
         raise SearchError(f"no table {table!r} at {uri}: run `kvbatch index` first")
     if "embedding" not in tbl.schema.names:

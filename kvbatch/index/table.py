@@ -41,6 +41,11 @@ def chunk_schema(dimension: int | None) -> pa.Schema:
     return pa.schema(fields)
 
 
+class TableError(Exception):
+    """The LanceDB database cannot be reached (no S3 credentials or region, no such bucket, an
+    unreadable folder); the message names the URI and the store's own reason."""
+
+
 def connect(uri: str):
     """The LanceDB database at `uri`. On S3, an endpoint from AWS_ENDPOINT_URL(_S3) (MinIO,
     moto) served over plain http is allowed, as boto3 allows it."""
@@ -48,7 +53,10 @@ def connect(uri: str):
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if uri.startswith("s3://") and endpoint and endpoint.startswith("http://"):
         options = {"endpoint": endpoint, "allow_http": "true"}
-    return lancedb.connect(uri, storage_options=options or None)
+    try:
+        return lancedb.connect(uri, storage_options=options or None)
+    except (OSError, RuntimeError) as e:  # lance's IO errors come as RuntimeError
+        raise TableError(_unreachable(uri, e)) from e
 
 
 def open_table(db, name: str):
@@ -57,6 +65,13 @@ def open_table(db, name: str):
         return db.open_table(name)
     except (FileNotFoundError, ValueError):
         return None
+    except (OSError, RuntimeError) as e:
+        raise TableError(_unreachable(f"{db.uri}", e)) from e
+
+
+def _unreachable(uri: str, e: Exception) -> str:
+    reason = str(e).split(", /")[0]  # lance appends the Rust source location
+    return f"cannot open the LanceDB database at {uri}: {reason}"
 
 
 _STATE_COLUMNS = ["document_id", "document_hash", *RowIdentity.__dataclass_fields__]

@@ -3,10 +3,15 @@ replaced document's vanished chunks removed, ids with quotes handled."""
 
 from __future__ import annotations
 
+import os
+
 import pyarrow as pa
+import pytest
 
 from kvbatch.index.identity import RowIdentity
+from kvbatch.index.search import SearchError, search
 from kvbatch.index.table import (
+    TableError,
     chunk_schema,
     connect,
     document_state,
@@ -73,3 +78,16 @@ def test_one_merge_inserts_replaces_and_deletes_only_what_the_run_names(tmp_path
 def test_a_missing_table_opens_as_none(tmp_path):
     assert open_table(connect(str(tmp_path / "nothing")), "chunks") is None
     assert document_state(None) == {}
+
+
+def test_an_s3_database_without_region_or_credentials_is_a_table_error(monkeypatch, tmp_path):
+    """What lance raises (a RuntimeError with its Rust source location) becomes one line."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(TableError, match="cannot open the LanceDB database at s3://no-bucket/i"):
+        open_table(connect("s3://no-bucket/i"), "chunks")
+    with pytest.raises(SearchError, match="cannot open the LanceDB database"):
+        search("s3://no-bucket/i", "tides")
