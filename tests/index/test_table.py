@@ -91,3 +91,31 @@ def test_an_s3_database_without_region_or_credentials_is_a_table_error(monkeypat
         open_table(connect("s3://no-bucket/i"), "chunks")
     with pytest.raises(SearchError, match="cannot open the LanceDB database"):
         search("s3://no-bucket/i", "tides")
+
+
+HOSTILE_IDS = [
+    "o'brien.txt",
+    "it''s.txt",
+    "back\\slash.txt",
+    "\\'.txt",
+    "100%.txt",
+    "a%_b.txt",
+    "axb.txt",
+    "x') OR 1=1 --.txt",
+    "x' OR document_id LIKE '%",
+    "new\nline.txt",
+    '"quoted".txt',
+    "ünï 日本.txt",
+]
+
+
+@pytest.mark.parametrize("victim", HOSTILE_IDS)
+def test_the_delete_filter_of_one_hostile_id_touches_no_other_document(tmp_path, victim):
+    """Quotes, backslashes, LIKE wildcards and SQL in a file name: redoing (or deleting) one
+    document removes its rows only."""
+    db = connect(str(tmp_path / "index"))
+    merge_rows(db, "chunks", rows([(f"{d}#1", d, "v1") for d in HOSTILE_IDS], "run-1"), [])
+    merged = merge_rows(db, "chunks", rows([(f"{victim}#2", victim, "v2")], "run-2"), [victim])
+    found = {(r["document_id"], r["text"]) for r in open_table(db, "chunks").to_arrow().to_pylist()}
+    assert found == {(d, "v2" if d == victim else "v1") for d in HOSTILE_IDS}
+    assert merged.deleted == 1
