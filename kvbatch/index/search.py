@@ -65,7 +65,10 @@ def search(uri: str, query: str, k: int = 5, *, table: str = "chunks", llm=None)
             raise SearchError(
                 f"cannot load {model}, the embedding model of the table's rows: {e}"
             ) from e
-    vector = llm.embed([query])[0]
+    try:
+        vector = llm.embed([query])[0]
+    except ValueError as e:  # longer than the model takes
+        raise SearchError(f"the query: {e}") from e
     found = (
         tbl.search(vector, vector_column_name="embedding")
         .distance_type("cosine")

@@ -76,3 +76,10 @@ def test_a_table_mixing_two_embedding_models_is_refused(tmp_path, minilm):
     uri = one_row_index(tmp_path, str(minilm), "org/other-384-dim-model")
     with pytest.raises(SearchError, match="holds vectors of 2 embedding models: .*other-384"):
         search(uri, "tides")
+
+
+def test_a_query_longer_than_the_model_takes_is_refused(tmp_path, minilm, capsys):
+    uri = one_row_index(tmp_path, str(minilm))
+    assert main(["search", uri, "how do tides form " * 200]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvbatch search: the query: ") and "shorten it" in err
