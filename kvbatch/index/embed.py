@@ -6,20 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from kvbatch.index.embed_budget import EmbeddingBudget
 from kvbatch.index.generate import Generated
 from kvbatch.index.plan import WorkDocument
 from kvbatch.index.report import ErrorRecord
 from kvbatch.index.stage_jobs import StageAnswers, embedding_line, embedding_vector
 
 
-def embedding_input(text: str, context: str | None) -> str:
-    return f"{context}\n\n{text}" if context else text
-
-
-def embedding_lines(docs: list[WorkDocument], generated: Generated, model: str) -> Iterator[dict]:
+def embedding_lines(
+    docs: list[WorkDocument], generated: Generated, model: str, budget: EmbeddingBudget
+) -> Iterator[dict]:
     for doc in docs:
         for chunk in doc.chunks:
-            text = embedding_input(chunk.text, generated.context.get(chunk.chunk_id))
+            text = budget.input_for(chunk.text, generated.context.get(chunk.chunk_id))
             yield embedding_line(f"embed:{chunk.chunk_id}", model, text)
 
 

@@ -28,6 +28,7 @@ import torch
 from kvbatch.engine import LLM
 from kvbatch.index.chunking import Chunker
 from kvbatch.index.embed import embedding_lines, read_vectors
+from kvbatch.index.embed_budget import EmbeddingBudget
 from kvbatch.index.generate import Generated, generation_lines, read_generated
 from kvbatch.index.identity import RowIdentity, row_identity
 from kvbatch.index.metrics import IndexMetrics
@@ -44,7 +45,7 @@ from kvbatch.index.table import (
     open_table,
 )
 from kvbatch.jobs.local.run import JobError, JobInterrupted
-from kvbatch.jobs.model_info import load_tokenizer
+from kvbatch.jobs.model_info import load_tokenizer, max_model_len
 
 log = logging.getLogger("kvbatch.index")
 
@@ -126,7 +127,11 @@ def run_index(
             raise IndexRunError(
                 f"models.embedding: cannot load the tokenizer of {spec.models.embedding}: {e}"
             ) from e
-        chunker = Chunker.for_tokenizer(tokenizer, spec.chunking.size, spec.chunking.overlap)
+        budget = EmbeddingBudget(
+            tokenizer, max_model_len(spec.models.embedding, tokenizer=tokenizer)
+        )
+        size = budget.chunk_size(spec.chunking.size)
+        chunker = Chunker.for_tokenizer(tokenizer, size, min(spec.chunking.overlap, size // 2))
         db = connect(spec.output.uri)
         table = open_table(db, spec.output.table)
         plan = make_plan(spec.source, document_state(table), identity, chunker)
@@ -149,7 +154,7 @@ def run_index(
     vectors: dict[str, list[float]] = {}
     if spec.stages.embed and docs:
         with _timed(report, "embed"):
-            vectors, errors = _embed(spec, docs, generated, folder / "embed", runner)
+            vectors, errors = _embed(spec, docs, generated, folder / "embed", runner, budget)
         observe.stage("embed", docs)
         report.errors += errors
         docs = _without(docs, errors)
@@ -214,9 +219,16 @@ def _generate(spec: IndexSpec, docs, folder: Path, runner: StageRunner, report: 
     return generated, generated.errors
 
 
-def _embed(spec: IndexSpec, docs, generated: Generated, folder: Path, runner: StageRunner):
+def _embed(
+    spec: IndexSpec,
+    docs,
+    generated: Generated,
+    folder: Path,
+    runner: StageRunner,
+    budget: EmbeddingBudget,
+):
     model = spec.models.embedding
-    n = write_lines(folder / "input.jsonl", embedding_lines(docs, generated, _name(model)))
+    n = write_lines(folder / "input.jsonl", embedding_lines(docs, generated, _name(model), budget))
     log.info("embed: %d documents, %d chunks", len(docs), n)
     answers = runner.run("embed", folder, model, "embedding").answers
     log.info("embed: %d prompt tokens", answers.prompt_tokens)
