@@ -33,13 +33,12 @@ def read_vectors(
         if missing is not None:
             err = answers.errors.get(f"embed:{missing.chunk_id}", {})
             code = err.get("code") or "missing"
-            hint = "; lower chunking.size" if code == "context_length_exceeded" else ""
             errors.append(
                 ErrorRecord(
                     doc.id,
                     "embed",
                     code,
-                    f"{doc.id}: chunk {missing.index} cannot be embedded: {err.get('message', 'no answer')}{hint}",
+                    f"{doc.id}: chunk {missing.index} cannot be embedded: {err.get('message', 'no answer')}",
                 )
             )
             continue
