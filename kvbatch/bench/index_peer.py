@@ -23,7 +23,7 @@ from sentence_transformers import SentenceTransformer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvbatch.index.chunking import Chunker
-from kvbatch.index.embed import embedding_input
+from kvbatch.index.embed_budget import EmbeddingBudget
 from kvbatch.index.parse import parse_document
 from kvbatch.index.prompts import CONTEXT_PROMPT
 
@@ -77,7 +77,10 @@ class UserPipeline:
                 prompt = self.prompt.format(document=document, chunk=row["text"])
                 row["context"] = self._generate(model, tokenizer, prompt, run)
         with clock("embed"):
-            texts = [embedding_input(r["text"], r["context"]) for r in rows]
+            # the same inputs kvbatch embeds (a context cut to fit, never the chunk), so the
+            # vectors compare; sentence-transformers alone would cut the chunk's end instead
+            budget = EmbeddingBudget(embedder.tokenizer, embedder.max_seq_length)
+            texts = [budget.input_for(r["text"], r["context"]) for r in rows]
             vectors = embedder.encode(texts, batch_size=self.encode_batch_size)
             for row, vector in zip(rows, np.asarray(vectors, dtype=np.float32)):
                 row["embedding"] = vector.tolist()
