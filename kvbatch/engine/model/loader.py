@@ -86,6 +86,8 @@ def load_model(
     except (CheckpointError, FileNotFoundError, MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as e:  # whatever a library raised on a file it could not use
+        if _ours(e):  # the engine's own typed errors already name the fix
+            raise
         raise CheckpointError(path, _problem(e)) from None
 
 
@@ -157,6 +159,8 @@ def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device) -> 
     except (CheckpointError, FileNotFoundError, MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as e:  # whatever a library raised on a file it could not use
+        if _ours(e):  # the engine's own typed errors already name the fix
+            raise
         raise CheckpointError(path, _problem(e)) from None
 
 
@@ -333,6 +337,11 @@ def _read_gguf(path: Path):
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     state_dict = {k: torch.as_tensor(v) for k, v in tensors.items()}
     return hf_config, state_dict, tokenizer
+
+
+def _ours(e: Exception) -> bool:
+    """An error class kvbatch defines (CheckpointFormatError, ...): callers catch it by type."""
+    return type(e).__module__.startswith("kvbatch.")
 
 
 def _problem(e: Exception) -> str:
