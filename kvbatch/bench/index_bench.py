@@ -36,6 +36,7 @@ from kvbatch.bench.index_run import (
     SpecOptions,
     bench_models,
     read_rows,
+    with_corpus_flags,
     work_folder,
     write_spec,
 )
@@ -273,17 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     w = TINY_INDEX_CPU if args.tiny else INDEX_CPU
-    changes = {
-        k: v
-        for k, v in (
-            ("docs", args.docs),
-            ("max_chars", args.max_chars),
-            ("chunk_size", args.chunk_size),
-            ("context_max_tokens", args.context_tokens),
-        )  # fmt: skip
-        if v is not None
-    }
-    w = IndexWorkload(**{**asdict(w), **changes})
+    w = with_corpus_flags(w, args)
     if w.docs < 1:
         print(f"kvbatch bench: error: --docs must be >= 1, got {w.docs}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import lancedb
@@ -122,3 +122,19 @@ def work_folder(given: Path | None, prefix: str) -> Iterator[Path]:
     if any(given.iterdir()):
         raise IndexBenchError(f"--work {given}: not empty; give an empty or new folder")
     yield given
+
+
+def with_corpus_flags(workload, args):
+    """`workload` (a dataclass with docs, max_chars, chunk_size and context_max_tokens) with
+    the values of --docs, --max-chars, --chunk-size and --context-tokens that were given."""
+    changes = {
+        k: v
+        for k, v in (
+            ("docs", args.docs),
+            ("max_chars", args.max_chars),
+            ("chunk_size", args.chunk_size),
+            ("context_max_tokens", args.context_tokens),
+        )  # fmt: skip
+        if v is not None
+    }
+    return type(workload)(**{**asdict(workload), **changes})

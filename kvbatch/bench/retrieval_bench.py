@@ -29,6 +29,7 @@ from kvbatch.bench.index_run import (
     Models,
     SpecOptions,
     bench_models,
+    with_corpus_flags,
     work_folder,
     write_spec,
 )
@@ -151,17 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     w = TINY_INDEX_RETRIEVAL if args.tiny else INDEX_RETRIEVAL
-    changes = {
-        k: v
-        for k, v in (
-            ("docs", args.docs),
-            ("max_chars", args.max_chars),
-            ("chunk_size", args.chunk_size),
-            ("context_max_tokens", args.context_tokens),
-        )  # fmt: skip
-        if v is not None
-    }
-    w = RetrievalWorkload(**{**asdict(w), **changes})
+    w = with_corpus_flags(w, args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     progress = lambda m: print(m, file=sys.stderr, flush=True)
