@@ -86,7 +86,7 @@ def _break_even_context(model: str) -> int | None:
     """The attention break-even context of a workload's random model (None for a model that
     is not built from a config here, e.g. SmolLM2's GGUF: the tiny model's is kept)."""
     from kvbatch.bench.models import MODEL_SPECS
-    from kvbatch.engine.model.llama import ModelConfig
+    from kvbatch.engine.models.llama import ModelConfig
 
     spec = MODEL_SPECS.get(model)
     return None if spec is None else ModelConfig.from_hf(spec.config()).attention_break_even_context

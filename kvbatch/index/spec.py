@@ -14,6 +14,7 @@ from typing import Any
 
 import tomllib
 
+from kvbatch.hub import ModelNotFoundError, split_hub_id
 from kvbatch.index.prompts import CONTEXT_PROMPT, QUESTIONS_PROMPT, SUMMARY_PROMPT
 
 DEFAULT_INCLUDE = ("*.md", "*.markdown", "*.txt", "*.html", "*.htm", "*.pdf")
@@ -292,10 +293,16 @@ def _local(value: str, base: Path) -> str:
 
 
 def _model(value: str, base: Path) -> str:
-    """A model given as a path that exists next to the spec is made absolute; anything else
-    (a Hub id) is kept as written."""
+    """A model given as a path (one that exists next to the spec, or reads as a path: ../x,
+    ./x, /x, ~/x) is made absolute against the spec's folder; a Hub id is kept as written."""
     candidate = base / Path(value).expanduser()
-    return str(candidate.resolve()) if candidate.exists() else value
+    if candidate.exists():
+        return str(candidate.resolve())
+    try:
+        split_hub_id(value)
+    except ModelNotFoundError:  # not a Hub id: a path that does not exist (yet)
+        return str(candidate.resolve())
+    return value
 
 
 class _Table:
