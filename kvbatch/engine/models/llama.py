@@ -20,10 +20,10 @@ from kvbatch.engine.attention.metadata import AttentionMetadata
 from kvbatch.engine.layers.attention import SelfAttention
 from kvbatch.engine.layers.logits import final_logits
 from kvbatch.engine.layers.mlp import GatedMLP
+from kvbatch.engine.layers.moe import SparseMoeBlock
 from kvbatch.engine.layers.norm import RMSNorm
 from kvbatch.engine.layers.rotary import RotaryEmbedding
 from kvbatch.engine.model.architectures import check_supported_features
-from kvbatch.engine.layers.moe import SparseMoeBlock
 from kvbatch.engine.model.moe import MoeConfig
 from kvbatch.engine.model.multimodal import TEXT_MODEL_OF
 from kvbatch.engine.model.registry import (
@@ -258,7 +258,14 @@ class LlamaForCausalLM(nn.Module):
 # The names this file serves: Llama's layer, with the switches each family's config reads.
 _QWEN3 = dict(qk_norm=True, attention_bias=True)
 for _architecture in (
-    Architecture("LlamaForCausalLM", "llama", LlamaForCausalLM, "LlamaModel", attention_bias=True, mlp_bias=True),
+    Architecture(
+        "LlamaForCausalLM",
+        "llama",
+        LlamaForCausalLM,
+        "LlamaModel",
+        attention_bias=True,
+        mlp_bias=True,
+    ),
     Architecture("MistralForCausalLM", "mistral", LlamaForCausalLM, "MistralModel"),
     Architecture("Qwen2ForCausalLM", "qwen2", LlamaForCausalLM, "Qwen2Model"),
     Architecture("Qwen3ForCausalLM", "qwen3", LlamaForCausalLM, "Qwen3Model", **_QWEN3),
