@@ -34,6 +34,7 @@ from kvbatch.bench.index_run import (
     IndexRows,
     Models,
     SpecOptions,
+    add_corpus_flags,
     bench_models,
     read_rows,
     with_corpus_flags,
@@ -247,15 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--tiny", action="store_true", help="2 short pages (tests, a quick check)")
-    p.add_argument("--docs", type=int, help=f"documents (default {INDEX_CPU.docs})")
-    p.add_argument("--max-chars", type=int, help="cut each page to this many characters")
-    p.add_argument(
-        "--chunk-size",
-        type=int,
-        help="chunk tokens (default 200: a chunk, its context and [CLS]/[SEP] stay within "
-        "all-MiniLM-L6-v2's 256)",
-    )
-    p.add_argument("--context-tokens", type=int, help="max tokens of each chunk's context")
+    add_corpus_flags(p, f"documents (default {INDEX_CPU.docs})")
     p.add_argument("--threads", type=int, help="torch threads for both pipelines")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda: both pipelines")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")

@@ -124,6 +124,19 @@ def work_folder(given: Path | None, prefix: str) -> Iterator[Path]:
     yield given
 
 
+def add_corpus_flags(p, docs_help: str) -> None:
+    """--docs, --max-chars, --chunk-size and --context-tokens: what `with_corpus_flags` reads."""
+    p.add_argument("--docs", type=int, help=docs_help)
+    p.add_argument("--max-chars", type=int, help="cut each page to this many characters")
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        help="chunk tokens (default 200: a chunk, its context and [CLS]/[SEP] stay within "
+        "all-MiniLM-L6-v2's 256)",
+    )
+    p.add_argument("--context-tokens", type=int, help="max tokens of each chunk's context")
+
+
 def with_corpus_flags(workload, args):
     """`workload` (a dataclass with docs, max_chars, chunk_size and context_max_tokens) with
     the values of --docs, --max-chars, --chunk-size and --context-tokens that were given."""

@@ -28,6 +28,7 @@ from kvbatch.bench.index_run import (
     IndexBenchError,
     Models,
     SpecOptions,
+    add_corpus_flags,
     bench_models,
     with_corpus_flags,
     work_folder,
@@ -126,15 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--tiny", action="store_true", help="4 short pages (tests, a quick check)")
-    p.add_argument("--docs", type=int, help="documents (default: every usable module)")
-    p.add_argument("--max-chars", type=int, help="cut each page to this many characters")
-    p.add_argument(
-        "--chunk-size",
-        type=int,
-        help="chunk tokens (default 200: a chunk, its context and [CLS]/[SEP] stay within "
-        "all-MiniLM-L6-v2's 256)",
-    )
-    p.add_argument("--context-tokens", type=int, help="max tokens of each chunk's context")
+    add_corpus_flags(p, "documents (default: every usable module)")
     p.add_argument("--plain-only", action="store_true", help="skip the contextual index")
     p.add_argument("--threads", type=int, help="torch threads")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
