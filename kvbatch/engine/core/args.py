@@ -126,6 +126,17 @@ class EngineArgs:
             help="do not reuse the KV of prompt prefixes that earlier requests computed",
         ),
     )
+    sliding_window_kv: bool = _setting(
+        True,
+        "sliding-window layers (Gemma 2/3's local layers) keep their own block tables and free "
+        "the blocks that have left their window",
+        flag=Flag(
+            name="--no-sliding-window-kv",
+            negates=True,
+            help="sliding-window layers keep every block of a sequence, as full-attention "
+            "layers do (fewer sequences fit in the KV cache)",
+        ),
+    )
     attention_backend: str = _setting(
         "auto",
         "attention kernels: triton (GPU), torch (the reference, CPU and GPU) or auto (triton "
@@ -260,6 +271,7 @@ class EngineKwargs(TypedDict, total=False):
     max_model_len: int | None
     block_size: int
     enable_prefix_caching: bool
+    sliding_window_kv: bool
     attention_backend: str
     speculative: str | SpecConfig | None
     num_speculative_tokens: int | None

@@ -27,6 +27,7 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.f
 class CacheConfig:
     block_size: int = DEFAULTS.block_size
     enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching
+    sliding_window_kv: bool = DEFAULTS.sliding_window_kv  # window layers free old blocks
     kv_cache_memory_fraction: float = DEFAULTS.kv_cache_memory_fraction  # CUDA: share of free
     kv_cache_bytes: int | None = DEFAULTS.kv_cache_bytes  # CPU: byte budget; CUDA: overrides
     num_kv_blocks: int | None = DEFAULTS.num_kv_blocks  # exact pool size, over both budgets
@@ -173,6 +174,7 @@ class EngineConfig:
             cache=CacheConfig(
                 block_size=args.block_size,
                 enable_prefix_caching=args.enable_prefix_caching,
+                sliding_window_kv=args.sliding_window_kv,
                 kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                 kv_cache_bytes=args.kv_cache_bytes,
                 num_kv_blocks=args.num_kv_blocks,
