@@ -88,3 +88,23 @@ class AttentionBackend(Protocol):
         scales: KVScales = UNIT_KV_SCALES,
         layer: LayerAttention = FULL_ATTENTION,  # the layer's window, scale and soft-cap
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
+
+
+@dataclass
+class GroupedAttention:
+    """A step's metadata per KV group (engine/kv/layout.py): layer i attends with
+    groups[layer_group[i]], its own group's block tables and slots."""
+
+    groups: list[AttentionMetadata]
+    layer_group: list[int]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.groups[0].num_decode_tokens
+
+
+def per_layer(meta: AttentionMetadata | GroupedAttention, num_layers: int):
+    """Each layer's metadata, in layer order."""
+    if isinstance(meta, GroupedAttention):
+        return [meta.groups[g] for g in meta.layer_group]
+    return [meta] * num_layers

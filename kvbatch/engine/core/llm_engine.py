@@ -45,7 +45,9 @@ from kvbatch.engine.core.startup_heap import freeze_startup_heap, thaw_startup_h
 from kvbatch.engine.core.stopping import StopChecker
 from kvbatch.engine.exec.launched_step import LaunchedStep, StepResult, start_clock
 from kvbatch.engine.exec.runner import ModelRunner
+from kvbatch.engine.kv.hybrid import HybridKVCacheManager
 from kvbatch.engine.kv.kv_cache import KVCacheManager
+from kvbatch.engine.kv.layout import KVLayout, plan_layout
 from kvbatch.engine.kv.sizing import (
     KVPoolRequest,
     fitted_max_model_len,
@@ -103,11 +105,12 @@ class LLMEngine:
         # A draft model keeps a KV pool of as many blocks as the target's: load it first, so
         # that its weights are counted in free memory and its blocks in the KV budget.
         draft = self._load_draft_model()
+        self.kv_layout = self._kv_layout()
         num_blocks = self._checked_num_blocks(backend, scheduler_config, draft)
         scheduler_config = dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
         self.model.rotary.fit_context(self.max_model_len)  # LongRoPE: short or long factors
         cache = config.cache
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv = self._kv_manager(num_blocks, scheduler_config)
         self.step_cost = self._step_cost_model(scheduler_config)
         self.scheduler = Scheduler(scheduler_config, self.kv, self.step_cost)
         self.runner = ModelRunner(
@@ -144,6 +147,8 @@ class LLMEngine:
             self.kv_dtype,
             self.max_model_len,
             scheduler_config.max_num_seqs,
+            self.kv_layout,
+            scheduler_config.max_num_batched_tokens,
         )
         self.frozen_gc_objects = 0  # objects the startup freeze took out of GC passes
         if self._freeze_gc():
@@ -194,6 +199,7 @@ class LLMEngine:
                 model_dtype=self.dtype,
                 max_model_len=self.max_model_len,
                 draft_model=None if draft is None else draft.model,
+                layout=self.kv_layout,
             )
         )
         self.max_model_len = fitted_max_model_len(
@@ -202,8 +208,35 @@ class LLMEngine:
             self.max_model_len,
             asked=self.max_model_len_asked,
             draft=draft is not None,
+            layout=self.kv_layout,
+            max_chunk=scheduler_config.max_num_batched_tokens,
         )
         return num_blocks
+
+    def _kv_layout(self) -> KVLayout:
+        """Which layers share a block table (engine/kv/layout.py): one group of every layer,
+        unless some have a sliding window and sliding_window_kv is on."""
+        cfg = self.model_config
+        windows = [cfg.layer_attention(i).sliding_window for i in range(cfg.num_layers)]
+        return plan_layout(windows, self.config.cache.sliding_window_kv)
+
+    def _kv_manager(
+        self, num_blocks: int, scheduler_config: SchedulerConfig
+    ) -> KVCacheManager | HybridKVCacheManager:
+        cache = self.config.cache
+        if not self.kv_layout.is_hybrid:
+            return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        # Every layer has a window: group 0 only names prefixes, from ids of its own, enough
+        # for every running request's whole context beside what the pool keeps cached.
+        per_seq = -(-self.max_model_len // cache.block_size)
+        identities = num_blocks + scheduler_config.max_num_seqs * per_seq
+        return HybridKVCacheManager(
+            self.kv_layout,
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            num_identity_blocks=0 if self.kv_layout.groups[0].layers else identities,
+        )
 
     def _step_cost_model(self, scheduler_config: SchedulerConfig) -> StepCostModel | None:
         """What times steps to size long prompts' chunks (engine/sched/step_cost.py), when a
@@ -223,6 +256,12 @@ class LLMEngine:
     def _capture_decode_graphs(self, backend, scheduler_config: SchedulerConfig) -> None:
         """On CUDA with the triton backend, decode steps replay graphs from now on."""
         if self.config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
+            if self.kv_layout.is_hybrid:  # a graph replays one group's block tables
+                log.info(
+                    "CUDA graphs are off with sliding-window KV groups: steps run eagerly "
+                    "(--no-sliding-window-kv keeps one block table and the graphs)"
+                )
+                return
             self.runner.capture_step_graphs(
                 min(scheduler_config.max_num_seqs, CUDA_GRAPH_MAX_BATCH),
                 self.max_model_len,

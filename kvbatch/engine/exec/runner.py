@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvbatch.engine.attention.cascade import DecodeGroup, find_shared_prefixes
-from kvbatch.engine.attention.metadata import AttentionMetadata, PrefillSpan
+from kvbatch.engine.attention.metadata import AttentionMetadata, GroupedAttention, PrefillSpan
 from kvbatch.engine.core.sequence import Sequence
 from kvbatch.engine.exec.launched_step import LaunchedStep, StepResult
 from kvbatch.engine.exec.penalties import token_histories
@@ -26,7 +26,9 @@ from kvbatch.engine.kv.device_tables import (
     gather_decode_tables,
     plan_decode_tables,
 )
+from kvbatch.engine.kv.hybrid import HybridKVCacheManager
 from kvbatch.engine.kv.kv_cache import KVCacheManager
+from kvbatch.engine.kv.layout import KVLayout
 from kvbatch.engine.layers.kernel_op import use_kernels
 from kvbatch.engine.models.llama import LlamaForCausalLM
 from kvbatch.engine.pooling.pooler import Pooler, pooling_chunks
@@ -43,17 +45,25 @@ GRAPH_MAX_CONTEXT = 8192
 GRAPH_MAX_GROUPS = 32
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(
+    model: LlamaForCausalLM,
+    block_size: int,
+    dtype: torch.dtype,
+    layout: KVLayout | None = None,
+) -> int:
+    """One block's K and V over its layers: every layer's, or with window groups the
+    layout's slots (engine/kv/layout.py)."""
     cfg = model.config
     elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    layers = cfg.num_layers if layout is None else layout.num_slots
+    return layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
 class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv: KVCacheManager,
+        kv: KVCacheManager | HybridKVCacheManager,
         num_blocks: int,
         block_size: int,
         device: torch.device,
@@ -71,8 +81,10 @@ class ModelRunner:
         self.cascade = cascade  # shared-prefix attention for decodes (engine/attention/cascade.py)
         # One tensor per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim], in the
         # model's dtype or E4M3 (kv_cache_dtype="fp8"). Zeroed, so masked-out padding
-        # positions never hold NaN (0 * NaN would poison attention).
-        self.kv_caches = [
+        # positions never hold NaN (0 * NaN would poison attention). With window groups
+        # (engine/kv/layout.py) one tensor per slot, each layer given its slot's.
+        layout = kv.layout if isinstance(kv, HybridKVCacheManager) else None
+        slots = [
             torch.zeros(
                 2,
                 num_blocks,
@@ -82,9 +94,22 @@ class ModelRunner:
                 dtype=kv_dtype or dtype,
                 device=device,
             )
-            for _ in range(cfg.num_layers)
+            for _ in range(cfg.num_layers if layout is None else layout.num_slots)
         ]
-        self.tables = DeviceBlockTables(device)  # kv's block tables, kept on the device
+        self.kv_caches = (
+            slots if layout is None else [slots[layout.slot_of(i)] for i in range(cfg.num_layers)]
+        )
+        # Each group's block tables (one group without window groups), kept on the device;
+        # the first is the one cascade attention reads (group 0's when it holds KV).
+        self.sources = [kv] if layout is None else kv.tables
+        self.tables = [DeviceBlockTables(device) for _ in self.sources]
+        self.layer_group = (
+            None
+            if layout is None
+            else [layout.group_of(i) - (0 if kv.full_has_kv else 1) for i in range(cfg.num_layers)]
+        )
+        if layout is not None and not kv.full_has_kv:
+            self.cascade = False  # every group has a window: no shared prefix stays whole
         self.sampler = Sampler(seed=seed)
         self.pooler = Pooler()  # embedding requests' partial states between their chunks
         self.step_graphs = None  # set by capture_step_graphs (CUDA, triton backend)
@@ -175,7 +200,7 @@ class ModelRunner:
 
     def _graph_key(self, input_ids, meta: _StepMeta, logits_rows):
         """The step's graph (a decode step, maybe with one short prompt chunk), or None."""
-        if self.step_graphs is None:
+        if self.step_graphs is None or self.layer_group is not None:
             return None
         return self.step_graphs.key_for(meta.attention, input_ids.shape[0], logits_rows.shape[0])
 
@@ -223,54 +248,68 @@ class ModelRunner:
         would cost more than the GPU's step), then one host-to-device copy. The block tables
         themselves stay on the device (engine/kv/device_tables.py): the copy carries the
         entries that changed since the last step and the step's rows, and the step's tables
-        are gathered there."""
+        are gathered there. With window groups each group's tables go the same way; only the
+        first group's decodes are grouped by shared prefix."""
         batch = self._order_chunks(out)
-        host_tables = self.kv.table_array  # [all rows, width] (read only)
-        changes = self.kv.take_table_changes()
-        tokens = token_layout(batch, host_tables, self.block_size)
+        tokens = token_layout(batch, self.sources[0].table_array, self.block_size)
         sample_idx, logits_rows = logits_rows_of(batch.chunks, tokens.query_start, batch.lens)
-        plan = plan_decode_tables(
-            batch.rows[: batch.num_decodes],
-            batch.num_blocks[: batch.num_decodes],
-            tokens.context_lens[: batch.num_decodes],
-            batch.groups,
-            self.block_size,
-        )
         prefill_ranges = np.stack([tokens.query_start, batch.lens, tokens.context_lens])
         prefill_ranges = prefill_ranges[:, batch.num_decodes :]
-        (
-            ids_d,
-            positions_d,
-            slots_d,
-            logits_rows_d,
-            rows_d,
-            num_blocks_d,
-            prefill_ranges_d,
-            *rest,
-        ) = to_device_at_once(
-            [
-                tokens.ids,
-                tokens.positions,
-                tokens.slots,
-                logits_rows,
+        groups = [
+            _GroupTables.of(
+                batch,
+                tokens,
+                self.block_size,
+                batch.groups,
                 batch.rows,
                 batch.num_blocks,
-                prefill_ranges,
-                *plan.arrays(),
-                changes.rows,
-                changes.cols,
-                changes.values,
-                tokens.pending_at,
-                tokens.pending_rows,
-            ],
-            self.device,
+                self.sources[0],
+                tokens.slots,
+            )
+        ]
+        for source in self.sources[1:]:
+            rows, num_blocks = source.table_rows([id(c.seq) for c in batch.chunks])
+            slots = slots_of(source.table_array, rows, tokens, batch.lens, self.block_size)
+            groups.append(
+                _GroupTables.of(batch, tokens, self.block_size, [], rows, num_blocks, source, slots)
+            )
+        ids_d, positions_d, logits_rows_d, prefill_ranges_d, pending_at_d, pending_rows_d, *rest = (
+            to_device_at_once(
+                [
+                    tokens.ids,
+                    tokens.positions,
+                    logits_rows,
+                    prefill_ranges,
+                    tokens.pending_at,
+                    tokens.pending_rows,
+                    *(a for g in groups for a in g.arrays()),
+                ],
+                self.device,
+            )
         )
-        *plan_d, change_rows, change_cols, change_values, pending_at_d, pending_rows_d = rest
         if len(tokens.pending_at):
             ids_d[pending_at_d] = self._last_sampled[pending_rows_d]
-        self.tables.apply(changes.shape, change_rows, change_cols, change_values)
-        attention = self._attention_metadata(
-            batch, tokens, plan, slots_d, rows_d, num_blocks_d, prefill_ranges_d, plan_d
+        metas = []
+        for g, tables in zip(groups, self.tables):
+            slots_d, rows_d, num_blocks_d, *plan_d = rest[: g.num_arrays]
+            rest = rest[g.num_arrays :]
+            *plan_d, change_rows, change_cols, change_values = plan_d
+            tables.apply(g.changes.shape, change_rows, change_cols, change_values)
+            metas.append(
+                self._attention_metadata(
+                    batch,
+                    tokens,
+                    g,
+                    tables,
+                    slots_d,
+                    rows_d,
+                    num_blocks_d,
+                    prefill_ranges_d,
+                    plan_d,
+                )
+            )
+        attention = (
+            metas[0] if self.layer_group is None else GroupedAttention(metas, self.layer_group)
         )
         meta = _StepMeta(positions_d, attention, batch.chunks)
         return ids_d, meta, logits_rows_d, [batch.chunks[i].seq for i in sample_idx]
@@ -281,12 +320,12 @@ class ModelRunner:
         made adjacent, each run of them a group (engine/attention/cascade.py)."""
         chunks = out.chunks
         num_decodes = sum(1 for c in chunks if c.num_new_tokens == 1)  # decodes come first
-        rows, num_blocks = self.kv.table_rows([id(c.seq) for c in chunks])
+        rows, num_blocks = self.sources[0].table_rows([id(c.seq) for c in chunks])
         starts = np.fromiter((c.seq.num_computed_tokens for c in chunks), np.int64, len(chunks))
         groups: list[tuple[int, int, int]] = []
         if self.cascade and num_decodes >= 2:
             order, groups = find_shared_prefixes(
-                self.kv.table_array,
+                self.sources[0].table_array,
                 starts[:num_decodes] + 1,
                 self.block_size,
                 rows=rows[:num_decodes],
@@ -299,21 +338,21 @@ class ModelRunner:
         return _Batch(chunks, num_decodes, rows, num_blocks, starts, lens, groups)
 
     def _attention_metadata(
-        self, batch: _Batch, tokens: _TokenLayout, plan, slots_d, rows_d, num_blocks_d,
-        prefill_ranges_d, plan_d,
+        self, batch: _Batch, tokens: _TokenLayout, group: _GroupTables,
+        tables: DeviceBlockTables, slots_d, rows_d, num_blocks_d, prefill_ranges_d, plan_d,
     ) -> AttentionMetadata:  # fmt: skip
-        """The step's AttentionMetadata from its device arrays: the decodes' tables gathered
-        on the device (private parts and shared groups), every prefill chunk's table in one
-        tensor."""
-        d, bs = batch.num_decodes, self.block_size
+        """One group's AttentionMetadata for the step from its device arrays: the decodes'
+        tables gathered on the device (private parts and shared groups), every prefill
+        chunk's table in one tensor."""
+        d, bs, plan = batch.num_decodes, self.block_size, group.plan
         private, private_lens, group_tables, group_ranges = gather_decode_tables(
-            self.tables, plan, rows_d[:d], num_blocks_d[:d], *plan_d
+            tables, plan, rows_d[:d], num_blocks_d[:d], *plan_d
         )
         num_chunks = len(batch.chunks)
         prefill_tables = (  # every prefill chunk's table in one tensor
-            self.tables.gather(rows_d[d:], int(batch.num_blocks[d:].max()))
+            tables.gather(rows_d[d:], int(group.num_blocks[d:].max()))
             if num_chunks > d
-            else self.tables.empty
+            else tables.empty
         )
         query_start, context_lens = tokens.query_start, tokens.context_lens
         prefills = [
@@ -325,7 +364,7 @@ class ModelRunner:
             )
             for i in range(d, num_chunks)
         ]
-        groups = batch.groups
+        groups = group.cascade_groups
         return AttentionMetadata(
             slot_mapping=slots_d,
             num_decode_tokens=d,
@@ -355,6 +394,51 @@ class _Batch:
     starts: np.ndarray  # [chunks] tokens already computed (the chunk's first position)
     lens: np.ndarray  # [chunks] tokens computed this step
     groups: list[tuple[int, int, int]]  # shared-prefix decode groups: first, end, shared blocks
+
+
+@dataclass
+class _GroupTables:
+    """One KV group's part of a step on the host: its rows, slots, decode-table layout and
+    the table entries changed since the last step."""
+
+    rows: np.ndarray  # [chunks] in launch order
+    num_blocks: np.ndarray
+    slots: np.ndarray  # [tokens]
+    plan: object  # DecodeTablePlan
+    changes: object  # TableChanges
+    cascade_groups: list[tuple[int, int, int]]
+
+    @classmethod
+    def of(cls, batch, tokens, block_size, cascade_groups, rows, num_blocks, source, slots):
+        d = batch.num_decodes
+        plan = plan_decode_tables(
+            rows[:d], num_blocks[:d], tokens.context_lens[:d], cascade_groups, block_size
+        )
+        return cls(rows, num_blocks, slots, plan, source.take_table_changes(), cascade_groups)
+
+    def arrays(self) -> list[np.ndarray]:
+        """What travels to the device: slots, rows, table lengths, the decode plan, then the
+        changed entries."""
+        c = self.changes
+        return [self.slots, self.rows, self.num_blocks, *self.plan.arrays(), c.rows, c.cols,
+                c.values]  # fmt: skip
+
+    @property
+    def num_arrays(self) -> int:
+        return 3 + len(self.plan.arrays()) + 3
+
+
+def slots_of(
+    host_tables: np.ndarray, rows: np.ndarray, tokens: _TokenLayout, lens: np.ndarray,
+    block_size: int,
+) -> np.ndarray:  # fmt: skip
+    """[tokens] each token's slot in a group's tables (rows: the chunks' rows there)."""
+    seq_of_token = np.repeat(np.arange(len(lens)), lens)
+    positions = tokens.positions
+    return (
+        host_tables[rows[seq_of_token], positions // block_size] * block_size
+        + positions % block_size
+    )
 
 
 @dataclass

@@ -34,7 +34,7 @@ their shared beginnings; blocks without a hash join the head and are reused firs
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -73,6 +73,9 @@ class ComputedBlocks(NamedTuple):
 
     block_ids: list[int]  # in order, first block first
     num_tokens: int  # == len(block_ids) * block_size
+    # With window groups (engine/kv/hybrid.py): each window group's cached blocks of the same
+    # prefix, -1 where a block has left the window (it is never read again).
+    window_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass
@@ -89,12 +92,13 @@ class KVCacheStats:
 
 
 class _Block:
-    __slots__ = ("block_id", "gen", "hash", "parent", "ref_cnt", "tokens")
+    __slots__ = ("block_id", "cache_map", "gen", "hash", "parent", "ref_cnt", "tokens")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.hash: int | None = None  # set iff the block is in the hash map
+        self.hash: Hashable | None = None  # set iff the block is in a hash map: cache_map
+        self.cache_map: dict | None = None  # that map (a pool serves several groups' maps)
         self.tokens: tuple[int, ...] | None = None  # contents, checked on every hit
         self.parent: tuple[int, int] | None = None  # (block_id, gen) of the parent block
         self.gen = 0  # bumped whenever the block loses its registration
@@ -176,6 +180,53 @@ class _FreeBlockQueue:
         return seen
 
 
+class BlockPool:
+    """Physical block ids with their reference counts and the LRU free list. One manager owns
+    a pool; window groups (engine/kv/window_group.py) draw from the same one, so blocks go
+    wherever the running sequences need them. Evicting a cached block removes it from
+    whichever group's map holds it (`_Block.cache_map`)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [_Block(i) for i in range(num_blocks)]
+        self.free = _FreeBlockQueue(num_blocks)
+
+    def take(self) -> int:
+        """A free block, referenced once: the least recently freed, its cache entry evicted."""
+        b = self.free.pop_head()
+        block = self.blocks[b]
+        if block.hash is not None:
+            uncache(block)
+        block.ref_cnt = 1
+        return b
+
+    def hold(self, b: int) -> None:
+        """One more reference to block b (a cache hit revives it from the free list)."""
+        block = self.blocks[b]
+        if block.ref_cnt == 0:
+            self.free.remove(b)  # O(1): revive a cached block from the LRU list
+        block.ref_cnt += 1
+
+    def release(self, b: int) -> None:
+        block = self.blocks[b]
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            if block.hash is not None:
+                self.free.push_tail(b)  # may be hit again: evict last
+            else:
+                self.free.push_head(b)  # nobody can hit it: reuse first
+
+
+def uncache(block: _Block) -> None:
+    """Remove the block from its group's hash map; its generation moves on, so whatever named
+    it (a child block, a window group's entry) can no longer be reached through it."""
+    del block.cache_map[block.hash]  # type: ignore[index]
+    block.hash = block.tokens = block.parent = block.cache_map = None
+    block.gen += 1
+
+
 @dataclass(slots=True)
 class _SeqState:
     table: list[int]
@@ -185,6 +236,9 @@ class _SeqState:
     parent: tuple[int, int] | None = None  # identity of the cached block for that prefix
     chain_broken: bool = False  # a true collision: later blocks cannot be shared
     row: int = 0  # its row in KVCacheManager._rows (engine/kv/table_rows.py)
+    # (block id, generation) of the cached block standing for each of its first num_hashed
+    # blocks' prefix: what window groups key their cached blocks by (engine/kv/hybrid.py)
+    ids: list[tuple[int, int]] = field(default_factory=list)
 
 
 class TableRefs(NamedTuple):
@@ -203,17 +257,17 @@ class KVCacheManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         hash_fn: HashFn | None = None,
+        pool: BlockPool | None = None,  # shared with window groups (engine/kv/hybrid.py)
     ) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        self.num_blocks = num_blocks
+        self.pool = pool or BlockPool(num_blocks)
+        self.num_blocks = self.pool.num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._hash_fn = hash_fn or default_hash
-        self._blocks = [_Block(i) for i in range(num_blocks)]
-        self._free = _FreeBlockQueue(num_blocks)
+        self._blocks = self.pool.blocks
+        self._free = self.pool.free
         self._cached: dict[int, int] = {}  # chain hash -> block id
         self._seqs: dict[Hashable, _SeqState] = {}
         self._rows = TableRows()  # the tables mirrored in one array (table_array)
@@ -286,12 +340,7 @@ class KVCacheManager:
         seq.num_tokens += num_new_tokens
         first_new = len(seq.table)
         for _ in range(-(-seq.num_tokens // self.block_size) - first_new):
-            b = self._free.pop_head()
-            block = self._blocks[b]
-            if block.hash is not None:
-                self._uncache(block)  # evict the least recently freed cached block
-            block.ref_cnt = 1
-            seq.table.append(b)
+            seq.table.append(self.pool.take())  # evicts the least recently freed cached block
         if len(seq.table) > first_new:
             self._rows.write(seq.row, first_new, seq.table[first_new:])
         if self.enable_prefix_caching:
@@ -322,6 +371,7 @@ class KVCacheManager:
         if k == 0:
             return 0
         child = _SeqState(table=parent.table[:k], num_tokens=k * self.block_size)
+        child.ids = parent.ids[: min(k, parent.num_hashed)]
         child.row = self._rows.acquire()
         for b in child.table:
             self._blocks[b].ref_cnt += 1  # held by the parent: never in the free list
@@ -362,6 +412,13 @@ class KVCacheManager:
             self._release(b)
         self._rows.release(seq.row, len(seq.table))
 
+    def register(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Cache seq_id's blocks that token_ids now fill (as allocate_slots and free do)."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and self.enable_prefix_caching:
+            if min(seq.num_tokens, len(token_ids)) // self.block_size > seq.num_hashed:
+                self._register_full_blocks(seq, token_ids)
+
     def truncate(self, seq_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
         """Shrink seq_id's table to its first num_tokens tokens (speculative rollback).
 
@@ -389,13 +446,7 @@ class KVCacheManager:
             self._register_full_blocks(seq, token_ids)
 
     def _release(self, b: int) -> None:
-        block = self._blocks[b]
-        block.ref_cnt -= 1
-        if block.ref_cnt == 0:
-            if block.hash is not None:
-                self._free.push_tail(b)  # may be hit again: evict last
-            else:
-                self._free.push_head(b)  # nobody can hit it: reuse first
+        self.pool.release(b)
 
     # -- queries --------------------------------------------------------------------------
 
@@ -423,6 +474,16 @@ class KVCacheManager:
         which keeps a copy on the device, engine/kv/device_tables.py)."""
         return self._rows.take_changes()
 
+    def identities(self, seq_id: Hashable) -> list[tuple[int, int]]:
+        """(block id, generation) of the cached block standing for each of seq_id's hashed
+        blocks' prefix, first block first (the list itself: do not change it)."""
+        seq = self._seqs.get(seq_id)
+        return seq.ids if seq else []
+
+    def identity_of(self, b: int) -> tuple[int, int]:
+        """The identity window groups key block b's prefix by (b must be cached)."""
+        return (b, self._blocks[b].gen)
+
     def num_computed_tokens(self, seq_id: Hashable) -> int:
         """Tokens covered by seq_id's table so far (cached + allocated)."""
         seq = self._seqs.get(seq_id)
@@ -442,15 +503,16 @@ class KVCacheManager:
             prefix_hits=self._prefix_hits,
         )
 
-    def check_integrity(self) -> None:
-        """Verify every invariant; raises RuntimeError naming the first violation."""
+    def check_integrity(self, other_refs: list[int] | None = None) -> None:
+        """Verify every invariant; raises RuntimeError naming the first violation.
+        `other_refs`: references to each block held by the window groups sharing the pool."""
         free_ids = self._free.check(self.num_blocks)
         in_free = [False] * self.num_blocks
         for b in free_ids:
             if in_free[b]:
                 raise RuntimeError(f"block {b} is in the free list twice")
             in_free[b] = True
-        refs = [0] * self.num_blocks
+        refs = list(other_refs) if other_refs is not None else [0] * self.num_blocks
         for seq_id, seq in self._seqs.items():
             if len(set(seq.table)) != len(seq.table):
                 raise RuntimeError(f"seq {seq_id!r} holds a block twice: {seq.table}")
@@ -475,6 +537,8 @@ class KVCacheManager:
             if (block.ref_cnt == 0) != in_free[b]:
                 state = "in" if in_free[b] else "not in"
                 raise RuntimeError(f"block {b}: ref_cnt {block.ref_cnt} but {state} free list")
+            if block.hash is not None and block.cache_map is not self._cached:
+                continue  # a window group's block: the group checks its own map
             if block.hash is not None and self._cached.get(block.hash) != b:
                 raise RuntimeError(f"block {b} has hash {block.hash} but the map disagrees")
             if block.hash is not None and (
@@ -528,11 +592,9 @@ class KVCacheManager:
         if computed is not None and computed.block_ids:
             self._check_computed(token_ids, computed)
             for b in computed.block_ids:
-                block = self._blocks[b]
-                if block.ref_cnt == 0:
-                    self._free.remove(b)  # O(1): revive a cached block from the LRU list
-                block.ref_cnt += 1
+                self.pool.hold(b)
                 seq.table.append(b)
+                seq.ids.append((b, self._blocks[b].gen))
             self._rows.write(seq.row, 0, seq.table)
             last = self._blocks[computed.block_ids[-1]]
             seq.num_tokens = computed.num_tokens
@@ -579,6 +641,7 @@ class KVCacheManager:
             if b is None:
                 block = self._blocks[seq.table[i]]
                 block.hash, block.tokens, block.parent = h, tokens, seq.parent
+                block.cache_map = self._cached
                 self._cached[h] = block.block_id
             else:
                 block = self._blocks[b]
@@ -590,6 +653,7 @@ class KVCacheManager:
                 # Same contents computed twice (e.g. two prefills racing): ours stays private,
                 # and the seq's later blocks chain onto the cached twin so they can be shared.
             seq.parent = (block.block_id, block.gen)
+            seq.ids.append(seq.parent)
             seq.last_hash = h
             seq.num_hashed += 1
 
@@ -599,6 +663,4 @@ class KVCacheManager:
         return p is not None and self._blocks[p[0]].gen != p[1]
 
     def _uncache(self, block: _Block) -> None:
-        del self._cached[block.hash]  # type: ignore[arg-type]
-        block.hash = block.tokens = block.parent = None
-        block.gen += 1
+        uncache(block)

@@ -17,6 +17,7 @@ import torch
 
 from kvbatch.engine.core.config import DEFAULT_CPU_KV_BYTES, CacheConfig, SchedulerConfig
 from kvbatch.engine.exec.runner import kv_bytes_per_block
+from kvbatch.engine.kv.layout import KVLayout
 from kvbatch.engine.kv.memory import (
     KV_POOL_REQUESTS_PER_SEQ,
     cuda_kv_budget,
@@ -42,6 +43,7 @@ class KVPoolRequest:
     model_dtype: torch.dtype
     max_model_len: int
     draft_model: torch.nn.Module | None = None
+    layout: KVLayout | None = None  # window groups (engine/kv/layout.py), when hybrid
 
 
 def kv_pool_blocks(req: KVPoolRequest) -> int:
@@ -51,14 +53,19 @@ def kv_pool_blocks(req: KVPoolRequest) -> int:
     warn_unused_fraction(cache, req.device)
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    per_block = kv_bytes_per_block(req.model, cache.block_size, req.kv_dtype)
+    layout = req.layout if req.layout is not None and req.layout.is_hybrid else None
+    per_block = kv_bytes_per_block(req.model, cache.block_size, req.kv_dtype, layout)
     if req.draft_model is not None:
         per_block += kv_bytes_per_block(req.draft_model, cache.block_size, req.model_dtype)
     blocks = max(0, _budget_bytes(req) // per_block)
     if cache.kv_cache_bytes is None:  # a default budget: no more than can be put to use
-        most = kv_blocks_worth_having(
-            req.scheduler.max_num_seqs, req.max_model_len, cache.block_size
-        )
+        per_seq = req.max_model_len
+        if layout is not None:  # what one request holds, in block_size tokens' worth
+            held = layout.blocks_per_seq(
+                req.max_model_len, cache.block_size, req.scheduler.max_num_batched_tokens
+            )
+            per_seq = held * cache.block_size
+        most = kv_blocks_worth_having(req.scheduler.max_num_seqs, per_seq, cache.block_size)
         if blocks > most:
             log.info(
                 "KV pool capped at %d blocks (%d x max_num_seqs=%d requests of "
@@ -131,12 +138,23 @@ def model_context_len(asked: int, limit: int) -> int:
 
 
 def fitted_max_model_len(
-    num_blocks: int, block_size: int, max_model_len: int, *, asked: bool, draft: bool = False
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    *,
+    asked: bool,
+    draft: bool = False,
+    layout: KVLayout | None = None,
+    max_chunk: int = 0,
 ) -> int:
     """The context length the pool can serve. One asked for (`asked`) must fit whole: a pool
     too small is refused, naming what to raise or lower. The model's own context is instead
-    capped at what the pool holds, and the log says so once."""
-    pool_tokens = num_blocks * block_size
+    capped at what the pool holds, and the log says so once. With window groups a request
+    holds all its blocks in group 0 but only its window's (and a chunk's) in the others."""
+    if layout is not None and layout.is_hybrid:
+        pool_tokens = layout.max_tokens_held(num_blocks, block_size, max_chunk, max_model_len)
+    else:
+        pool_tokens = num_blocks * block_size
     if pool_tokens >= max_model_len:
         return max_model_len
     if asked or pool_tokens < 2:
@@ -159,10 +177,22 @@ def fitted_max_model_len(
 
 
 def log_kv_pool(
-    num_blocks: int, block_size: int, kv_dtype: torch.dtype, max_model_len: int, max_num_seqs: int
+    num_blocks: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    max_model_len: int,
+    max_num_seqs: int,
+    layout: KVLayout | None = None,
+    max_chunk: int = 0,
 ) -> None:
-    """The startup line: how much the pool holds and what that means for requests at once."""
+    """The startup line: how much the pool holds and what that means for requests at once;
+    with window groups, a line per group first."""
     kv_tokens = num_blocks * block_size
+    if layout is not None and layout.is_hybrid:
+        log_kv_groups(num_blocks, block_size, layout, max_model_len, max_chunk)
+        per_seq = layout.blocks_per_seq(max_model_len, block_size, max_chunk)
+        # in requests-at-once terms: the pool over what a whole-context request holds
+        kv_tokens = num_blocks * max_model_len // max(per_seq, 1)
     log.info(
         "KV cache (%s): %d tokens (%d blocks of %d), max_model_len=%d; shared by the requests "
         "running at once: prompt + answer tokens of all of them must fit, so %s; requests "
@@ -186,3 +216,33 @@ def requests_at_once(kv_tokens: int, max_model_len: int, max_num_seqs: int) -> s
     typical = min(kv_tokens // 1000, max_num_seqs)
     noun, verb = ("request", "runs") if typical == 1 else ("requests", "run")
     return f"about {typical} {noun} of 1,000 tokens {verb} together, and at least {longest} {whole}"
+
+
+def log_kv_groups(
+    num_blocks: int, block_size: int, layout: KVLayout, max_model_len: int, max_chunk: int
+) -> None:
+    """One line per KV group: its layers, whether it keeps every block or its window's, and
+    what one request of max_model_len tokens holds in it."""
+    for i, group in enumerate(layout.groups):
+        kind = (
+            "keeps every block"
+            if group.window is None
+            else f"frees blocks {group.window} tokens behind the newest"
+        )
+        held = group.blocks_per_seq(max_model_len, block_size, max_chunk)
+        where = (
+            f"{held} blocks per request of max_model_len={max_model_len}"
+            if group.layers
+            else "prefix identities only, no KV"
+        )
+        log.info(
+            "KV group %d (%s, layers %s): %s; %s (pool: %d blocks of %d tokens x %d layers)",
+            i,
+            group.label,
+            ",".join(map(str, group.layers)) or "none",
+            kind,
+            where,
+            num_blocks,
+            block_size,
+            layout.num_slots,
+        )

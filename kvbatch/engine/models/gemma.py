@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from kvbatch.engine.attention.layer_spec import LayerAttention
-from kvbatch.engine.attention.metadata import AttentionMetadata
+from kvbatch.engine.attention.metadata import AttentionMetadata, GroupedAttention, per_layer
 from kvbatch.engine.layers.attention import SelfAttention
 from kvbatch.engine.layers.logits import final_logits
 from kvbatch.engine.layers.mlp import GatedMLP
@@ -172,7 +172,7 @@ class GemmaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | GroupedAttention,  # GroupedAttention: window groups
         backend,
         logits_indices: torch.Tensor | None = None,
         final_hidden: list[torch.Tensor] | None = None,
@@ -183,9 +183,10 @@ class GemmaForCausalLM(nn.Module):
         global_rotation = self.rotary(positions, x.dtype)
         local_rotation = self.local_rotary(positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        layers = self.model.layers
+        for layer, kv_cache, layer_meta in zip(layers, kv_caches, per_layer(meta, len(layers))):
             rotation = local_rotation if layer.is_sliding else global_rotation
-            x, residual = layer(x, residual, rotation, kv_cache, meta, backend)
+            x, residual = layer(x, residual, rotation, kv_cache, layer_meta, backend)
         logits = final_logits(
             self.model.norm, x, residual, self.output_embedding, logits_indices, final_hidden
         )

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kvbatch.engine.attention.layer_spec import LayerAttention
-from kvbatch.engine.attention.metadata import AttentionMetadata
+from kvbatch.engine.attention.metadata import AttentionMetadata, GroupedAttention, per_layer
 from kvbatch.engine.layers.attention import SelfAttention
 from kvbatch.engine.layers.logits import final_logits
 from kvbatch.engine.layers.mlp import GatedMLP
@@ -238,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],  # one [2, blocks, block_size, kv_heads, head_dim] a layer
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | GroupedAttention,  # GroupedAttention: window groups
         backend,
         logits_indices: torch.Tensor | None = None,  # rows to project to the vocabulary
         final_hidden: list[torch.Tensor] | None = None,
@@ -248,8 +248,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # this forward's own tensor: added to in place
         rotation = self.rotary(positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, rotation, kv_cache, meta, backend)
+        layers = self.model.layers
+        for layer, kv_cache, layer_meta in zip(layers, kv_caches, per_layer(meta, len(layers))):
+            x, residual = layer(x, residual, rotation, kv_cache, layer_meta, backend)
         return final_logits(
             self.model.norm, x, residual, self.output_embedding, logits_indices, final_hidden
         )

@@ -1,0 +1,115 @@
+"""Window KV groups (engine/kv/layout.py, hybrid.py) through the engine on the tiny Gemma 3
+(local, local, global; window 24) and Gemma 2: the same greedy tokens as transformers with
+windows crossing blocks, chunked prefill, preemption, prefix hits and speculative rollbacks;
+fewer blocks held, so more sequences at once in the same KV bytes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvbatch.engine import LLM, SamplingParams
+from kvbatch.engine.kv.hybrid import HybridKVCacheManager
+from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts, tokens
+from tests.reference import hf_greedy
+from tests.tiny_models import SLIDING_WINDOW
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def peak_running(llm: LLM, prompts, params) -> tuple[list, int]:
+    """The outputs and the most sequences the scheduler held at once."""
+    engine, peak = llm.engine, [0]
+    real_step = engine.step
+
+    def step():
+        out = real_step()
+        peak[0] = max(peak[0], len(engine.scheduler.running))
+        return out
+
+    engine.step = step
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, peak[0]
+
+
+def test_the_startup_lines_count_each_group(tiny_models, caplog):
+    caplog.set_level(logging.INFO, logger="kvbatch.engine.kv.sizing")
+    llm = LLM(str(tiny_models("gemma3")), device="cpu", num_kv_blocks=64, max_model_len=256)
+    assert isinstance(llm.engine.kv, HybridKVCacheManager)
+    lines = [r.getMessage() for r in caplog.records if "KV group" in r.getMessage()]
+    assert len(lines) == 3
+    assert lines[0].startswith("KV group 0 (full attention, layers 2): keeps every block")
+    assert lines[1].startswith(f"KV group 1 (window {SLIDING_WINDOW}, layers 0): frees blocks")
+    assert "16 blocks per request of max_model_len=256" in lines[0]
+    # one slot: a block holds one layer of each group, so 64 blocks cost a third of before
+    assert sum(t.numel() for t in set(llm.engine.runner.kv_caches)) * 3 == sum(
+        t.numel() for t in LLM(
+            str(tiny_models("gemma3")), device="cpu", num_kv_blocks=64, max_model_len=256,
+            sliding_window_kv=False,
+        ).engine.runner.kv_caches
+    )  # fmt: skip
+
+
+def test_more_sequences_fit_in_the_same_bytes(tiny_models):
+    """Eight 160-token prompts in a KV cache that holds four of them whole: with window
+    groups the local layers keep a window each, and more run at once; tokens unchanged."""
+    path = tiny_models("gemma3")
+    prompts = random_prompts(512, (160,) * 8, seed=11)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    per_token = 2 * 2 * 16 * 4  # K and V, 2 kv heads of 16, float32: one layer
+    kw = dict(device="cpu", dtype="float32", max_model_len=256, max_num_batched_tokens=128)
+    kw["kv_cache_bytes"] = 4 * 176 * 3 * per_token
+    on_outs, on = peak_running(LLM(str(path), **kw), prompts, params)
+    off_outs, off = peak_running(LLM(str(path), sliding_window_kv=False, **kw), prompts, params)
+    assert off <= 4
+    assert on >= 2 * off
+    assert tokens(on_outs) == tokens(off_outs) == hf_greedy(path, prompts, 16, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(block_size=4, max_num_batched_tokens=5),  # the window spans 6 blocks
+        dict(block_size=8, num_kv_blocks=28, max_model_len=128, max_num_batched_tokens=8),
+        dict(block_size=4, speculative="ngram", num_speculative_tokens=3),
+    ],
+    ids=["chunked", "preempted", "speculative"],
+)
+def test_greedy_matches_transformers_across_blocks(tiny_models, kind, engine_args):
+    path = tiny_models(kind)
+    prompts = shared_prefix_prompts() + random_prompts(512, (70, 3 * SLIDING_WINDOW), seed=4)
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=256)
+    llm = LLM(str(path), **(kw | engine_args))
+    assert isinstance(llm.engine.kv, HybridKVCacheManager)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert tokens(outs) == hf_greedy(path, prompts, GREEDY.max_tokens, ignore_eos=True)
+    stats = llm.stats()
+    assert stats.prefix_hits > 0
+    if "num_kv_blocks" in engine_args:
+        assert stats.num_preemptions > 0
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_prefix_hits_equal_one_tables(tiny_models):
+    """With room to spare, window groups keep every prefix hit one table would have."""
+    path = tiny_models("gemma3")
+    prompts = shared_prefix_prompts()
+    kw = dict(device="cpu", num_kv_blocks=256, max_model_len=256)
+    on = LLM(str(path), **kw)
+    off = LLM(str(path), sliding_window_kv=False, **kw)
+    assert tokens(on.generate(prompts, GREEDY, use_tqdm=False)) == tokens(
+        off.generate(prompts, GREEDY, use_tqdm=False)
+    )
+    assert on.stats().prefix_hits == off.stats().prefix_hits > 0
+
+
+def test_triton_backend_matches_transformers(tiny_models):
+    path = tiny_models("gemma3")
+    prompts = random_prompts(512, (30, 61), seed=6)
+    llm = LLM(str(path), device="cpu", dtype="float32", attention_backend="triton", block_size=8)
+    assert isinstance(llm.engine.kv, HybridKVCacheManager)
+    got = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert got == hf_greedy(path, prompts, GREEDY.max_tokens, ignore_eos=True)
