@@ -282,9 +282,8 @@ def ratios(on: ModeRun, off: ModeRun) -> dict[str, float | None]:
     }
 
 
-def report_text(
-    runs: dict[str, ModeRun], args: argparse.Namespace, diff: tuple[int, int] | None
-) -> str:
+def report_text(runs: dict[str, ModeRun], args: argparse.Namespace) -> str:
+    """The job in one line, then a row per mode."""
     shape = args.shape
     windowed = sum(t == "sliding_attention" for t in shape.config(1, 1).layer_types)
     head = (
@@ -309,14 +308,22 @@ def report_text(
                 f"{run.tokens_per_s:.1f}",
             ]
         )
+    return "\n".join([head, "", *format_rows(table)])
+
+
+def verdict_line(runs: dict[str, ModeRun], diff: tuple[int, int] | None) -> str:
+    """The last line printed (the GPU check's steps table shows it): ratios and tokens."""
     r = ratios(runs["on"], runs["off"])
-    same = "identical" if diff is None else f"DIFFER (request {diff[0]}, token {diff[1]})"
-    last = (
-        f"gemma-window on/off: sequences at once {_x(r['max_running'])} (most), "
-        f"{_x(r['mean_running'])} (mean); throughput {_x(r['tokens_per_s'])}; "
-        f"greedy tokens {same}"
+    ratio_text = (
+        f"sequences at once {_x(r['max_running'])} (most), {_x(r['mean_running'])} (mean); "
+        f"throughput {_x(r['tokens_per_s'])}"
     )
-    return "\n".join([head, "", *format_rows(table), "", last])
+    if diff is None:
+        return f"gemma-window on/off: {ratio_text}; greedy tokens identical"
+    return (
+        f"gemma-window FAIL: greedy tokens differ between window KV on and off (request "
+        f"{diff[0]}, token {diff[1]}); on/off: {ratio_text}"
+    )
 
 
 def _x(v: float | None) -> str:
@@ -385,38 +392,40 @@ def main(argv: list[str] | None = None) -> int:
         runs[run.mode] = run
         print(f"window KV {run.mode}: {run.seconds:.2f} s", file=sys.stderr, flush=True)
     diff = first_difference(runs["off"].token_ids, runs["on"].token_ids)
-    print(report_text(runs, args, diff))
+    print(report_text(runs, args))
     if args.json is not None:
-        result = {
-            "bench": "gemma-window",
-            "command": shlex.join(["kvbatch", "bench", "gemma-window", *argv]),
-            "date": time.strftime("%Y-%m-%d"),
-            "machine": machine_info(args.device),
-            "model": dataclasses.asdict(args.shape) | {"window": args.window},
-            "job": {
-                "num_prompts": args.num_prompts,
-                "prompt_tokens": args.prompt_tokens,
-                "output_tokens": args.output_tokens,
-                "block_size": args.block_size,
-                "kv_cache_bytes": args.kv_cache_bytes,
-                "seed": args.seed,
-            },
-            "modes": {mode: run.row() for mode, run in runs.items()},
-            "ratios": ratios(runs["on"], runs["off"]),
-            "greedy_identical": diff is None,
-            "first_difference": None if diff is None else list(diff),
-        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        args.json.write_text(json.dumps(result_json(runs, args, argv, diff), indent=2) + "\n")
         print(f"wrote {args.json}")
-    if diff is not None:
-        print(
-            f"gemma-window: FAIL: greedy tokens differ between window KV on and off "
-            f"(request {diff[0]}, token {diff[1]})",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    print(verdict_line(runs, diff))
+    return 0 if diff is None else 1
+
+
+def result_json(
+    runs: dict[str, ModeRun],
+    args: argparse.Namespace,
+    argv: list[str],
+    diff: tuple[int, int] | None,
+) -> dict[str, Any]:
+    return {
+        "bench": "gemma-window",
+        "command": shlex.join(["kvbatch", "bench", "gemma-window", *argv]),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine_info(args.device),
+        "model": dataclasses.asdict(args.shape) | {"window": args.window},
+        "job": {
+            "num_prompts": args.num_prompts,
+            "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens,
+            "block_size": args.block_size,
+            "kv_cache_bytes": args.kv_cache_bytes,
+            "seed": args.seed,
+        },
+        "modes": {mode: run.row() for mode, run in runs.items()},
+        "ratios": ratios(runs["on"], runs["off"]),
+        "greedy_identical": diff is None,
+        "first_difference": None if diff is None else list(diff),
+    }
 
 
 if __name__ == "__main__":

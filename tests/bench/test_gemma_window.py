@@ -17,9 +17,11 @@ from transformers import AutoConfig
 from kvbatch.bench import cli
 from kvbatch.bench.gemma_window import (
     SIZES,
+    ModeRun,
     checkpoint_dir,
     first_difference,
     kv_bytes_per_token,
+    verdict_line,
 )
 
 TINY = SIZES["tiny"]
@@ -52,7 +54,9 @@ def test_both_modes_run_and_agree(tiny_run):
     status, printed, result = tiny_run
     assert status == 0
     assert result["greedy_identical"] is True and result["first_difference"] is None
-    assert "greedy tokens identical" in printed.splitlines()[-2]  # the line before "wrote ..."
+    last = printed.splitlines()[-1]  # the GPU check's steps table shows it
+    assert last.startswith("gemma-window on/off: sequences at once ")
+    assert last.endswith("; greedy tokens identical")
     assert set(result["modes"]) == {"on", "off"}
     for mode, row in result["modes"].items():
         assert set(row) == ROW_KEYS and row["mode"] == mode
@@ -91,10 +95,16 @@ def test_the_checkpoint_is_gemma3_with_five_local_layers_to_one_global(tmp_path)
     assert config.layer_types[-1] == "full_attention"
 
 
-def test_first_difference_names_the_request_and_token():
+def test_differing_tokens_are_named_and_fail_the_verdict():
     assert first_difference([[1, 2], [3, 4]], [[1, 2], [3, 4]]) is None
     assert first_difference([[1, 2], [3, 4]], [[1, 2], [3, 5]]) == (1, 1)
     assert first_difference([[1, 2]], [[1]]) == (0, 1)  # one stopped early
+    off = ModeRun("off", 2.0, 100, 60, 4, 3.5, 40, 2, [[1, 2], [3, 4]])
+    on = ModeRun("on", 1.0, 100, 30, 8, 7.0, 40, 0, [[1, 2], [3, 5]])
+    line = verdict_line({"on": on, "off": off}, first_difference(off.token_ids, on.token_ids))
+    assert line.startswith("gemma-window FAIL: greedy tokens differ")
+    assert "(request 1, token 1)" in line
+    assert "sequences at once 2.00x (most), 2.00x (mean); throughput 2.00x" in line
 
 
 def test_help_is_the_bench_s_own(capsys):
