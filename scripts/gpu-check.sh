@@ -33,6 +33,12 @@
 #                 kernels ranked, and how busy the GPU was)
 #   long-prefill  kvbatch bench long-prefill --json long-prefill.json (the defaults: chunks
 #                 of the 32k prompt sized from timed steps, long_prefill_step_ratio 2.5)
+#   rag-gemma     kvbatch bench gemma-window --size gpu --json gemma-window.json: Gemma 3 1B's
+#                 shape (26 layers, 22 of them windowed, window 512; random weights, bfloat16),
+#                 64 prompts of 8k tokens, 256 out, under a KV budget of 8 whole sequences, run
+#                 with window KV (sliding_window_kv) on and off: sequences at once, KV blocks,
+#                 preemptions, tokens/s, and greedy tokens equal between them (--cpu: its tiny
+#                 size; GEMMA_WINDOW_ARGS replaces the flags; skipped past BUDGET_S)
 #   quant-greedy  scripts/quant_greedy_check.py: online FP8, W4A16 (GPTQ, rounded random
 #                 weights) and block-wise FP8 (Qwen3-*-FP8's layout) models on kvbatch.kernels'
 #                 GEMMs against the reference path, float32, on tiny, rag-shape and tiny
@@ -87,14 +93,15 @@
 #
 # The results folder gets gpu-check.log (every step's output), steps.tsv, rag.json,
 # rag-hf-cb.json, long-prefill.json, long-prefill-eager.json, long-prefill-gc.json,
-# rag-sweep.json, quant-ROW.json (one per row), moe-rag.json, qwen3-rag.json and summary.txt
+# rag-sweep.json, quant-ROW.json (one per row), moe-rag.json, qwen3-rag.json,
+# gemma-window.json and summary.txt
 # (more than the eight files the device tool brings back, so there run it with
 # `--out /tmp/gpu-check` and end the command with
 # `tar -czf $OUT/gpu-check.tgz -C /tmp/gpu-check . ; cp /tmp/gpu-check/summary.txt $OUT/`). Each
 # step's time limit can be changed through the environment (e.g. RAG_TIMEOUT=400); the
 # required steps' limits add up to 1035 s, the optional ones (eager, gc, caps, quant rows,
-# rag-moe, rag-qwen3, hf-cb, sweep) run only while the run can end inside BUDGET_S; before the
-# quantized steps a run took about 5 to 6 minutes (the quantized, MoE and rag-qwen3 steps are
+# rag-moe, rag-qwen3, rag-gemma, hf-cb, sweep) run only while the run can end inside BUDGET_S;
+# before the quantized steps a run took about 5 to 6 minutes (the quantized, MoE and rag-qwen3 steps are
 # not yet timed on a GPU), and if the run is cut short every finished step's files are there.
 # PER_TEST_TIMEOUT (75 s; 120 with --cpu) bounds each test of the kernels and triton-test steps,
 # whose logs also list their slowest tests.
@@ -155,6 +162,7 @@ if [ "$CPU" = 1 ]; then
   # (2,048 tokens) is made longer than the threshold, as the 32k one is on the GPU
   LONG_PREFILL_DEFAULTS=(--long-prefill-step-ratio 2.5 --long-prefill-token-threshold 1024
                          --freeze-gc)
+  GEMMA_WINDOW_SIZE=(--size tiny)
 else
   MODE=gpu
   TINY=()
@@ -164,6 +172,7 @@ else
   SPLITS=()
   QUANT_GEMM=()
   LONG_PREFILL_DEFAULTS=()
+  GEMMA_WINDOW_SIZE=(--size gpu)
 fi
 # The required steps' GPU limits add up to 1035 s (first Triton compiles included); the
 # optional steps (caps, quant rows, rag-moe, rag-qwen3, sweep) keep the run inside BUDGET_S.
@@ -187,6 +196,8 @@ MOE_GREEDY_TIMEOUT=${MOE_GREEDY_TIMEOUT:-60}
 RAG_MOE_TIMEOUT=${RAG_MOE_TIMEOUT:-150}  # builds the 3.1 B-parameter model; skipped past BUDGET_S
 RAG_QWEN3_TIMEOUT=${RAG_QWEN3_TIMEOUT:-150}  # builds the 2.8 B-parameter model; as rag-moe
 EMBED_GPU_TIMEOUT=${EMBED_GPU_TIMEOUT:-120}  # builds two random embedding models; as rag-moe
+# builds the 1 B-parameter model, then two engines each run the job; skipped past BUDGET_S
+RAG_GEMMA_TIMEOUT=${RAG_GEMMA_TIMEOUT:-240}
 RAG_TIMEOUT=${RAG_TIMEOUT:-200}
 LONG_PREFILL_TIMEOUT=${LONG_PREFILL_TIMEOUT:-70}
 LONG_PREFILL_CAP_TIMEOUT=${LONG_PREFILL_CAP_TIMEOUT:-60}  # each; skipped past BUDGET_S
@@ -202,6 +213,7 @@ LOG="$OUT_DIR/gpu-check.log"
 STEPS="$OUT_DIR/steps.tsv"
 rm -f "$OUT_DIR"/rag*.json "$OUT_DIR"/long-prefill*.json "$OUT_DIR"/quant-*.json \
   "$OUT_DIR"/moe-*.json "$OUT_DIR"/qwen3-*.json "$OUT_DIR"/embed-gpu.json \
+  "$OUT_DIR/gemma-window.json" \
   "$OUT_DIR/index-gpu.json" "$OUT_DIR/summary.txt"
 STEP_LOG="$(mktemp)"
 trap 'rm -rf "$STEP_LOG"' EXIT
@@ -302,6 +314,16 @@ read -r -a LONG_PREFILL_EXTRA <<< "${LONG_PREFILL_ARGS:-}"
 step long-prefill "$LONG_PREFILL_TIMEOUT" "$PY" -m kvbatch.cli bench long-prefill ${TINY[@]+"${TINY[@]}"} \
   ${LONG_PREFILL_DEFAULTS[@]+"${LONG_PREFILL_DEFAULTS[@]}"} \
   ${LONG_PREFILL_EXTRA[@]+"${LONG_PREFILL_EXTRA[@]}"} --json "$OUT_DIR/long-prefill.json"
+# rag-gemma: Gemma 3's window layers with window KV on and off under one KV budget, if BUDGET_S
+# allows (GEMMA_WINDOW_ARGS: the bench's flags instead of the size's defaults)
+read -r -a GEMMA_WINDOW_EXTRA <<< "${GEMMA_WINDOW_ARGS:-}"
+if ! wanted rag-gemma; then
+  skip rag-gemma "not in --only"
+elif fits rag-gemma "$RAG_GEMMA_TIMEOUT"; then
+  step rag-gemma "$RAG_GEMMA_TIMEOUT" "$PY" -m kvbatch.cli bench gemma-window \
+    "${GEMMA_WINDOW_SIZE[@]}" ${GEMMA_WINDOW_EXTRA[@]+"${GEMMA_WINDOW_EXTRA[@]}"} \
+    --json "$OUT_DIR/gemma-window.json"
+fi
 # Quantized paths: the kernels' greedy tokens against the reference path, then the benchmark
 # rows, most wanted first, each kvbatch alone and skipped when it could not end inside BUDGET_S
 # (QUANT_ROWS: the rows to run, space-separated names of QUANT_ROW_FLAGS; empty skips them)

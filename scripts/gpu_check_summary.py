@@ -5,7 +5,8 @@
 Reads steps.tsv (each step's status), rag.json, long-prefill.json, long-prefill-CAP.json
 (other chunk caps), rag-hf-cb.json, rag-sweep.json, moe-rag.json and qwen3-rag.json (rag's
 prompts on a Qwen3-MoE and on a dense Qwen3) and quant-ROW.json (the quantized rows; all
-`kvbatch bench --json`) and prints the steps, the rag tables (seconds, tokens/s, latency,
+`kvbatch bench --json`), gemma-window.json (`kvbatch bench gemma-window --json`: window KV on
+and off) and prints the steps, the rag tables (seconds, tokens/s, latency,
 ratio, fraction of the floor), the quantized rows (seconds, output tokens/s, weight GiB, KV
 capacity in tokens)
 and the two GPU targets: `rag` in at most 1.5 s on an H200, and in `long-prefill` no decoding
@@ -227,6 +228,42 @@ def sweep_lines(data: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def gemma_window_lines(data: dict[str, Any] | None) -> list[str]:
+    """rag-gemma's table: `kvbatch bench gemma-window --json`, window KV off and on under one
+    KV budget, their ratios and whether their greedy tokens agree."""
+    if data is None:
+        return ["gemma-window: no results (the step failed or timed out; see gpu-check.log)"]
+    m, model, job = data["machine"], data["model"], data["job"]
+    lines = [
+        f"gemma-window: {model['name']} (window {model['window']}) on {m['device']} "
+        f"({m['device_name']}), {data['date']}: {job['num_prompts']} prompts of "
+        f"{job['prompt_tokens']} tokens, {job['output_tokens']} out, KV budget "
+        f"{job['kv_cache_bytes'] / 2**20:,.0f} MiB"
+    ]
+    table = [["window KV", "KV blocks", "most seqs", "mean seqs", "preempted", "seconds", "tok/s"]]
+    for mode in ("off", "on"):
+        r = data["modes"][mode]
+        table.append(
+            [
+                mode,
+                str(r["num_kv_blocks"]),
+                str(r["max_running"]),
+                f"{r['mean_running']:.1f}",
+                str(r["num_preemptions"]),
+                f"{r['seconds']:.2f}",
+                f"{r['tokens_per_s']:.1f}",
+            ]
+        )
+    lines += format_rows(table)
+    x = {k: "-" if v is None else f"{v:.2f}x" for k, v in data["ratios"].items()}
+    tokens = "identical" if data["greedy_identical"] else "DIFFER"
+    lines.append(
+        f"on/off: sequences at once {x['max_running']} (most), {x['mean_running']} (mean); "
+        f"throughput {x['tokens_per_s']}; greedy tokens {tokens}"
+    )
+    return lines
+
+
 def quant_lines(folder: Path) -> list[str]:
     """One row per quant-ROW.json: the format, speed and memory of kvbatch on that workload,
     in the order the rows ran (steps.tsv), with each workload's float row as the 1.00x."""
@@ -307,6 +344,8 @@ def summary(folder: Path) -> str:
         if step in {r["step"] for r in rows} - skipped:
             lines += ["", f"{step} (its own step):"]
             lines += rag_lines(_load(folder / results), verdict=False)
+    if "rag-gemma" in {r["step"] for r in rows} - skipped:
+        lines += [""] + gemma_window_lines(_load(folder / "gemma-window.json"))
     quant = quant_lines(folder)
     if quant:
         lines += [""] + quant

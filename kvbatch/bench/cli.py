@@ -64,6 +64,8 @@ TOOLS: dict[str, Callable[[list[str] | None], int]] = {
     "index-cpu": partial(_lazy_main, "index_bench"),
     # recall@5 and MRR of plain and contextual chunks on the stdlib's pydoc pages
     "index-retrieval": partial(_lazy_main, "retrieval_bench"),
+    # a Gemma 3 shape with window KV on and off: sequences at once, throughput, same tokens
+    "gemma-window": partial(_lazy_main, "gemma_window"),
 }
 """Benchmarks with their own options: `kvbatch bench NAME ...` hands them the rest of argv."""
 

@@ -99,6 +99,7 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
         "greedy": "skipped",
         "rag": "ok",
         "long-prefill": "skipped",
+        "rag-gemma": "skipped",
         "long-prefill-eager": "skipped",
         "long-prefill-gc": "skipped",  # and no token cap's step: LONG_PREFILL_CAPS is empty
         "rag-hf-cb": "ok",
@@ -128,6 +129,28 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
         ["bash", "scripts/gpu-check.sh", "--bogus"], cwd=ROOT, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "unknown option --bogus" in bad.stderr
+
+
+@pytest.mark.slow
+def test_the_gemma_window_step_runs_both_modes_and_is_summed_up(tmp_path: Path):
+    """rag-gemma at its tiny size (--cpu), with the H200 image's packages only: both modes,
+    their greedy tokens equal, the verdict in the steps table and the summary's table."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    r = subprocess.run(
+        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", "rag-gemma", "--out", str(out)],
+        cwd=ROOT, env=env | {"VERSIONS_TIMEOUT": "120"}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with (out / "steps.tsv").open() as f:
+        rows = {row[0]: row for row in (line.rstrip("\n").split("\t") for line in f)}
+    assert rows["rag-gemma"][1] == "ok"
+    assert rows["rag-gemma"][5].endswith("; greedy tokens identical")
+    result = json.loads((out / "gemma-window.json").read_text())
+    assert result["model"]["name"] == "gemma3-tiny" and set(result["modes"]) == {"on", "off"}
+    summary = (out / "summary.txt").read_text()
+    assert "gemma-window: gemma3-tiny (window 32) on cpu" in summary
 
 
 def test_the_index_step_is_skipped_with_what_the_image_lacks(tmp_path: Path):

@@ -243,3 +243,47 @@ def test_quantized_rows_compare_with_their_workload_s_float_row(tmp_path):
     assert by_row["no-share-fp8-kv"][8:] == ["1.000", "32000"]  # GiB, KV tokens
     assert by_row["rag-fp8"][7] == "1.60"  # against the rag step's kvbatch row
     assert by_row["broken"][1:3] == ["no", "results"]
+
+
+def _gemma_window(identical: bool) -> dict[str, Any]:
+    """A `kvbatch bench gemma-window --json` result: window KV on holds 4x the sequences."""
+
+    def mode(name: str, running: int, seconds: float) -> dict[str, Any]:
+        return {"mode": name, "seconds": seconds, "output_tokens": 16384, "steps": 900,
+                "max_running": running, "mean_running": running - 0.5, "num_kv_blocks": 4224,
+                "num_preemptions": 3, "tokens_per_s": 16384 / seconds}  # fmt: skip
+
+    return {
+        "machine": {"device": "cuda", "device_name": "NVIDIA H200"},
+        "model": {"name": "gemma-3-1b", "window": 512},
+        "date": "2026-12-05",
+        "job": {
+            "num_prompts": 64,
+            "prompt_tokens": 8192,
+            "output_tokens": 256,
+            "kv_cache_bytes": 8 * 528 * 16 * 26624,
+        },  # fmt: skip
+        "modes": {"off": mode("off", 9, 20.0), "on": mode("on", 36, 8.0)},
+        "ratios": {"max_running": 4.0, "mean_running": 35.5 / 8.5, "tokens_per_s": 2.5},
+        "greedy_identical": identical,
+    }
+
+
+def test_rag_gemma_gets_a_table_of_both_modes_and_their_ratios(tmp_path):
+    (tmp_path / "gemma-window.json").write_text(json.dumps(_gemma_window(True)))
+    _steps(tmp_path, **{"rag-gemma": "ok"})
+    part = summary.summary(tmp_path).split("gemma-window: gemma-3-1b (window 512) on cuda")[1]
+    assert "64 prompts of 8192 tokens, 256 out, KV budget 1,716 MiB" in part
+    off, on = (line.split() for line in part.splitlines()[2:4])
+    assert off[:3] == ["off", "4224", "9"] and on[:3] == ["on", "4224", "36"]
+    assert on[-2:] == ["8.00", "2048.0"]  # seconds, tokens/s
+    assert "on/off: sequences at once 4.00x (most), 4.18x (mean); throughput 2.50x; " in part
+    assert "greedy tokens identical" in part
+
+    (tmp_path / "gemma-window.json").write_text(json.dumps(_gemma_window(False)))
+    assert "greedy tokens DIFFER" in summary.summary(tmp_path)
+    (tmp_path / "gemma-window.json").unlink()  # the step failed: said so
+    _steps(tmp_path, **{"rag-gemma": "TIMEOUT"})
+    assert "gemma-window: no results (the step failed" in summary.summary(tmp_path)
+    _steps(tmp_path, **{"rag-gemma": "skipped"})  # past BUDGET_S, or not --only
+    assert "gemma-window" not in summary.summary(tmp_path)
