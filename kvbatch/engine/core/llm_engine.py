@@ -48,10 +48,10 @@ from kvbatch.engine.exec.runner import ModelRunner
 from kvbatch.engine.kv.kv_cache import KVCacheManager
 from kvbatch.engine.kv.sizing import (
     KVPoolRequest,
+    chosen_context_len,
     fitted_max_model_len,
     kv_pool_blocks,
     log_kv_pool,
-    model_context_len,
 )
 from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.pooling.config import PoolingConfig, read_pooling_config
@@ -144,6 +144,7 @@ class LLMEngine:
             self.kv_dtype,
             self.max_model_len,
             scheduler_config.max_num_seqs,
+            self.max_model_len_why,
         )
         self.frozen_gc_objects = 0  # objects the startup freeze took out of GC passes
         if self._freeze_gc():
@@ -196,13 +197,17 @@ class LLMEngine:
                 draft_model=None if draft is None else draft.model,
             )
         )
+        chosen = self.max_model_len
         self.max_model_len = fitted_max_model_len(
             num_blocks,
             cache.block_size,
-            self.max_model_len,
+            chosen,
             asked=self.max_model_len_asked,
             draft=draft is not None,
+            wanted=self.max_model_len_why,
         )
+        if self.max_model_len < chosen:
+            self.max_model_len_why = "what the KV cache holds"
         return num_blocks
 
     def _step_cost_model(self, scheduler_config: SchedulerConfig) -> StepCostModel | None:
@@ -245,7 +250,14 @@ class LLMEngine:
         return self.device.type == "cuda" if asked is None else asked
 
     def _max_model_len(self) -> int:
-        return model_context_len(self.config.scheduler.max_model_len, self.model_context)
+        """The context asked for, else the caller's longest request or the model's (sets
+        max_model_len_why, which the startup line says)."""
+        scheduler = self.config.scheduler
+        choice = chosen_context_len(
+            scheduler.max_model_len, scheduler.longest_request, self.model_context
+        )
+        self.max_model_len_why = choice.why
+        return choice.length
 
     @property
     def max_model_len_asked(self) -> bool:

@@ -5,7 +5,8 @@ that say so.
     blocks   = budget // bytes of one block (the draft model's KV counted in), or num_kv_blocks,
                capped by what a default budget can put to use
     max_model_len = the one asked for (refused when one request of it would not fit), else the
-               model's context capped at what the pool holds (said once in the log)
+               longest request the caller will send (a job's) or the model's context, capped
+               at the model's and at what the pool holds (said once in the log)
 """
 
 from __future__ import annotations
@@ -122,20 +123,41 @@ def warn_unused_fraction(cache: CacheConfig, device: torch.device) -> None:
     log.warning("kv_cache_memory_fraction=%g is not used: %s", cache.kv_cache_memory_fraction, why)
 
 
-def model_context_len(asked: int, limit: int) -> int:
-    """The context asked for (0 = the model's own, `limit`); more than the model has is refused.
-    Windowed layers mask, so a sliding window does not cap it."""
+@dataclass(frozen=True)
+class ContextChoice:
+    """The context length the engine runs before the pool is sized, and why (the startup line
+    says it)."""
+
+    length: int
+    why: str
+
+
+def chosen_context_len(asked: int, longest: int, limit: int) -> ContextChoice:
+    """The context asked for; else (`asked` 0) the longest request the caller will send
+    (`longest`, 0 = unknown) or the model's own, `limit`, whichever is shorter. More than the
+    model has is refused. Windowed layers mask, so a sliding window does not cap it."""
     if asked > limit:
         raise ValueError(f"max_model_len={asked} exceeds the model's context of {limit}")
-    return asked or limit
+    if asked:
+        return ContextChoice(asked, "max_model_len set")
+    if 0 < longest < limit:
+        return ContextChoice(longest, "the job's longest request")
+    return ContextChoice(limit, "the model's context")
 
 
 def fitted_max_model_len(
-    num_blocks: int, block_size: int, max_model_len: int, *, asked: bool, draft: bool = False
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    *,
+    asked: bool,
+    draft: bool = False,
+    wanted: str = "the model's context",
 ) -> int:
     """The context length the pool can serve. One asked for (`asked`) must fit whole: a pool
-    too small is refused, naming what to raise or lower. The model's own context is instead
-    capped at what the pool holds, and the log says so once."""
+    too small is refused, naming what to raise or lower. One the engine chose (`wanted` says
+    which: the model's context, or a job's longest request) is instead capped at what the pool
+    holds, and the log says so once."""
     pool_tokens = num_blocks * block_size
     if pool_tokens >= max_model_len:
         return max_model_len
@@ -148,10 +170,11 @@ def fitted_max_model_len(
             "kv_cache_memory_fraction on CUDA) or lower max_model_len"
         )
     log.info(
-        "max_model_len=%d: the model's context of %d does not fit the KV cache (%d tokens), "
+        "max_model_len=%d: %s of %d does not fit the KV cache (%d tokens), "
         "so requests are capped at what it holds; for longer ones set max_model_len "
         "(--max-model-len) and a kv_cache_bytes (--kv-cache-bytes) that holds it",
         pool_tokens,
+        wanted,
         max_model_len,
         pool_tokens,
     )
@@ -159,12 +182,18 @@ def fitted_max_model_len(
 
 
 def log_kv_pool(
-    num_blocks: int, block_size: int, kv_dtype: torch.dtype, max_model_len: int, max_num_seqs: int
+    num_blocks: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    max_model_len: int,
+    max_num_seqs: int,
+    why: str = "",
 ) -> None:
-    """The startup line: how much the pool holds and what that means for requests at once."""
+    """The startup line: how much the pool holds, the context length and `why` it is that,
+    and what that means for requests at once."""
     kv_tokens = num_blocks * block_size
     log.info(
-        "KV cache (%s): %d tokens (%d blocks of %d), max_model_len=%d; shared by the requests "
+        "KV cache (%s): %d tokens (%d blocks of %d), max_model_len=%d%s; shared by the requests "
         "running at once: prompt + answer tokens of all of them must fit, so %s; requests "
         "beyond that wait their turn (shared prefixes are stored once)",
         str(kv_dtype).removeprefix("torch."),
@@ -172,6 +201,7 @@ def log_kv_pool(
         num_blocks,
         block_size,
         max_model_len,
+        f" ({why})" if why else "",
         requests_at_once(kv_tokens, max_model_len, max_num_seqs),
     )
 
