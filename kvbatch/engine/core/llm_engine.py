@@ -45,10 +45,10 @@ from kvbatch.engine.core.startup_heap import freeze_startup_heap, thaw_startup_h
 from kvbatch.engine.core.stopping import StopChecker
 from kvbatch.engine.exec.launched_step import LaunchedStep, StepResult, start_clock
 from kvbatch.engine.exec.runner import ModelRunner
+from kvbatch.engine.kv.context_len import CAPPED_AT_POOL, chosen_context_len
 from kvbatch.engine.kv.kv_cache import KVCacheManager
 from kvbatch.engine.kv.sizing import (
     KVPoolRequest,
-    chosen_context_len,
     fitted_max_model_len,
     kv_pool_blocks,
     log_kv_pool,
@@ -207,7 +207,7 @@ class LLMEngine:
             wanted=self.max_model_len_why,
         )
         if self.max_model_len < chosen:
-            self.max_model_len_why = "what the KV cache holds"
+            self.max_model_len_why = CAPPED_AT_POOL
         return num_blocks
 
     def _step_cost_model(self, scheduler_config: SchedulerConfig) -> StepCostModel | None:

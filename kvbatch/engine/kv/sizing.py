@@ -123,28 +123,6 @@ def warn_unused_fraction(cache: CacheConfig, device: torch.device) -> None:
     log.warning("kv_cache_memory_fraction=%g is not used: %s", cache.kv_cache_memory_fraction, why)
 
 
-@dataclass(frozen=True)
-class ContextChoice:
-    """The context length the engine runs before the pool is sized, and why (the startup line
-    says it)."""
-
-    length: int
-    why: str
-
-
-def chosen_context_len(asked: int, longest: int, limit: int) -> ContextChoice:
-    """The context asked for; else (`asked` 0) the longest request the caller will send
-    (`longest`, 0 = unknown) or the model's own, `limit`, whichever is shorter. More than the
-    model has is refused. Windowed layers mask, so a sliding window does not cap it."""
-    if asked > limit:
-        raise ValueError(f"max_model_len={asked} exceeds the model's context of {limit}")
-    if asked:
-        return ContextChoice(asked, "max_model_len set")
-    if 0 < longest < limit:
-        return ContextChoice(longest, "the job's longest request")
-    return ContextChoice(limit, "the model's context")
-
-
 def fitted_max_model_len(
     num_blocks: int,
     block_size: int,
