@@ -109,7 +109,8 @@ class EngineArgs:
     max_model_len: int | None = _setting(
         None,
         "longest prompt + answer in tokens; a longer request fails alone",
-        shown="the model's context length, capped at what the KV cache holds",
+        shown="the model's context length (a job's: its longest request), capped at what "
+        "the KV cache holds",
         flag=Flag(type=positive_int, metavar="N"),
     )
     longest_request: int | None = _setting(
