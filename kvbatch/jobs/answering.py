@@ -21,6 +21,7 @@ from typing import Any
 
 from kvbatch.engine import SamplingParams
 from kvbatch.jobs.grouping import feed_in_order
+from kvbatch.jobs.job_context import fit_default_cap
 from kvbatch.jobs.openai_format.embedding_lines import EmbeddingLines
 from kvbatch.jobs.openai_format.responses import success_line
 from kvbatch.jobs.openai_format.validate import JobRequest
@@ -59,6 +60,13 @@ def parse_request_id(rid: str) -> tuple[int, int] | None:
     return int(key), int(part)
 
 
+def _fitted(r: EngineRequest, request_of, max_model_len: int) -> SamplingParams | None:
+    req = request_of(r.key)
+    if req is None:
+        return r.params
+    return fit_default_cap(r.params, req, len(r.token_ids), max_model_len)
+
+
 @dataclass(frozen=True)
 class LineContext:
     """What every answer line of a job carries: the same for every worker of a job (they come
@@ -81,11 +89,16 @@ def answer(
     """Run `requests` on `engine` (an LLMEngine) in the order given, at most `window` inside
     at once (0: 4 x max_num_seqs), and yield each of their outputs as it finishes, with the
     line it completed. `request_of(key)` is the validated line (None: not this job's). A
-    request the engine refuses gives its line an error line. Stops early when `should_stop`
-    says so (see feed_in_order); the caller tells the unanswered lines by what was not yielded.
+    request the engine refuses gives its line an error line; a line's default output cap is
+    cut to the room the engine's context leaves (kvbatch.jobs.job_context). Stops early when
+    `should_stop` says so (see feed_in_order); the caller tells the unanswered lines by what
+    was not yielded.
     """
     window = window or 4 * engine.config.scheduler.max_num_seqs
-    feed = ((request_id(r.key, r.input), r.token_ids, r.params) for r in requests)
+    feed = (
+        (request_id(r.key, r.input), r.token_ids, _fitted(r, request_of, engine.max_model_len))
+        for r in requests
+    )
     vectors = EmbeddingLines(context.model_name, engine, context.batch_id)
     for out in feed_in_order(engine, feed, window, should_stop):
         parsed = parse_request_id(out.request_id)

@@ -69,6 +69,7 @@ from kvbatch.jobs.distributed.shards import (
     run_shard,
 )
 from kvbatch.jobs.distributed.waiting import note_waiting
+from kvbatch.jobs.job_context import engine_settings, runs_at
 from kvbatch.jobs.model_fingerprint import (
     FingerprintError,
     ModelFingerprint,
@@ -102,11 +103,13 @@ WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 @dataclass
 class WorkerModel:
     """The one model of a worker process, loaded once (solo pool: the process runs shards
-    itself, so the model never crosses a fork)."""
+    itself, so the model never crosses a fork), and again only for a job that runs at another
+    context (kvbatch.jobs.job_context)."""
 
     path: str
     engine: dict = field(default_factory=dict)  # engine.LLM keyword arguments
     _llm: Any = field(default=None, repr=False)
+    _longest: int = field(default=0, repr=False)  # the longest_request it was loaded with
     _fingerprint: ModelFingerprint | None = field(default=None, repr=False)
 
     def fingerprint(self) -> ModelFingerprint:
@@ -116,12 +119,22 @@ class WorkerModel:
             self._fingerprint = fingerprint(self.llm().engine.config.model)
         return self._fingerprint
 
-    def llm(self):
+    def llm(self, longest_request: int = 0):
+        """The engine. `longest_request` (a job's, from job.json; 0 = none recorded) is the
+        context the job runs at unless the worker's --max-model-len is set: an engine loaded at
+        another is dropped and loaded again at the job's, so every shard of a job runs at the
+        same context as `kvbatch run` would, whichever worker takes it."""
+        wanted = 0 if self.engine.get("max_model_len") else longest_request
+        if self._llm is not None and not runs_at(self._llm.engine, wanted):
+            log.info("loading %s again for a job whose longest request is %d tokens",
+                     self.path, wanted)  # fmt: skip
+            self._llm = None  # the next engine's start frees this one's memory first
         if self._llm is None:
             from kvbatch.engine import LLM  # torch is imported here, not at kvbatch.worker start-up
 
             log.info("loading %s", self.path)
-            self._llm = LLM(model=self.path, **self.engine)
+            self._longest = wanted or self._longest
+            self._llm = LLM(model=self.path, **engine_settings(self.engine, self._longest))
         return self._llm
 
 
@@ -326,7 +339,7 @@ def _claim_and_run(task: ShardTask, msg: ShardMessage, job: Storage, manifest: d
     llm = None
     started = time.monotonic()
     try:
-        llm = task.model.llm()
+        llm = task.model.llm(int(manifest.get("longest_request") or 0))
         model_name = manifest.get("model_name") or Path(task.model.path.rstrip("/")).name
         metrics.set_model(model_name)
         with running(job, msg.shard_id, WORKER_ID):

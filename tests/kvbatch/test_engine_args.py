@@ -21,6 +21,7 @@ BASE_KEYS = {  # the settings whose default is not None (None leaves the engine'
     "max_num_seqs",
     "block_size",
     "enable_prefix_caching",
+    "sliding_window_kv",
     "attention_backend",
 }
 

@@ -184,7 +184,8 @@ def test_handle_shard_counts_the_shard_and_its_lines(
 
     m = WorkerMetrics()
     monkeypatch.setattr(metrics_mod, "METRICS", m)
-    model = tasks.WorkerModel(str(tiny_chat_model))
+    # with --max-model-len the worker keeps its engine for every job (kvbatch.jobs.job_context)
+    model = tasks.WorkerModel(str(tiny_chat_model), {"max_model_len": 1})
     model._llm = tiny_llm  # loaded once for the module
     task = make_app("redis://127.0.0.1:1/0").tasks[TASK_NAME]
     task.use_model(model)

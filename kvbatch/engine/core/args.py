@@ -109,8 +109,16 @@ class EngineArgs:
     max_model_len: int | None = _setting(
         None,
         "longest prompt + answer in tokens; a longer request fails alone",
-        shown="the model's context length, capped at what the KV cache holds",
+        shown="the model's context length (a job's: its longest request), capped at what "
+        "the KV cache holds",
         flag=Flag(type=positive_int, metavar="N"),
+    )
+    longest_request: int | None = _setting(
+        None,
+        "the longest prompt + answer the caller will send (a job's, known before the model "
+        "loads): with max_model_len unset, the context is this, capped at the model's and at "
+        "what the KV cache holds",
+        shown="the model's context",
     )
     block_size: int = _setting(
         16,
@@ -269,6 +277,7 @@ class EngineKwargs(TypedDict, total=False):
     max_num_seqs: int
     max_num_batched_tokens: int | None
     max_model_len: int | None
+    longest_request: int | None
     block_size: int
     enable_prefix_caching: bool
     sliding_window_kv: bool

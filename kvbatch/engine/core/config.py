@@ -61,6 +61,9 @@ class SchedulerConfig:
     max_num_seqs: int = DEFAULTS.max_num_seqs
     max_num_batched_tokens: int | None = DEFAULTS.max_num_batched_tokens  # None: by device
     max_model_len: int = 0  # filled in by the engine from the model (0 = the model's context)
+    # With max_model_len 0: the longest request the caller will send (0 = unknown), the
+    # context the engine picks in place of the model's own (kv/sizing.py chosen_context_len)
+    longest_request: int = 0
     # While other sequences decode, one prompt's chunk in a step is at most this many tokens
     # (0 = no cap): a 32k-token prompt then costs running requests several short waits for
     # their next token instead of a few long ones. Prompts shorter than this are unaffected.
@@ -104,6 +107,8 @@ class SchedulerConfig:
             )
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.longest_request < 0:
+            raise ValueError(f"longest_request must be >= 1, got {self.longest_request}")
 
 
 def default_batched_tokens(device: torch.device) -> int:
@@ -184,6 +189,7 @@ class EngineConfig:
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len or 0,
+                longest_request=args.longest_request or 0,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 long_prefill_step_ratio=args.long_prefill_step_ratio,
             ),

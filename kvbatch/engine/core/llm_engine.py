@@ -45,6 +45,7 @@ from kvbatch.engine.core.startup_heap import freeze_startup_heap, thaw_startup_h
 from kvbatch.engine.core.stopping import StopChecker
 from kvbatch.engine.exec.launched_step import LaunchedStep, StepResult, start_clock
 from kvbatch.engine.exec.runner import ModelRunner
+from kvbatch.engine.kv.context_len import CAPPED_AT_POOL, chosen_context_len
 from kvbatch.engine.kv.hybrid import HybridKVCacheManager
 from kvbatch.engine.kv.kv_cache import KVCacheManager
 from kvbatch.engine.kv.layout import KVLayout, plan_layout
@@ -53,7 +54,6 @@ from kvbatch.engine.kv.sizing import (
     fitted_max_model_len,
     kv_pool_blocks,
     log_kv_pool,
-    model_context_len,
 )
 from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.pooling.config import PoolingConfig, read_pooling_config
@@ -147,8 +147,9 @@ class LLMEngine:
             self.kv_dtype,
             self.max_model_len,
             scheduler_config.max_num_seqs,
-            self.kv_layout,
-            scheduler_config.max_num_batched_tokens,
+            self.max_model_len_why,
+            layout=self.kv_layout,
+            max_chunk=scheduler_config.max_num_batched_tokens,
         )
         self.frozen_gc_objects = 0  # objects the startup freeze took out of GC passes
         if self._freeze_gc():
@@ -202,15 +203,19 @@ class LLMEngine:
                 layout=self.kv_layout,
             )
         )
+        chosen = self.max_model_len
         self.max_model_len = fitted_max_model_len(
             num_blocks,
             cache.block_size,
-            self.max_model_len,
+            chosen,
             asked=self.max_model_len_asked,
             draft=draft is not None,
             layout=self.kv_layout,
             max_chunk=scheduler_config.max_num_batched_tokens,
+            wanted=self.max_model_len_why,
         )
+        if self.max_model_len < chosen:
+            self.max_model_len_why = CAPPED_AT_POOL
         return num_blocks
 
     def _kv_layout(self) -> KVLayout:
@@ -284,7 +289,14 @@ class LLMEngine:
         return self.device.type == "cuda" if asked is None else asked
 
     def _max_model_len(self) -> int:
-        return model_context_len(self.config.scheduler.max_model_len, self.model_context)
+        """The context asked for, else the caller's longest request or the model's (sets
+        max_model_len_why, which the startup line says)."""
+        scheduler = self.config.scheduler
+        choice = chosen_context_len(
+            scheduler.max_model_len, scheduler.longest_request, self.model_context
+        )
+        self.max_model_len_why = choice.why
+        return choice.length
 
     @property
     def max_model_len_asked(self) -> bool:

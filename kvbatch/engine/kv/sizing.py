@@ -5,7 +5,8 @@ that say so.
     blocks   = budget // bytes of one block (the draft model's KV counted in), or num_kv_blocks,
                capped by what a default budget can put to use
     max_model_len = the one asked for (refused when one request of it would not fit), else the
-               model's context capped at what the pool holds (said once in the log)
+               longest request the caller will send (a job's) or the model's context, capped
+               at the model's and at what the pool holds (said once in the log)
 """
 
 from __future__ import annotations
@@ -129,14 +130,6 @@ def warn_unused_fraction(cache: CacheConfig, device: torch.device) -> None:
     log.warning("kv_cache_memory_fraction=%g is not used: %s", cache.kv_cache_memory_fraction, why)
 
 
-def model_context_len(asked: int, limit: int) -> int:
-    """The context asked for (0 = the model's own, `limit`); more than the model has is refused.
-    Windowed layers mask, so a sliding window does not cap it."""
-    if asked > limit:
-        raise ValueError(f"max_model_len={asked} exceeds the model's context of {limit}")
-    return asked or limit
-
-
 def fitted_max_model_len(
     num_blocks: int,
     block_size: int,
@@ -146,11 +139,13 @@ def fitted_max_model_len(
     draft: bool = False,
     layout: KVLayout | None = None,
     max_chunk: int = 0,
+    wanted: str = "the model's context",
 ) -> int:
     """The context length the pool can serve. One asked for (`asked`) must fit whole: a pool
-    too small is refused, naming what to raise or lower. The model's own context is instead
-    capped at what the pool holds, and the log says so once. With window groups a request
-    holds all its blocks in group 0 but only its window's (and a chunk's) in the others."""
+    too small is refused, naming what to raise or lower. One the engine chose (`wanted` says
+    which: the model's context, or a job's longest request) is instead capped at what the pool
+    holds, and the log says so once. With window groups a request holds all its blocks in
+    group 0 but only its window's (and a chunk's) in the others."""
     if layout is not None and layout.is_hybrid:
         pool_tokens = layout.max_tokens_held(num_blocks, block_size, max_chunk, max_model_len)
     else:
@@ -166,10 +161,11 @@ def fitted_max_model_len(
             "kv_cache_memory_fraction on CUDA) or lower max_model_len"
         )
     log.info(
-        "max_model_len=%d: the model's context of %d does not fit the KV cache (%d tokens), "
+        "max_model_len=%d: %s of %d does not fit the KV cache (%d tokens), "
         "so requests are capped at what it holds; for longer ones set max_model_len "
         "(--max-model-len) and a kv_cache_bytes (--kv-cache-bytes) that holds it",
         pool_tokens,
+        wanted,
         max_model_len,
         pool_tokens,
     )
@@ -182,11 +178,12 @@ def log_kv_pool(
     kv_dtype: torch.dtype,
     max_model_len: int,
     max_num_seqs: int,
+    why: str = "",
     layout: KVLayout | None = None,
     max_chunk: int = 0,
 ) -> None:
-    """The startup line: how much the pool holds and what that means for requests at once;
-    with window groups, a line per group first."""
+    """The startup line: how much the pool holds, the context length and `why` it is that,
+    and what that means for requests at once; with window groups, a line per group first."""
     kv_tokens = num_blocks * block_size
     if layout is not None and layout.is_hybrid:
         log_kv_groups(num_blocks, block_size, layout, max_model_len, max_chunk)
@@ -194,7 +191,7 @@ def log_kv_pool(
         # in requests-at-once terms: the pool over what a whole-context request holds
         kv_tokens = num_blocks * max_model_len // max(per_seq, 1)
     log.info(
-        "KV cache (%s): %d tokens (%d blocks of %d), max_model_len=%d; shared by the requests "
+        "KV cache (%s): %d tokens (%d blocks of %d), max_model_len=%d%s; shared by the requests "
         "running at once: prompt + answer tokens of all of them must fit, so %s; requests "
         "beyond that wait their turn (shared prefixes are stored once)",
         str(kv_dtype).removeprefix("torch."),
@@ -202,6 +199,7 @@ def log_kv_pool(
         num_blocks,
         block_size,
         max_model_len,
+        f" ({why})" if why else "",
         requests_at_once(kv_tokens, max_model_len, max_num_seqs),
     )
 

@@ -1,6 +1,7 @@
 """`kvbatch submit`, the storage half: turn an input file into a distributed job's folder.
 
-    <output>/<job_id>/job.json                  manifest: shards, counts, batch id, max_attempts
+    <output>/<job_id>/job.json                  manifest: shards, counts, batch id, max_attempts,
+                                                the longest request (the workers' context)
     <output>/<job_id>/batch.json                status "in_progress"
     <output>/<job_id>/validation_errors.jsonl   error lines of bad input lines, by line
     <output>/<job_id>/shards/<shard_id>.jsonl   payloads (kvbatch.jobs.distributed.shards.ShardRequest lines)
@@ -149,6 +150,9 @@ def prepare_job(
         "created_at": record.created_at,
         "block_size": block_size,
         "max_model_len": max_len,
+        # every worker without --max-model-len runs the job at this context
+        # (kvbatch.jobs.job_context), whichever shards it takes
+        "longest_request": prepared.longest_request,
         "urls": sorted(prepared.urls),
         "endpoint": prepared.endpoint,
         "shards": sharded.entries,

@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from kvbatch.hub import resolve_model
 from kvbatch.jobs.answering import EngineRequest, LineContext, answer
 from kvbatch.jobs.context_flags import as_flags, long_line_advice
 from kvbatch.jobs.grouping import group_by_prefix
+from kvbatch.jobs.job_context import engine_settings, request_tokens
 from kvbatch.jobs.local.eta import JobWork
 from kvbatch.jobs.local.output_lock import OutputBusy, output_lock
 from kvbatch.jobs.local.partial import PartialError, PartialOutput
@@ -355,7 +357,8 @@ def _run_into(
     try:
         with TokenStore(spill) as store:
             job = _prepare(source, opts, model, store, done)
-            if model.loaded:  # a line needed the engine: it may have capped its context
+            model.longest_request = job.longest_request  # job_first: the engine's context
+            if model.loaded:  # lines were judged by the engine's context, maybe capped
                 _advise_long_lines(job, model.engine)
             record.mark_in_progress()
             if len(store):
@@ -408,11 +411,20 @@ class _ModelNotLoaded(JobError):
 
 
 class ModelOnDemand:
-    """The job's engine, loaded the first time a line needs its tokenizer (or `llm`, given).
-    Has what the validation pass asks of a model: `tokenizer` and `max_model_len`."""
+    """The job's model: what the validation pass asks of it (`tokenizer`, `max_model_len`),
+    then the engine that runs the lines.
+
+    With --max-model-len unset (and no `llm` given) the job picks the context (`job_first`,
+    kvbatch.jobs.job_context): lines are judged against the model's own context, read with the
+    tokenizer but without the weights, and the engine loads afterwards at the job's
+    `longest_request` (set by the caller). Otherwise the engine loads the first time a line
+    needs its tokenizer, and lines are judged against its context."""
 
     def __init__(self, opts: RunOptions, llm=None) -> None:
         self._opts, self._llm = opts, llm
+        self.job_first = llm is None and not opts.engine.get("max_model_len")
+        self.longest_request = 0
+        self._files: _Given | None = None  # job_first: the tokenizer and the model's context
 
     @property
     def loaded(self) -> bool:
@@ -424,21 +436,44 @@ class ModelOnDemand:
             from kvbatch.engine import LLM  # torch is imported here, once a line can run
 
             try:
-                self._llm = LLM(model=self._opts.model, **self._opts.engine)
+                longest = self.longest_request if self.job_first else 0
+                settings = engine_settings(self._opts.engine, longest)
+                self._llm = LLM(model=self._opts.model, **settings)
             except (OSError, ValueError) as e:
                 raise _ModelNotLoaded(f"cannot load the model: {as_flags(str(e))}") from e
         return self._llm.engine
 
     @property
     def tokenizer(self):
-        tokenizer = self.engine.tokenizer
+        files = self._model_files()
+        tokenizer = self.engine.tokenizer if files is None else files.tokenizer
         if tokenizer is None:
             raise JobError(f"the model {self._opts.model} has no tokenizer: jobs need one")
         return tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        files = self._model_files()
+        return self.engine.max_model_len if files is None else files.max_model_len
+
+    def _model_files(self) -> _Given | None:
+        """job_first: the tokenizer and the model's own context, read once without the
+        weights (a Hub id's configs and tokenizer are fetched, as `kvbatch submit` does). A
+        model they cannot be read of loads its engine first instead, whose error (or success:
+        a config only the engine understands) is the word on it."""
+        if self.job_first and self._files is None:
+            from kvbatch.jobs import model_info  # imports torch: once a line can run
+
+            try:
+                path = resolve_model(
+                    self._opts.model, self._opts.engine.get("revision"), tokenizer_only=True
+                )
+                tokenizer = model_info.load_tokenizer(path)
+                self._files = _Given(tokenizer, model_info.max_model_len(path, None, tokenizer))
+            except Exception as e:  # whatever transformers raised: the engine tries next
+                log.debug("reading %s without its weights failed (%s)", self._opts.model, e)
+                self.job_first = False
+        return self._files if self.job_first else None
 
 
 class _Given:
@@ -509,6 +544,9 @@ class PreparedJob:
     urls: set[str]  # of every valid line, answered in an earlier run (--resume) or not
     input_index: list[int] = field(default_factory=list)  # like requests: 0 but for embeddings
     endpoint: str = "/v1/chat/completions"  # batch.json's: see kvbatch.jobs.openai_format.endpoint
+    # prompt + output cap of the longest request to run (an embeddings input: its tokens);
+    # the context the engine runs at without --max-model-len (kvbatch.jobs.job_context)
+    longest_request: int = 0
 
 
 def prepare_requests(
@@ -542,6 +580,7 @@ def _prepare(source, opts: RunOptions, model, store: TokenStore, done: Mapping[s
     input_index: list[int] = []
     urls: set[str] = set()
     params_seen: dict = {}  # identical SamplingParams are shared: millions of lines, few kinds
+    longest = 0
     try:
         with source.open_read() as f:
             lines = _LastLine(read_lines(f))
@@ -581,6 +620,7 @@ def _prepare(source, opts: RunOptions, model, store: TokenStore, done: Mapping[s
                         errors.append(e.line_error(item))
                         continue
                     item = dataclasses.replace(item, inputs=None)
+                    longest = max(longest, *(request_tokens(len(ids), None) for ids in inputs))
                     for i, ids in enumerate(inputs):
                         requests.append(item)
                         input_index.append(i)
@@ -603,11 +643,12 @@ def _prepare(source, opts: RunOptions, model, store: TokenStore, done: Mapping[s
                 )
                 input_index.append(0)
                 store.append(ids)
+                longest = max(longest, request_tokens(len(ids), params))
     except StorageError as e:
         raise JobError(str(e)) from e
     name = job_model or Path(opts.model.rstrip("/")).name
     return PreparedJob(
-        requests, line_of, digest_of, errors, name, urls, input_index, endpoint.endpoint
+        requests, line_of, digest_of, errors, name, urls, input_index, endpoint.endpoint, longest
     )
 
 

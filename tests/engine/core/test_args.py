@@ -87,6 +87,7 @@ def test_the_engine_config_defaults_are_engine_args_defaults():
 # config fields that hold a setting in another form (the equality test above checks them)
 OWN_FORM = {
     "SchedulerConfig.max_model_len": "0",  # the engine fills it in from the model
+    "SchedulerConfig.longest_request": "0",  # None (unknown) is 0 in the config, as max_model_len
     "EngineConfig.speculative": "None",  # the parsed SpecConfig of `speculative`
 }
 
