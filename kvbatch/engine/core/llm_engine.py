@@ -261,12 +261,6 @@ class LLMEngine:
     def _capture_decode_graphs(self, backend, scheduler_config: SchedulerConfig) -> None:
         """On CUDA with the triton backend, decode steps replay graphs from now on."""
         if self.config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
-            if self.kv_layout.is_hybrid:  # a graph replays one group's block tables
-                log.info(
-                    "CUDA graphs are off with sliding-window KV groups: steps run eagerly "
-                    "(--no-sliding-window-kv keeps one block table and the graphs)"
-                )
-                return
             self.runner.capture_step_graphs(
                 min(scheduler_config.max_num_seqs, CUDA_GRAPH_MAX_BATCH),
                 self.max_model_len,

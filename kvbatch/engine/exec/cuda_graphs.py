@@ -44,6 +44,10 @@ size (docs/BENCHMARKS.md). Steps with more prompt chunks, longer chunks, more gr
 longer than `max_wide_blocks` run eagerly. Needs the triton backend, whose kernels skip negative
 slots and never read device values on the host.
 
+With sliding-window KV groups (engine/kv/layout.py) each group has its own set of the table
+buffers (slots, tables, lengths, the chunk's table); the tokens, positions and logits rows are
+shared, and only group 0 has shared-prefix groups.
+
 Without CUDA, `capture=False` runs the same static-buffer path eagerly: the padding and
 bucketing logic is then testable on the CPU.
 """
@@ -59,7 +63,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvbatch.engine.attention.metadata import AttentionMetadata, PrefillSpan
+from kvbatch.engine.attention.metadata import AttentionMetadata, GroupedAttention, PrefillSpan
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +110,69 @@ def chunk_buckets(max_chunk: int) -> list[int]:
     return sorted({*(c for c in CHUNK_BUCKETS if c < max_chunk), max_chunk})
 
 
+class _TableBuffers:
+    """One KV group's static buffers: where a step's K and V go and the tables it reads."""
+
+    def __init__(self, tokens, top, max_blocks, max_wide_blocks, max_groups, prefill_blocks,
+                 device) -> None:  # fmt: skip
+        i32 = dict(dtype=torch.int32, device=device)
+        self.slots = torch.full((tokens,), -1, dtype=torch.long, device=device)
+        self.tables = torch.zeros(top, max_blocks, **i32)
+        self.wide_tables = torch.zeros(top, max_wide_blocks, **i32)
+        self.seq_lens = torch.zeros(top, **i32)
+        self.group_tables = torch.zeros(max_groups, max_blocks, **i32)
+        self.group_ranges = torch.zeros(3, max_groups, **i32)
+        self.prefill_table = torch.zeros(1, prefill_blocks, **i32)
+        self.prefill_ranges = torch.zeros(3, 1, **i32)
+
+    def meta(self, key: GraphKey, max_prefill_tokens: int) -> AttentionMetadata:
+        b, cascade, chunk, wide = key
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[: b + chunk],
+            num_decode_tokens=b,
+            decode_block_tables=(self.wide_tables if wide else self.tables)[:b],
+            decode_seq_lens=self.seq_lens[:b],
+            prefills=[],
+        )
+        if cascade:
+            meta.decode_group_tables = self.group_tables
+            meta.decode_group_ranges = self.group_ranges
+            meta.decode_group_max_rows = b
+        if chunk:  # host ints of the span size the launch: the bucket, the longest context
+            span = PrefillSpan(b, chunk, max_prefill_tokens, self.prefill_table[0])
+            meta.prefills = [span]
+            meta.prefill_block_tables = self.prefill_table
+            meta.prefill_ranges = self.prefill_ranges
+        return meta
+
+    def fill(self, key: GraphKey, meta: AttentionMetadata, m: int) -> None:
+        """The step's tables into the buffers (m: its chunk's tokens)."""
+        b, cascade, chunk, wide = key
+        nd = meta.num_decode_tokens
+        _place(self.slots, meta.slot_mapping, nd, b, m)
+        self.slots[nd:b].fill_(-1)
+        self.slots[b + m : b + chunk].fill_(-1)
+        width = meta.decode_block_tables.shape[1]
+        (self.wide_tables if wide else self.tables)[:nd, :width].copy_(meta.decode_block_tables)
+        self.seq_lens[:nd].copy_(meta.decode_seq_lens)
+        self.seq_lens[nd:b].zero_()
+        if cascade:
+            g, width = meta.decode_group_tables.shape
+            self.group_tables[:g, :width].copy_(meta.decode_group_tables)
+            self.group_ranges[:, :g].copy_(meta.decode_group_ranges)
+            self.group_ranges[1, g:].zero_()  # unused groups: no rows
+        if chunk:
+            width = meta.prefill_block_tables.shape[1]
+            self.prefill_table[:, :width].copy_(meta.prefill_block_tables)
+            self.prefill_ranges.copy_(meta.prefill_ranges)
+            self.prefill_ranges[0].fill_(b)  # the chunk's first row in the buffers
+
+    def reset(self) -> None:
+        for buf in (self.seq_lens, self.group_ranges, self.prefill_ranges):
+            buf.zero_()
+        self.slots.fill_(-1)
+
+
 class StepGraphs:
     def __init__(
         self,
@@ -120,6 +187,7 @@ class StepGraphs:
         max_prefill_tokens: int = 0,  # a graphed chunk's longest context (cached + chunk)
         block_size: int = 16,
         max_wide_blocks: int = 0,  # wide graphs' table width (<= max_blocks: no wide graphs)
+        layer_group: list[int] | None = None,  # each layer's KV group (window groups)
     ) -> None:
         self.forward, self.max_blocks, self.device = forward, max_blocks, device
         self.buckets = batch_buckets(max_batch)
@@ -131,22 +199,27 @@ class StepGraphs:
         tokens = top + (self.chunks[-1] if self.chunks else 0)
         self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.long, device=device)
-        self.slots = torch.full((tokens,), -1, dtype=torch.long, device=device)
-        self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
         self.max_wide_blocks = max_wide_blocks if max_wide_blocks > max_blocks else 0
-        self.wide_tables = torch.zeros(top, self.max_wide_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(top, dtype=torch.int32, device=device)
-        self.group_tables = torch.zeros(max_groups, max_blocks, dtype=torch.int32, device=device)
-        self.group_ranges = torch.zeros(3, max_groups, dtype=torch.int32, device=device)
         prefill_blocks = -(-max_prefill_tokens // block_size) if self.chunks else 0
-        self.prefill_table = torch.zeros(1, prefill_blocks, dtype=torch.int32, device=device)
-        self.prefill_ranges = torch.zeros(3, 1, dtype=torch.int32, device=device)
+        self.layer_group = layer_group
+        self.kv_groups = [
+            _TableBuffers(
+                tokens, top, max_blocks, self.max_wide_blocks, max_groups if g == 0 else 0,
+                prefill_blocks, device,
+            )
+            for g in range(1 + max(layer_group or [0]))
+        ]  # fmt: skip
+        first = self.kv_groups[0]  # group 0's buffers, by their names
+        self.slots, self.tables, self.wide_tables = first.slots, first.tables, first.wide_tables
+        self.seq_lens, self.group_tables = first.seq_lens, first.group_tables
+        self.group_ranges, self.prefill_table = first.group_ranges, first.prefill_table
+        self.prefill_ranges = first.prefill_ranges
         self.logit_rows = torch.zeros(top + 1, dtype=torch.long, device=device)
         # decode keys, captured at start; mixed keys join self.metas on first use
         self.keys = [GraphKey(b, False) for b in self.buckets]
         if max_groups:
             self.keys += [GraphKey(b, True) for b in self.buckets if b >= 2]
-        self.metas: dict[GraphKey, AttentionMetadata] = {}
+        self.metas: dict[GraphKey, AttentionMetadata | GroupedAttention] = {}
         self.logits: dict[GraphKey, torch.Tensor] = {}  # views of _out, per graph
         self._out: torch.Tensor | None = None  # [top bucket + 1, vocab]: every graph's logits
         self.graphs: dict[GraphKey, object] = {}
@@ -157,27 +230,15 @@ class StepGraphs:
         if capture:
             self._capture_all()
 
-    def _meta(self, key: GraphKey) -> AttentionMetadata:
+    def _meta(self, key: GraphKey) -> AttentionMetadata | GroupedAttention:
         meta = self.metas.get(key)
         if meta is not None:
             return meta
-        b, cascade, chunk, wide = key
-        meta = AttentionMetadata(
-            slot_mapping=self.slots[: b + chunk],
-            num_decode_tokens=b,
-            decode_block_tables=(self.wide_tables if wide else self.tables)[:b],
-            decode_seq_lens=self.seq_lens[:b],
-            prefills=[],
-        )
-        if cascade:
-            meta.decode_group_tables = self.group_tables
-            meta.decode_group_ranges = self.group_ranges
-            meta.decode_group_max_rows = b
-        if chunk:  # host ints of the span size the launch: the bucket, the longest context
-            span = PrefillSpan(b, chunk, self.max_prefill_tokens, self.prefill_table[0])
-            meta.prefills = [span]
-            meta.prefill_block_tables = self.prefill_table
-            meta.prefill_ranges = self.prefill_ranges
+        metas = [
+            bufs.meta(key if g == 0 else key._replace(cascade=False), self.max_prefill_tokens)
+            for g, bufs in enumerate(self.kv_groups)
+        ]
+        meta = metas[0] if self.layer_group is None else GroupedAttention(metas, self.layer_group)
         self.metas[key] = meta
         return meta
 
@@ -324,11 +385,10 @@ class StepGraphs:
         """The buffers as at start: every row padding (slot -1, no lengths, no group rows,
         an empty chunk, sampling row 0), so a run of any graph writes no KV and reads no
         block. Queued on the stream: a replay queued before it still reads the old values."""
-        for buf in (self.input_ids, self.positions, self.seq_lens, self.logit_rows):
+        for buf in (self.input_ids, self.positions, self.logit_rows):
             buf.zero_()
-        self.group_ranges.zero_()
-        self.prefill_ranges.zero_()
-        self.slots.fill_(-1)
+        for bufs in self.kv_groups:
+            bufs.reset()
 
     def capture_chunk_buckets(self) -> int:
         """Capture the graphs `missing_chunk_graphs` names, now; returns how many.
@@ -362,11 +422,26 @@ class StepGraphs:
         )
         return len(captured)
 
-    def key_for(self, meta: AttentionMetadata, num_tokens: int, num_rows: int) -> GraphKey | None:
+    def key_for(
+        self, meta: AttentionMetadata | GroupedAttention, num_tokens: int, num_rows: int
+    ) -> GraphKey | None:
         """The graph of a step of `num_tokens` tokens sampling `num_rows` rows, or None: a
         decode step that fits the buckets, the table width (wide tables past max_blocks) and
         the group buffers, possibly with one prompt chunk after the decodes that fits a chunk
-        bucket."""
+        bucket. With KV groups, every group's tables must fit too."""
+        if isinstance(meta, GroupedAttention):
+            if self.layer_group is None:
+                return None
+            keys = [self._key_for(m, num_tokens, num_rows) for m in meta.groups]
+            if any(k is None for k in keys):
+                return None
+            wide = any(k.wide for k in keys)
+            return keys[0]._replace(wide=wide)
+        if self.layer_group is not None:
+            return None
+        return self._key_for(meta, num_tokens, num_rows)
+
+    def _key_for(self, meta: AttentionMetadata, num_tokens: int, num_rows: int) -> GraphKey | None:
         nd = meta.num_decode_tokens
         width = meta.decode_block_tables.shape[1]
         if not 0 < nd <= self.buckets[-1] or width > max(self.max_blocks, self.max_wide_blocks):
@@ -405,33 +480,20 @@ class StepGraphs:
         key: GraphKey,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | GroupedAttention,
         logits_rows: torch.Tensor,  # rows of the step (as laid out by the runner) to sample
     ) -> torch.Tensor:  # [len(logits_rows), vocab] float32
         """Fill the static buffers of `key` (from key_for) and replay its graph."""
         b, cascade, chunk, wide = key
-        nd = meta.num_decode_tokens
+        metas = meta.groups if isinstance(meta, GroupedAttention) else [meta]
+        nd = metas[0].num_decode_tokens
         m = input_ids.shape[0] - nd  # the chunk's tokens (0 in a decode step)
         for buf, src in ((self.input_ids, input_ids), (self.positions, positions)):
             _place(buf, src, nd, b, m)
-        _place(self.slots, meta.slot_mapping, nd, b, m)
-        self.slots[nd:b].fill_(-1)
-        self.slots[b + m : b + chunk].fill_(-1)
-        width = meta.decode_block_tables.shape[1]
-        (self.wide_tables if wide else self.tables)[:nd, :width].copy_(meta.decode_block_tables)
-        self.seq_lens[:nd].copy_(meta.decode_seq_lens)
-        self.seq_lens[nd:b].zero_()
-        if cascade:
-            g, width = meta.decode_group_tables.shape
-            self.group_tables[:g, :width].copy_(meta.decode_group_tables)
-            self.group_ranges[:, :g].copy_(meta.decode_group_ranges)
-            self.group_ranges[1, g:].zero_()  # unused groups: no rows
+        for g, (bufs, group_meta) in enumerate(zip(self.kv_groups, metas)):
+            bufs.fill(key if g == 0 else key._replace(cascade=False), group_meta, m)
         k = logits_rows.shape[0]
         if chunk:
-            width = meta.prefill_block_tables.shape[1]
-            self.prefill_table[:, :width].copy_(meta.prefill_block_tables)
-            self.prefill_ranges.copy_(meta.prefill_ranges)
-            self.prefill_ranges[0].fill_(b)  # the chunk's first row in the buffers
             # the step's rows -> the buffers' rows (the chunk moved from nd to b)
             shifted = torch.where(logits_rows >= nd, logits_rows + (b - nd), logits_rows)
             self.logit_rows[:k].copy_(shifted)

@@ -200,7 +200,7 @@ class ModelRunner:
 
     def _graph_key(self, input_ids, meta: _StepMeta, logits_rows):
         """The step's graph (a decode step, maybe with one short prompt chunk), or None."""
-        if self.step_graphs is None or self.layer_group is not None:
+        if self.step_graphs is None:
             return None
         return self.step_graphs.key_for(meta.attention, input_ids.shape[0], logits_rows.shape[0])
 
@@ -241,6 +241,7 @@ class ModelRunner:
             max_chunk=max_chunk,
             max_prefill_tokens=max_model_len,
             block_size=self.block_size,
+            layer_group=self.layer_group,
         )
 
     def _prepare(self, out: SchedulerOutput):
