@@ -232,9 +232,11 @@ class LLMEngine:
         if not self.kv_layout.is_hybrid:
             return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         # Every layer has a window: group 0 only names prefixes, from ids of its own, enough
-        # for every running request's whole context beside what the pool keeps cached.
+        # for every running request's whole context beside what the pool keeps cached (a
+        # running request holds at least a block in each window group).
         per_seq = -(-self.max_model_len // cache.block_size)
-        identities = num_blocks + scheduler_config.max_num_seqs * per_seq
+        running = min(scheduler_config.max_num_seqs, num_blocks // len(self.kv_layout.groups))
+        identities = num_blocks + max(running, 1) * per_seq
         return HybridKVCacheManager(
             self.kv_layout,
             num_blocks,

@@ -12,6 +12,7 @@ that say so.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -185,11 +186,16 @@ def log_kv_pool(
     """The startup line: how much the pool holds, the context length and `why` it is that,
     and what that means for requests at once; with window groups, a line per group first."""
     kv_tokens = num_blocks * block_size
+    at_once = requests_at_once(kv_tokens, max_model_len, max_num_seqs)
     if layout is not None and layout.is_hybrid:
         log_kv_groups(num_blocks, block_size, layout, max_model_len, max_chunk)
-        per_seq = layout.blocks_per_seq(max_model_len, block_size, max_chunk)
-        # in requests-at-once terms: the pool over what a whole-context request holds
-        kv_tokens = num_blocks * max_model_len // max(per_seq, 1)
+        at_once = requests_at_once(
+            kv_tokens,
+            max_model_len,
+            max_num_seqs,
+            blocks_per_request=lambda n: layout.blocks_per_seq(n, block_size, max_chunk),
+            num_blocks=num_blocks,
+        )
     log.info(
         "KV cache (%s): %d tokens (%d blocks of %d), max_model_len=%d%s; shared by the requests "
         "running at once: prompt + answer tokens of all of them must fit, so %s; requests "
@@ -200,18 +206,31 @@ def log_kv_pool(
         block_size,
         max_model_len,
         f" ({why})" if why else "",
-        requests_at_once(kv_tokens, max_model_len, max_num_seqs),
+        at_once,
     )
 
 
-def requests_at_once(kv_tokens: int, max_model_len: int, max_num_seqs: int) -> str:
+def requests_at_once(
+    kv_tokens: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    blocks_per_request: Callable[[int], int] | None = None,
+    num_blocks: int = 0,
+) -> str:
     """How many requests fit the pool, in words: of a typical 1,000 tokens, and of the
-    whole max_model_len."""
-    longest = f"{kv_tokens / max_model_len:.1f}".removesuffix(".0")
+    whole max_model_len. With window groups a request of n tokens holds
+    blocks_per_request(n) of the pool's num_blocks (less than n tokens' worth)."""
+
+    def fit(n: int) -> float:
+        if blocks_per_request is None:
+            return kv_tokens / n
+        return num_blocks / max(blocks_per_request(n), 1)
+
+    longest = f"{fit(max_model_len):.1f}".removesuffix(".0")
     whole = f"even if each used the whole max_model_len ({max_model_len})"
     if max_model_len <= 1000:
         return f"at least {longest} run together {whole}"
-    typical = min(kv_tokens // 1000, max_num_seqs)
+    typical = min(int(fit(1000)), max_num_seqs)
     noun, verb = ("request", "runs") if typical == 1 else ("requests", "run")
     return f"about {typical} {noun} of 1,000 tokens {verb} together, and at least {longest} {whole}"
 

@@ -79,10 +79,14 @@ def prompts_from(rng: random.Random, num: int, vocab: int) -> list[list[int]]:
 def run_job(kind: str, seed: int, num_blocks: int, bs: int, caching: bool = True):
     rng = random.Random(seed)
     layout = plan_layout(LAYOUTS[kind])
-    kv = HybridKVCacheManager(layout, num_blocks, bs, caching, num_identity_blocks=4 * num_blocks)
-    fake = FakeKV(kv, bs)
     max_chunk = 6
     waiting = list(enumerate(prompts_from(rng, 8, 5)))
+    # the engine's floor (engine/kv/sizing.py): the pool holds its longest request (a prompt,
+    # 8 outputs of up to 3 tokens), so an empty pool always admits a chunk
+    longest = max(len(p) for _, p in waiting) + 8 * 3
+    num_blocks = max(num_blocks, layout.blocks_per_seq(longest, bs, max_chunk))
+    kv = HybridKVCacheManager(layout, num_blocks, bs, caching, num_identity_blocks=4 * num_blocks)
+    fake = FakeKV(kv, bs)
     running: dict[int, dict] = {}
     next_id = 100
     hits = []

@@ -51,7 +51,7 @@ def test_logits_match_transformers(gguf_model, caplog):
 def test_greedy_matches_transformers(gguf_model):
     _, gguf_path = gguf_model
     prompts = random_prompts(512, (3, 20, 41), seed=7)
-    llm = LLM(model=str(gguf_path), device="cpu", num_kv_blocks=32, max_model_len=128)
+    llm = LLM(model=str(gguf_path), device="cpu", num_kv_blocks=64, max_model_len=128)
     got = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     assert got == hf_greedy(gguf_path, prompts, GREEDY.max_tokens, ignore_eos=True)
 

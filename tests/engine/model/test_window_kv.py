@@ -6,6 +6,7 @@ fewer blocks held, so more sequences at once in the same KV bytes."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 
@@ -33,8 +34,23 @@ def peak_running(llm: LLM, prompts, params) -> tuple[list, int]:
     return outs, peak[0]
 
 
+def whole_requests_at_once(records) -> float:
+    """'at least N run together even if each used the whole max_model_len' of the startup line."""
+    (line,) = [r.getMessage() for r in records if r.getMessage().startswith("KV cache (")]
+    return float(re.search(r"at least ([0-9.]+)", line).group(1))
+
+
 def test_the_startup_lines_count_each_group(tiny_models, caplog):
     caplog.set_level(logging.INFO, logger="kvbatch.engine.kv.sizing")
+    kw = dict(device="cpu", kv_cache_bytes=1 << 20, max_model_len=512, max_num_batched_tokens=32)
+    LLM(str(tiny_models("gemma3")), sliding_window_kv=False, **kw)
+    one_table = whole_requests_at_once(caplog.records)
+    caplog.clear()
+    LLM(str(tiny_models("gemma3")), **kw)
+    # a request of 512 tokens holds 32 blocks of one layer's KV in group 0 and 5 in each
+    # window group (its window and a 32-token chunk), where one table held 32 of three layers'
+    assert whole_requests_at_once(caplog.records) > 2 * one_table
+    caplog.clear()
     llm = LLM(str(tiny_models("gemma3")), device="cpu", num_kv_blocks=64, max_model_len=256)
     assert isinstance(llm.engine.kv, HybridKVCacheManager)
     lines = [r.getMessage() for r in caplog.records if "KV group" in r.getMessage()]
