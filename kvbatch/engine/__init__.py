@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getatt
     from kvbatch.engine.core.sampling_params import SamplingParams as SamplingParams
     from kvbatch.engine.core.sequence import TokenLogprobs as TokenLogprobs
     from kvbatch.engine.core.spec_config import SpecConfig as SpecConfig
+    from kvbatch.engine.kv.context_len import CAPPED_AT_POOL as CAPPED_AT_POOL
     from kvbatch.engine.kv.kv_cache import block_hashes as block_hashes
     from kvbatch.engine.model.architectures import ENCODER_ARCHITECTURES as ENCODER_ARCHITECTURES
     from kvbatch.engine.model.architectures import (
@@ -66,6 +67,7 @@ _EXPORTS = {
     "unenforced": "kvbatch.engine.structured.enforced",  # strict structured outputs
     "TokenLogprobs": "kvbatch.engine.core.sequence",
     "block_hashes": "kvbatch.engine.kv.kv_cache",
+    "CAPPED_AT_POOL": "kvbatch.engine.kv.context_len",  # why a job's context was cut
     "ENCODER_ARCHITECTURES": "kvbatch.engine.model.architectures",
     "encoder_max_input_length": "kvbatch.engine.model.architectures",
     "read_st_max_seq_length": "kvbatch.engine.pooling.config",

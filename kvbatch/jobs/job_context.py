@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvbatch.engine import SamplingParams
-from kvbatch.engine.kv.context_len import CAPPED_AT_POOL
+from kvbatch.engine import CAPPED_AT_POOL, SamplingParams
 from kvbatch.jobs.openai_format.validate import JobRequest
 
 
