@@ -10,14 +10,12 @@ tokenizer: the benchmark feeds token ids, as its generative workloads do.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvbatch.bench.models import _cache_root
+from kvbatch.bench.models import _cache_root, build_once
 
 
 @dataclass(frozen=True)
@@ -129,23 +127,10 @@ def build_embed_model(
     spec: EmbedModelSpec, dtype: str, cache_dir: str | Path | None = None
 ) -> Path:
     """The folder of `spec` in `dtype` with seeded random weights, built once and cached."""
-    root = _cache_root(cache_dir) / "random-models"
-    dest = root / f"embed-{spec.name}-{dtype}"
-    if (dest / "modules.json").is_file():
-        return dest
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=root))
-    try:
-        _write(spec, dtype, tmp)
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(dest)
-        except OSError:  # another process finished first
-            if not (dest / "modules.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    dest = _cache_root(cache_dir) / "random-models" / f"embed-{spec.name}-{dtype}"
+    return build_once(
+        dest, lambda d: (d / "modules.json").is_file(), lambda tmp: _write(spec, dtype, tmp)
+    )
 
 
 def _write(spec: EmbedModelSpec, dtype: str, folder: Path) -> None:

@@ -24,7 +24,6 @@ import gc
 import hashlib
 import json
 import shlex
-import shutil
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from kvbatch.bench.machine import machine_info
+from kvbatch.bench.models import build_once
 from kvbatch.bench.text_table import format_rows
 from kvbatch.engine import LLM, SamplingParams
 from kvbatch.engine.core.arg_values import byte_size, positive_int
@@ -141,24 +141,14 @@ def checkpoint_dir(shape: GemmaShape, window: int, max_len: int, cache_dir: Path
     spec = dataclasses.asdict(shape) | {"window": window, "max_len": max_len, "std": WEIGHT_STD}
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     dest = cache_dir / f"{shape.name}-{digest}"
-    if (dest / "model.safetensors").is_file():
-        return dest
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=cache_dir))
-    try:
+
+    def write(folder: Path) -> None:
         config = shape.config(window, max_len)
-        config.save_pretrained(str(tmp))
+        config.save_pretrained(str(folder))
         weights = random_weights(config, getattr(torch, shape.dtype))
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(dest)
-        except OSError:  # another process finished first
-            if not (dest / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    return build_once(dest, lambda d: (d / "model.safetensors").is_file(), write)
 
 
 def random_weights(

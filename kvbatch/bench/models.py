@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -369,19 +370,27 @@ def random_model_dir(
             raise ValueError(f"unknown model {spec!r}; known: {', '.join(MODEL_SPECS)}") from None
     if weights is not None:
         spec = dataclasses.replace(spec, weights=weights)
-    root = _cache_root(cache_dir) / "random-models"
-    dest = root / f"{spec.name}-{spec.key()}"
-    if _complete(dest):
+    dest = _cache_root(cache_dir) / "random-models" / f"{spec.name}-{spec.key()}"
+    return build_once(dest, _complete, lambda tmp: build_random_model(spec, tmp))
+
+
+def build_once(
+    dest: Path, complete: Callable[[Path], bool], write: Callable[[Path], object]
+) -> Path:
+    """`dest`, written by `write` on first use: into a temporary folder beside it, then
+    renamed, so an interrupted build is never taken for a finished one and two processes
+    building at once leave one (`complete` says whether a folder is finished)."""
+    if complete(dest):
         return dest
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=root))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
-        build_random_model(spec, tmp)
+        write(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
         try:
             tmp.rename(dest)
         except OSError:  # another process finished first
-            if not _complete(dest):
+            if not complete(dest):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -4,9 +4,7 @@ records it) and a worker's shard; an explicit --max-model-len wins."""
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,8 +16,8 @@ from kvbatch.jobs.local.run import RunOptions, resolve_paths, run_job
 from kvbatch.worker import tasks
 from kvbatch.worker.app import TASK_NAME, make_app
 from tests.engine.pooling.st_checkpoints import build_embedding_checkpoint, ids_to_text
+from tests.jobs.conftest import LONG_CONTEXT
 from tests.jobs.distributed.test_submit import prepare
-from tests.jobs.local.test_long_context import LONG_CONTEXT
 from tests.jobs.local.test_run import chat, completion, read_jsonl, write_jsonl
 
 ROOMY_POOL = 4096  # tokens; the tiny chat Llama's KV is 512 bytes a token
@@ -30,17 +28,6 @@ LONGEST = 40 + 7  # the job below: its longest prompt + max_tokens
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVBATCH_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture(scope="module")
-def long_context_chat_model(tiny_chat_model: Path, tmp_path_factory) -> Path:
-    """The tiny chat Llama (SmolLM2's tokenizer) whose config says 32k positions."""
-    path = tmp_path_factory.mktemp("long_chat") / "model"
-    shutil.copytree(tiny_chat_model, path)
-    config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = LONG_CONTEXT
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 def job() -> list[dict]:

@@ -30,6 +30,22 @@ def run_as_image(*args: str, timeout: float) -> subprocess.CompletedProcess[str]
     )
 
 
+def run_steps(
+    out: Path, only: str, timeout: float = 300, **env: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, list[str]]]:
+    """scripts/gpu-check.sh --cpu --only `only` into `out`: the process (it must succeed) and
+    steps.tsv's rows by step."""
+    base = {k: v for k, v in os.environ.items() if k != "OUT"}
+    r = subprocess.run(
+        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", only, "--out", str(out)],
+        cwd=ROOT, env=base | env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with (out / "steps.tsv").open() as f:
+        rows = {row[0]: row for row in (line.rstrip("\n").split("\t") for line in f)}
+    return r, rows
+
+
 def test_the_image_hides_the_packages_it_lacks():
     r = run_as_image(
         "-c",
@@ -77,15 +93,8 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
     """scripts/gpu-check.sh itself, on the CPU with --only: steps, limits, results, summary;
     rag-qwen3 (the dense Qwen3 against transformers) among the chosen steps."""
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    only = "rag,prefill-*,rag-hf-cb,rag-qwen3"
-    r = subprocess.run(
-        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", only, "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    with (out / "steps.tsv").open() as f:
-        status = {row[0]: row[1] for row in (line.rstrip("\n").split("\t") for line in f)}
+    _, steps = run_steps(out, "rag,prefill-*,rag-hf-cb,rag-qwen3")
+    status = {step: row[1] for step, row in steps.items()}
     assert status.pop("step") == "status"  # the header
     quant = {k: status.pop(k) for k in list(status) if k.startswith("quant-")}
     assert quant.pop("quant-gemm") == "skipped"
@@ -136,15 +145,7 @@ def test_the_gemma_window_step_runs_both_modes_and_is_summed_up(tmp_path: Path):
     """rag-gemma at its tiny size (--cpu), with the H200 image's packages only: both modes,
     their greedy tokens equal, the verdict in the steps table and the summary's table."""
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    r = subprocess.run(
-        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", "rag-gemma", "--out", str(out)],
-        cwd=ROOT, env=env | {"VERSIONS_TIMEOUT": "120"}, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    with (out / "steps.tsv").open() as f:
-        rows = {row[0]: row for row in (line.rstrip("\n").split("\t") for line in f)}
+    _, rows = run_steps(out, "rag-gemma", VERSIONS_TIMEOUT="120")
     assert rows["rag-gemma"][1] == "ok"
     assert rows["rag-gemma"][5].endswith("; greedy tokens identical")
     result = json.loads((out / "gemma-window.json").read_text())
@@ -158,15 +159,7 @@ def test_the_index_step_is_skipped_with_what_the_image_lacks(tmp_path: Path):
     --cpu imitates it) has none of them, so the step is skipped with a line naming them, and
     the check does not fail for it."""
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    r = subprocess.run(
-        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", "index-gpu", "--out", str(out)],
-        cwd=ROOT, env=env | {"VERSIONS_TIMEOUT": "120"}, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    with (out / "steps.tsv").open() as f:
-        rows = {row[0]: row for row in (line.rstrip("\n").split("\t") for line in f)}
+    _, rows = run_steps(out, "index-gpu", VERSIONS_TIMEOUT="120")
     assert rows["index-gpu"][1] == "skipped"
     assert rows["index-gpu"][5].startswith("needs lancedb sentence_transformers semchunk gguf")
     assert not (out / "index-gpu.json").exists()
@@ -179,16 +172,10 @@ def test_the_quantized_and_moe_steps_run_and_are_summed_up(tmp_path: Path):
     moe-greedy and rag-moe, with the H200 image's packages only; the summary's table gives the
     FP8 row's speed against the float row and each row's weights and KV capacity."""
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    env["QUANT_ROWS"] = "no-share-bf16 no-share-fp8-kv moe-w4a16 no-such-row"
     only = "quant-greedy,quant-no-*,quant-moe-*,moe-greedy,rag-moe"
-    r = subprocess.run(
-        ["bash", "scripts/gpu-check.sh", "--cpu", "--only", only, "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    with (out / "steps.tsv").open() as f:
-        status = {row[0]: row[1] for row in (line.rstrip("\n").split("\t") for line in f)}
+    rows = "no-share-bf16 no-share-fp8-kv moe-w4a16 no-such-row"
+    _, steps = run_steps(out, only, timeout=600, QUANT_ROWS=rows)
+    status = {step: row[1] for step, row in steps.items()}
     assert status["quant-greedy"] == "ok"
     assert status["quant-no-share-bf16"] == status["quant-no-share-fp8-kv"] == "ok"
     assert status["quant-moe-w4a16"] == "ok"  # 4-bit experts in the fused MoE kernel

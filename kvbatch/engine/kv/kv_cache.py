@@ -37,9 +37,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
-
-from kvbatch.engine.kv.table_rows import TableChanges, TableRows
+from kvbatch.engine.kv.table_rows import MirroredTables, TableRows
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 
@@ -241,14 +239,7 @@ class _SeqState:
     ids: list[tuple[int, int]] = field(default_factory=list)
 
 
-class TableRefs(NamedTuple):
-    """Where several sequences' tables are in `KVCacheManager.table_array`."""
-
-    rows: np.ndarray  # [num_seqs] int64 (0: an empty row)
-    num_blocks: np.ndarray  # [num_seqs] int64: each table's length
-
-
-class KVCacheManager:
+class KVCacheManager(MirroredTables):
     """Block tables, reference counts, prefix cache and LRU free list for one KV pool."""
 
     def __init__(
@@ -454,25 +445,6 @@ class KVCacheManager:
         """A copy of seq_id's block table (empty for an unknown sequence)."""
         seq = self._seqs.get(seq_id)
         return list(seq.table) if seq else []
-
-    def table_rows(self, seq_ids: Sequence[Hashable]) -> TableRefs:
-        """Where `seq_ids`' tables are in `table_array` (row 0, always zero, for unknown ids)
-        and their lengths. The runner's per-step path: it reads only the entries it needs on
-        the host, and gathers the step's tables from its copy on the device."""
-        states = [self._seqs.get(s) for s in seq_ids]
-        rows = np.fromiter((st.row if st else 0 for st in states), np.int64, len(states))
-        lens = np.fromiter((len(st.table) if st else 0 for st in states), np.int64, len(states))
-        return TableRefs(rows, lens)
-
-    @property
-    def table_array(self) -> np.ndarray:
-        """Every table as a zero-padded row (engine/kv/table_rows.py); read only."""
-        return self._rows.array
-
-    def take_table_changes(self) -> TableChanges:
-        """The entries of `table_array` changed since the last call (one reader: the runner,
-        which keeps a copy on the device, engine/kv/device_tables.py)."""
-        return self._rows.take_changes()
 
     def identities(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """(block id, generation) of the cached block standing for each of seq_id's hashed

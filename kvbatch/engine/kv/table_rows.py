@@ -21,7 +21,7 @@ per step. Growth needs no entry: new rows and columns are zero in both copies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -87,3 +87,38 @@ class TableRows:
     @property
     def free_rows(self) -> list[int]:
         return list(self._free)
+
+
+class TableRefs(NamedTuple):
+    """Where several sequences' tables are in a manager's `table_array`."""
+
+    rows: np.ndarray  # [num_seqs] int64 (0: an empty row)
+    num_blocks: np.ndarray  # [num_seqs] int64: each table's length
+
+
+class MirroredTables:
+    """What the runner reads of a KV manager's tables (engine/kv/kv_cache.py's, and each
+    window group's, engine/kv/window_group.py): `_seqs` maps a sequence to a state with its
+    `row` here and its `table`, and `_rows` mirrors the tables."""
+
+    _seqs: dict
+    _rows: TableRows
+
+    def table_rows(self, seq_ids: Sequence[Hashable]) -> TableRefs:
+        """Where `seq_ids`' tables are in `table_array` (row 0, always zero, for unknown ids)
+        and their lengths. The runner's per-step path: it reads only the entries it needs on
+        the host, and gathers the step's tables from its copy on the device."""
+        states = [self._seqs.get(s) for s in seq_ids]
+        rows = np.fromiter((st.row if st else 0 for st in states), np.int64, len(states))
+        lens = np.fromiter((len(st.table) if st else 0 for st in states), np.int64, len(states))
+        return TableRefs(rows, lens)
+
+    @property
+    def table_array(self) -> np.ndarray:
+        """Every table as a zero-padded row; read only."""
+        return self._rows.array
+
+    def take_table_changes(self) -> TableChanges:
+        """The entries of `table_array` changed since the last call (one reader: the runner,
+        which keeps a copy on the device, engine/kv/device_tables.py)."""
+        return self._rows.take_changes()

@@ -22,10 +22,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from kvbatch.engine.kv.kv_cache import BlockPool, TableRefs
-from kvbatch.engine.kv.table_rows import TableChanges, TableRows
+from kvbatch.engine.kv.kv_cache import BlockPool
+from kvbatch.engine.kv.table_rows import MirroredTables, TableRows
 
 DROPPED = -1  # a table entry whose block left the window
 
@@ -39,7 +37,7 @@ class _WindowSeq:
     num_registered: int = 0  # leading full blocks looked at for the cache
 
 
-class WindowGroup:
+class WindowGroup(MirroredTables):
     """One group's tables over a shared BlockPool (its blocks are any group's ids)."""
 
     def __init__(self, pool: BlockPool, block_size: int, window: int) -> None:
@@ -238,19 +236,6 @@ class WindowGroup:
     def num_held(self, seq_id: Hashable) -> int:
         seq = self._seqs.get(seq_id)
         return len(seq.table) - seq.num_dropped if seq else 0
-
-    def table_rows(self, seq_ids: Sequence[Hashable]) -> TableRefs:
-        states = [self._seqs.get(s) for s in seq_ids]
-        rows = np.fromiter((st.row if st else 0 for st in states), np.int64, len(states))
-        lens = np.fromiter((len(st.table) if st else 0 for st in states), np.int64, len(states))
-        return TableRefs(rows, lens)
-
-    @property
-    def table_array(self) -> np.ndarray:
-        return self._rows.array
-
-    def take_table_changes(self) -> TableChanges:
-        return self._rows.take_changes()
 
     def refs(self) -> list[int]:
         """References this group holds to each block of the pool."""

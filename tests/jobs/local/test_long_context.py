@@ -4,9 +4,7 @@ context_length_exceeded error record naming the flag that would admit it."""
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -14,10 +12,10 @@ import pytest
 from kvbatch.jobs.distributed.finalize import read_manifest
 from kvbatch.jobs.distributed.shards import job_dir, run_shard
 from kvbatch.jobs.local.run import RunOptions, resolve_paths, run_job
+from tests.jobs.conftest import LONG_CONTEXT
 from tests.jobs.distributed.test_submit import prepare
 from tests.jobs.local.test_run import chat, read_jsonl, write_jsonl
 
-LONG_CONTEXT = 32768
 POOL_TOKENS = 1024  # the tiny chat Llama's KV is 512 bytes a token
 ENGINE = dict(device="cpu", block_size=16, kv_cache_bytes=POOL_TOKENS * 512)
 
@@ -25,17 +23,6 @@ ENGINE = dict(device="cpu", block_size=16, kv_cache_bytes=POOL_TOKENS * 512)
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVBATCH_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture(scope="module")
-def long_context_chat_model(tiny_chat_model: Path, tmp_path_factory) -> Path:
-    """The tiny chat Llama (SmolLM2's tokenizer) whose config says 32k positions."""
-    path = tmp_path_factory.mktemp("long_chat") / "model"
-    shutil.copytree(tiny_chat_model, path)
-    config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = LONG_CONTEXT
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 def small_job() -> list[dict]:
