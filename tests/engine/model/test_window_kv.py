@@ -129,3 +129,31 @@ def test_triton_backend_matches_transformers(tiny_models):
     assert isinstance(llm.engine.kv, HybridKVCacheManager)
     got = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     assert got == hf_greedy(path, prompts, GREEDY.max_tokens, ignore_eos=True)
+
+
+def test_n_choices_share_the_prompt_across_groups(tiny_models):
+    """n = 2: the second choice forks the first's blocks in every group (its window's still
+    held), and both give transformers' greedy tokens."""
+    path = tiny_models("gemma3")
+    prompts = random_prompts(512, (3 * SLIDING_WINDOW + 5, 40), seed=8)
+    params = SamplingParams(n=2, max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=128, block_size=8)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    want = hf_greedy(path, prompts, 8, ignore_eos=True)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[w, w] for w in want]
+    # each prompt once; a child recomputes only the prompt's partly filled last block
+    assert llm.stats().computed_tokens <= sum(map(len, prompts)) + 2 * 8 + 2 * 2 * 8
+
+
+def test_a_window_only_model_runs_past_a_pool_one_table_could_not_hold(tiny_models):
+    """Mistral's window on every layer: a request holds its window and a chunk, so 240-token
+    contexts run in a pool of 8 blocks of 16 tokens (128), where one table refuses them."""
+    path = tiny_models("mistral-window")
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=8, max_model_len=256)
+    kw["max_num_batched_tokens"] = 16
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        LLM(str(path), sliding_window_kv=False, **kw)
+    llm = LLM(str(path), **kw)
+    prompts = random_prompts(512, (230, 120), seed=9)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert tokens(outs) == hf_greedy(path, prompts, GREEDY.max_tokens, ignore_eos=True)
