@@ -56,6 +56,9 @@ class HybridKVCacheManager:
         if not self.full_has_kv and num_identity_blocks < 1:
             raise ValueError("a group 0 without layers needs num_identity_blocks")
         self.windows = [WindowGroup(self.pool, block_size, g.window) for g in layout.groups[1:]]
+        sizes = {w.window: i for i, w in reversed(list(enumerate(self.windows)))}
+        self._first_of_each_window = [(i, window) for window, i in sizes.items()]
+        self._states: dict[Hashable, list] = {}  # each sequence's WindowSeq in every group
 
     @property
     def tables(self) -> list:
@@ -104,6 +107,8 @@ class HybridKVCacheManager:
         num_new_tokens: int,
         computed: ComputedBlocks | None = None,
     ) -> bool:
+        if computed is None and self._within_last_blocks(seq_id, token_ids, num_new_tokens):
+            return True
         if not self._fits(seq_id, num_new_tokens, computed):
             return False
         windows = computed.window_block_ids if computed is not None else ()
@@ -119,7 +124,37 @@ class HybridKVCacheManager:
             w.allocate(
                 seq_id, token_ids, num_new_tokens, identities, windows[i] if windows else None
             )
+        self._track(seq_id)
         return True
+
+    def _within_last_blocks(
+        self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int
+    ) -> bool:
+        """Most decode steps: the new tokens fit every group's last block (the groups' tables
+        are equally long) and no block leaves a window, so only counts move, every group's
+        at once. Groups of one window size release together: the first of each size answers
+        for all of them."""
+        states = self._states.get(seq_id)
+        if states is None or not self.full.fits_last_block(seq_id, num_new_tokens):
+            return False
+        old, bs = states[0].num_tokens, self.block_size
+        for i, window in self._first_of_each_window:
+            if max(0, old - window + 1) // bs > states[i].num_dropped:
+                return False
+        self.full.allocate_slots(seq_id, token_ids, num_new_tokens)
+        for state in states:
+            state.num_tokens += num_new_tokens
+        filled = min(old + num_new_tokens, len(token_ids)) // bs > states[0].num_registered
+        if filled and self.enable_prefix_caching:
+            identities = self.full.identities(seq_id)
+            for w in self.windows:
+                w.register(seq_id, token_ids, identities)
+        return True
+
+    def _track(self, seq_id: Hashable) -> None:
+        """Keep seq_id's window states at hand for _within_last_blocks."""
+        if seq_id not in self._states:
+            self._states[seq_id] = [w.seq_state(seq_id) for w in self.windows]
 
     def fork(self, parent_id: Hashable, child_id: Hashable, num_tokens: int) -> int:
         """As KVCacheManager.fork; no sharing at all when a window group has already released
@@ -130,6 +165,7 @@ class HybridKVCacheManager:
         shared = self.full.fork(parent_id, child_id, k * self.block_size)
         for w in self.windows:
             w.fork(parent_id, child_id, shared // self.block_size)
+        self._track(child_id)
         return shared
 
     def free(self, seq_id: Hashable, token_ids: Sequence[int] | None = None) -> None:
@@ -140,6 +176,7 @@ class HybridKVCacheManager:
         for w in self.windows:
             w.free(seq_id, token_ids if self.enable_prefix_caching else None, identities)
         self.full.free(seq_id)
+        self._states.pop(seq_id, None)
 
     def truncate(self, seq_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
         self.full.truncate(seq_id, token_ids, num_tokens)

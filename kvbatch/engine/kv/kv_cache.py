@@ -446,6 +446,15 @@ class KVCacheManager(MirroredTables):
         seq = self._seqs.get(seq_id)
         return list(seq.table) if seq else []
 
+    def fits_last_block(self, seq_id: Hashable, num_new_tokens: int) -> bool:
+        """Whether seq_id's table already covers num_new_tokens more tokens (no new block)."""
+        seq = self._seqs.get(seq_id)
+        return (
+            seq is not None
+            and 0 <= num_new_tokens
+            and seq.num_tokens + num_new_tokens <= len(seq.table) * self.block_size
+        )
+
     def identities(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """(block id, generation) of the cached block standing for each of seq_id's hashed
         blocks' prefix, first block first (the list itself: do not change it)."""

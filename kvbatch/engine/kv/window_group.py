@@ -29,7 +29,9 @@ DROPPED = -1  # a table entry whose block left the window
 
 
 @dataclass(slots=True)
-class _WindowSeq:
+class WindowSeq:
+    """One sequence's table in a window group."""
+
     table: list[int]  # DROPPED entries first, then held blocks
     num_tokens: int  # tokens covered by the table
     row: int
@@ -45,7 +47,7 @@ class WindowGroup(MirroredTables):
             raise ValueError(f"window must be 1 or more, got {window}")
         self.pool, self.block_size, self.window = pool, block_size, window
         self._cached: dict[tuple[int, int], int] = {}  # group 0's identity -> our block
-        self._seqs: dict[Hashable, _WindowSeq] = {}
+        self._seqs: dict[Hashable, WindowSeq] = {}
         self._rows = TableRows()
 
     # -- lookup ---------------------------------------------------------------------------
@@ -101,11 +103,12 @@ class WindowGroup(MirroredTables):
         identities: Sequence[tuple[int, int]],
         computed: list[int] | None = None,
     ) -> None:
-        """Cover num_new_tokens more tokens (the caller checked the pool has the blocks).
+        """Cover num_new_tokens more tokens. The caller checked the pool has the blocks and,
+        for a running sequence, released what left the window first (release_out_of_window).
         `identities`: group 0's for the sequence's hashed blocks, to cache ours under."""
         seq = self._seqs.get(seq_id)
         if seq is None:
-            seq = _WindowSeq(table=[], num_tokens=0, row=self._rows.acquire())
+            seq = WindowSeq(table=[], num_tokens=0, row=self._rows.acquire())
             for b in computed or []:
                 if b != DROPPED:
                     self.pool.hold(b)
@@ -115,8 +118,6 @@ class WindowGroup(MirroredTables):
             seq.num_registered = len(seq.table)
             self._rows.write(seq.row, 0, [max(b, 0) for b in seq.table])
             self._seqs[seq_id] = seq
-        else:
-            self.release_out_of_window(seq_id, token_ids, identities)
         seq.num_tokens += num_new_tokens
         first_new = len(seq.table)
         for _ in range(-(-seq.num_tokens // self.block_size) - first_new):
@@ -124,6 +125,19 @@ class WindowGroup(MirroredTables):
         if len(seq.table) > first_new:
             self._rows.write(seq.row, first_new, seq.table[first_new:])
         self._register(seq, token_ids, identities)
+
+    def seq_state(self, seq_id: Hashable) -> WindowSeq | None:
+        """seq_id's state, for the hybrid manager's per-step path (engine/kv/hybrid.py),
+        which moves the counts of every group at once when no block changes hands."""
+        return self._seqs.get(seq_id)
+
+    def register(
+        self, seq_id: Hashable, token_ids: Sequence[int], identities: Sequence[tuple[int, int]]
+    ) -> None:
+        """Cache seq_id's full, final blocks (as every allocation does)."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            self._register(seq, token_ids, identities)
 
     def release_out_of_window(
         self, seq_id: Hashable, token_ids: Sequence[int], identities: Sequence[tuple[int, int]]
@@ -139,7 +153,7 @@ class WindowGroup(MirroredTables):
         """The child starts with the parent's first num_blocks entries (shared references)."""
         parent = self._seqs[parent_id]
         table = parent.table[:num_blocks]
-        child = _WindowSeq(
+        child = WindowSeq(
             table=table,
             num_tokens=num_blocks * self.block_size,
             row=self._rows.acquire(),
@@ -198,7 +212,7 @@ class WindowGroup(MirroredTables):
 
     # -- internals ------------------------------------------------------------------------
 
-    def _drop_out_of_window(self, seq: _WindowSeq) -> None:
+    def _drop_out_of_window(self, seq: WindowSeq) -> None:
         """Release the blocks no query from position seq.num_tokens on reads."""
         first = min(self.first_needed(seq.num_tokens), len(seq.table))
         if first <= seq.num_dropped:
@@ -210,7 +224,7 @@ class WindowGroup(MirroredTables):
         seq.num_dropped = first
 
     def _register(
-        self, seq: _WindowSeq, token_ids: Sequence[int], identities: Sequence[tuple[int, int]]
+        self, seq: WindowSeq, token_ids: Sequence[int], identities: Sequence[tuple[int, int]]
     ) -> None:
         """Cache the seq's full, final blocks under group 0's identities for their prefixes."""
         num_full = min(seq.num_tokens, len(token_ids)) // self.block_size
@@ -232,6 +246,11 @@ class WindowGroup(MirroredTables):
     def block_table(self, seq_id: Hashable) -> list[int]:
         seq = self._seqs.get(seq_id)
         return list(seq.table) if seq else []
+
+    def num_dropped(self, seq_id: Hashable) -> int:
+        """Leading blocks of seq_id's table already released (0 for an unknown one)."""
+        seq = self._seqs.get(seq_id)
+        return seq.num_dropped if seq else 0
 
     def num_held(self, seq_id: Hashable) -> int:
         seq = self._seqs.get(seq_id)
