@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
-from studies import gc_freeze, host_overhead, step_plan
+from studies import gc_freeze, host_overhead, kv_groups_host, step_plan
 
 
 class Study(NamedTuple):
@@ -21,6 +21,9 @@ STUDIES: dict[str, Study] = {
     "gc-freeze": Study(gc_freeze.main, "the cycle collector's pauses, startup heap frozen or not"),
     "host-overhead": Study(host_overhead.main, "host time per decode step, phase by phase"),
     "step-plan": Study(step_plan.main, "the scheduler's steps of a workload, model stubbed"),
+    "kv-groups-host": Study(
+        kv_groups_host.main, "host time of a decode step's KV bookkeeping, window groups or not"
+    ),
 }
 
 
