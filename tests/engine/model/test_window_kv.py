@@ -6,12 +6,16 @@ fewer blocks held, so more sequences at once in the same KV bytes."""
 from __future__ import annotations
 
 import logging
+import random
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvbatch.engine import LLM, SamplingParams
 from kvbatch.engine.kv.hybrid import HybridKVCacheManager
+from kvbatch.jobs.grouping import group_by_prefix
 from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts, tokens
 from tests.reference import hf_greedy
 from tests.tiny_models import SLIDING_WINDOW
@@ -157,3 +161,36 @@ def test_a_window_only_model_runs_past_a_pool_one_table_could_not_hold(tiny_mode
     prompts = random_prompts(512, (230, 120), seed=9)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert tokens(outs) == hf_greedy(path, prompts, GREEDY.max_tokens, ignore_eos=True)
+
+
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(seed=st.integers(0, 2**32))
+def test_prefill_stays_at_the_ideal(tiny_models, seed):
+    """A two-level job (system prompt, documents, chunks; shuffled) in its prefix order, on
+    a pool of the same bytes as one table that holds the system prompt, the largest document
+    group and two running sequences: window groups serve every prefix hit one table would,
+    the ideal of the order (tests/jobs/test_prefill_ideal.py asserts it for one table)."""
+    rng, bs = random.Random(seed), 16
+    vocab = range(3, 512)
+    system = rng.choices(vocab, k=rng.randint(1, 48))
+    groups = []
+    for _ in range(rng.randint(1, 5)):
+        doc = rng.choices(vocab, k=rng.randint(16, 96))
+        groups.append([system + doc + rng.choices(vocab, k=rng.randint(1, 32))
+                       for _ in range(rng.randint(1, 4))])  # fmt: skip
+    prompts = [p for g in groups for p in g]
+    rng.shuffle(prompts)
+    order = group_by_prefix(prompts, bs)
+    longest = max(map(len, prompts)) + 4
+    group_blocks = max(-(-sum(len(p) for p in g) // bs) + len(g) for g in groups)
+    fit = -(-len(system) // bs) + group_blocks + 2 * (-(-longest // bs) + 2)
+    llm = LLM(
+        str(tiny_models("gemma3")), device="cpu", max_model_len=longest, max_num_seqs=2,
+        block_size=bs, num_kv_blocks=3 * fit,  # a block holds one of the 3 layers
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate([prompts[i] for i in order.order], params, use_tqdm=False)
+    assert llm.stats().prefix_hits == order.ideal_cached_tokens
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
