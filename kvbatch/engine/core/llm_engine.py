@@ -220,9 +220,12 @@ class LLMEngine:
 
     def _kv_layout(self) -> KVLayout:
         """Which layers share a block table (engine/kv/layout.py): one group of every layer,
-        unless some have a sliding window and sliding_window_kv is on."""
+        unless some have a sliding window and sliding_window_kv is on. A window no shorter
+        than max_model_len never lets a block go, so its layers keep one table with the rest
+        (a job of short requests on Gemma 3 pays nothing for the groups)."""
         cfg = self.model_config
         windows = [cfg.layer_attention(i).sliding_window for i in range(cfg.num_layers)]
+        windows = [w if w is not None and w < self.max_model_len else None for w in windows]
         return plan_layout(windows, self.config.cache.sliding_window_kv)
 
     def _kv_manager(

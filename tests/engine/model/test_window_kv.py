@@ -194,3 +194,12 @@ def test_prefill_stays_at_the_ideal(tiny_models, seed):
     llm.generate([prompts[i] for i in order.order], params, use_tqdm=False)
     assert llm.stats().prefix_hits == order.ideal_cached_tokens
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_a_window_as_long_as_the_context_keeps_one_table(tiny_models):
+    """Requests no longer than the window never free a block: one table, no group cost."""
+    path = str(tiny_models("gemma3"))
+    short = LLM(path, device="cpu", num_kv_blocks=64, max_model_len=SLIDING_WINDOW)
+    assert not isinstance(short.engine.kv, HybridKVCacheManager)
+    long = LLM(path, device="cpu", num_kv_blocks=64, max_model_len=SLIDING_WINDOW + 1)
+    assert isinstance(long.engine.kv, HybridKVCacheManager)
