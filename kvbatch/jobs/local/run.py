@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kvbatch.hub import resolve_model
+from kvbatch.hub import ModelNotFoundError, resolve_model, split_hub_id
 from kvbatch.jobs.answering import EngineRequest, LineContext, answer
 from kvbatch.jobs.context_flags import as_flags, long_line_advice
 from kvbatch.jobs.grouping import group_by_prefix
@@ -370,6 +370,7 @@ def _run_into(
                     len(done),
                     len(job.errors),
                 )
+                _warn_missing_model(opts.model)
     finally:
         partial.close()
         shutil.rmtree(spill, ignore_errors=True)
@@ -404,6 +405,16 @@ def _fresh_private_folder(folder: Path) -> None:
         folder.unlink()
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(mode=0o700, parents=True)
+
+
+def _warn_missing_model(model: str) -> None:
+    """A mistyped --model would otherwise go unsaid when no line needed the model."""
+    if Path(str(model)).expanduser().exists():
+        return
+    try:
+        split_hub_id(str(model))
+    except ModelNotFoundError as e:
+        log.warning("%s; no line needed it this time", e)
 
 
 class _ModelNotLoaded(JobError):

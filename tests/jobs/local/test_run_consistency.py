@@ -73,6 +73,25 @@ def test_a_job_where_no_line_can_run_never_loads_the_model(
     ]
 
 
+def test_a_mistyped_model_is_named_even_when_no_line_needed_it(
+    tmp_path: Path,
+    no_model_load: str,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+):
+    source = write_jsonl(tmp_path / "in.jsonl", ['{"custom_id": "a"}'])
+    with caplog.at_level(logging.WARNING, logger="kvbatch"):
+        record = run_job(RunOptions(input=str(source), model=no_model_load), llm=None)
+    assert record.status == "failed"
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"model {no_model_load!r} does not exist" in warning
+    caplog.clear()
+    folder = tmp_path / "a-folder"  # exists: not a typo, and still never loaded
+    folder.mkdir()
+    with caplog.at_level(logging.WARNING, logger="kvbatch"):
+        run_job(RunOptions(input=str(source), model=str(folder)), llm=None)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
 @pytest.mark.parametrize(("value", "bad"), [([-1], -1), ([7, -3], -3), ([[2], [-5]], -5)])
 def test_a_negative_embedding_token_id_is_called_negative(value, bad):
     line = {"custom_id": "e", "method": "POST", "url": EMBED}
