@@ -25,7 +25,7 @@ from kvbatch.engine.kv.kv_cache import (
     KVCacheStats,
 )
 from kvbatch.engine.kv.layout import KVLayout
-from kvbatch.engine.kv.window_group import WindowGroup
+from kvbatch.engine.kv.window_group import WindowGroup, WindowSeq
 
 
 class HybridKVCacheManager:
@@ -58,7 +58,7 @@ class HybridKVCacheManager:
         self.windows = [WindowGroup(self.pool, block_size, g.window) for g in layout.groups[1:]]
         sizes = {w.window: i for i, w in reversed(list(enumerate(self.windows)))}
         self._first_of_each_window = [(i, window) for window, i in sizes.items()]
-        self._states: dict[Hashable, list] = {}  # each sequence's WindowSeq in every group
+        self._states: dict[Hashable, list[WindowSeq]] = {}  # a sequence's state in each group
 
     @property
     def tables(self) -> list:
@@ -85,7 +85,7 @@ class HybridKVCacheManager:
     # -- allocation -----------------------------------------------------------------------
 
     def _fits(self, seq_id: Hashable, n: int, computed: ComputedBlocks | None) -> bool:
-        full = self.full._num_blocks_to_take(seq_id, n, computed)
+        full = self.full.num_blocks_to_take(seq_id, n, computed)
         windows = computed.window_block_ids if computed is not None else ()
         take = sum(
             w.num_blocks_to_take(seq_id, n, windows[i] if windows else None)

@@ -299,7 +299,7 @@ class KVCacheManager(MirroredTables):
         self, seq_id: Hashable, num_new_tokens: int, computed: ComputedBlocks | None = None
     ) -> bool:
         """Whether allocate_slots with the same arguments would succeed."""
-        return self._num_blocks_to_take(seq_id, num_new_tokens, computed) <= len(self._free)
+        return self.num_blocks_to_take(seq_id, num_new_tokens, computed) <= len(self._free)
 
     def allocate_slots(
         self,
@@ -324,7 +324,7 @@ class KVCacheManager(MirroredTables):
                 if self.enable_prefix_caching and full > seq.num_hashed:
                     self._register_full_blocks(seq, token_ids)
                 return True
-        if self._num_blocks_to_take(seq_id, num_new_tokens, computed) > len(self._free):
+        if self.num_blocks_to_take(seq_id, num_new_tokens, computed) > len(self._free):
             return False
         if seq is None:
             seq = self._start_seq(seq_id, token_ids, computed)
@@ -537,12 +537,11 @@ class KVCacheManager(MirroredTables):
         if num_used + len(free_ids) != self.num_blocks:
             raise RuntimeError(f"{num_used} used + {len(free_ids)} free != {self.num_blocks}")
 
-    # -- internals ------------------------------------------------------------------------
-
-    def _num_blocks_to_take(
+    def num_blocks_to_take(
         self, seq_id: Hashable, num_new_tokens: int, computed: ComputedBlocks | None
     ) -> int:
-        """Free-list blocks an allocation needs: fresh ones plus revived cached ones."""
+        """Free-list blocks an allocation needs: fresh ones plus revived cached ones (the
+        hybrid manager adds the window groups' to it, engine/kv/hybrid.py)."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         seq = self._seqs.get(seq_id)
@@ -560,6 +559,8 @@ class KVCacheManager(MirroredTables):
             have = covered = revived = 0
         need = -(-(covered + num_new_tokens) // self.block_size)
         return max(0, need - have) + revived
+
+    # -- internals ------------------------------------------------------------------------
 
     def _start_seq(
         self, seq_id: Hashable, token_ids: Sequence[int], computed: ComputedBlocks | None
