@@ -11,12 +11,12 @@ from tests.engine.core.test_llm import tokens
 
 
 def padded_graph_tokens(
-    path, prompts: list[list[int]], params: SamplingParams, monkeypatch
+    path, prompts: list[list[int]], params: SamplingParams, monkeypatch, **engine_args
 ) -> list[list[int]]:
     """Greedy tokens of `prompts` (at most 4) through the padded decode-graph path with the
     triton backend, float32 on the CPU (the interpreter); checks that padded steps ran and
     the KV cache is intact."""
-    args = dict(device="cpu", dtype="float32", cascade_attention=False)
+    args = dict(device="cpu", dtype="float32", cascade_attention=False) | engine_args
     llm = LLM(str(path), attention_backend="triton", **args)
     llm.engine.runner.capture_step_graphs(max_batch=4, max_model_len=64, capture=False)
     replays = []

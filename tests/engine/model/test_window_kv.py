@@ -17,6 +17,7 @@ from kvbatch.engine import LLM, SamplingParams
 from kvbatch.engine.kv.hybrid import HybridKVCacheManager
 from kvbatch.jobs.grouping import group_by_prefix
 from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts, tokens
+from tests.engine.exec.padded_graphs import padded_graph_tokens
 from tests.reference import hf_greedy
 from tests.tiny_models import SLIDING_WINDOW
 
@@ -203,3 +204,13 @@ def test_a_window_as_long_as_the_context_keeps_one_table(tiny_models):
     assert not isinstance(short.engine.kv, HybridKVCacheManager)
     long = LLM(path, device="cpu", num_kv_blocks=64, max_model_len=SLIDING_WINDOW + 1)
     assert isinstance(long.engine.kv, HybridKVCacheManager)
+
+
+def test_the_graph_buffers_of_each_group_give_transformers_tokens(tiny_models, monkeypatch):
+    """The CUDA-graph static-buffer path (run eagerly on the CPU): each group's tables in its
+    own buffers, blocks of 4 tokens leaving the window between replays."""
+    path = tiny_models("gemma3")
+    prompts = random_prompts(512, (41, 30, 9), seed=12)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = hf_greedy(path, prompts, params.max_tokens, ignore_eos=True)
+    assert padded_graph_tokens(path, prompts, params, monkeypatch, block_size=4) == want
