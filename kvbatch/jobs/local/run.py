@@ -17,149 +17,56 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import shutil
-import stat
 import time
-from collections.abc import Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
-from kvbatch.hub import ModelNotFoundError, resolve_model, split_hub_id
 from kvbatch.jobs.answering import EngineRequest, LineContext, answer
-from kvbatch.jobs.context_flags import as_flags, long_line_advice
+from kvbatch.jobs.context_flags import long_line_advice
 from kvbatch.jobs.grouping import group_by_prefix
-from kvbatch.jobs.job_context import engine_settings, request_tokens
 from kvbatch.jobs.local.eta import JobWork
+from kvbatch.jobs.local.model_on_demand import ModelNotLoaded, ModelOnDemand, warn_missing_model
+from kvbatch.jobs.local.options import (
+    JobError,
+    JobInterrupted,
+    RunMonitor,
+    RunOptions,
+    job_identity,
+)
 from kvbatch.jobs.local.output_lock import OutputBusy, output_lock
 from kvbatch.jobs.local.partial import PartialError, PartialOutput
 from kvbatch.jobs.local.partial_claim import claim_partial
+from kvbatch.jobs.local.paths import (
+    JobPaths,
+    holds_answers,
+    interrupted_message,
+    kept_message,
+    local_path,
+    refuse_one_file_twice,
+    refuse_overwriting_the_input,
+    resolve_paths,
+)
+from kvbatch.jobs.local.prepare import (
+    PreparedJob,
+    engine_params,
+    line_digest,
+    prepare_lines,
+    prepare_requests,
+)
 from kvbatch.jobs.local.progress import Progress
 from kvbatch.jobs.local.token_store import TokenStore
 from kvbatch.jobs.openai_format.batch_record import MAX_BATCH_ERRORS, BatchRecord
-from kvbatch.jobs.openai_format.endpoint import EndpointRule
-from kvbatch.jobs.openai_format.prompts import (
-    PromptError,
-    embedding_token_ids,
-    prompt_token_ids,
-    sampling_params_for,
-)
 from kvbatch.jobs.openai_format.responses import error_line
 from kvbatch.jobs.openai_format.schemas import EMBEDDINGS_URL
-from kvbatch.jobs.openai_format.validate import JobRequest, LineError, read_lines, validate_lines
 from kvbatch.jobs.storage import StorageError, open_storage
 
 log = logging.getLogger("kvbatch.run")
 
-
-class JobError(Exception):
-    """The job could not run at all (nothing was answered)."""
-
-
-class JobInterrupted(JobError):
-    """Ctrl-C: the message says whether answers were kept for `--resume`."""
-
-
-class RunMonitor(Protocol):
-    """What watches a run from outside (`kvbatch run --metrics-port`): the engine between
-    its steps, and every output it finishes. Must not raise."""
-
-    def step(self, engine) -> None: ...
-
-    def output(self, out) -> None: ...
-
-
-@dataclass
-class RunOptions:
-    input: str
-    model: str
-    output: str | None = None  # default: <input stem>.output.jsonl beside a local input
-    errors: str | None = None  # default: <output stem>.errors.jsonl beside the output
-    model_name: str | None = None  # the job's model name; default: the first line's "model"
-    resume: bool = False
-    window: int = 0  # requests inside the engine at once; 0 = 4 x max_num_seqs
-    work_dir: str | None = None  # where the resumable partial output lives
-    engine: dict = field(default_factory=dict)  # engine.LLM keyword arguments
-    # reads tool calls out of chat answers with tool_choice "auto" (kvbatch.jobs.openai_format.tool_parsers)
-    tool_call_parser: str | None = None
-    monitor: RunMonitor | None = None  # metrics; changes no answer
-
-
-@dataclass
-class JobPaths:
-    output: str
-    errors: str
-    batch: str
-    partial: Path
-    # False for a run to stdout that found the usual partial output held by another run and
-    # keeps its answers in one of its own (kvbatch.jobs.local.partial_claim), which --resume
-    # does not look for
-    resumable: bool = True
-
-
-def resolve_paths(opts: RunOptions) -> JobPaths:
-    if opts.output is None:
-        if opts.input == "-" or opts.input.startswith("s3://"):
-            raise JobError("give -o OUTPUT when the input is stdin or S3")
-        opts_output = str(_beside(_local(opts.input), ".output.jsonl"))
-    else:
-        opts_output = _file_name(opts.output, "-o")
-    if opts_output == "-":
-        errors = _file_name(opts.errors, "--errors") if opts.errors else "-stderr"
-        batch = "-stderr"
-    else:
-        errors = (
-            _file_name(opts.errors, "--errors")
-            if opts.errors
-            else _sibling(opts_output, ".errors.jsonl")
-        )
-        batch = _sibling(opts_output, ".batch.json")
-    digest = hashlib.sha256(f"{opts.input}\0{opts_output}".encode()).hexdigest()[:16]
-    if opts.work_dir:
-        partial = Path(opts.work_dir) / f"{digest}.partial.jsonl"
-    elif opts_output.startswith("s3://") or opts_output == "-":
-        cache = Path(os.environ.get("KVBATCH_CACHE", Path.home() / ".cache" / "kvbatch"))
-        partial = cache / "runs" / f"{digest}.partial.jsonl"
-    else:
-        out = Path(opts_output)
-        partial = out.parent / f".{out.name}.partial"
-    return JobPaths(opts_output, errors, batch, partial)
-
-
-def _local(uri: str) -> str:
-    """A local path as the file system spells it (file:// dropped, ~ expanded): the lock and
-    the partial output sit beside it, so they must be computed from the real path."""
-    if uri.startswith("file://"):
-        uri = uri[len("file://") :]
-    return uri if uri == "-" or "://" in uri else os.path.expanduser(uri)
-
-
-def _file_name(uri: str, flag: str) -> str:
-    """`uri`, local paths made real, after checking that it can name a file at all: one that
-    ends in '/' (or '.', '..') names a folder, and the run would only fail after the model
-    loaded, or write beside it under a dotted name."""
-    path = _local(uri)
-    last = path.rstrip("/").rpartition("/")[2]
-    if path != "-" and (path.endswith("/") or last in ("", ".", "..")):
-        raise JobError(
-            f"{flag} {uri} names a folder, not a file: name a file in it "
-            f"({path.rstrip('/') or '.'}/answers.jsonl, say)"
-        )
-    return path
-
-
-def _beside(path: str, suffix: str) -> Path:
-    p = Path(path)
-    stem = p.name[: -len(".jsonl")] if p.name.endswith(".jsonl") else p.name
-    return p.with_name(stem + suffix)
-
-
-def _sibling(uri: str, suffix: str) -> str:
-    head, _, name = uri.rpartition("/")
-    stem = name[: -len(".jsonl")] if name.endswith(".jsonl") else name
-    return f"{head}/{stem}{suffix}" if head else f"{stem}{suffix}"
+__all__ = [  # what callers import from here (the rest is in its own file beside this one)
+    "JobError", "JobInterrupted", "JobPaths", "PreparedJob", "RunMonitor", "RunOptions",
+    "job_identity", "line_digest", "prepare_requests", "resolve_paths", "run_job",
+]  # fmt: skip
 
 
 def run_job(opts: RunOptions, llm=None) -> BatchRecord:
@@ -181,8 +88,10 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
             for u in (paths.output, paths.errors, paths.batch)
             if not u.startswith("-")
         ]
-        _refuse_overwriting_the_input(_local(opts.input), [paths.output, paths.errors, paths.batch])
-        _refuse_one_file_twice(paths)
+        refuse_overwriting_the_input(
+            local_path(opts.input), [paths.output, paths.errors, paths.batch]
+        )
+        refuse_one_file_twice(paths)
         if opts.work_dir and paths.partial.parent.exists() and not paths.partial.parent.is_dir():
             raise StorageError(
                 f"--work-dir {opts.work_dir} is a file, not a folder: name a folder (one that "
@@ -203,116 +112,14 @@ def run_job(opts: RunOptions, llm=None) -> BatchRecord:
                 )
             return _run_locked(opts, paths, source, llm)
     except KeyboardInterrupt:
-        raise JobInterrupted(_interrupted(paths)) from None
+        raise JobInterrupted(interrupted_message(paths)) from None
     except OutputBusy as e:
         raise JobError(str(e)) from e
     except StorageError as e:
-        raise JobError(f"{e}; {_kept(paths)}") from e
+        raise JobError(f"{e}; {kept_message(paths)}") from e
     except OSError as e:
         where = e.filename or f"the partial output {paths.partial}"
-        raise JobError(f"cannot write {where}: {e.strerror}; {_kept(paths)}") from e
-
-
-def _kept(paths: JobPaths) -> str:
-    if not paths.resumable:
-        return (
-            f"the answers finished so far are kept in {paths.partial}, this run's own partial "
-            "output (another run to stdout held the usual one): --resume does not read it"
-        )
-    return (
-        f"the answers finished so far are kept in {paths.partial}: fix that, then run the "
-        "same command with --resume"
-    )
-
-
-def _interrupted(paths: JobPaths) -> str:
-    if _holds_answers(paths.partial):
-        if not paths.resumable:
-            return f"interrupted; {_kept(paths)}"
-        return (
-            f"interrupted; the answers finished so far are kept in {paths.partial}: run the "
-            "same command with --resume to continue"
-        )
-    return "interrupted before any answer was finished: nothing to resume; run it again"
-
-
-def _holds_answers(partial: Path) -> bool:
-    """Whether a partial output holds an answer after its header line (a link or a special
-    file planted at its name is never followed: it holds none)."""
-    try:
-        fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        f.readline()
-        return bool(f.read(1))
-
-
-def _refuse_overwriting_the_input(input_uri: str, outputs: list[str]) -> None:
-    if input_uri == "-":  # stdin is read and stdout written: never one stream
-        return
-    if input_uri.startswith("s3://"):
-        same = [o for o in outputs if o == input_uri]
-    else:
-        src = Path(input_uri).expanduser()
-        same = [
-            o
-            for o in outputs
-            if not o.startswith(("-", "s3://")) and _same_file(src, Path(o).expanduser())
-        ]
-    if same:
-        raise StorageError(
-            f"{same[0]} is the input file: the run would replace it; choose another -o/--errors"
-        )
-
-
-def _refuse_one_file_twice(paths: JobPaths) -> None:
-    """The answers, the error records and batch.json are written one after the other: were two
-    of them one file (`--errors` naming the output), the later would silently replace the
-    earlier, and a job would report answers that are gone."""
-    named = [("the answers (-o)", paths.output), ("the error records (--errors)", paths.errors)]
-    named.append(("batch.json", paths.batch))
-    files = [(what, uri) for what, uri in named if not uri.startswith("-")]
-    for i, (first, a) in enumerate(files):
-        for second, b in files[i + 1 :]:
-            same = a == b if "://" in a or "://" in b else _same_file(Path(a), Path(b))
-            if same:
-                raise StorageError(
-                    f"{b} would hold both {first} and {second}, and the second would replace "
-                    "the first: give -o and --errors different files (batch.json goes beside "
-                    "the output, named like it with .batch.json)"
-                )
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return a.resolve() == b.resolve()
-
-
-def job_identity(opts: RunOptions) -> dict:
-    """What a run's answers depend on besides the input lines (those are digested one by one):
-    the model and the settings that change its outputs. `--resume` refuses a partial output
-    whose identity differs."""
-    engine = {k: opts.engine[k] for k in _OUTPUT_SETTINGS if opts.engine.get(k) is not None}
-    identity = {"model": opts.model, "model_name": opts.model_name, **engine}
-    if opts.tool_call_parser is not None:  # absent when unset: older partials stay resumable
-        identity["tool_call_parser"] = opts.tool_call_parser
-    return identity
-
-
-# Engine settings that change the answers (the rest change only speed).
-_OUTPUT_SETTINGS = (
-    "revision",
-    "dtype",
-    "quantization",
-    "kv_cache_dtype",
-    "max_model_len",
-    "speculative",
-)
+        raise JobError(f"cannot write {where}: {e.strerror}; {kept_message(paths)}") from e
 
 
 def _run_locked(opts: RunOptions, paths: JobPaths, source, llm) -> BatchRecord:
@@ -327,9 +134,9 @@ def _run_locked(opts: RunOptions, paths: JobPaths, source, llm) -> BatchRecord:
     partial = PartialOutput(paths.partial)
     try:
         return _run_into(partial, opts, paths, source, model, record)
-    except (_ModelNotLoaded, KeyboardInterrupt):
+    except (ModelNotLoaded, KeyboardInterrupt):
         partial.close()  # commits what finished
-        if not _holds_answers(paths.partial):  # nothing to resume: nothing left behind
+        if not holds_answers(paths.partial):  # nothing to resume: nothing left behind
             partial.remove()
         raise
 
@@ -356,7 +163,7 @@ def _run_into(
     _fresh_private_folder(spill)
     try:
         with TokenStore(spill) as store:
-            job = _prepare(source, opts, model, store, done)
+            job = prepare_lines(source, opts, model, store, done)
             model.longest_request = job.longest_request  # job_first: the engine's context
             if model.loaded:  # lines were judged by the engine's context, maybe capped
                 _advise_long_lines(job, model.engine)
@@ -370,7 +177,7 @@ def _run_into(
                     len(done),
                     len(job.errors),
                 )
-                _warn_missing_model(opts.model)
+                warn_missing_model(opts.model)
     finally:
         partial.close()
         shutil.rmtree(spill, ignore_errors=True)
@@ -381,7 +188,7 @@ def _run_into(
         _finalize(paths, partial, job, record)
     except OSError as e:
         where = e.filename or f"the output {paths.output}"
-        raise JobError(f"cannot write {where}: {e.strerror}; {_kept(paths)}") from e
+        raise JobError(f"cannot write {where}: {e.strerror}; {kept_message(paths)}") from e
     partial.remove()
     return record
 
@@ -407,94 +214,6 @@ def _fresh_private_folder(folder: Path) -> None:
     folder.mkdir(mode=0o700, parents=True)
 
 
-def _warn_missing_model(model: str) -> None:
-    """A mistyped --model would otherwise go unsaid when no line needed the model."""
-    if Path(str(model)).expanduser().exists():
-        return
-    try:
-        split_hub_id(str(model))
-    except ModelNotFoundError as e:
-        log.warning("%s; no line needed it this time", e)
-
-
-class _ModelNotLoaded(JobError):
-    """The model failed to load."""
-
-
-class ModelOnDemand:
-    """The job's model: what the validation pass asks of it (`tokenizer`, `max_model_len`),
-    then the engine that runs the lines.
-
-    With --max-model-len unset (and no `llm` given) the job picks the context (`job_first`,
-    kvbatch.jobs.job_context): lines are judged against the model's own context, read with the
-    tokenizer but without the weights, and the engine loads afterwards at the job's
-    `longest_request` (set by the caller). Otherwise the engine loads the first time a line
-    needs its tokenizer, and lines are judged against its context."""
-
-    def __init__(self, opts: RunOptions, llm=None) -> None:
-        self._opts, self._llm = opts, llm
-        self.job_first = llm is None and not opts.engine.get("max_model_len")
-        self.longest_request = 0
-        self._files: _Given | None = None  # job_first: the tokenizer and the model's context
-
-    @property
-    def loaded(self) -> bool:
-        return self._llm is not None
-
-    @property
-    def engine(self):
-        if self._llm is None:
-            from kvbatch.engine import LLM  # torch is imported here, once a line can run
-
-            try:
-                longest = self.longest_request if self.job_first else 0
-                settings = engine_settings(self._opts.engine, longest)
-                self._llm = LLM(model=self._opts.model, **settings)
-            except (OSError, ValueError) as e:
-                raise _ModelNotLoaded(f"cannot load the model: {as_flags(str(e))}") from e
-        return self._llm.engine
-
-    @property
-    def tokenizer(self):
-        files = self._model_files()
-        tokenizer = self.engine.tokenizer if files is None else files.tokenizer
-        if tokenizer is None:
-            raise JobError(f"the model {self._opts.model} has no tokenizer: jobs need one")
-        return tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        files = self._model_files()
-        return self.engine.max_model_len if files is None else files.max_model_len
-
-    def _model_files(self) -> _Given | None:
-        """job_first: the tokenizer and the model's own context, read once without the
-        weights (a Hub id's configs and tokenizer are fetched, as `kvbatch submit` does). A
-        model they cannot be read of loads its engine first instead, whose error (or success:
-        a config only the engine understands) is the word on it."""
-        if self.job_first and self._files is None:
-            from kvbatch.jobs import model_info  # imports torch: once a line can run
-
-            try:
-                path = resolve_model(
-                    self._opts.model, self._opts.engine.get("revision"), tokenizer_only=True
-                )
-                tokenizer = model_info.load_tokenizer(path)
-                self._files = _Given(tokenizer, model_info.max_model_len(path, None, tokenizer))
-            except Exception as e:  # whatever transformers raised: the engine tries next
-                log.debug("reading %s without its weights failed (%s)", self._opts.model, e)
-                self.job_first = False
-        return self._files if self.job_first else None
-
-
-class _Given:
-    """A tokenizer and context length known beforehand (`kvbatch submit` reads them without
-    loading the weights)."""
-
-    def __init__(self, tokenizer, max_model_len: int) -> None:
-        self.tokenizer, self.max_model_len = tokenizer, max_model_len
-
-
 def _answer(opts: RunOptions, engine, store: TokenStore, job: PreparedJob, partial, record):
     order = group_by_prefix((store[i] for i in range(len(store))), engine.config.cache.block_size)
     if job.endpoint == EMBEDDINGS_URL:
@@ -514,7 +233,7 @@ def _answer(opts: RunOptions, engine, store: TokenStore, job: PreparedJob, parti
             key=i - job.input_index[i],
             input=job.input_index[i],
             token_ids=store[i],
-            params=_engine_params(job.requests[i]),
+            params=engine_params(job.requests[i]),
         )
         for i in order.order
     )
@@ -536,150 +255,6 @@ def _answer(opts: RunOptions, engine, store: TokenStore, job: PreparedJob, parti
             progress.update(done.output, done.key + done.input)
     finally:
         progress.close()
-
-
-def _engine_params(req: JobRequest):
-    """What feed_in_order hands the engine: the sampling params, or None to embed."""
-    return None if req.is_embedding else req.params
-
-
-@dataclass
-class PreparedJob:
-    # indexed like the token store; messages dropped. An embeddings line with k inputs fills
-    # k entries (the same request), input_index telling which input each one is.
-    requests: list[JobRequest]
-    line_of: dict[str, int]  # custom_id -> input line, for ordering the output
-    digest_of: dict[str, str]  # custom_id -> digest of its input line (what an answer is of)
-    errors: list[LineError]
-    model_name: str
-    urls: set[str]  # of every valid line, answered in an earlier run (--resume) or not
-    input_index: list[int] = field(default_factory=list)  # like requests: 0 but for embeddings
-    endpoint: str = "/v1/chat/completions"  # batch.json's: see kvbatch.jobs.openai_format.endpoint
-    # prompt + output cap of the longest request to run (an embeddings input: its tokens);
-    # the context the engine runs at without --max-model-len (kvbatch.jobs.job_context)
-    longest_request: int = 0
-
-
-def prepare_requests(
-    source,
-    opts: RunOptions,
-    tokenizer,
-    max_len: int,
-    store: TokenStore,
-    done: Mapping[str, str],
-) -> PreparedJob:
-    """Validation pass: stream the input once, tokenize, spill tokens, collect errors.
-
-    `done` ({custom_id: line digest}, from --resume) names the lines answered already: a line
-    whose digest still matches is skipped; one that changed is answered again. Shared by
-    `kvbatch run` and `kvbatch submit`, so both judge lines the same way."""
-    if tokenizer is None:
-        raise JobError(f"the model {opts.model} has no tokenizer: jobs need one")
-    return _prepare(source, opts, _Given(tokenizer, max_len), store, done)
-
-
-def _prepare(source, opts: RunOptions, model, store: TokenStore, done: Mapping[str, str]):
-    """prepare_requests, asking `model` (ModelOnDemand, or _Given) for the tokenizer and the
-    context length only when a line needs them."""
-    requests: list[JobRequest] = []
-    line_of: dict[str, int] = {}
-    digest_of: dict[str, str] = {}
-    errors: list[LineError] = []
-    job_model = opts.model_name
-    model_decided = job_model is not None  # by the flag, or else by the first valid line
-    endpoint = EndpointRule()
-    input_index: list[int] = []
-    urls: set[str] = set()
-    params_seen: dict = {}  # identical SamplingParams are shared: millions of lines, few kinds
-    longest = 0
-    try:
-        with source.open_read() as f:
-            lines = _LastLine(read_lines(f))
-            for item in validate_lines(
-                lines, model=opts.model_name, tool_call_parser=opts.tool_call_parser
-            ):
-                if isinstance(item, LineError):
-                    errors.append(item)
-                    continue
-                line_of[item.custom_id] = item.line
-                mismatch = endpoint.check(item)
-                if mismatch is not None:
-                    errors.append(mismatch)
-                    continue
-                if not model_decided:
-                    job_model, model_decided = item.model, True
-                elif item.model is not None and job_model is not None and item.model != job_model:
-                    errors.append(
-                        LineError(
-                            item.line,
-                            item.custom_id,
-                            "model_mismatch",
-                            f"line {item.line}: model {item.model!r} differs from the job's model "
-                            f"{job_model!r}: a batch runs one model; split the file",
-                        )
-                    )
-                    continue
-                urls.add(item.url)
-                digest = line_digest(lines.last)
-                digest_of[item.custom_id] = digest
-                if done.get(item.custom_id) == digest:
-                    continue
-                if item.is_embedding:
-                    try:
-                        inputs = embedding_token_ids(item, model.tokenizer, model.max_model_len)
-                    except PromptError as e:
-                        errors.append(e.line_error(item))
-                        continue
-                    item = dataclasses.replace(item, inputs=None)
-                    longest = max(longest, *(request_tokens(len(ids), None) for ids in inputs))
-                    for i, ids in enumerate(inputs):
-                        requests.append(item)
-                        input_index.append(i)
-                        store.append(ids)
-                    continue
-                try:
-                    ids = prompt_token_ids(item, model.tokenizer, model.max_model_len)
-                    params = sampling_params_for(item, len(ids), model.max_model_len)
-                except PromptError as e:
-                    errors.append(
-                        LineError(item.line, item.custom_id, e.code, f"line {item.line}: {e}")
-                    )
-                    continue
-                try:
-                    params = params_seen.setdefault(params, params)
-                except TypeError:  # a logit_bias dict makes the params unhashable: not shared
-                    pass
-                requests.append(
-                    dataclasses.replace(item, messages=None, prompt=None, tools=None, params=params)
-                )
-                input_index.append(0)
-                store.append(ids)
-                longest = max(longest, request_tokens(len(ids), params))
-    except StorageError as e:
-        raise JobError(str(e)) from e
-    name = job_model or Path(opts.model.rstrip("/")).name
-    return PreparedJob(
-        requests, line_of, digest_of, errors, name, urls, input_index, endpoint.endpoint, longest
-    )
-
-
-def line_digest(raw: bytes) -> str:
-    """What an answer is an answer to: the input line's bytes, outer whitespace aside."""
-    return hashlib.sha256(raw.strip()).hexdigest()[:32]
-
-
-class _LastLine:
-    """Iterates a file's lines and remembers the last one: validate_lines is lazy (one record
-    per line, yielded before the next line is read), so it is the line of the record in hand."""
-
-    def __init__(self, lines) -> None:
-        self._lines = lines
-        self.last = b""
-
-    def __iter__(self):
-        for raw in self._lines:
-            self.last = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
-            yield raw
 
 
 def _finalize(
