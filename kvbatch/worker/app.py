@@ -114,3 +114,24 @@ def _transport_options(broker: str, vt: int) -> dict:
         if queue_url:
             options["predefined_queues"] = {DEFAULT_QUEUE: {"url": queue_url}}
     return options
+
+
+def run_solo_worker(app: Celery, queue: str, loglevel: str, name: str) -> None:
+    """Run `app` as a one-process worker on `queue` until it is stopped: one task at a time
+    (a worker holds one model, and a GPU runs one shard), no gossip, mingle or heartbeat
+    (workers never need each other)."""
+    app.worker_main(
+        [
+            "worker",
+            "--pool=solo",
+            "--concurrency=1",
+            f"--loglevel={loglevel}",
+            "-Q",
+            queue,
+            "-n",
+            name,
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
+    )

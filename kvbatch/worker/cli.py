@@ -262,6 +262,7 @@ def submit(args: argparse.Namespace) -> int:
 
 
 def worker(args: argparse.Namespace, engine: dict) -> int:
+    from kvbatch.worker.app import run_solo_worker
     from kvbatch.worker.settings import TASK_NAME
     from kvbatch.worker.tasks import WorkerModel
 
@@ -304,21 +305,7 @@ def worker(args: argparse.Namespace, engine: dict) -> int:
             observe_engine(model.llm())
             log.info("metrics on %s:%d/metrics", host, port)
     hostname = f"kvbatch-{os.getpid()}@{socket.gethostname()}"
-    app.worker_main(
-        [
-            "worker",
-            "--pool=solo",
-            "--concurrency=1",
-            f"--loglevel={args.loglevel}",
-            "-Q",
-            args.queue,
-            "-n",
-            hostname,
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-        ]
-    )
+    run_solo_worker(app, args.queue, args.loglevel, hostname)
     return 0
 
 

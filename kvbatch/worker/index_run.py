@@ -76,7 +76,7 @@ def register_index_task(app: Celery) -> None:
 
 def index_worker(args) -> int:
     """`kvbatch index-worker`: a one-process Celery worker on INDEX_QUEUE (or --queue)."""
-    from kvbatch.worker.app import BrokerError, broker_url, make_app
+    from kvbatch.worker.app import BrokerError, broker_url, make_app, run_solo_worker
 
     logging.basicConfig(level=logging.WARNING, format="kvbatch: %(message)s", stream=sys.stderr)
     logging.getLogger("kvbatch").setLevel(logging.INFO)
@@ -92,19 +92,6 @@ def index_worker(args) -> int:
         except OSError as e:
             log.warning("no metrics: cannot serve %s:%d (%s)", args.metrics_host,
                         args.metrics_port, e)  # fmt: skip
-    app.worker_main(
-        [
-            "worker",
-            "--pool=solo",
-            "--concurrency=1",
-            f"--loglevel={args.loglevel}",
-            "-Q",
-            args.queue,
-            "-n",
-            f"kvbatch-index-{os.getpid()}@{socket.gethostname()}",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-        ]
-    )
+    name = f"kvbatch-index-{os.getpid()}@{socket.gethostname()}"
+    run_solo_worker(app, args.queue, args.loglevel, name)
     return 0

@@ -23,6 +23,7 @@ from kvbatch.cli import main
 from kvbatch.index.distributed import model_queue
 from kvbatch.index.pipeline import run_index
 from tests.index.indexing import WatchedModels, index_spec, table_rows
+from tests.processes import stop_processes
 from tests.redis_server import redis_server  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,15 +123,7 @@ def test_a_worker_killed_mid_shard_leaves_every_chunk_once(
         thread.join(timeout=240)
         assert not thread.is_alive(), _logs(tmp_path)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
     assert result["code"] == 0, _logs(tmp_path)
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["errors"] == [] and report["chunks"] == expected.chunks

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from kvbatch.worker.index_trigger import INDEX_QUEUE, IndexRunRequest, run_recor
 from kvbatch.worker.schedule import IndexEntry, ScheduleError, parse_schedule
 from kvbatch.worker.scheduled import start_scheduled_run
 from tests.index.indexing import index_spec, table_rows
+from tests.processes import stop_processes
 from tests.redis_server import redis_server  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,14 +94,7 @@ def test_a_scheduled_index_run_is_sent_once_and_run_by_the_index_worker(
             assert all(p.poll() is None for p in procs), logs
             time.sleep(0.2)
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
     record = json.loads(target.read_text())
     assert record["status"] == "merged" and record["sent"] is True
     rows = table_rows(spec)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import stop_processes
 from tests.redis_server import persistent_redis_server, redis_server  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -113,15 +113,7 @@ class Workers:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in self.logs)
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs)
 
 
 def _wait_completed(job: Path, workers: Workers, timeout: float = 75) -> dict:
