@@ -8,7 +8,7 @@ decode job on the tiny random model twice in one process, the startup heap first
 the passes (`freeze_gc=False`, as before the freeze) and then frozen, and reports for each:
 tracked objects after the start, the run's passes per generation with the longest pause,
 and one forced full pass after the run (what a pass costs at that heap size). `--kv-blocks`
-also times a full pass over a KV block manager of that many blocks alone (one `_Block` each:
+also times a full pass over a KV block manager of that many blocks alone (one `Block` each:
 the rag model on an H200 has 250k). On a GPU whose decode step is 1-2 ms a pause of tens of
 milliseconds is a token gap of tens of steps.
 """

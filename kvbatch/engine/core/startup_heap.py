@@ -3,7 +3,7 @@
 CPython's cycle collector now and then examines every tracked object (a generation-2 pass),
 triggered by allocation counts wherever a step happens to allocate. What an engine starts with
 is a large, long-lived heap: torch's and transformers' modules, the model's modules and
-parameters, one `_Block` per KV block (engine/kv/kv_cache.py; a 1B model on a large GPU has
+parameters, one `Block` per KV block (engine/kv/block_pool.py; a 1B model on a large GPU has
 hundreds of thousands). A full pass over such a heap takes tens to hundreds of milliseconds,
 while a GPU decode step takes one or two: one pass is a stall of ten steps or more for every
 running request, the kind of outlier that can set the long-prefill benchmark's longest token

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from kvbatch.engine.kv.block_pool import BlockPool
 from kvbatch.engine.kv.kv_cache import (
-    BlockPool,
     ComputedBlocks,
     HashFn,
     KVCacheManager,

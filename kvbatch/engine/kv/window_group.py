@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from kvbatch.engine.kv.kv_cache import BlockPool
+from kvbatch.engine.kv.block_pool import BlockPool
 from kvbatch.engine.kv.table_rows import MirroredTables, TableRows
 
 DROPPED = -1  # a table entry whose block left the window
