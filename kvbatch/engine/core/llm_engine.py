@@ -46,8 +46,7 @@ from kvbatch.engine.core.stopping import StopChecker
 from kvbatch.engine.exec.launched_step import LaunchedStep, StepResult, start_clock
 from kvbatch.engine.exec.runner import ModelRunner
 from kvbatch.engine.kv.context_len import CAPPED_AT_POOL, chosen_context_len
-from kvbatch.engine.kv.hybrid import HybridKVCacheManager
-from kvbatch.engine.kv.kv_cache import KVCacheManager
+from kvbatch.engine.kv.hybrid import kv_manager_for
 from kvbatch.engine.kv.layout import KVLayout, plan_layout
 from kvbatch.engine.kv.sizing import (
     KVPoolRequest,
@@ -110,7 +109,14 @@ class LLMEngine:
         scheduler_config = dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
         self.model.rotary.fit_context(self.max_model_len)  # LongRoPE: short or long factors
         cache = config.cache
-        self.kv = self._kv_manager(num_blocks, scheduler_config)
+        self.kv = kv_manager_for(
+            self.kv_layout,
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            self.max_model_len,
+            scheduler_config.max_num_seqs,
+        )
         self.step_cost = self._step_cost_model(scheduler_config)
         self.scheduler = Scheduler(scheduler_config, self.kv, self.step_cost)
         self.runner = ModelRunner(
@@ -219,34 +225,10 @@ class LLMEngine:
         return num_blocks
 
     def _kv_layout(self) -> KVLayout:
-        """Which layers share a block table (engine/kv/layout.py): one group of every layer,
-        unless some have a sliding window and sliding_window_kv is on. A window no shorter
-        than max_model_len never lets a block go, so its layers keep one table with the rest
-        (a job of short requests on Gemma 3 pays nothing for the groups)."""
+        """Which layers share a block table (engine/kv/layout.py)."""
         cfg = self.model_config
         windows = [cfg.layer_attention(i).sliding_window for i in range(cfg.num_layers)]
-        windows = [w if w is not None and w < self.max_model_len else None for w in windows]
-        return plan_layout(windows, self.config.cache.sliding_window_kv)
-
-    def _kv_manager(
-        self, num_blocks: int, scheduler_config: SchedulerConfig
-    ) -> KVCacheManager | HybridKVCacheManager:
-        cache = self.config.cache
-        if not self.kv_layout.is_hybrid:
-            return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        # Every layer has a window: group 0 only names prefixes, from ids of its own, enough
-        # for every running request's whole context beside what the pool keeps cached (a
-        # running request holds at least a block in each window group).
-        per_seq = -(-self.max_model_len // cache.block_size)
-        running = min(scheduler_config.max_num_seqs, num_blocks // len(self.kv_layout.groups))
-        identities = num_blocks + max(running, 1) * per_seq
-        return HybridKVCacheManager(
-            self.kv_layout,
-            num_blocks,
-            cache.block_size,
-            cache.enable_prefix_caching,
-            num_identity_blocks=0 if self.kv_layout.groups[0].layers else identities,
-        )
+        return plan_layout(windows, self.config.cache.sliding_window_kv, self.max_model_len)
 
     def _step_cost_model(self, scheduler_config: SchedulerConfig) -> StepCostModel | None:
         """What times steps to size long prompts' chunks (engine/sched/step_cost.py), when a

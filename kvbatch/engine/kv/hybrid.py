@@ -234,3 +234,25 @@ class HybridKVCacheManager:
                 )
         if used + len(free) != self.num_blocks:
             raise RuntimeError(f"{used} used + {len(free)} free != {self.num_blocks}")
+
+
+def kv_manager_for(
+    layout: KVLayout,
+    num_blocks: int,
+    block_size: int,
+    enable_prefix_caching: bool,
+    max_model_len: int,
+    max_num_seqs: int,
+) -> KVCacheManager | HybridKVCacheManager:
+    """The engine's KV manager: one table without window groups, else the hybrid one. When
+    every layer has a window, group 0 only names prefixes, from ids of its own: enough for
+    every running request's whole context beside what the pool keeps cached (a running
+    request holds at least a block in each window group)."""
+    if not layout.is_hybrid:
+        return KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+    per_seq = -(-max_model_len // block_size)
+    running = max(1, min(max_num_seqs, num_blocks // len(layout.groups)))
+    identities = 0 if layout.groups[0].layers else num_blocks + running * per_seq
+    return HybridKVCacheManager(
+        layout, num_blocks, block_size, enable_prefix_caching, num_identity_blocks=identities
+    )

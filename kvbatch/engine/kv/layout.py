@@ -78,10 +78,16 @@ class KVLayout:
         return lo
 
 
-def plan_layout(windows: Sequence[int | None], window_groups: bool = True) -> KVLayout:
+def plan_layout(
+    windows: Sequence[int | None], window_groups: bool = True, max_model_len: int = 0
+) -> KVLayout:
     """The groups of a model whose layer i has window windows[i] (None: full attention).
     Without windows, or with window_groups off, one group of every layer (window None: its
-    blocks are kept whole, and each layer's attention still masks its own window)."""
+    blocks are kept whole, and each layer's attention still masks its own window). A window
+    no shorter than max_model_len (when given) never lets a block go, so its layers stay with
+    the full ones: a job of short requests on Gemma 3 pays nothing for the groups."""
+    if max_model_len:
+        windows = [w if w is not None and w < max_model_len else None for w in windows]
     every = tuple(range(len(windows)))
     if not window_groups or all(w is None for w in windows):
         return KVLayout((KVGroup(None, every),), len(windows))
