@@ -270,7 +270,9 @@ class ModelRunner:
         ]
         for source in self.sources[1:]:
             rows, num_blocks = source.table_rows([id(c.seq) for c in batch.chunks])
-            slots = slots_of(source.table_array, rows, tokens, batch.lens, self.block_size)
+            slots = slots_of(
+                source.table_array, rows, tokens.seq_of_token, tokens.positions, self.block_size
+            )
             groups.append(
                 _GroupTables.of(batch, tokens, self.block_size, [], rows, num_blocks, source, slots)
             )
@@ -430,12 +432,11 @@ class _GroupTables:
 
 
 def slots_of(
-    host_tables: np.ndarray, rows: np.ndarray, tokens: _TokenLayout, lens: np.ndarray,
+    host_tables: np.ndarray, rows: np.ndarray, seq_of_token: np.ndarray, positions: np.ndarray,
     block_size: int,
 ) -> np.ndarray:  # fmt: skip
-    """[tokens] each token's slot in a group's tables (rows: the chunks' rows there)."""
-    seq_of_token = np.repeat(np.arange(len(lens)), lens)
-    positions = tokens.positions
+    """[tokens] each token's slot in one group's tables (rows: the chunks' rows there):
+    table[pos // block_size] * block_size + pos % block_size."""
     return (
         host_tables[rows[seq_of_token], positions // block_size] * block_size
         + positions % block_size
@@ -452,7 +453,8 @@ class _TokenLayout:
     pending_rows: np.ndarray  # their rows in the last step's sampled tokens
     query_start: np.ndarray  # [chunks] each chunk's first token in ids
     positions: np.ndarray  # [tokens]
-    slots: np.ndarray  # [tokens] table[pos // block_size] * block_size + pos % block_size
+    seq_of_token: np.ndarray  # [tokens] the chunk each token belongs to
+    slots: np.ndarray  # [tokens] in the first group's tables (slots_of)
     context_lens: np.ndarray  # [chunks] tokens in the KV after this step
 
 
@@ -477,16 +479,14 @@ def token_layout(batch: _Batch, host_tables: np.ndarray, block_size: int) -> _To
     query_start = np.cumsum(lens) - lens
     seq_of_token = np.repeat(np.arange(len(batch.chunks)), lens)
     positions = starts[seq_of_token] + np.arange(len(ids)) - query_start[seq_of_token]
-    slots = (
-        host_tables[rows[seq_of_token], positions // block_size] * block_size
-        + positions % block_size
-    )
+    slots = slots_of(host_tables, rows, seq_of_token, positions, block_size)
     return _TokenLayout(
         ids=np.array(ids, dtype=np.int64),
         pending_at=np.array(pending_at, dtype=np.int64),
         pending_rows=np.array(pending_rows, dtype=np.int64),
         query_start=query_start,
         positions=positions,
+        seq_of_token=seq_of_token,
         slots=slots,
         context_lens=starts + lens,
     )
