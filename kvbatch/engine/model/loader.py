@@ -8,6 +8,8 @@ configs, tokenizers and the GGUF reader; the forward pass is always ours (engine
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,14 +83,8 @@ def load_model(
     at load. Formats the engine cannot run fail here, never at the first answer. A broken
     file is a CheckpointError: one line naming the file and the problem."""
     path = Path(path).expanduser()
-    try:
+    with _as_checkpoint_error(path):
         return _load_model(path, dtype, device, quantization)
-    except (CheckpointError, FileNotFoundError, MemoryError, torch.OutOfMemoryError):
-        raise
-    except Exception as e:  # whatever a library raised on a file it could not use
-        if _ours(e):  # the engine's own typed errors already name the fix
-            raise
-        raise CheckpointError(path, _problem(e)) from None
 
 
 def _load_model(
@@ -152,16 +148,10 @@ class LoadedEncoder:
 def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedEncoder:
     """Load an encoder folder (engine/model/bert.py); errors name what the forward lacks."""
     path = Path(path).expanduser()
-    try:
+    with _as_checkpoint_error(path):
         cfg = BertConfig.from_hf(_config_dict(path) or {})
         model = build_bert(cfg, _read_weights(path), dtype, device)
         return LoadedEncoder(cfg, model, _read_tokenizer(path), weight_bytes(model))
-    except (CheckpointError, FileNotFoundError, MemoryError, torch.OutOfMemoryError):
-        raise
-    except Exception as e:  # whatever a library raised on a file it could not use
-        if _ours(e):  # the engine's own typed errors already name the fix
-            raise
-        raise CheckpointError(path, _problem(e)) from None
 
 
 def _pop_kv_scales(state_dict: dict) -> dict:
@@ -337,6 +327,21 @@ def _read_gguf(path: Path):
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     state_dict = {k: torch.as_tensor(v) for k, v in tensors.items()}
     return hf_config, state_dict, tokenizer
+
+
+@contextmanager
+def _as_checkpoint_error(path: Path) -> Iterator[None]:
+    """Whatever a library raises on a file it cannot use becomes one CheckpointError naming
+    `path`; the engine's own typed errors (they already name the fix), a missing file and
+    running out of memory pass through."""
+    try:
+        yield
+    except (CheckpointError, FileNotFoundError, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:
+        if _ours(e):
+            raise
+        raise CheckpointError(path, _problem(e)) from None
 
 
 def _ours(e: Exception) -> bool:
