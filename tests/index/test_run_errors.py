@@ -49,4 +49,4 @@ def test_a_stage_held_by_another_run_says_to_wait_not_to_choose_another_output(
             stages.run("embed", folder, str(minilm), "embedding")
     message = str(e.value)
     assert "another index run" in message and "wait for it to finish" in message
-    assert "-o" not in message
+    assert "choose another" not in message and " -o" not in message
