@@ -98,12 +98,9 @@ def test_two_sources_in_one_table_keep_each_others_rows(tmp_path, minilm):
     report_b = run_index(spec_b)
     assert (report_b.documents_deleted, report_b.chunks_deleted) == (0, 0)
     rows = rows_of(spec_a)
-    assert sorted(r["document_id"] for r in rows) == [
-        "same.txt",  # the same name and text in both sources: two rows
-        "same.txt",
-        "tides.txt",
-        "volcanoes.md",
-    ]
+    documents = [r["document_id"] for r in rows]
+    assert set(documents) == {"same.txt", "tides.txt", "volcanoes.md"}
+    assert documents.count("same.txt") == 2  # the same name and text in both sources: two rows
     assert report_b.source == spec_b.source.owner != spec_a.source.owner
     by_source = {(r["source"], r["document_id"]) for r in rows}
     assert by_source == {
