@@ -404,7 +404,15 @@ class ChatCompletionBody(_Body):
     prediction: Any = None
     web_search_options: Any = None
     verbosity: Any = None
-    reasoning_effort: Any = None  # ignored: the models kvbatch runs do not reason
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None,
+        description="'low', 'medium' or 'high' (how long a reasoning model thinks: gpt-oss's "
+        "system message says it; other chat templates read it as a keyword)",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(  # vLLM's extra parameter
+        None,
+        description='an object of keywords for the chat template ({"enable_thinking": false})',
+    )
     _tool_constraint: StructuredOutputs | None = PrivateAttr(None)
 
     @model_validator(mode="after")
