@@ -111,7 +111,8 @@ def add_tool_call_parser_arg(parser: argparse.ArgumentParser) -> None:
         choices=sorted(PARSERS),
         default=None,
         help="read tool calls out of chat answers with tool_choice 'auto' (the default when a "
-        "line gives tools) in this model's format: hermes for Qwen2.5/Qwen3 and Hermes models; "
+        "line gives tools) in this model's format: hermes for Qwen2.5/Qwen3 and Hermes models, "
+        "openai for gpt-oss (harmony's commentary channel); "
         "without it such lines are refused (named and 'required' tool_choice need no parser)",
     )
 
