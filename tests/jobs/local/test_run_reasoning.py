@@ -116,3 +116,28 @@ def test_parser_off_leaves_the_text_whole(think_model: Path, tmp_path: Path, ans
     ] == 0 and with_parser["completion_tokens"] == (
         by_id["think"]["response"]["body"]["usage"]["completion_tokens"]
     )
+
+
+def test_workers_answer_as_kvbatch_run(think_model: Path, tmp_path: Path, answers):
+    """submit (prompts rendered with the detected parser) + the workers' shard path: the
+    same reasoning_content, content and usage as `kvbatch run`."""
+    from kvbatch.engine import LLM
+    from kvbatch.jobs.distributed.finalize import try_finalize
+    from kvbatch.jobs.distributed.shards import job_dir
+    from kvbatch.jobs.distributed.submit import prepare_job
+    from tests.jobs.distributed.test_finalize import run_shards
+
+    src = write_jsonl(tmp_path / "in.jsonl", lines())
+    sub = prepare_job(str(src), str(tmp_path / "jobs"), str(think_model))
+    job = job_dir(str(tmp_path / "jobs"), sub.job_id)
+    llm = LLM(model=str(think_model), device="cpu", kv_cache_bytes=16 << 20)
+    run_shards(llm, job, sub.messages)
+    assert try_finalize(job) is not None
+    with job.join("output.jsonl").open_read() as f:
+        remote = {x["custom_id"]: x for x in map(json.loads, f.read().splitlines())}
+    local, _ = answers
+    assert remote.keys() == local.keys()
+    for custom_id, line in remote.items():
+        check_line(json.dumps(line))
+        ours, theirs = (x["response"]["body"] for x in (line, local[custom_id]))
+        assert ours["choices"] == theirs["choices"] and ours["usage"] == theirs["usage"]
