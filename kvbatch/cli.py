@@ -11,8 +11,8 @@ from typing import Annotated
 
 from kvbatch.engine_args import (
     add_engine_args,
-    add_revision_arg,
     add_reasoning_parser_arg,
+    add_revision_arg,
     add_tool_call_parser_arg,
     engine_args_conflict,
     engine_kwargs,

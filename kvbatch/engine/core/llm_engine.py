@@ -136,7 +136,9 @@ class LLMEngine:
         # a reasoning model's format: how answers split, where a grammar starts, what ends them
         self.reasoning = choose_reasoning_parser(config.reasoning_parser, self.tokenizer)
         eos = loaded.eos_token_ids + (self.reasoning.stop_token_ids if self.reasoning else ())
-        self.stop_checker = StopChecker(tuple(dict.fromkeys(eos)), self.max_model_len, self.tokenizer)
+        self.stop_checker = StopChecker(
+            tuple(dict.fromkeys(eos)), self.max_model_len, self.tokenizer
+        )
         self.spec = None  # speculative decoding (engine/spec/), when config.speculative is set
         if config.speculative is not None:
             from kvbatch.engine.spec.decoder import build_spec_decoder

@@ -59,7 +59,11 @@ def harmony_conversation(
         raise ValueError(
             f"reasoning_effort {reasoning_effort!r} is not one of {', '.join(REASONING_EFFORTS)}"
         )
-    out = [Message.from_role_and_content(Role.SYSTEM, SystemContent.new().with_reasoning_effort(effort))]
+    out = [
+        Message.from_role_and_content(
+            Role.SYSTEM, SystemContent.new().with_reasoning_effort(effort)
+        )
+    ]
     rest = list(messages)
     instructions = None
     if rest and rest[0]["role"] in ("system", "developer"):
@@ -93,7 +97,11 @@ def render_harmony_prompt(
 def _messages(message: Mapping[str, Any], call_names: dict[str, str]) -> list[Message]:
     role, text = message["role"], _text(message.get("content"))
     if role in ("system", "developer"):
-        return [Message.from_role_and_content(Role.DEVELOPER, DeveloperContent.new().with_instructions(text))]
+        return [
+            Message.from_role_and_content(
+                Role.DEVELOPER, DeveloperContent.new().with_instructions(text)
+            )
+        ]
     if role == "user":
         return [Message.from_role_and_content(Role.USER, text)]
     if role == "tool":

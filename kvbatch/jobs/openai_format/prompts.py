@@ -19,7 +19,6 @@ from kvbatch.engine.reasoning.harmony_prompt import render_harmony_prompt
 from kvbatch.jobs.openai_format.tool_parsers import get_parser
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError
 
-
 HARMONY = "openai_gptoss"  # the reasoning parser whose prompts openai-harmony renders
 
 

@@ -75,7 +75,7 @@ def test_cut_inside_the_reasoning(tokenizer, parser):
 
 def test_stream_token_by_token(tokenizer, parser):
     """The watcher ends on </think> exactly; a split of every prefix agrees with it."""
-    out = ids(tokenizer, "a b c</think>{\"x\": 1}")
+    out = ids(tokenizer, 'a b c</think>{"x": 1}')
     end = parser.reasoning_end(prompt(tokenizer))
     for n, token in enumerate(out, start=1):
         end.accept(token)

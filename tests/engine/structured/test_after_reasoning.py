@@ -71,9 +71,7 @@ def test_without_a_parser_the_grammar_starts_at_once(think_model):
     """The contrast: with reasoning_parser none the schema constrains the thinking too."""
     from kvbatch.engine import LLM
 
-    llm = LLM(
-        model=str(think_model), device="cpu", kv_cache_bytes=1 << 24, reasoning_parser="none"
-    )
+    llm = LLM(model=str(think_model), device="cpu", kv_cache_bytes=1 << 24, reasoning_parser="none")
     assert llm.engine.reasoning is None
     prompt = render_chat(llm.tokenizer, CONVERSATION)
     end = llm.tokenizer.convert_tokens_to_ids("</think>")
