@@ -23,7 +23,6 @@ import os
 import tempfile
 from pathlib import Path
 
-import bpe_openai
 from openai_harmony import HarmonyEncoding, HarmonyEncodingName, load_harmony_encoding
 
 from kvbatch.fetch import resolve_cache_dir
@@ -40,6 +39,10 @@ class HarmonyVocabError(RuntimeError):
 
 def o200k_base_from_bpe_openai() -> bytes:
     """The file's bytes from the bpe-openai wheel's o200k_base."""
+    # imported here: bpe-openai reads all its vocabularies at import (seconds), and the file
+    # is written once per machine
+    import bpe_openai
+
     values = bpe_openai.get_encoding("o200k_base").token_byte_values()
     return _lines(values[:O200K_BASE_RANKS])
 

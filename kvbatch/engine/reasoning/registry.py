@@ -16,7 +16,8 @@ from collections.abc import Callable
 from kvbatch.engine.reasoning.parser import ReasoningParser
 from kvbatch.engine.reasoning.think import END, ThinkParser, think_token_ids
 
-NONE = "none"
+NO_REASONING_PARSER = "none"  # kvbatch's: no parser at all
+HARMONY_PARSER = "openai_gptoss"  # gpt-oss: openai-harmony renders its prompts too
 HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|return|>", "<|call|>")
 
 
@@ -29,11 +30,11 @@ def _harmony(tokenizer) -> ReasoningParser:
 
 PARSERS: dict[str, Callable[[object], ReasoningParser]] = {
     "deepseek_r1": lambda tokenizer: ThinkParser(tokenizer, "deepseek_r1"),
-    "openai_gptoss": _harmony,
+    HARMONY_PARSER: _harmony,
     "qwen3": lambda tokenizer: ThinkParser(tokenizer, "qwen3"),
 }
-"""The parsers `reasoning_parser` names (and NONE)."""
-PARSER_CHOICES = (*sorted(PARSERS), NONE)
+"""The parsers `reasoning_parser` names (and NO_REASONING_PARSER)."""
+PARSER_CHOICES = (*sorted(PARSERS), NO_REASONING_PARSER)
 
 
 def detect_reasoning_parser(tokenizer) -> str | None:
@@ -42,7 +43,7 @@ def detect_reasoning_parser(tokenizer) -> str | None:
     if tokenizer is None:
         return None
     if all(_one_token(tokenizer, marker) for marker in HARMONY_MARKERS):
-        return "openai_gptoss"
+        return HARMONY_PARSER
     template = _template_source(tokenizer)
     if END in template and think_token_ids(tokenizer) is not None:
         return "deepseek_r1" if "<｜Assistant｜>" in template else "qwen3"
@@ -50,10 +51,10 @@ def detect_reasoning_parser(tokenizer) -> str | None:
 
 
 def choose_reasoning_parser(name: str | None, tokenizer) -> ReasoningParser | None:
-    """The parser named `name` (NONE: none), or the one detected when `name` is None.
+    """The parser named `name` (NO_REASONING_PARSER: none), or the one detected when `name` is None.
     Raises ValueError naming the known parsers for an unknown name, or saying why the named
     parser cannot read this model's tokens."""
-    if name == NONE:
+    if name == NO_REASONING_PARSER:
         return None
     if name is None:
         name = detect_reasoning_parser(tokenizer)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbatch.engine.reasoning.registry import NONE, detect_reasoning_parser
+from kvbatch.engine import NO_REASONING_PARSER, detect_reasoning_parser
 from kvbatch.jobs.job_context import request_tokens
 from kvbatch.jobs.local.model_on_demand import GivenModel
 from kvbatch.jobs.local.options import JobError, RunOptions
@@ -166,7 +166,7 @@ def job_reasoning_parser(opts: RunOptions, tokenizer) -> str | None:
     """The name of the reasoning parser the job's engine will use: --reasoning-parser, else
     the one the model's tokenizer calls for (the engine chooses the same way); None: none."""
     named = opts.engine.get("reasoning_parser")
-    if named == NONE:
+    if named == NO_REASONING_PARSER:
         return None
     return named or detect_reasoning_parser(tokenizer)
 

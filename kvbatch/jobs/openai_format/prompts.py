@@ -14,12 +14,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from kvbatch.engine import SamplingParams
-from kvbatch.engine.reasoning.harmony_prompt import render_harmony_prompt
+from kvbatch import engine
+from kvbatch.engine import HARMONY_PARSER, SamplingParams
 from kvbatch.jobs.openai_format.tool_parsers import get_parser
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError
-
-HARMONY = "openai_gptoss"  # the reasoning parser whose prompts openai-harmony renders
 
 
 class PromptError(ValueError):
@@ -46,9 +44,10 @@ def prompt_token_ids(
     openai_gptoss) messages are rendered by openai-harmony, with the line's reasoning_effort
     in the system message. Other chat templates get the line's chat_template_kwargs, and its
     reasoning_effort as a keyword when it gives one."""
-    if req.messages is not None and reasoning_parser == HARMONY:
+    if req.messages is not None and reasoning_parser == HARMONY_PARSER:
         try:
-            ids = render_harmony_prompt(
+            # read from the package when first needed: openai-harmony takes a second to import
+            ids = engine.render_harmony_prompt(
                 req.messages, tools=req.tools, reasoning_effort=req.reasoning_effort
             )
         except Exception as exc:  # HarmonyError, a tool openai-harmony cannot describe

@@ -33,8 +33,7 @@ import re
 import weakref
 from typing import Any
 
-from kvbatch.engine import RequestOutput, TokenLogprobs
-from kvbatch.engine.reasoning.parser import ReasoningParser, ReasoningSplit
+from kvbatch.engine import ReasoningParser, ReasoningSplit, RequestOutput, TokenLogprobs
 from kvbatch.jobs.openai_format.answer_schema import ANSWERS
 from kvbatch.jobs.openai_format.tools import read_answer
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError
