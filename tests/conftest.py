@@ -141,3 +141,12 @@ def think_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> 
     from tests.think_model import build_think_checkpoint
 
     return build_think_checkpoint(tmp_path_factory.mktemp("think") / "model", smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def harmony_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with a gpt-oss tokenizer (o200k_harmony) built offline
+    (tests/harmony_tokenizer.py): about 15 s of CPU to convert the vocabulary."""
+    from tests.harmony_tokenizer import build_harmony_checkpoint
+
+    return build_harmony_checkpoint(tmp_path_factory.mktemp("harmony") / "model")

@@ -35,3 +35,31 @@ def build_harmony_tokenizer(path: Path) -> Path:
     tokenizer.eos_token = "<|return|>"
     tokenizer.save_pretrained(path)
     return Path(path)
+
+
+def build_harmony_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A tiny random Llama (hidden 64, 2 layers, tied embeddings) with that tokenizer: the
+    jobs' harmony path end to end (prompts by openai-harmony, answers split by channel,
+    <|return|> and <|call|> ending them). Not gpt-oss's architecture: its format only."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+
+    from tests.tiny_models import _SIZES, randomize_weights
+
+    config = LlamaConfig(
+        **{
+            **_SIZES,
+            "vocab_size": VOCAB_SIZE,
+            "max_position_embeddings": 2048,
+            "tie_word_embeddings": True,
+        }
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_weights(model, seed)
+    # gpt-oss's generation_config.json names <|return|>, <|endoftext|> and <|call|>; this one
+    # only <|endoftext|>, so the reasoning parser's own stop tokens must end the answers
+    model.generation_config = GenerationConfig(bos_token_id=199_998, eos_token_id=199_999)
+    path = Path(path)
+    model.save_pretrained(path)
+    build_harmony_tokenizer(path)
+    return path

@@ -19,12 +19,10 @@ pytestmark = pytest.mark.slow  # the conversion merges 200k tokens: about 15 s o
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
+def tokenizer(harmony_model):
     from transformers import AutoTokenizer
 
-    from tests.harmony_tokenizer import build_harmony_tokenizer
-
-    return AutoTokenizer.from_pretrained(build_harmony_tokenizer(tmp_path_factory.mktemp("oss")))
+    return AutoTokenizer.from_pretrained(harmony_model)
 
 
 def test_encodes_as_openai_harmony(tokenizer):
