@@ -1,11 +1,12 @@
 """`<think>...</think>` reasoning (Qwen3, QwQ, DeepSeek-R1 and its distills, SmolLM3).
 
-Where the reasoning starts depends on the chat template, so the parser reads the end of the
-prompt: a generation prompt that ends inside an open `<think>` (DeepSeek-R1, Qwen3-Thinking)
-starts the answer in the reasoning; one that closed an empty block (Qwen3's and SmolLM3's
-thinking switched off: `<think>\\n\\n</think>`) starts it in the answer; otherwise the answer
-opens its own `<think>` or never reasons. A `</think>` with no `<think>` before it still ends
-a reasoning (vLLM's deepseek_r1 reads it so).
+Where the reasoning starts depends on the chat template, so the parser reads the generation
+prompt (the prompt's tokens after its last special token, the turn's opening, at most
+PROMPT_TAIL): one that ends inside an open `<think>` (DeepSeek-R1, Qwen3-Thinking) starts the
+answer in the reasoning; one that closed an empty block (Qwen3's and SmolLM3's thinking
+switched off: `<think>\\n\\n</think>`) starts it in the answer; otherwise the answer opens its
+own `<think>` or never reasons. An earlier turn's `</think>` is never read as this one's. A
+`</think>` with no `<think>` before it still ends a reasoning (vLLM's deepseek_r1 reads it so).
 
     prompt ... <|im_start|>assistant\\n | <think>\\n reasoning \\n</think>\\n\\n answer <|im_end|>
                                         |  --------- reasoning tokens --------| content
@@ -64,6 +65,8 @@ class ThinkParser:
         self.name = name
         self.tokenizer = tokenizer
         self.start_id, self.end_id = ids
+        # a turn's opening (<|im_start|>, <｜Assistant｜>): the generation prompt starts after it
+        self.turn_ids = frozenset(tokenizer.all_special_ids) - {self.start_id, self.end_id}
 
     def opens_in_reasoning(self, prompt_token_ids: Sequence[int]) -> bool | None:
         """True: the prompt leaves a `<think>` open; False: it closed one with `</think>`;
@@ -73,6 +76,8 @@ class ThinkParser:
                 return True
             if token == self.end_id:
                 return False
+            if token in self.turn_ids:
+                return None
         return None
 
     def reasoning_end(self, prompt_token_ids: Sequence[int]) -> ThinkEnd:

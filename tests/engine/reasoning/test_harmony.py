@@ -174,6 +174,15 @@ def test_prompt_equals_openai_harmony_rendering(encoding):
     assert "# Instructions\n\nAnswer in French." in text
 
 
+def test_developer_message_is_the_instructions_too(encoding):
+    user = {"role": "user", "content": "Hi"}
+    as_developer = render_harmony_prompt([{"role": "developer", "content": "Be brief."}, user])
+    as_system = render_harmony_prompt([{"role": "system", "content": "Be brief."}, user])
+    assert as_developer == as_system
+    no_instructions = encoding.decode(render_harmony_prompt([user], reasoning_effort="low"))
+    assert "<|start|>developer" not in no_instructions and "Reasoning: low" in no_instructions
+
+
 def test_prompt_with_tools_and_history(encoding):
     tools = [
         {

@@ -56,6 +56,18 @@ def test_answer_opens_its_own_reasoning(tokenizer, parser):
     )
 
 
+def test_an_earlier_turn_is_not_this_one(tokenizer, parser):
+    """A short last user turn after an answer that closed its reasoning: the new answer is
+    not thought to start after a </think> of the turn before."""
+    history = ids(
+        tokenizer,
+        "<|im_start|>assistant\n<think>\nx\n</think>\n\nA<|im_end|>\n"
+        "<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n",
+    )
+    assert parser.opens_in_reasoning(history) is None
+    assert not parser.reasoning_end(history).ended
+
+
 def test_thinking_switched_off(tokenizer, parser):
     """enable_thinking=false: the template closed an empty block, the answer is content."""
     closed = prompt(tokenizer, enable_thinking=False)
