@@ -63,7 +63,6 @@ class HarmonyParser:
         self.encoding = encoding or harmony_encoding()
         # <|return|> and <|call|>: the answer's end, or a call waiting for its result
         self.stop_token_ids = tuple(self.encoding.stop_tokens_for_assistant_actions())
-        self.call_id = self._token("<|call|>")
         self.channel_id, self.message_id = self._token("<|channel|>"), self._token("<|message|>")
 
     def _token(self, text: str) -> int:
@@ -86,13 +85,11 @@ class HarmonyParser:
                 reasoning.append(text)
             elif message.recipient is None:  # final, or a commentary preamble
                 content.append(text)
-        ended_in_call = bool(output_token_ids) and output_token_ids[-1] == self.call_id
         return ReasoningSplit(
             "\n".join(reasoning) if reasoning else None,
             "\n".join(content) if content else None,
             counts,
             calls,
-            ended_in_call and bool(calls),
         )
 
     def read(self, output_token_ids: Sequence[int]) -> tuple[list[Message], Message | None, int]:

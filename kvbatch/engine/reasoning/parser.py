@@ -27,7 +27,6 @@ class ReasoningSplit:
     content: str | None
     num_reasoning_tokens: int
     calls: list[ReasoningCall] = field(default_factory=list)
-    ended_in_call: bool = False  # the answer stopped on a call (harmony's <|call|>)
 
 
 class ReasoningEnd(Protocol):

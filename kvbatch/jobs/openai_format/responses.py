@@ -22,6 +22,15 @@ A chat line with tool calling (kvbatch.jobs.openai_format.tools) answers, when t
                 "tool_calls": [{"id": "call_…", "type": "function",
                                 "function": {"name": …, "arguments": <JSON text>}}], …},
     "finish_reason": "tool_calls"     ("length" when max_tokens cut the answer)
+
+A chat line on a reasoning model (the engine's reasoning parser: kvbatch.engine.reasoning)
+answers with the reasoning apart, as vLLM writes it, and counts its tokens::
+
+    "message": {"role": "assistant", "reasoning_content": <the reasoning> | null,
+                "content": <the answer> | null (max_tokens reached inside the reasoning), …}
+    "usage": {…, "completion_tokens_details": {"reasoning_tokens": N, …}}
+
+A JSON schema's check reads the content; gpt-oss's calls come from its commentary channel.
 """
 
 from __future__ import annotations

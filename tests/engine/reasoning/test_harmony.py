@@ -96,7 +96,6 @@ def test_split_equals_openai_harmony_parser(encoding, parser, name):
     if name == "call":
         assert split.content is None
         assert [(c.name, c.arguments) for c in split.calls] == calls
-        assert split.ended_in_call
     else:
         assert split.content == ("\n".join(expected_final) if expected_final else None)
         assert not split.calls
