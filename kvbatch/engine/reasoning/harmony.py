@@ -1,7 +1,8 @@
 """gpt-oss's harmony format read with openai-harmony, OpenAI's own parser.
 
-An answer is a run of messages, each on a channel; the generation prompt already wrote
-`<|start|>assistant`, so the first header follows:
+An answer is a run of messages, each on a channel and ending on <|end|> (or the answer's
+<|return|> or <|call|>); the generation prompt already wrote `<|start|>assistant`, so the
+first header follows:
 
     <|channel|>analysis<|message|>...<|end|>                     -> reasoning_content
     <|start|>assistant<|channel|>commentary to=functions.f
@@ -64,6 +65,7 @@ class HarmonyParser:
         # <|return|> and <|call|>: the answer's end, or a call waiting for its result
         self.stop_token_ids = tuple(self.encoding.stop_tokens_for_assistant_actions())
         self.channel_id, self.message_id = self._token("<|channel|>"), self._token("<|message|>")
+        self.end_ids = frozenset(self._token(t) for t in ("<|end|>", "<|return|>", "<|call|>"))
 
     def _token(self, text: str) -> int:
         (token,) = self.encoding.encode(text, allowed_special={text})
@@ -94,7 +96,38 @@ class HarmonyParser:
 
     def read(self, output_token_ids: Sequence[int]) -> tuple[list[Message], Message | None, int]:
         """The messages of an answer, the one it was cut in (None if none), and how many of
-        its tokens belong to the reasoning (analysis messages, framing included)."""
+        its tokens belong to the reasoning (analysis messages, framing included).
+
+        openai-harmony's parser reads the whole answer at once; an answer it refuses (the
+        format broken somewhere, or cut inside a header) is read again token by token, and
+        kept up to the break."""
+        try:
+            messages = self.encoding.parse_messages_from_completion_tokens(
+                output_token_ids, Role.ASSISTANT
+            )
+        except HarmonyError:
+            return self._read_until_broken(output_token_ids)
+        lengths = self._message_lengths(output_token_ids)
+        if len(lengths) != len(messages):
+            return self._read_until_broken(output_token_ids)
+        reasoning_tokens = sum(n for m, n in zip(messages, lengths) if m.channel == "analysis")
+        partial = None
+        if output_token_ids and output_token_ids[-1] not in self.end_ids and messages:
+            partial = messages.pop()  # cut by max_tokens inside its content
+        return messages, partial, reasoning_tokens
+
+    def _message_lengths(self, output_token_ids: Sequence[int]) -> list[int]:
+        """Tokens per message: each runs to its <|end|>, <|return|> or <|call|>, the last
+        one possibly cut short."""
+        lengths, since = [], 0
+        for token in output_token_ids:
+            since += 1
+            if token in self.end_ids:
+                lengths.append(since)
+                since = 0
+        return lengths + [since] if since else lengths
+
+    def _read_until_broken(self, output_token_ids: Sequence[int]):
         parser = StreamableParser(self.encoding, Role.ASSISTANT)
         num_messages, since, reasoning_tokens = 0, 0, 0
         for token in output_token_ids:
@@ -103,7 +136,7 @@ class HarmonyParser:
             except HarmonyError:
                 break  # the format is broken here: keep what was read
             since += 1
-            if len(parser.messages) > num_messages:
+            if token in self.end_ids and len(parser.messages) > num_messages:
                 num_messages = len(parser.messages)
                 if parser.messages[-1].channel == "analysis":
                     reasoning_tokens += since

@@ -123,6 +123,10 @@ def test_broken_format_keeps_what_was_read(encoding, parser):
     split = parser.split([], good + tokens(encoding, "garbage<|message|>") + [5, 6])
     assert split.reasoning == "fine"
     assert "<|" not in (split.content or "")
+    cut_in_header = good + tokens(encoding, "<|start|>assistant<|channel|>fin")
+    split = parser.split([], cut_in_header)  # openai-harmony's one-shot parser refuses it
+    assert (split.reasoning, split.content) == ("fine", None)
+    assert split.num_reasoning_tokens == len(cut_in_header)
 
 
 def test_reasoning_end_at_the_final_header(encoding, parser):
