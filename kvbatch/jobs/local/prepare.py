@@ -80,7 +80,7 @@ def prepare_lines(source, opts: RunOptions, model, store: TokenStore, done: Mapp
     urls: set[str] = set()
     params_seen: dict = {}  # identical SamplingParams are shared: millions of lines, few kinds
     longest = 0
-    reasoning: str | None | object = _UNKNOWN  # the reasoning parser, read at the first chat line
+    reasoning, reasoning_read = None, False  # the job's reasoning parser, from its first chat line
     try:
         with source.open_read() as f:
             lines = _LastLine(read_lines(f))
@@ -126,15 +126,10 @@ def prepare_lines(source, opts: RunOptions, model, store: TokenStore, done: Mapp
                         input_index.append(i)
                         store.append(ids)
                     continue
-                if reasoning is _UNKNOWN and item.messages is not None:
-                    reasoning = job_reasoning_parser(opts, model.tokenizer)
+                if item.messages is not None and not reasoning_read:
+                    reasoning, reasoning_read = job_reasoning_parser(opts, model.tokenizer), True
                 try:
-                    ids = prompt_token_ids(
-                        item,
-                        model.tokenizer,
-                        model.max_model_len,
-                        None if reasoning is _UNKNOWN else reasoning,
-                    )
+                    ids = prompt_token_ids(item, model.tokenizer, model.max_model_len, reasoning)
                     params = sampling_params_for(item, len(ids), model.max_model_len)
                 except PromptError as e:
                     errors.append(
@@ -157,9 +152,6 @@ def prepare_lines(source, opts: RunOptions, model, store: TokenStore, done: Mapp
     return PreparedJob(
         requests, line_of, digest_of, errors, name, urls, input_index, endpoint.endpoint, longest
     )
-
-
-_UNKNOWN = object()
 
 
 def job_reasoning_parser(opts: RunOptions, tokenizer) -> str | None:
