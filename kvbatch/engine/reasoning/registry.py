@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvbatch.engine.reasoning.markers import marker_token
 from kvbatch.engine.reasoning.parser import ReasoningParser
 from kvbatch.engine.reasoning.think import END, ThinkParser, think_token_ids
 
@@ -42,7 +43,7 @@ def detect_reasoning_parser(tokenizer) -> str | None:
     not reason in a format kvbatch reads."""
     if tokenizer is None:
         return None
-    if all(_one_token(tokenizer, marker) for marker in HARMONY_MARKERS):
+    if all(marker_token(tokenizer, marker) is not None for marker in HARMONY_MARKERS):
         return HARMONY_PARSER
     template = _template_source(tokenizer)
     if END in template and think_token_ids(tokenizer) is not None:
@@ -68,13 +69,6 @@ def choose_reasoning_parser(name: str | None, tokenizer) -> ReasoningParser | No
     if tokenizer is None:
         raise ValueError(f"the reasoning parser {name!r} needs the model's tokenizer")
     return make(tokenizer)
-
-
-def _one_token(tokenizer, text: str) -> bool:
-    try:
-        return len(tokenizer.encode(text, add_special_tokens=False)) == 1
-    except Exception:  # a tokenizer that refuses the text has no such token
-        return False
 
 
 def _template_source(tokenizer) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvbatch.engine.reasoning.markers import marker_token
 from kvbatch.engine.reasoning.parser import ReasoningSplit
 
 START, END = "<think>", "</think>"
@@ -28,13 +29,8 @@ PROMPT_TAIL = 32  # tokens of the prompt's end that hold the generation prompt's
 
 def think_token_ids(tokenizer) -> tuple[int, int] | None:
     """The ids of `<think>` and `</think>` when each is one token of `tokenizer`, else None."""
-    ids = []
-    for marker in (START, END):
-        encoded = tokenizer.encode(marker, add_special_tokens=False)
-        if len(encoded) != 1:
-            return None
-        ids.append(encoded[0])
-    return ids[0], ids[1]
+    start, end = marker_token(tokenizer, START), marker_token(tokenizer, END)
+    return None if start is None or end is None else (start, end)
 
 
 class ThinkEnd:

@@ -109,3 +109,16 @@ def test_detection(tokenizer, think_model, tiny_chat_model):
         choose_reasoning_parser("qwen3", smollm2)
     with pytest.raises(ValueError, match="unknown reasoning parser 'granite'"):
         choose_reasoning_parser("granite", tokenizer)
+
+
+def test_an_unknown_token_is_no_marker(tmp_path):
+    """A word-level tokenizer reads each marker as its one unknown token: no parser."""
+    from transformers import AutoTokenizer
+
+    from tests.engine.pooling.st_checkpoints import save_word_tokenizer
+
+    save_word_tokenizer(tmp_path)
+    words = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(words.encode("<|channel|>", add_special_tokens=False)) == 1  # the unknown one
+    words.chat_template = "{{ '</think>' }}"
+    assert detect_reasoning_parser(words) is None
