@@ -11,6 +11,7 @@ from typing import Annotated
 
 from kvbatch.engine_args import (
     add_engine_args,
+    add_reasoning_parser_arg,
     add_revision_arg,
     add_tool_call_parser_arg,
     engine_args_conflict,
@@ -166,6 +167,7 @@ def _add_distributed(sub) -> None:
     submit = sub.add_parser("submit", help="shard a job and enqueue it; prints the job id last")
     worker_cli.add_submit_args(submit)
     add_tool_call_parser_arg(submit)
+    add_reasoning_parser_arg(submit)
     add_revision_arg(submit)
     w = sub.add_parser("worker", help="run shards from the queue on one device")
     worker_cli.add_worker_args(w)

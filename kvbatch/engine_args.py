@@ -37,6 +37,7 @@ __all__ = [
     "QUANTIZATION_CHOICES",
     "add_engine_args",
     "add_gpu_tuning_args",
+    "add_reasoning_parser_arg",
     "add_revision_arg",
     "add_tool_call_parser_arg",
     "byte_size",
@@ -96,6 +97,12 @@ def add_revision_arg(parser: argparse.ArgumentParser) -> None:
     _add_setting(parser, "revision")
 
 
+def add_reasoning_parser_arg(parser: argparse.ArgumentParser) -> None:
+    """`--reasoning-parser` (vLLM's): how a reasoning model's answers split into
+    reasoning_content and content; `submit` takes it too (it renders the prompts)."""
+    _add_setting(parser, "reasoning_parser")
+
+
 def add_tool_call_parser_arg(parser: argparse.ArgumentParser) -> None:
     """`--tool-call-parser` of a job (`run`, `submit`), as vLLM's: how chat answers with
     tool_choice "auto" are read for tool calls. Job-level, because it belongs to the model."""
@@ -104,7 +111,8 @@ def add_tool_call_parser_arg(parser: argparse.ArgumentParser) -> None:
         choices=sorted(PARSERS),
         default=None,
         help="read tool calls out of chat answers with tool_choice 'auto' (the default when a "
-        "line gives tools) in this model's format: hermes for Qwen2.5/Qwen3 and Hermes models; "
+        "line gives tools) in this model's format: hermes for Qwen2.5/Qwen3 and Hermes models, "
+        "openai for gpt-oss (harmony's commentary channel); "
         "without it such lines are refused (named and 'required' tool_choice need no parser)",
     )
 
@@ -112,6 +120,7 @@ def add_tool_call_parser_arg(parser: argparse.ArgumentParser) -> None:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by the commands that run a model."""
     add_revision_arg(parser)
+    add_reasoning_parser_arg(parser)
     for name in _names("engine"):
         _add_setting(parser, name)
     parser.add_argument(

@@ -74,7 +74,7 @@ TIER_MODULES = {
 }
 REAL_MODEL_FIXTURES = {"smollm2_dir", "smollm2_gguf"}
 # fixtures that take SmolLM2's tokenizer files and chat template, not its weights
-TOKENIZER_ONLY_FIXTURES = {"tiny_chat_model", "tokenizer"}
+TOKENIZER_ONLY_FIXTURES = {"tiny_chat_model", "tokenizer", "think_model"}
 DISTRIBUTED_FIXTURES = {"redis_server", "persistent_redis_server"}  # directly or through others
 
 
@@ -132,3 +132,21 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path)
     from tests.tiny_models import build_tiny_chat_checkpoint
 
     return build_tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat") / "model", smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def think_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A tiny random Llama that reasons in <think> blocks (tests/think_model.py): SmolLM2's
+    tokenizer with the two markers added and a Qwen3-style template."""
+    from tests.think_model import build_think_checkpoint
+
+    return build_think_checkpoint(tmp_path_factory.mktemp("think") / "model", smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def harmony_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with a gpt-oss tokenizer (o200k_harmony) built offline
+    (tests/harmony_tokenizer.py): about 15 s of CPU to convert the vocabulary."""
+    from tests.harmony_tokenizer import build_harmony_checkpoint
+
+    return build_harmony_checkpoint(tmp_path_factory.mktemp("harmony") / "model")

@@ -42,6 +42,16 @@ if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getatt
     from kvbatch.engine.pooling.inputs import embedding_inputs as embedding_inputs
     from kvbatch.engine.pooling.matryoshka import truncate_dimensions as truncate_dimensions
     from kvbatch.engine.pooling.outputs import EmbeddingOutput as EmbeddingOutput
+    from kvbatch.engine.reasoning.harmony_prompt import (
+        render_harmony_prompt as render_harmony_prompt,
+    )
+    from kvbatch.engine.reasoning.parser import ReasoningParser as ReasoningParser
+    from kvbatch.engine.reasoning.parser import ReasoningSplit as ReasoningSplit
+    from kvbatch.engine.reasoning.registry import HARMONY_PARSER as HARMONY_PARSER
+    from kvbatch.engine.reasoning.registry import NO_REASONING_PARSER as NO_REASONING_PARSER
+    from kvbatch.engine.reasoning.registry import (
+        detect_reasoning_parser as detect_reasoning_parser,
+    )
     from kvbatch.engine.structured.enforced import unenforced as unenforced
     from kvbatch.engine.structured.params import StructuredOutputs as StructuredOutputs
 
@@ -75,6 +85,14 @@ _EXPORTS = {
     "embedding_inputs": "kvbatch.engine.pooling.inputs",
     "truncate_dimensions": "kvbatch.engine.pooling.matryoshka",
     "EmbeddingOutput": "kvbatch.engine.pooling.outputs",
+    # reasoning models: the parser's split of an answer, the parser a model calls for, and
+    # gpt-oss's prompts (openai-harmony renders them)
+    "ReasoningParser": "kvbatch.engine.reasoning.parser",
+    "ReasoningSplit": "kvbatch.engine.reasoning.parser",
+    "detect_reasoning_parser": "kvbatch.engine.reasoning.registry",
+    "HARMONY_PARSER": "kvbatch.engine.reasoning.registry",
+    "NO_REASONING_PARSER": "kvbatch.engine.reasoning.registry",
+    "render_harmony_prompt": "kvbatch.engine.reasoning.harmony_prompt",
 }
 __all__ = list(_EXPORTS)
 

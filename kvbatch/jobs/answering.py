@@ -116,5 +116,6 @@ def answer(
                 tokenizer=engine.tokenizer,
                 batch_id=context.batch_id,
                 created=context.created,
+                reasoning=getattr(engine, "reasoning", None),
             )
         yield Finished(key, input_index, out, line)

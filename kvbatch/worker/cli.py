@@ -229,6 +229,7 @@ def submit(args: argparse.Namespace) -> int:
             job_id=args.job_id,
             max_attempts=args.max_attempts,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
     except JobError as e:
         print(f"kvbatch submit: {e}", file=sys.stderr)

@@ -29,6 +29,7 @@ from kvbatch.engine.core.arg_values import (
     step_ratio,
 )
 from kvbatch.engine.core.spec_config import SpecConfig
+from kvbatch.engine.reasoning.registry import PARSER_CHOICES as REASONING_PARSER_CHOICES
 
 # The numbers behind the device-dependent defaults (config.py applies them to a device).
 CUDA_BATCHED_TOKENS = 8192  # GPUs want big steps
@@ -82,6 +83,14 @@ class EngineArgs:
         "with a Hub id as the model: the branch, tag or commit to fetch",
         shown="main",
         flag=Flag(group="model", metavar="REV"),
+    )
+    reasoning_parser: str | None = _setting(
+        None,
+        "how a reasoning model's answers split into reasoning_content and content (and where a "
+        "JSON schema's grammar starts): openai_gptoss (harmony), qwen3 or deepseek_r1 "
+        "(<think>), none (off)",
+        shown="chosen from the model's tokenizer and chat template",
+        flag=Flag(group="model", choices=REASONING_PARSER_CHOICES),
     )
     device: str = _setting(
         "auto",
@@ -272,6 +281,7 @@ class EngineKwargs(TypedDict, total=False):
     types (tests/engine/core/test_args.py keeps the two equal)."""
 
     revision: str | None
+    reasoning_parser: str | None
     device: str
     dtype: str
     max_num_seqs: int

@@ -144,6 +144,8 @@ class EngineConfig:
     # Online quantization of a float checkpoint at load ("fp8", vLLM's name); None: the
     # checkpoint's own (config.json's quantization_config) or none. engine/quant/detect.py.
     quantization: str | None = DEFAULTS.quantization
+    # How answers split into reasoning and content (engine/reasoning); None: from the model.
+    reasoning_parser: str | None = DEFAULTS.reasoning_parser
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpecConfig | None = None  # None: no speculative decoding
@@ -176,6 +178,7 @@ class EngineConfig:
             freeze_gc=args.freeze_gc,
             seed=args.seed,
             quantization=args.quantization,
+            reasoning_parser=args.reasoning_parser,
             cache=CacheConfig(
                 block_size=args.block_size,
                 enable_prefix_caching=args.enable_prefix_caching,

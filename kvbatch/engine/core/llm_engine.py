@@ -58,8 +58,10 @@ from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.pooling.config import PoolingConfig, read_pooling_config
 from kvbatch.engine.pooling.outputs import EmbeddingOutput
 from kvbatch.engine.quant.kv_cache import apply_kv_cache_scales
+from kvbatch.engine.reasoning.registry import choose_reasoning_parser
 from kvbatch.engine.sched.scheduler import Scheduler
 from kvbatch.engine.sched.step_cost import StepCostModel
+from kvbatch.engine.structured.after_reasoning import GrammarAfterReasoning
 
 if TYPE_CHECKING:
     from kvbatch.engine.structured.grammar import GrammarCompiler
@@ -131,7 +133,12 @@ class LLMEngine:
             cascade=config.cascade_attention,
             kv_dtype=self.kv_dtype,
         )
-        self.stop_checker = StopChecker(loaded.eos_token_ids, self.max_model_len, self.tokenizer)
+        # a reasoning model's format: how answers split, where a grammar starts, what ends them
+        self.reasoning = choose_reasoning_parser(config.reasoning_parser, self.tokenizer)
+        eos = loaded.eos_token_ids + (self.reasoning.stop_token_ids if self.reasoning else ())
+        self.stop_checker = StopChecker(
+            tuple(dict.fromkeys(eos)), self.max_model_len, self.tokenizer
+        )
         self.spec = None  # speculative decoding (engine/spec/), when config.speculative is set
         if config.speculative is not None:
             from kvbatch.engine.spec.decoder import build_spec_decoder
@@ -383,6 +390,9 @@ class LLMEngine:
         params = seq.params
         if params.structured_outputs is not None:
             seq.grammar = self._grammar_compiler().matcher(params.structured_outputs)
+            if self.reasoning is not None:  # the grammar constrains the answer, not the thinking
+                end = self.reasoning.reasoning_end(seq.prompt_token_ids)
+                seq.grammar = GrammarAfterReasoning(seq.grammar, end)
         if params.processes_logits:
             seq.spec_resume_step = sys.maxsize
         if params.needs_host_tokens:

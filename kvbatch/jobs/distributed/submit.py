@@ -112,6 +112,7 @@ def prepare_job(
     job_id: str | None = None,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> SubmittedJob:
     """Validate, tokenize, group and shard `input_uri` into `<output_prefix>/<job_id>/`.
     Raises JobError (before any work) when the input is unreadable, the output unwritable,
@@ -133,7 +134,12 @@ def prepare_job(
         model=model,
     )
     opts = RunOptions(
-        input=input_uri, model=model, model_name=model_name, tool_call_parser=tool_call_parser
+        input=input_uri,
+        model=model,
+        model_name=model_name,
+        tool_call_parser=tool_call_parser,
+        # the prompts' renderer (kvbatch.engine.reasoning): the workers' engines choose alike
+        engine={"reasoning_parser": reasoning_parser} if reasoning_parser else {},
     )
     sharded = _write_shards(source, opts, tokenizer, max_len, job, job_id, batch_id,
                             block_size, shard_tokens)  # fmt: skip
@@ -162,6 +168,7 @@ def prepare_job(
         "ideal_cached_tokens": sharded.ideal_cached_tokens,
         "max_attempts": max_attempts,
         "tool_call_parser": tool_call_parser,
+        "reasoning_parser": reasoning_parser,
         "model_fingerprint": _fingerprint(model),
     }
     _publish(job, job_id, record, manifest)

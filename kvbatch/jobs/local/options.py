@@ -59,4 +59,5 @@ _OUTPUT_SETTINGS = (
     "kv_cache_dtype",
     "max_model_len",
     "speculative",
+    "reasoning_parser",
 )

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbatch.engine import NO_REASONING_PARSER, detect_reasoning_parser
 from kvbatch.jobs.job_context import request_tokens
 from kvbatch.jobs.local.model_on_demand import GivenModel
 from kvbatch.jobs.local.options import JobError, RunOptions
@@ -79,6 +80,7 @@ def prepare_lines(source, opts: RunOptions, model, store: TokenStore, done: Mapp
     urls: set[str] = set()
     params_seen: dict = {}  # identical SamplingParams are shared: millions of lines, few kinds
     longest = 0
+    reasoning, reasoning_read = None, False  # the job's reasoning parser, from its first chat line
     try:
         with source.open_read() as f:
             lines = _LastLine(read_lines(f))
@@ -124,8 +126,10 @@ def prepare_lines(source, opts: RunOptions, model, store: TokenStore, done: Mapp
                         input_index.append(i)
                         store.append(ids)
                     continue
+                if item.messages is not None and not reasoning_read:
+                    reasoning, reasoning_read = job_reasoning_parser(opts, model.tokenizer), True
                 try:
-                    ids = prompt_token_ids(item, model.tokenizer, model.max_model_len)
+                    ids = prompt_token_ids(item, model.tokenizer, model.max_model_len, reasoning)
                     params = sampling_params_for(item, len(ids), model.max_model_len)
                 except PromptError as e:
                     errors.append(
@@ -148,6 +152,15 @@ def prepare_lines(source, opts: RunOptions, model, store: TokenStore, done: Mapp
     return PreparedJob(
         requests, line_of, digest_of, errors, name, urls, input_index, endpoint.endpoint, longest
     )
+
+
+def job_reasoning_parser(opts: RunOptions, tokenizer) -> str | None:
+    """The name of the reasoning parser the job's engine will use: --reasoning-parser, else
+    the one the model's tokenizer calls for (the engine chooses the same way); None: none."""
+    named = opts.engine.get("reasoning_parser")
+    if named == NO_REASONING_PARSER:
+        return None
+    return named or detect_reasoning_parser(tokenizer)
 
 
 def line_digest(raw: bytes) -> str:

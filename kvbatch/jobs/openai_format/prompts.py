@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from kvbatch.engine import SamplingParams
+from kvbatch import engine
+from kvbatch.engine import HARMONY_PARSER, SamplingParams
 from kvbatch.jobs.openai_format.tool_parsers import get_parser
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError
 
@@ -32,15 +33,36 @@ class PromptError(ValueError):
         return LineError(req.line, req.custom_id, self.code, f"line {req.line}: {self.message}")
 
 
-def prompt_token_ids(req: JobRequest, tokenizer, max_model_len: int) -> list[int]:
+def prompt_token_ids(
+    req: JobRequest, tokenizer, max_model_len: int, reasoning_parser: str | None = None
+) -> list[int]:
     """The prompt of `req` as token ids. Raises PromptError when it cannot run: the chat
     template fails, the prompt is empty or holds ids outside the vocabulary (invalid_prompt),
-    or it leaves no room for one output token (context_length_exceeded)."""
-    if req.messages is not None:
+    or it leaves no room for one output token (context_length_exceeded).
+
+    `reasoning_parser`: the job's (kvbatch.engine.reasoning); a harmony model's (gpt-oss:
+    openai_gptoss) messages are rendered by openai-harmony, with the line's reasoning_effort
+    in the system message. Other chat templates get the line's chat_template_kwargs, and its
+    reasoning_effort as a keyword when it gives one."""
+    if req.messages is not None and reasoning_parser == HARMONY_PARSER:
+        try:
+            # read from the package when first needed: openai-harmony takes a second to import
+            ids = engine.render_harmony_prompt(
+                req.messages, tools=req.tools, reasoning_effort=req.reasoning_effort
+            )
+        except Exception as exc:  # HarmonyError, a tool openai-harmony cannot describe
+            raise PromptError(
+                "invalid_prompt", f"openai-harmony cannot render these messages: {exc}"
+            ) from exc
+    elif req.messages is not None:
         _check_tool_support(req, tokenizer)
         try:
             text = tokenizer.apply_chat_template(
-                req.messages, tools=req.tools, add_generation_prompt=True, tokenize=False
+                req.messages,
+                tools=req.tools,
+                add_generation_prompt=True,
+                tokenize=False,
+                **_template_kwargs(req),
             )
             ids = tokenizer.encode(text, add_special_tokens=False)
         except Exception as exc:  # jinja errors, no template, raise_exception() in a template
@@ -69,6 +91,18 @@ def prompt_token_ids(req: JobRequest, tokenizer, max_model_len: int) -> list[int
     if len(ids) >= max_model_len:
         raise PromptError("context_length_exceeded", _prompt_too_long(len(ids), max_model_len))
     return ids
+
+
+def _template_kwargs(req: JobRequest) -> dict:
+    """The chat template's extra keywords: the line's chat_template_kwargs, and its
+    reasoning_effort (as vLLM passes it) unless those name it themselves. The keywords the
+    call itself sets cannot be overridden."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    for fixed in ("messages", "tools", "add_generation_prompt", "tokenize", "conversation"):
+        kwargs.pop(fixed, None)
+    return kwargs
 
 
 def _check_tool_support(req: JobRequest, tokenizer) -> None:

@@ -22,17 +22,27 @@ A chat line with tool calling (kvbatch.jobs.openai_format.tools) answers, when t
                 "tool_calls": [{"id": "call_…", "type": "function",
                                 "function": {"name": …, "arguments": <JSON text>}}], …},
     "finish_reason": "tool_calls"     ("length" when max_tokens cut the answer)
+
+A chat line on a reasoning model (the engine's reasoning parser: kvbatch.engine.reasoning)
+answers with the reasoning apart, as vLLM writes it, and counts its tokens::
+
+    "message": {"role": "assistant", "reasoning_content": <the reasoning> | null,
+                "content": <the answer> | null (max_tokens reached inside the reasoning), …}
+    "usage": {…, "completion_tokens_details": {"reasoning_tokens": N, …}}
+
+A JSON schema's check reads the content; gpt-oss's calls come from its commentary channel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import re
 import weakref
 from typing import Any
 
-from kvbatch.engine import RequestOutput, TokenLogprobs
+from kvbatch.engine import ReasoningParser, ReasoningSplit, RequestOutput, TokenLogprobs
 from kvbatch.jobs.openai_format.answer_schema import ANSWERS
 from kvbatch.jobs.openai_format.tools import read_answer
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError
@@ -54,18 +64,27 @@ def refusal(message: str) -> str:
 
 
 def success_line(
-    req: JobRequest, out: RequestOutput, *, model: str, tokenizer, batch_id: str, created: int
+    req: JobRequest,
+    out: RequestOutput,
+    *,
+    model: str,
+    tokenizer,
+    batch_id: str,
+    created: int,
+    reasoning: ReasoningParser | None = None,
 ) -> dict[str, Any]:
     """The output line of a request the engine ran. If the engine refused it (`out.error`),
     the error line (code invalid_prompt, or the engine's: context_length_exceeded) instead:
-    check `line["error"]` to count it."""
+    check `line["error"]` to count it. `reasoning`: the model's reasoning parser (the
+    engine's), which splits a chat answer into reasoning_content and content."""
     if out.error is not None:
         code = out.error_code or "invalid_prompt"
         return error_line(
             LineError(req.line, req.custom_id, code, f"line {req.line}: {refusal(out.error)}"),
             batch_id=batch_id,
         )
-    broken = _schema_violation(req, out)
+    splits = _splits(req, out, reasoning)
+    broken = _schema_violation(req, out, splits)
     if broken is not None:
         return error_line(
             LineError(req.line, req.custom_id, "invalid_output", f"line {req.line}: {broken}"),
@@ -73,7 +92,10 @@ def success_line(
         )
     key = _key(batch_id, req.line, req.custom_id)
     tokens = _TokenTexts.of(tokenizer)
-    choices = [_choice(req, c, tokens, key) for c in sorted(out.outputs, key=lambda c: c.index)]
+    choices = [
+        _choice(req, c, tokens, key, splits.get(c.index))
+        for c in sorted(out.outputs, key=lambda c: c.index)
+    ]
     body_id, kind = (
         ("chatcmpl-", "chat.completion") if req.is_chat else ("cmpl-", "text_completion")
     )
@@ -84,7 +106,7 @@ def success_line(
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": _usage(out),
+        "usage": _usage(out, sum(split.num_reasoning_tokens for split in splits.values())),
         "system_fingerprint": None,
     }
     return {
@@ -95,16 +117,46 @@ def success_line(
     }
 
 
-def _schema_violation(req: JobRequest, out: RequestOutput) -> str | None:
+def _splits(
+    req: JobRequest, out: RequestOutput, reasoning: ReasoningParser | None
+) -> dict[int, ReasoningSplit]:
+    """Each chat choice's reasoning and answer, by choice index (none without a parser)."""
+    if reasoning is None or not req.is_chat:
+        return {}
+    return {
+        c.index: cut_at_stop(reasoning.split(out.prompt_token_ids, c.token_ids), c.stop_reason)
+        for c in out.outputs
+    }
+
+
+def cut_at_stop(split: ReasoningSplit, stop: int | str | None) -> ReasoningSplit:
+    """A split whose answer a stop string ended: the engine cut its text there, and the
+    split, read from the tokens, is cut the same way (in the reasoning: no content)."""
+    if not isinstance(stop, str):
+        return split
+    if split.content is not None and stop in split.content:
+        return dataclasses.replace(split, content=split.content[: split.content.index(stop)])
+    if split.reasoning is not None and stop in split.reasoning:
+        reasoning = split.reasoning[: split.reasoning.index(stop)]
+        return dataclasses.replace(split, reasoning=reasoning, content=None, calls=[])
+    return split
+
+
+def _schema_violation(
+    req: JobRequest, out: RequestOutput, splits: dict[int, ReasoningSplit]
+) -> str | None:
     """Why a completed choice of a constrained request breaks its schema, or None. A choice
-    cut by max_tokens is not checked: it is written with finish_reason "length"."""
+    cut by max_tokens is not checked: it is written with finish_reason "length". A reasoning
+    model's answer is its content, after the reasoning."""
     spec = req.params.structured_outputs
     if spec is None:
         return None
     for choice in out.outputs:
         if choice.finish_reason != "stop":
             continue
-        why = ANSWERS.violation(spec, choice.text)
+        split = splits.get(choice.index)
+        answer = choice.text if split is None else (split.content or "")
+        why = ANSWERS.violation(spec, answer)
         if why is not None:
             return (
                 f"the answer (choice {choice.index}) does not follow its JSON schema: {why}. It "
@@ -114,8 +166,12 @@ def _schema_violation(req: JobRequest, out: RequestOutput) -> str | None:
     return None
 
 
-def _choice(req: JobRequest, completion, tokens: _TokenTexts, key: str) -> dict[str, Any]:
-    """One choice of the body: chat's message or completions' text, at the choice's index."""
+def _choice(
+    req: JobRequest, completion, tokens: _TokenTexts, key: str, split: ReasoningSplit | None
+) -> dict[str, Any]:
+    """One choice of the body: chat's message or completions' text, at the choice's index.
+    A reasoning model's message carries `reasoning_content` (vLLM's field) beside `content`,
+    which is null when max_tokens ended the answer inside the reasoning."""
     finish_reason = _FINISH_REASONS.get(completion.finish_reason or "")
     if finish_reason is None:
         raise ValueError(
@@ -126,22 +182,28 @@ def _choice(req: JobRequest, completion, tokens: _TokenTexts, key: str) -> dict[
         logprobs = None
         if completion.logprobs is not None:
             logprobs = {"content": _chat_logprobs(completion.logprobs, tokens), "refusal": None}
+        text = completion.text if split is None else split.content
         message = {
             "role": "assistant",
-            "content": completion.text,
+            "content": text,
             "refusal": None,
             "annotations": [],
         }
-        if req.tool_calling is not None:
-            answer = read_answer(req.tool_calling, completion.text)
+        if split is not None:
+            message["reasoning_content"] = split.reasoning
+        calls = [(c.name, c.arguments) for c in split.calls] if split is not None else []
+        if req.tool_calling is not None and not calls and text is not None:
+            answer = read_answer(req.tool_calling, text)
             if answer.calls:
                 message["content"] = answer.content
-                message["tool_calls"] = [
-                    _tool_call(key, completion.index, i, name, arguments)
-                    for i, (name, arguments) in enumerate(answer.calls)
-                ]
-                if finish_reason == "stop":
-                    finish_reason = "tool_calls"
+                calls = answer.calls
+        if calls:
+            message["tool_calls"] = [
+                _tool_call(key, completion.index, i, name, arguments)
+                for i, (name, arguments) in enumerate(calls)
+            ]
+            if finish_reason == "stop":
+                finish_reason = "tool_calls"
         return {
             "index": completion.index,
             "message": message,
@@ -207,7 +269,7 @@ def _key(batch_id: str, line: int, custom_id: str | None) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
 
-def _usage(out: RequestOutput) -> dict[str, Any]:
+def _usage(out: RequestOutput, reasoning_tokens: int = 0) -> dict[str, Any]:
     prompt = len(out.prompt_token_ids)  # once: the choices share the prompt, as OpenAI counts
     completion = sum(len(choice.token_ids) for choice in out.outputs)
     spec = getattr(out, "spec_stats", None)  # speculative decoding's draft tokens
@@ -217,7 +279,7 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
         "completion_tokens_details": {
-            "reasoning_tokens": 0,
+            "reasoning_tokens": reasoning_tokens,
             "accepted_prediction_tokens": spec.num_accepted_tokens if spec else 0,
             "rejected_prediction_tokens": spec.num_rejected_tokens if spec else 0,
         },

@@ -11,6 +11,9 @@ unknown fields, as OpenAI does. Each body field falls into one of four kinds:
   response_format (kvbatch.jobs.openai_format.response_format) and tools / tool_choice /
   parallel_tool_calls (kvbatch.jobs.openai_format.tools: the tools go to the chat template, a forced
   tool_choice constrains the output);
+- passed to the prompt: chat's reasoning_effort (low / medium / high: gpt-oss's system
+  message, another template's keyword) and chat_template_kwargs (vLLM's: the chat template's
+  keywords), kvbatch.jobs.openai_format.prompts;
 - unsupported, because it would change the answer: accepted only at its neutral value
   (best_of=1, stream=false, functions=[], ...; null always),
   otherwise an `unsupported_parameter` error (see `_UNSUPPORTED`);
@@ -404,7 +407,15 @@ class ChatCompletionBody(_Body):
     prediction: Any = None
     web_search_options: Any = None
     verbosity: Any = None
-    reasoning_effort: Any = None  # ignored: the models kvbatch runs do not reason
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None,
+        description="'low', 'medium' or 'high' (how long a reasoning model thinks: gpt-oss's "
+        "system message says it; other chat templates read it as a keyword)",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(  # vLLM's extra parameter
+        None,
+        description='an object of keywords for the chat template ({"enable_thinking": false})',
+    )
     _tool_constraint: StructuredOutputs | None = PrivateAttr(None)
 
     @model_validator(mode="after")

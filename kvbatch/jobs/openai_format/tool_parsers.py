@@ -99,7 +99,18 @@ def _read_call(raw: str) -> ParsedCall | None:
     return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser}
+class HarmonyCallsParser:
+    """gpt-oss (vLLM's `openai`): calls are harmony messages on the commentary channel to
+    `functions.NAME`, which the reasoning parser reads from the tokens
+    (kvbatch.engine.reasoning.harmony) before any text exists; the content holds none."""
+
+    markers: tuple[str, ...] = ()
+
+    def parse(self, text: str) -> ParsedText:
+        return ParsedText([], text)
+
+
+PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "openai": HarmonyCallsParser}
 """The parsers `--tool-call-parser` names."""
 
 

@@ -182,8 +182,8 @@ def tool_calling_for(
         raise ValueError(
             "tool_choice 'auto' (the default when tools are given) needs the job's tool-call "
             "parser to read calls out of the text: run the job with --tool-call-parser hermes "
-            "(Qwen2.5/Qwen3, Hermes models), or set tool_choice to 'required', a named "
-            "function or 'none'"
+            "(Qwen2.5/Qwen3, Hermes models) or openai (gpt-oss), or set tool_choice to "
+            "'required', a named function or 'none'"
         )
     return ToolCalling("auto", parser=parser, parallel=parallel)
 

@@ -123,6 +123,10 @@ class JobRequest:
     # read the answer for tool calls (None: plain text; kvbatch.jobs.openai_format.tools)
     tools: list[dict] | None = None
     tool_calling: ToolCalling | None = None
+    # chat: how long a reasoning model thinks (low | medium | high; None: the model's
+    # default), and keywords for the chat template (vLLM's chat_template_kwargs)
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -355,6 +359,8 @@ def _check_line(
         max_tokens=body_model.requested_max_tokens(),
         tools=body_model.tools if chat else None,
         tool_calling=calling,
+        reasoning_effort=body_model.reasoning_effort if chat else None,
+        chat_template_kwargs=body_model.chat_template_kwargs if chat else None,
     )
 
 
