@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbatch.broker.resend import unwritten_shards
+from kvbatch.broker.send import send_shard
 from kvbatch.index.pipeline import IndexRunError, StageOutcome
 from kvbatch.index.report import PrefillTokens
 from kvbatch.index.stage_jobs import read_answers
@@ -31,8 +33,6 @@ from kvbatch.jobs.distributed.finalize import job_status, read_manifest, try_fin
 from kvbatch.jobs.distributed.shards import job_dir
 from kvbatch.jobs.distributed.submit import prepare_job
 from kvbatch.jobs.local.run import JobError
-from kvbatch.worker.resend import unwritten_shards
-from kvbatch.worker.tasks import send_shard
 
 log = logging.getLogger("kvbatch.index")
 

@@ -5,7 +5,6 @@ any other store to load."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from kvbatch.index.generate import Generated
 from kvbatch.index.identity import RowIdentity
 from kvbatch.index.plan import WorkDocument
 from kvbatch.index.table import chunk_schema
+from kvbatch.jobs.storage.local import LocalStorage
 
 
 def build_rows(
@@ -55,10 +55,8 @@ def write_run_files(folder: Path, rows: pa.Table, manifest: dict) -> None:
     """chunks.parquet, then manifest.json (written last and atomically: a manifest means the
     Parquet beside it is whole)."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name in ("chunks.parquet", ".manifest.json.tmp"):  # never write through a link
-        if (folder / name).is_symlink():
-            (folder / name).unlink()
+    if (folder / "chunks.parquet").is_symlink():  # never write through a link
+        (folder / "chunks.parquet").unlink()
     pq.write_table(rows, folder / "chunks.parquet")
-    tmp = folder / ".manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, folder / "manifest.json")
+    text = json.dumps(manifest, indent=2, ensure_ascii=False) + "\n"
+    LocalStorage(str(folder / "manifest.json")).write_bytes(text.encode("utf-8"))
