@@ -33,7 +33,7 @@ def test_shipped_schedules_parse():
         (job,) = s.jobs
         assert isinstance(job, IndexEntry)
     example = load_schedule(ROOT / "examples/schedule.toml").jobs[0]
-    assert load_spec(ROOT / example.index).source.path
+    assert load_spec(ROOT / example.index).source.uri.endswith("examples/docs")
 
 
 def test_the_removed_documents_mode_names_the_index_form():
