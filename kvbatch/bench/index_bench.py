@@ -217,6 +217,7 @@ def run_index_bench(
         context_max_tokens=workload.context_max_tokens,
         prompt=spec.stages.context.prompt,
         device=device,
+        source=spec.source.owner,
     )
     start = time.perf_counter()
     user_run = user.run(folder, str(work / "user.lance"))

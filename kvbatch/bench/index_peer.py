@@ -48,6 +48,7 @@ class UserPipeline:
     prompt: str = CONTEXT_PROMPT
     device: str = "cpu"
     encode_batch_size: int = 32
+    source: str = ""  # the index spec's source name: chunk ids are of it (compared by id)
 
     def run(self, corpus: Path, uri: str, table: str = "chunks") -> UserRun:
         run = UserRun()
@@ -65,7 +66,7 @@ class UserPipeline:
             for path in sorted(p for p in corpus.rglob("*") if p.is_file()):
                 doc_id = path.relative_to(corpus).as_posix()
                 text = parse_document(doc_id, path.read_bytes())
-                for chunk in chunker.chunk(doc_id, text):
+                for chunk in chunker.chunk(doc_id, text, self.source):
                     rows.append({"chunk_id": chunk.chunk_id, "document_id": doc_id,
                                  "text": chunk.text, "document": text})  # fmt: skip
         with clock("generate"):

@@ -49,12 +49,15 @@ class Chunker:
 
         return cls(count, size, overlap)
 
-    def chunk(self, document_id: str, text: str) -> list[Chunk]:
+    def chunk(self, document_id: str, text: str, source: str = "") -> list[Chunk]:
+        """The document's chunks; their ids are of `source` too (the name of the spec's source:
+        two sources holding a document of the same name and text never share a row)."""
         texts = self.split(text)
+        key = f"{source}\0{document_id}" if source else document_id
         seen: Counter[str] = Counter()
         chunks = []
         for i, t in enumerate(texts):
-            chunks.append(Chunk(chunk_id(document_id, t, seen[t]), content_hash(t), i, t))
+            chunks.append(Chunk(chunk_id(key, t, seen[t]), content_hash(t), i, t))
             seen[t] += 1
         return chunks
 

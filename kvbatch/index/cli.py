@@ -24,6 +24,12 @@ def add_index_parsers(sub) -> None:
         "--report", metavar="FILE", help="also write the run's report as JSON to FILE"
     )
     index.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="write the table anew from the source, dropping every row it holds (all "
+        "sources'): for a damaged table or a new embedding model",
+    )
+    index.add_argument(
         "--broker",
         help="run the model stages on the workers: redis://, rediss:// or sqs:// "
         "(docs/INDEXING.md, 'On the workers'); without it, on this machine",
@@ -89,9 +95,9 @@ def _index(args: argparse.Namespace) -> int:
         stages = _workers(args, spec) if args.broker else None
         if stages is not None and metrics:
             stages.on_progress = lambda p: metrics.progress(p.stage, p.status)
-        report = run_index(spec, stages=stages, metrics=metrics)
+        report = run_index(spec, stages=stages, metrics=metrics, rebuild=args.rebuild)
     except (SpecError, SourceError, IndexRunError, TableError) as e:
-        print(f"kvbatch index: {e}", file=sys.stderr)
+        print(f"kvbatch index: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(

@@ -1,6 +1,8 @@
 """The generation stages (context, questions, summary) as one chat job: every prompt of a
 document starts with the whole document, so a document's lines share it as a prefix, and the
-job's prefix grouping runs them together: the document is prefilled once for all of them.
+job's prefix grouping runs them together: the document is prefilled once for all of them. A
+document too long for the generation model's context is given as windows around its chunks
+(kvbatch.index.windows): then each window is the prefix its chunks share.
 
 custom_ids: `context:<chunk id>`, `questions:<chunk id>`, `summary:<hash of the document id>`.
 """
@@ -15,6 +17,7 @@ from kvbatch.index.plan import WorkDocument
 from kvbatch.index.report import ErrorRecord
 from kvbatch.index.spec import StagesSpec
 from kvbatch.index.stage_jobs import StageAnswers, chat_line, chat_text
+from kvbatch.index.windows import DocumentWindows
 
 
 @dataclass
@@ -27,20 +30,30 @@ class Generated:
     errors: list[ErrorRecord] = field(default_factory=list)
 
 
-def generation_lines(docs: list[WorkDocument], stages: StagesSpec, model: str) -> Iterator[dict]:
+def generation_lines(
+    docs: list[WorkDocument],
+    stages: StagesSpec,
+    model: str,
+    windows: dict[str, DocumentWindows] | None = None,
+) -> Iterator[dict]:
+    """The job's lines; `windows` (by document id) gives what a prompt holds of a long
+    document, a document without windows is given whole."""
+    windows = windows or {}
     for doc in docs:
+        doc_windows = windows.get(doc.id) or DocumentWindows(doc.text, doc.chunks, [], {})
         for chunk in doc.chunks:
+            document = doc_windows.for_chunk(chunk)
             if stages.context is not None:
-                prompt = stages.context.prompt.format(document=doc.text, chunk=chunk.text)
+                prompt = stages.context.prompt.format(document=document, chunk=chunk.text)
                 yield chat_line(
                     f"context:{chunk.chunk_id}", model, prompt, stages.context.max_tokens
                 )
             if stages.questions is not None:
                 q = stages.questions
-                prompt = q.prompt.format(document=doc.text, chunk=chunk.text, n=q.n)
+                prompt = q.prompt.format(document=document, chunk=chunk.text, n=q.n)
                 yield chat_line(f"questions:{chunk.chunk_id}", model, prompt, q.max_tokens)
         if stages.summary is not None:
-            prompt = stages.summary.prompt.format(document=doc.text)
+            prompt = stages.summary.prompt.format(document=doc_windows.for_summary())
             yield chat_line(summary_id(doc), model, prompt, stages.summary.max_tokens)
 
 

@@ -4,11 +4,11 @@ setting or the chunking marks the document's rows stale, and the run redoes them
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from kvbatch.index.spec import IndexSpec
+from kvbatch.jobs.model_fingerprint import fingerprint
 
 
 @dataclass(frozen=True)
@@ -40,28 +40,14 @@ def row_identity(spec: IndexSpec) -> RowIdentity:
 
 
 def model_revision(model: str, given: str | None) -> str:
-    """The revision the spec names; else, for a local folder or file, a digest of its
-    config.json and its weight files' names and sizes (new weights, new revision); else
-    "main" (a Hub id's default branch)."""
+    """The revision the spec names; else, for a local folder or .gguf file, "local-" and the
+    digest of its fingerprint (kvbatch.jobs.model_fingerprint: its config, tokenizer and the
+    content of its weights, sampled), so new weights of the same shapes are a new revision;
+    else "main" (a Hub id's default branch). FingerprintError when a local checkpoint cannot
+    be read (its config.json is not JSON)."""
     if given:
         return given
-    path = Path(model)
-    if path.is_file():
-        return "local-" + _digest([f"{path.name}:{path.stat().st_size}".encode()])
-    if path.is_dir():
-        parts = []
-        config = path / "config.json"
-        if config.is_file():
-            parts.append(config.read_bytes())
-        for f in sorted(path.iterdir()):
-            if f.suffix in (".safetensors", ".bin", ".gguf", ".pt"):
-                parts.append(f"{f.name}:{f.stat().st_size}".encode())
-        return "local-" + _digest(parts)
+    path = Path(model).expanduser()
+    if path.exists():
+        return "local-" + fingerprint(path).digest
     return "main"
-
-
-def _digest(parts: list[bytes]) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(hashlib.sha256(p).digest())
-    return h.hexdigest()[:16]

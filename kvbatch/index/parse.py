@@ -4,6 +4,9 @@
   what the chunker cuts at first).
 - HTML goes through trafilatura, which drops navigation, footers and other boilerplate (what
   a web page carries besides its text) and writes the rest as Markdown, headings included.
+  On a short page trafilatura falls back to a baseline extractor that keeps every text, so
+  the page's nav and aside elements, and its header and footer outside the article (or
+  main), are removed first: a menu never reads as part of the document.
 - PDF goes through pypdf (pure Python, no native dependencies), page texts joined by blank lines.
 
 A file that is not what its suffix says (NUL bytes in "text", a PDF pypdf cannot read), or
@@ -15,6 +18,8 @@ from __future__ import annotations
 import io
 import logging
 
+import lxml.etree
+import lxml.html
 import pypdf
 import trafilatura
 
@@ -57,9 +62,17 @@ def _decode(data: bytes) -> str:
         ) from e
 
 
+# a site's menus, banners and sidebars; an article's own header (its title) and footer stay
+_BOILERPLATE = (
+    "//nav | //aside | //*[@role='navigation'] | "
+    "//header[not(ancestor::article or ancestor::main)] | "
+    "//footer[not(ancestor::article or ancestor::main)]"
+)
+
+
 def _html_text(html: str) -> str:
     text = trafilatura.extract(
-        html,
+        _without_boilerplate(html),
         output_format="markdown",
         include_formatting=True,
         include_tables=True,
@@ -67,6 +80,19 @@ def _html_text(html: str) -> str:
         favor_recall=True,
     )
     return text or ""
+
+
+def _without_boilerplate(html: str):
+    """The page's tree without its navigation and site chrome (_BOILERPLATE); the page as it
+    is when lxml cannot parse it (trafilatura then tries)."""
+    try:
+        tree = lxml.html.document_fromstring(html.encode("utf-8"))
+    except (lxml.etree.ParserError, ValueError):
+        return html
+    for element in tree.xpath(_BOILERPLATE):
+        if element.getparent() is not None:
+            element.drop_tree()
+    return tree
 
 
 def _pdf_text(data: bytes) -> str:

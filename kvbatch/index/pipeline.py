@@ -5,7 +5,12 @@
       --embeddings job (chunk with its context)--> rows
       --one merge on chunk_id--> LanceDB table; the rows as Parquet + manifest in the run folder
 
-The generation and the embedding model load in turn (one in memory at a time). Each model
+Before any document is read, kvbatch.index.preflight checks what can be checked (the source,
+the models, the table and whether it takes this spec's rows). The run sees only the rows of
+its own source (spec source.name): other sources sharing the table are left as they are.
+A document too long for the generation model's context is given to its prompts as windows
+(kvbatch.index.windows). The generation and the embedding model load in turn (one in memory
+at a time). Each model
 stage is a kvbatch job in the run's folder, run with --resume: a killed run started again
 finds the same plan (nothing was merged), so the same run folder, and answers only what the
 killed one had not.
@@ -29,36 +34,40 @@ from kvbatch.engine import LLM
 from kvbatch.index.chunking import Chunker
 from kvbatch.index.embed import embedding_lines, read_vectors
 from kvbatch.index.embed_budget import EmbeddingBudget
+from kvbatch.index.errors import IndexRunError
 from kvbatch.index.generate import Generated, generation_lines, read_generated
-from kvbatch.index.identity import RowIdentity, row_identity
+from kvbatch.index.identity import RowIdentity
 from kvbatch.index.metrics import IndexMetrics
 from kvbatch.index.plan import Plan, WorkDocument, make_plan
 from kvbatch.index.prefill import prefill_tokens
+from kvbatch.index.preflight import preflight
 from kvbatch.index.report import ErrorRecord, IndexReport, PrefillTokens
 from kvbatch.index.rows import build_rows, write_run_files
 from kvbatch.index.spec import IndexSpec
 from kvbatch.index.stage_jobs import StageAnswers, run_stage, write_lines
-from kvbatch.index.table import (
-    connect,
-    document_state,
-    merge_rows,
-    open_table,
-)
+from kvbatch.index.table import document_state, open_table, write_rows
+from kvbatch.index.windows import DocumentWindows, WindowBudget, WindowError, document_windows
+from kvbatch.jobs.local.output_lock import OutputBusy
 from kvbatch.jobs.local.run import JobError, JobInterrupted
-from kvbatch.jobs.model_info import load_tokenizer, max_model_len
 
 log = logging.getLogger("kvbatch.index")
 
 LLMFactory = Callable[[str], Any]  # model (as the spec names it) -> a kvbatch.engine.LLM
 
 
-class IndexRunError(Exception):
-    """The run cannot go on: a model that does not load, a table whose vectors have another
-    dimension, another run holding the same run folder. The message says what to fix."""
+__all__ = ["IndexRunError", "LocalStages", "StageOutcome", "StageRunner", "run_index"]
+
+
+def engine_settings(spec: IndexSpec, model: str) -> dict:
+    """spec.engine for `model`: [engine] max_model_len sets the generation model's context
+    (the one long documents are windowed for); the embedding model's context is its own."""
+    if model == spec.models.embedding and model != spec.models.generation:
+        return {k: v for k, v in spec.engine.items() if k != "max_model_len"}
+    return dict(spec.engine)
 
 
 def default_llm_factory(spec: IndexSpec) -> LLMFactory:
-    """LLM(model, **spec.engine), with the spec's revision for that model."""
+    """LLM(model, **engine_settings), with the spec's revision for that model."""
     revisions = {
         spec.models.embedding: spec.models.embedding_revision,
         spec.models.generation: spec.models.generation_revision,
@@ -66,7 +75,7 @@ def default_llm_factory(spec: IndexSpec) -> LLMFactory:
 
     def make(model: str):
         extra = {"revision": revisions[model]} if revisions.get(model) else {}
-        return LLM(model=model, **{**spec.engine, **extra})
+        return LLM(model=model, **{**engine_settings(spec, model), **extra})
 
     return make
 
@@ -92,12 +101,12 @@ class LocalStages:
     """The stages on this machine: each model loads in turn (one in memory at a time)."""
 
     factory: LLMFactory
-    engine: dict
+    spec: IndexSpec
 
     def run(self, stage: str, folder: Path, model: str, role: str) -> StageOutcome:
         llm = _load(self.factory, model, role)
         try:
-            answers = _run_stage(folder, model, llm, self.engine, stage)
+            answers = _run_stage(folder, model, llm, engine_settings(self.spec, model), stage)
             prefill = None
             if stage == "generate":
                 prefill = prefill_tokens(folder / "input.jsonl", llm.engine, answers)
@@ -112,29 +121,28 @@ def run_index(
     llm_factory: LLMFactory | None = None,
     stages: StageRunner | None = None,
     metrics: IndexMetrics | None = None,
+    rebuild: bool = False,
 ) -> IndexReport:
     """Bring the table up to date with the source; see the module docstring. `stages` runs
     the model stages (default: on this machine, with `llm_factory`'s models); `metrics`
-    counts each stage's documents, chunks and seconds (kvbatch.index.metrics)."""
-    report = IndexReport()
-    identity = row_identity(spec)
-    runner = stages or LocalStages(llm_factory or default_llm_factory(spec), spec.engine)
+    counts each stage's documents, chunks and seconds (kvbatch.index.metrics). `rebuild`
+    writes the table anew from the source (a damaged table, another embedding model): every
+    document is redone and the old table, all sources' rows, is dropped at the write."""
+    report = IndexReport(source=spec.source.owner, rebuilt=rebuild)
+    runner = stages or LocalStages(llm_factory or default_llm_factory(spec), spec)
     observe = _Observer(report, metrics)
     with _timed(report, "plan"):
-        try:
-            tokenizer = load_tokenizer(spec.models.embedding)
-        except (OSError, ValueError) as e:
-            raise IndexRunError(
-                f"models.embedding: cannot load the tokenizer of {spec.models.embedding}: {e}"
-            ) from e
-        budget = EmbeddingBudget(
-            tokenizer, max_model_len(spec.models.embedding, tokenizer=tokenizer)
-        )
+        checked = preflight(spec, rebuild)
+        identity = checked.identity
+        report.embedding_revision = identity.embedding_revision
+        report.generation_revision = identity.generation_revision
+        budget = checked.embedding_budget
         size = budget.chunk_size(spec.chunking.size)
-        chunker = Chunker.for_tokenizer(tokenizer, size, min(spec.chunking.overlap, size // 2))
-        db = connect(spec.output.uri)
-        table = open_table(db, spec.output.table)
-        plan = make_plan(spec.source, document_state(table), identity, chunker)
+        chunker = Chunker.for_tokenizer(
+            checked.embedding_tokenizer, size, min(spec.chunking.overlap, size // 2)
+        )
+        state = document_state(checked.table, spec.source.owner)
+        plan = make_plan(spec.source, state, identity, chunker, checked.listed)
     _count_plan(report, plan)
     observe.stage("plan", plan.work)
     if plan.empty:
@@ -147,7 +155,10 @@ def run_index(
     generated = Generated()
     if spec.stages.generates and docs:
         with _timed(report, "generate"):
-            generated, errors = _generate(spec, docs, folder / "generate", runner, report)
+            windows, errors = _windows(docs, checked.windows, report)
+            report.errors += errors
+            docs = _without(docs, errors)
+            generated, errors = _generate(spec, docs, windows, folder / "generate", runner, report)
         observe.stage("generate", docs)
         report.errors += errors
         docs = _without(docs, errors)
@@ -159,11 +170,33 @@ def run_index(
         report.errors += errors
         docs = _without(docs, errors)
     with _timed(report, "write"):
-        _write(spec, db, plan, docs, generated, vectors, identity, folder, report)
+        _write(spec, checked.db, plan, docs, generated, vectors, identity, folder, report)
     observe.stage("write", docs, chunks=report.chunks)
     report.documents_failed = len({e.document_id for e in report.errors})
     observe.finished()
     return report
+
+
+def _windows(
+    docs: list[WorkDocument], budget: WindowBudget, report: IndexReport
+) -> tuple[dict[str, DocumentWindows], list[ErrorRecord]]:
+    """What each document's prompts hold of it: the document, or windows of a long one."""
+    windows: dict[str, DocumentWindows] = {}
+    errors = []
+    for doc in docs:
+        try:
+            windows[doc.id] = document_windows(doc.text, doc.chunks, budget)
+        except WindowError as e:
+            errors.append(ErrorRecord(doc.id, "context", "too_long", f"{doc.id}: {e}"))
+    report.documents_windowed = sum(1 for w in windows.values() if w.windowed)
+    if report.documents_windowed:
+        log.info(
+            "generate: %d documents longer than the generation model's context (%d tokens): "
+            "given as windows",
+            report.documents_windowed,
+            budget.max_model_len,
+        )
+    return windows, errors
 
 
 @dataclass
@@ -201,9 +234,17 @@ def _count_plan(report: IndexReport, plan: Plan) -> None:
     )
 
 
-def _generate(spec: IndexSpec, docs, folder: Path, runner: StageRunner, report: IndexReport):
+def _generate(
+    spec: IndexSpec,
+    docs,
+    windows: dict[str, DocumentWindows],
+    folder: Path,
+    runner: StageRunner,
+    report: IndexReport,
+):
     model = spec.models.generation
-    n = write_lines(folder / "input.jsonl", generation_lines(docs, spec.stages, _name(model)))
+    lines = generation_lines(docs, spec.stages, _name(model), windows)
+    n = write_lines(folder / "input.jsonl", lines)
     log.info("generate: %d documents, %d chunks, %d requests", len(docs), _chunks(docs), n)
     outcome = runner.run("generate", folder, model, "generation")
     answers = outcome.answers
@@ -250,6 +291,11 @@ def _run_stage(folder: Path, model: str, llm, engine: dict, stage: str):
     except JobInterrupted:  # Ctrl-C or a kill: the stage's answers so far are kept
         raise KeyboardInterrupt from None
     except JobError as e:  # another run holds the stage's output, an unwritable folder, ...
+        if isinstance(e.__cause__, OutputBusy):
+            raise IndexRunError(
+                f"{stage}: another index run is doing this same work (it holds {folder}): "
+                "wait for it to finish; running the spec again then finds its rows written"
+            ) from e
         raise IndexRunError(f"{stage}: {e}") from e
 
 
@@ -264,17 +310,21 @@ def _write(
     folder: Path,
     report: IndexReport,
 ) -> None:
-    table = open_table(db, spec.output.table)
+    table = None if report.rebuilt else open_table(db, spec.output.table)
     dimension = _dimension(spec, table, vectors)
     if spec.stages.embed and dimension is None:  # nothing embedded and no table yet
         return
-    rows = build_rows(docs, generated, vectors, dimension, identity, report.run_id)
+    rows = build_rows(
+        docs, generated, vectors, dimension, identity, report.run_id, spec.source.owner
+    )
     replaced = [d.id for d in docs] + plan.deleted
     if table is None and rows.num_rows == 0:
         return
     manifest = {
         "run_id": report.run_id,
         "table": {"uri": spec.output.uri, "name": spec.output.table},
+        "source": spec.source.owner,
+        "rebuild": report.rebuilt,
         "identity": identity.__dict__,
         "documents": {d.id: d.hash for d in docs},
         "deleted": plan.deleted,
@@ -282,7 +332,9 @@ def _write(
         "rows": rows.num_rows,
     }
     write_run_files(folder, rows, {**manifest, "status": "merging"})
-    merged = merge_rows(db, spec.output.table, rows, replaced)
+    merged = write_rows(
+        db, spec.output.table, rows, replaced, source=spec.source.owner, rebuild=report.rebuilt
+    )
     report.table_version = merged.version
     report.chunks_deleted = merged.deleted
     report.chunks = rows.num_rows
@@ -309,7 +361,8 @@ def _dimension(spec: IndexSpec, table, vectors: dict[str, list[float]]) -> int |
     if new is not None and old is not None and new != old:
         raise IndexRunError(
             f"the embedding model gives {new}-dimensional vectors but the table "
-            f"{spec.output.table} holds {old}-dimensional ones: name a new table (output.table)"
+            f"{spec.output.table} holds {old}-dimensional ones: name a new table (output.table), "
+            "or write this one anew with `kvbatch index SPEC --rebuild`"
         )
     return new or old
 

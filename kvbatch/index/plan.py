@@ -59,9 +59,13 @@ def make_plan(
     state: dict[str, set[tuple[str, ...]]],
     identity: RowIdentity,
     chunker: Chunker,
+    listed: list[SourceDocument] | None = None,
 ) -> Plan:
+    """`state` is document_state of this source's rows: documents of other sources sharing
+    the table are neither skipped nor deleted by this plan. `listed`: the source's listing,
+    when the caller has it already."""
     plan = Plan()
-    listed = list_documents(source)
+    listed = list_documents(source) if listed is None else listed
     plan.seen = len(listed)
     current = identity.key()
     for doc in listed:
@@ -71,7 +75,7 @@ def make_plan(
             if state.get(doc.id) == {(digest, *current)}:
                 plan.skipped += 1
                 continue
-            plan.work.append(_prepare(doc, data, digest, chunker))
+            plan.work.append(_prepare(doc, data, digest, chunker, source.owner))
         except DocumentError as e:
             plan.errors.append(e.record(doc.id))
             log.warning("skipping %s: %s", doc.id, e)
@@ -80,9 +84,11 @@ def make_plan(
     return plan
 
 
-def _prepare(doc: SourceDocument, data: bytes, digest: str, chunker: Chunker) -> WorkDocument:
+def _prepare(
+    doc: SourceDocument, data: bytes, digest: str, chunker: Chunker, owner: str
+) -> WorkDocument:
     text = parse_document(doc.id, data)
-    chunks = chunker.chunk(doc.id, text)
+    chunks = chunker.chunk(doc.id, text, owner)
     if not chunks:
         raise DocumentError("chunk", "empty", "no chunk of text in it")
     return WorkDocument(doc.id, doc.uri, digest, text, chunks)

@@ -31,11 +31,15 @@ class PrefillTokens:
 @dataclass
 class IndexReport:
     run_id: str = ""
+    source: str = ""  # the source's name in the table: the rows this run may replace or delete
+    embedding_revision: str = ""  # the revision (or "local-" fingerprint digest) rows carry
+    generation_revision: str = ""  # "" without a generation stage
     documents_seen: int = 0  # every document the source listed
     documents_parsed: int = 0  # new, changed or stale ones read and chunked this run
     documents_skipped: int = 0  # unchanged since the rows in the table
     documents_deleted: int = 0  # gone from the source: their rows removed
     documents_failed: int = 0  # an error record each
+    documents_windowed: int = 0  # too long for the generation model: given as windows
     chunks: int = 0  # chunks written (inserted or replaced) this run
     chunks_deleted: int = 0
     prefill: PrefillTokens = field(default_factory=PrefillTokens)
@@ -43,6 +47,7 @@ class IndexReport:
     errors: list[ErrorRecord] = field(default_factory=list)
     table_version: int | None = None  # the LanceDB table's version after the merge
     wrote: bool = False  # False when nothing changed: the table was not touched
+    rebuilt: bool = False  # --rebuild: the table was written anew
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -25,8 +25,10 @@ def build_rows(
     dimension: int | None,
     identity: RowIdentity,
     run_id: str,
+    source: str,
 ) -> pa.Table:
-    """Rows of `docs` (the documents that got through every stage), in document order."""
+    """Rows of `docs` (the documents that got through every stage), in document order, owned
+    by `source`."""
     ident = asdict(identity)
     rows = []
     for doc in docs:
@@ -35,6 +37,7 @@ def build_rows(
                 "chunk_id": chunk.chunk_id,
                 "document_id": doc.id,
                 "chunk_index": chunk.index,
+                "source": source,
                 "source_uri": doc.uri,
                 "document_hash": doc.hash,
                 "chunk_hash": chunk.chunk_hash,

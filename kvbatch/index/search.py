@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbatch.engine import LLM
-from kvbatch.index.table import TableError, connect, open_table
+from kvbatch.index.table import TableError, connect, open_readable
 
 
 class SearchError(Exception):
@@ -34,7 +34,7 @@ def search(uri: str, query: str, k: int = 5, *, table: str = "chunks", llm=None)
     if not uri.startswith("s3://") and not Path(uri).is_dir():  # connect() would create it
         raise SearchError(f"no index at {uri}: run `kvbatch index` first (its output.uri)")
     try:
-        tbl = open_table(connect(uri), table)
+        tbl = open_readable(connect(uri), table)  # a damaged table: DamagedTable, one line
     except TableError as e:
         raise SearchError(str(e)) from e
     if tbl is None:

@@ -1,99 +1,248 @@
 """The index spec: one TOML file says what to read, how to cut it, what to generate and where
-the rows go (docs/INDEXING.md shows every field). Loading checks every field and an error names
-it (`stages.questions.n: expected an integer >= 1, got "three"`), so a nightly run fails at once
-on a typo instead of after the models loaded."""
+the rows go (docs/INDEXING.md shows every field). The spec is a tree of pydantic models, as the
+schedule file of `kvbatch beat` is: loading checks every field's type and range, and an error
+names the field (`stages.questions.n: input should be greater than or equal to 1, got 0`), so a
+nightly run fails at once on a typo instead of after the models loaded. What can be checked
+only against the world (the source is there, the models load, the table takes the embedding's
+dimension) is checked by kvbatch.index.preflight, still before any document is read."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import string
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import tomllib
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
+from kvbatch.field_errors import field_errors
 from kvbatch.hub import ModelNotFoundError, split_hub_id
 from kvbatch.index.prompts import CONTEXT_PROMPT, QUESTIONS_PROMPT, SUMMARY_PROMPT
 
 DEFAULT_INCLUDE = ("*.md", "*.markdown", "*.txt", "*.html", "*.htm", "*.pdf")
 DEFAULT_MAX_BYTES = 50 * 1024 * 1024
 
+NonEmpty = Annotated[StrictStr, Field(min_length=1)]
+Positive = Annotated[StrictInt, Field(ge=1)]
+
 
 class SpecError(ValueError):
     """The spec file is missing, not TOML, or a field is wrong; the message names the field."""
 
 
-@dataclass(frozen=True)
-class SourceSpec:
-    uri: str  # a local folder (resolved against the spec's folder) or s3://bucket/prefix
-    include: tuple[str, ...] = DEFAULT_INCLUDE  # fnmatch patterns over keys ('*' crosses '/')
-    exclude: tuple[str, ...] = ()
-    max_bytes: int = DEFAULT_MAX_BYTES  # a larger document is an error record, never read
+class _Section(BaseModel):
+    """A table of the spec: unknown keys are errors (a typo never passes silently); values
+    keep their TOML types (no "3" read as 3)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True)
 
 
-@dataclass(frozen=True)
-class ChunkingSpec:
-    size: int = 256  # tokens of the embedding model's tokenizer
-    overlap: int = 0  # tokens shared by consecutive chunks
+def _base(info: ValidationInfo) -> Path | None:
+    """The spec file's folder, against which relative paths are read (None from Python)."""
+    return (info.context or {}).get("base")
 
 
-@dataclass(frozen=True)
-class ModelsSpec:
-    embedding: str  # a folder or Hub id; its tokenizer also measures chunks
-    generation: str | None = None  # needed when context, questions or summary runs
-    embedding_revision: str | None = None
-    generation_revision: str | None = None
+class SourceSpec(_Section):
+    # a local folder (resolved against the spec's folder) or s3://bucket/prefix
+    uri: NonEmpty = Field(alias="path")
+    # the name of this source in the table: its rows are the ones a run may replace or delete
+    name: NonEmpty | None = None
+    include: tuple[NonEmpty, ...] = DEFAULT_INCLUDE  # fnmatch patterns over keys ('*' crosses '/')
+    exclude: tuple[NonEmpty, ...] = ()
+    max_bytes: Positive = DEFAULT_MAX_BYTES  # a larger document is an error record, never read
+
+    @field_validator("uri")
+    @classmethod
+    def _resolved(cls, v: str, info: ValidationInfo) -> str:
+        _s3_bucket(v)
+        base = _base(info)
+        return v if base is None else _local_or_s3(v, base)
+
+    @field_validator("include", "exclude", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any, info: ValidationInfo) -> Any:
+        v = [v] if isinstance(v, str) else v
+        if info.field_name == "include" and isinstance(v, list) and not v:
+            raise ValueError("an empty list matches nothing; leave it out")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _printable(cls, v: str | None) -> str | None:
+        if v is not None and not v.isprintable():
+            raise ValueError(f"{v!r}: use printable characters (it is shown in reports)")
+        return v
+
+    @property
+    def owner(self) -> str:
+        """The source's name in the table: `name`, else the folder's (or prefix's) last part
+        and a digest of the URI and the globs, so two specs over different documents never
+        take each other's rows. Moving the documents changes it: set `name` to keep it."""
+        if self.name:
+            return self.name
+        key = json.dumps([self.uri, list(self.include), list(self.exclude)])
+        tail = self.uri.rstrip("/").rsplit("/", 1)[-1] or "source"
+        return f"{tail}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
-@dataclass(frozen=True)
-class ContextStage:
-    max_tokens: int = 100
-    prompt: str = CONTEXT_PROMPT  # {document} and {chunk}
+class ChunkingSpec(_Section):
+    size: Annotated[StrictInt, Field(ge=8)] = 256  # tokens of the embedding model's tokenizer
+    overlap: Annotated[StrictInt, Field(ge=0)] = 0  # tokens shared by consecutive chunks
+
+    @field_validator("overlap")
+    @classmethod
+    def _less_than_size(cls, v: int, info: ValidationInfo) -> int:
+        size = info.data.get("size")
+        if size is not None and v >= size:
+            raise ValueError(f"{v} must be less than chunking.size ({size})")
+        return v
 
 
-@dataclass(frozen=True)
-class QuestionsStage:
-    n: int = 3
-    max_tokens: int = 128
-    prompt: str = QUESTIONS_PROMPT  # {document}, {chunk} and {n}
+class ModelsSpec(_Section):
+    embedding: NonEmpty  # a folder or Hub id; its tokenizer also measures chunks
+    generation: NonEmpty | None = None  # needed when context, questions or summary runs
+    embedding_revision: NonEmpty | None = None
+    generation_revision: NonEmpty | None = None
+
+    @field_validator("embedding", "generation")
+    @classmethod
+    def _located(cls, v: str | None, info: ValidationInfo) -> str | None:
+        base = _base(info)
+        return v if v is None or base is None else _model(v, base)
 
 
-@dataclass(frozen=True)
-class SummaryStage:
-    max_tokens: int = 128
-    prompt: str = SUMMARY_PROMPT  # {document}
+class _Stage(_Section):
+    enabled: StrictBool = Field(True, exclude=True)  # `enabled = false` turns a stage off
+
+    @field_validator("prompt", check_fields=False)
+    @classmethod
+    def _fillable(cls, v: str) -> str:
+        _check_placeholders(v, cls)
+        return v
 
 
-@dataclass(frozen=True)
-class StagesSpec:
-    context: ContextStage | None = field(default_factory=ContextStage)
+class ContextStage(_Stage):
+    max_tokens: Positive = 100
+    prompt: NonEmpty = CONTEXT_PROMPT  # {document} and {chunk}
+
+
+class QuestionsStage(_Stage):
+    n: Positive = 3
+    max_tokens: Positive = 128
+    prompt: NonEmpty = QUESTIONS_PROMPT  # {document}, {chunk} and {n}
+
+
+class SummaryStage(_Stage):
+    max_tokens: Positive = 128
+    prompt: NonEmpty = SUMMARY_PROMPT  # {document}
+
+
+class _Toggle(_Section):
+    enabled: StrictBool = True
+
+
+class StagesSpec(_Section):
+    """A stage runs when its table is present (`[stages.context]`) unless `enabled = false`;
+    `context = true/false` is the short form. Without any [stages] table, context and embed
+    run (IndexSpec's default)."""
+
+    context: ContextStage | None = None
     questions: QuestionsStage | None = None
     summary: SummaryStage | None = None
     embed: bool = True
+
+    @field_validator("context", "questions", "summary", mode="before")
+    @classmethod
+    def _short_form(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            return {} if v else None
+        return v
+
+    @field_validator("context", "questions", "summary")
+    @classmethod
+    def _on(cls, v: _Stage | None) -> _Stage | None:
+        return v if v is not None and v.enabled else None
+
+    @field_validator("embed", mode="before")
+    @classmethod
+    def _embed_table(cls, v: Any) -> Any:
+        return _Toggle.model_validate(v).enabled if isinstance(v, dict) else v
 
     @property
     def generates(self) -> bool:
         return any(s is not None for s in (self.context, self.questions, self.summary))
 
 
-@dataclass(frozen=True)
-class OutputSpec:
-    uri: str  # LanceDB: a local folder or s3://bucket/prefix
-    runs: str  # local folder of the run folders (stage jobs, Parquet rows, manifest)
-    table: str = "chunks"
+class OutputSpec(_Section):
+    uri: NonEmpty  # LanceDB: a local folder or s3://bucket/prefix
+    # local folder of the run folders (stage jobs, Parquet rows, manifest); <uri>.runs when
+    # the spec does not say (parse_spec fills it in)
+    runs: NonEmpty | None = None
+    table: NonEmpty = "chunks"
+
+    @field_validator("uri")
+    @classmethod
+    def _resolved(cls, v: str, info: ValidationInfo) -> str:
+        _s3_bucket(v)
+        base = _base(info)
+        return v if base is None else _local_or_s3(v, base)
+
+    @field_validator("runs")
+    @classmethod
+    def _local_runs(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None:
+            return None
+        if v.startswith("s3://"):
+            raise ValueError(f"{v!r} must be a local folder (stage jobs resume there)")
+        base = _base(info)
+        return v if base is None else _local(v, base)
+
+    @field_validator("table")
+    @classmethod
+    def _table_name(cls, v: str) -> str:
+        if not v.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"{v!r}: use letters, digits, '_' and '-' only")
+        return v
 
 
-@dataclass(frozen=True)
-class IndexSpec:
+class SearchSpec(_Section):
+    """How `kvbatch search` reads the table (kvbatch.index.search)."""
+
+    rerank: NonEmpty | None = None  # a cross-encoder (a folder or Hub id) to rerank the top hits
+    mode: Literal["vector", "keyword", "hybrid"] | None = None  # None: hybrid when it can
+
+    @field_validator("rerank")
+    @classmethod
+    def _located(cls, v: str | None, info: ValidationInfo) -> str | None:
+        base = _base(info)
+        return v if v is None or base is None else _model(v, base)
+
+
+def _default_stages() -> StagesSpec:
+    return StagesSpec(context=ContextStage())
+
+
+class IndexSpec(_Section):
     source: SourceSpec
     models: ModelsSpec
     output: OutputSpec
-    chunking: ChunkingSpec = field(default_factory=ChunkingSpec)
-    stages: StagesSpec = field(default_factory=StagesSpec)
-    engine: dict[str, Any] = field(default_factory=dict)  # kvbatch.engine.LLM keywords
-    prompt_version: str = ""  # default: a digest of the prompts and stage settings in use
+    chunking: ChunkingSpec = Field(default_factory=ChunkingSpec)
+    stages: StagesSpec = Field(default_factory=_default_stages)
+    search: SearchSpec = Field(default_factory=SearchSpec)
+    engine: dict[str, Any] = Field(default_factory=dict)  # kvbatch.engine.LLM keywords
+    prompt_version: NonEmpty | None = None  # default: a digest of the prompts and stage settings
 
     @property
     def effective_prompt_version(self) -> str:
@@ -101,7 +250,7 @@ class IndexSpec:
         prompt and stage setting that changes generated text, so an edit marks rows stale."""
         if self.prompt_version:
             return self.prompt_version
-        stages = asdict(self.stages)
+        stages = self.stages.model_dump()
         digest = hashlib.sha256(json.dumps(stages, sort_keys=True).encode()).hexdigest()
         return "p-" + digest[:12]
 
@@ -122,143 +271,66 @@ def load_spec(path: str | Path) -> IndexSpec:
 
 def parse_spec(raw: dict[str, Any], base: Path = Path(".")) -> IndexSpec:
     """An IndexSpec from a TOML table (a spec file's, or a schedule entry's `[jobs.index]`)."""
-    t = _Table(raw, "")
-    t.only("source", "chunking", "stages", "models", "output", "engine", "prompt_version")
-    src = t.table("source", required=True)
-    src.only("path", "include", "exclude", "max_bytes")
-    path = src.string("path", required=True)
-    _s3_bucket("source.path", path)
-    source = SourceSpec(
-        uri=_local_or_s3(path, base),
-        include=tuple(src.strings("include", DEFAULT_INCLUDE, nonempty=True)),
-        exclude=tuple(src.strings("exclude", ())),
-        max_bytes=src.integer("max_bytes", DEFAULT_MAX_BYTES, minimum=1),
-    )
-    ch = t.table("chunking")
-    ch.only("size", "overlap")
-    size = ch.integer("size", 256, minimum=8)
-    overlap = ch.integer("overlap", 0, minimum=0)
-    if overlap >= size:
-        raise SpecError(f"chunking.overlap: {overlap} must be less than chunking.size ({size})")
-    st = t.table("stages")
-    st.only("context", "questions", "summary", "embed")
-    stages = StagesSpec(
-        context=_stage(st, "context", ContextStage, default_on=not st.given),
-        questions=_stage(st, "questions", QuestionsStage, default_on=False),
-        summary=_stage(st, "summary", SummaryStage, default_on=False),
-        embed=_embed_on(st),
-    )
-    m = t.table("models", required=True)
-    m.only("embedding", "generation", "embedding_revision", "generation_revision")
-    generation = m.string("generation")
-    if stages.generates and generation is None:
+    try:
+        spec = IndexSpec.model_validate(raw, context={"base": base})
+    except ValidationError as e:
+        raise SpecError("; ".join(f"{f.field}: {f.message}" for f in field_errors(e))) from None
+    _check_relations(spec)
+    if spec.output.runs is None:
+        runs = spec.output.uri.rstrip("/") + ".runs"
+        spec = spec.model_copy(update={"output": spec.output.model_copy(update={"runs": runs})})
+    return spec
+
+
+def _check_relations(spec: IndexSpec) -> None:
+    """What no single field can say: a field needed because of another, paths that overlap."""
+    if spec.stages.generates and spec.models.generation is None:
         raise SpecError(
             "models.generation: required when stages context, questions or summary run "
             "(a folder or Hub id of a chat model)"
         )
-    models = ModelsSpec(
-        embedding=_model(m.string("embedding", required=True), base),
-        generation=_model(generation, base) if generation else None,
-        embedding_revision=m.string("embedding_revision"),
-        generation_revision=m.string("generation_revision"),
-    )
-    out = t.table("output", required=True)
-    out.only("uri", "runs", "table")
-    uri = out.string("uri", required=True)
-    _s3_bucket("output.uri", uri)
-    uri = _local_or_s3(uri, base)
-    runs = out.string("runs")
-    if runs is None and uri.startswith("s3://"):
+    out = spec.output
+    if out.runs is None and out.uri.startswith("s3://"):
         raise SpecError("output.runs: required when output.uri is on S3 (a local folder)")
-    runs = _local(runs, base) if runs else uri.rstrip("/") + ".runs"
-    if runs.startswith("s3://"):
-        raise SpecError(f"output.runs: {runs!r} must be a local folder (stage jobs resume there)")
-    _outside_source(source.uri, {"output.uri": uri, "output.runs": runs})
-    for name, value in (("output.uri", uri), ("output.runs", runs)):
+    runs = out.runs or out.uri.rstrip("/") + ".runs"
+    _outside_source(spec.source.uri, {"output.uri": out.uri, "output.runs": runs})
+    for name, value in (("output.uri", out.uri), ("output.runs", runs)):
         if not value.startswith("s3://") and Path(value).exists() and not Path(value).is_dir():
             raise SpecError(f"{name}: {value} is a file; name a folder (it is created if absent)")
-    table = out.string("table", "chunks")
-    if not table.replace("_", "").replace("-", "").isalnum():
-        raise SpecError(f"output.table: {table!r}: use letters, digits, '_' and '-' only")
-    engine = t.table("engine").raw
-    return IndexSpec(
-        source=source,
-        models=models,
-        output=OutputSpec(uri=uri, runs=runs, table=table),
-        chunking=ChunkingSpec(size=size, overlap=overlap),
-        stages=stages,
-        engine=dict(engine),
-        prompt_version=t.string("prompt_version", ""),
-    )
-
-
-def _stage(st: _Table, name: str, kind: type, default_on: bool):
-    """A stage runs when its table is present (`[stages.context]`) unless `enabled = false`;
-    `context = true/false` is the short form."""
-    value = st.raw.get(name)
-    if value is None:
-        return kind() if default_on else None
-    if isinstance(value, bool):
-        return kind() if value else None
-    sub = st.table(name)
-    allowed = ["enabled", *kind.__dataclass_fields__]
-    sub.only(*allowed)
-    if not sub.boolean("enabled", True):
-        return None
-    values: dict[str, Any] = {}
-    for f in kind.__dataclass_fields__:
-        if f == "prompt":
-            prompt = sub.string("prompt")
-            if prompt is not None:
-                _check_placeholders(f"stages.{name}.prompt", prompt, kind)
-                values[f] = prompt
-        else:
-            values[f] = sub.integer(f, getattr(kind(), f), minimum=1)
-    return kind(**values)
-
-
-def _embed_on(st: _Table) -> bool:
-    value = st.raw.get("embed", True)
-    if isinstance(value, bool):
-        return value
-    sub = st.table("embed")
-    sub.only("enabled")
-    return sub.boolean("enabled", True)
 
 
 _PLACEHOLDERS = {
-    ContextStage: ("{document}", "{chunk}"),
-    QuestionsStage: ("{document}", "{chunk}"),
-    SummaryStage: ("{document}",),
+    "ContextStage": ("{document}", "{chunk}"),
+    "QuestionsStage": ("{document}", "{chunk}"),
+    "SummaryStage": ("{document}",),
 }
+_FIELDS = {"ContextStage": {"document", "chunk"}, "QuestionsStage": {"document", "chunk", "n"}}
 
 
-_FIELDS = {ContextStage: {"document", "chunk"}, QuestionsStage: {"document", "chunk", "n"}}
-
-
-def _check_placeholders(where: str, prompt: str, kind: type) -> None:
+def _check_placeholders(prompt: str, kind: type) -> None:
     """The prompt is filled by str.format: a field it does not know, or a lone brace, would
-    fail every request after the models loaded; say it now."""
-    known = _FIELDS.get(kind, {"document"})
+    fail every request after the models loaded; say it now (a ValueError: pydantic names the
+    field)."""
+    known = _FIELDS.get(kind.__name__, {"document"})
     try:
         fields = {f for _, f, _, _ in string.Formatter().parse(prompt) if f is not None}
     except ValueError as e:
-        raise SpecError(f"{where}: {e}: write a literal brace as {{{{ or }}}}") from e
+        raise ValueError(f"{e}: write a literal brace as {{{{ or }}}}") from None
     unknown = sorted(fields - known)
     if unknown:
-        raise SpecError(
-            f"{where}: unknown placeholder {{{unknown[0]}}}; the prompt may use "
+        raise ValueError(
+            f"unknown placeholder {{{unknown[0]}}}; the prompt may use "
             f"{', '.join('{' + k + '}' for k in sorted(known))} (a literal brace is {{{{ or }}}})"
         )
-    missing = [p for p in _PLACEHOLDERS[kind] if p not in prompt]
+    missing = [p for p in _PLACEHOLDERS[kind.__name__] if p not in prompt]
     if missing:
-        raise SpecError(f"{where}: the prompt lacks {', '.join(missing)}")
+        raise ValueError(f"the prompt lacks {', '.join(missing)}")
     if not prompt.startswith("{document}") and "{document}" in prompt:
         before = prompt.split("{document}", 1)[0]
         if "{chunk}" in before:
-            raise SpecError(
-                f"{where}: put {{document}} before {{chunk}}: the document is the prefix that "
-                "all of its chunks share, computed once"
+            raise ValueError(
+                "put {document} before {chunk}: the document is the prefix that all of its "
+                "chunks share, computed once"
             )
 
 
@@ -279,9 +351,9 @@ def _outside_source(source: str, outputs: dict[str, str]) -> None:
             )
 
 
-def _s3_bucket(where: str, value: str) -> None:
+def _s3_bucket(value: str) -> None:
     if value.startswith("s3://") and not value[len("s3://") :].split("/", 1)[0]:
-        raise SpecError(f"{where}: {value!r} names no bucket (s3://bucket/prefix)")
+        raise ValueError(f"{value!r} names no bucket (s3://bucket/prefix)")
 
 
 def _local_or_s3(value: str, base: Path) -> str:
@@ -303,63 +375,3 @@ def _model(value: str, base: Path) -> str:
     except ModelNotFoundError:  # not a Hub id: a path that does not exist (yet)
         return str(candidate.resolve())
     return value
-
-
-class _Table:
-    """One TOML table with typed getters whose errors name the dotted field."""
-
-    def __init__(self, raw: Any, name: str, given: bool = True) -> None:
-        if not isinstance(raw, dict):
-            raise SpecError(f"{name}: expected a table ([{name}]), got {type(raw).__name__}")
-        self.raw = raw
-        self.name = name
-        self.given = given
-
-    def _field(self, key: str) -> str:
-        return f"{self.name}.{key}" if self.name else key
-
-    def only(self, *keys: str) -> None:
-        unknown = sorted(set(self.raw) - set(keys))
-        if unknown:
-            raise SpecError(
-                f"{self._field(unknown[0])}: unknown field; expected one of {', '.join(keys)}"
-            )
-
-    def table(self, key: str, required: bool = False) -> _Table:
-        if key not in self.raw:
-            if required:
-                raise SpecError(f"{self._field(key)}: missing (add a [{self._field(key)}] table)")
-            return _Table({}, self._field(key), given=False)
-        return _Table(self.raw[key], self._field(key))
-
-    def string(self, key: str, default: Any = None, required: bool = False) -> Any:
-        if key not in self.raw:
-            if required:
-                raise SpecError(f"{self._field(key)}: missing")
-            return default
-        value = self.raw[key]
-        if not isinstance(value, str) or not value:
-            raise SpecError(f"{self._field(key)}: expected a non-empty string, got {value!r}")
-        return value
-
-    def strings(self, key: str, default: Any, nonempty: bool = False) -> list[str]:
-        value = self.raw.get(key, default)
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
-            raise SpecError(f"{self._field(key)}: expected a list of strings, got {value!r}")
-        if nonempty and not value:
-            raise SpecError(f"{self._field(key)}: an empty list matches nothing; leave it out")
-        return list(value)
-
-    def integer(self, key: str, default: int, minimum: int) -> int:
-        value = self.raw.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise SpecError(f"{self._field(key)}: expected an integer >= {minimum}, got {value!r}")
-        return value
-
-    def boolean(self, key: str, default: bool) -> bool:
-        value = self.raw.get(key, default)
-        if not isinstance(value, bool):
-            raise SpecError(f"{self._field(key)}: expected true or false, got {value!r}")
-        return value

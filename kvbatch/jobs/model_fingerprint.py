@@ -13,7 +13,9 @@ job was submitted for (a worker started on another checkpoint must not answer it
     revision      the commit of a Hugging Face Hub snapshot (…/snapshots/<commit>/)
 
 Never a hash of whole weight files: a fingerprint reads about SAMPLES x SAMPLE_BYTES per file,
-however many gigabytes it holds. Sampled slices of independently trained or fine-tuned
+however many gigabytes it holds (a file up to that size is hashed whole). A weight file's digest
+is kept in memory by (path, size, mtime): a process that fingerprints an unchanged checkpoint
+again (a scheduler's nightly index run, a worker's every job) reads nothing. Sampled slices of independently trained or fine-tuned
 weights differ; two checkpoints that differ only outside every slice look the same (a
 fine-tune of a single small tensor could): the price of being cheap.
 
@@ -197,8 +199,20 @@ def _weights_digest(files: list[tuple[str, Path]]) -> str:
     return h.hexdigest()
 
 
+_SAMPLED: dict[tuple[str, int, int], bytes] = {}
+
+
 def _sampled(path: Path, size: int) -> bytes:
-    """sha256 of SAMPLES slices spread evenly from the file's start to its end."""
+    """sha256 of SAMPLES slices spread evenly from the file's start to its end, remembered by
+    (path, size, mtime): rewriting a file (a fine-tune saved over it) changes its mtime."""
+    key = (str(path.resolve()), size, path.stat().st_mtime_ns)
+    digest = _SAMPLED.get(key)
+    if digest is None:
+        digest = _SAMPLED[key] = _read_sampled(path, size)
+    return digest
+
+
+def _read_sampled(path: Path, size: int) -> bytes:
     h = hashlib.sha256()
     with path.open("rb") as f:
         if size <= SAMPLES * SAMPLE_BYTES:

@@ -35,6 +35,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvbatch.field_errors import field_errors
 from kvbatch.jobs.storage import validate_key_part
 
 CRON_FIELDS = ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
@@ -206,8 +207,8 @@ def load_schedule(path: str | Path) -> Schedule:
 
 def _describe(err: ValidationError, data: Any, source: str) -> str:
     lines = []
-    for item in err.errors():
-        loc = list(item["loc"])
+    for error in field_errors(err):
+        loc = list(error.location)
         where = "schedule"
         if len(loc) >= 2 and loc[0] == "jobs" and isinstance(loc[1], int):
             index = loc[1]
@@ -221,10 +222,5 @@ def _describe(err: ValidationError, data: Any, source: str) -> str:
             if loc and loc[0] in _TAGS:  # the kind of entry, not a field
                 loc = loc[1:]
         field = ".".join(str(p) for p in loc)
-        msg = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "missing":
-            msg = "missing (required)"
-        elif item["type"] == "extra_forbidden":
-            msg = "unknown field"
-        lines.append(f"{where}: {field or '(entry)'}: {msg}")
+        lines.append(f"{where}: {field or '(entry)'}: {error.message}")
     return f"{source}: " + "; ".join(lines)

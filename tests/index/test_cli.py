@@ -52,7 +52,8 @@ def test_index_then_search_the_examples(tmp_path, tiny_chat_model, minilm, capsy
 
 
 def test_a_spec_error_exits_2_naming_the_field(tmp_path, capsys):
-    (tmp_path / "index.toml").write_text("[source]\npath = 'docs'\n[models]\nembedding = 'e'\n")
+    spec = "[source]\npath = 'docs'\n[models]\nembedding = 'e'\n[output]\nuri = 'i'\n"
+    (tmp_path / "index.toml").write_text(spec)
     assert main(["index", str(tmp_path / "index.toml")]) == 2
     assert "kvbatch index: models.generation: required" in capsys.readouterr().err
 

@@ -27,6 +27,28 @@ def test_html_keeps_the_article_as_markdown_and_drops_the_boilerplate():
     assert "<p>" not in text
 
 
+SMALL_PAGE = """<html><head><title>Kettles</title></head><body>
+<nav><a href="/">Home</a> | <a href="/blog">Blog archive</a> | <a href="/about">About us</a></nav>
+<header><p>Kitchen Notes, the site banner</p></header>
+<p>Fill the kettle halfway with equal parts water and white vinegar, boil it, and leave it.</p>
+<aside>Related: toasters</aside><footer>All rights reserved</footer></body></html>"""
+ARTICLE = """<html><body><article><header><h1>Descaling</h1></header>
+<p>Boil water and vinegar in the kettle, then rinse it twice with clean water.</p>
+<footer>Written by the kitchen team</footer></article><footer>Site map</footer></body></html>"""
+
+
+def test_a_small_page_keeps_no_menu_banner_sidebar_or_footer():
+    """On a short page trafilatura falls back to its baseline extractor, which keeps every
+    text: the site's chrome is dropped before it."""
+    text = parse_document("kettles.html", SMALL_PAGE.encode())
+    assert text == (
+        "Fill the kettle halfway with equal parts water and white vinegar, boil it, and leave it."
+    )
+    article = parse_document("descaling.html", ARTICLE.encode())
+    assert "Descaling" in article and "rinse it twice" in article  # the article's own header
+    assert "Site map" not in article
+
+
 def test_pdf_text_comes_out_of_a_real_pdf(tmp_path):
     data = write_pdf(tmp_path / "c.pdf", CORALS).read_bytes()
     text = " ".join(parse_document("c.pdf", data).split())

@@ -4,7 +4,6 @@ all-MiniLM-L6-v2 embedding, LanceDB on disk."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -184,7 +183,7 @@ def test_chunks_are_cut_to_what_the_embedding_model_takes(
     (docs / "short.txt").write_text("Tides rise and fall twice a day.")
     (docs / "long.txt").write_text(" ".join(f"word{i}" for i in range(300)))  # one sentence
     spec = index_spec(tmp_path, docs, None, minilm, "")
-    spec = dataclasses.replace(spec, chunking=ChunkingSpec(size=1000, overlap=0))
+    spec = spec.model_copy(update={"chunking": ChunkingSpec(size=1000, overlap=0)})
     with caplog.at_level("WARNING", logger="kvbatch.index"):
         report = run_index(spec, llm_factory=WatchedModels())
     assert report.errors == []

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from kvbatch.index.pipeline import IndexRunError, run_index
+from kvbatch.index.pipeline import IndexRunError, LocalStages, default_llm_factory, run_index
 from kvbatch.index.sources import SourceError
+from kvbatch.index.stage_jobs import embedding_line, write_lines
+from kvbatch.jobs.local.output_lock import output_lock
 from tests.index.indexing import index_spec
 
 
@@ -31,6 +31,22 @@ def test_a_source_folder_that_is_not_there_stops_the_run(tmp_path, minilm):
 
 def test_an_engine_keyword_the_engine_does_not_take_is_named(tmp_path, docs_folder, minilm):
     spec = index_spec(tmp_path, docs_folder, None, minilm)
-    spec = dataclasses.replace(spec, engine={"max_num_seqz": 4})
+    spec = spec.model_copy(update={"engine": {"max_num_seqz": 4}})
     with pytest.raises(IndexRunError, match="engine: .*max_num_seqz"):
         run_index(spec)
+
+
+def test_a_stage_held_by_another_run_says_to_wait_not_to_choose_another_output(
+    tmp_path, docs_folder, minilm
+):
+    """`kvbatch index` has no -o: the message of a busy stage speaks of the index run."""
+    spec = index_spec(tmp_path, docs_folder, None, minilm)
+    folder = tmp_path / "run" / "embed"
+    write_lines(folder / "input.jsonl", [embedding_line("e:1", "minilm", "tides")])
+    stages = LocalStages(default_llm_factory(spec), spec)
+    with output_lock(str(folder / "output.jsonl"), str(folder / "input.jsonl")):
+        with pytest.raises(IndexRunError) as e:
+            stages.run("embed", folder, str(minilm), "embedding")
+    message = str(e.value)
+    assert "another index run" in message and "wait for it to finish" in message
+    assert "choose another" not in message and " -o" not in message

@@ -28,7 +28,9 @@ def one_row_index(tmp_path: Path, embedding_model: str, *more_models: str) -> st
         }
         for i, model in enumerate([embedding_model, *more_models])
     ]
-    merge_rows(connect(uri), "chunks", pa.Table.from_pylist(rows, schema=chunk_schema(384)), [])
+    merge_rows(
+        connect(uri), "chunks", pa.Table.from_pylist(rows, schema=chunk_schema(384)), [], source="s"
+    )
     return uri
 
 

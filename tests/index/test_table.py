@@ -31,6 +31,7 @@ def rows(items: list[tuple[str, str, str]], run: str) -> pa.Table:
                 "document_id": d,
                 "chunk_index": i,
                 "document_hash": "h-" + d,
+                "source": "s",
                 "text": t,
                 "embedding": [float(i), 1.0],
                 **IDENT.__dict__,
@@ -57,6 +58,7 @@ def test_one_merge_inserts_replaces_and_deletes_only_what_the_run_names(tmp_path
             "run1",
         ),
         [],
+        source="s",
     )
     assert (first.version, first.inserted) == (1, 4)
     second = merge_rows(
@@ -64,6 +66,7 @@ def test_one_merge_inserts_replaces_and_deletes_only_what_the_run_names(tmp_path
         "chunks",
         rows([("a1", "a.md", "x2"), ("a3", "a.md", "w")], "run2"),
         ["a.md", "o'brien.md"],
+        source="s",
     )
     assert (second.version, second.inserted, second.updated, second.deleted) == (2, 1, 1, 2)
     table = open_table(db, "chunks")
@@ -114,8 +117,12 @@ def test_the_delete_filter_of_one_hostile_id_touches_no_other_document(tmp_path,
     """Quotes, backslashes, LIKE wildcards and SQL in a file name: redoing (or deleting) one
     document removes its rows only."""
     db = connect(str(tmp_path / "index"))
-    merge_rows(db, "chunks", rows([(f"{d}#1", d, "v1") for d in HOSTILE_IDS], "run-1"), [])
-    merged = merge_rows(db, "chunks", rows([(f"{victim}#2", victim, "v2")], "run-2"), [victim])
+    merge_rows(
+        db, "chunks", rows([(f"{d}#1", d, "v1") for d in HOSTILE_IDS], "run-1"), [], source="s"
+    )
+    merged = merge_rows(
+        db, "chunks", rows([(f"{victim}#2", victim, "v2")], "run-2"), [victim], source="s"
+    )
     found = {(r["document_id"], r["text"]) for r in open_table(db, "chunks").to_arrow().to_pylist()}
     assert found == {(d, "v2" if d == victim else "v1") for d in HOSTILE_IDS}
     assert merged.deleted == 1

@@ -4,6 +4,7 @@ on real checkpoints saved by transformers and GGUF files written by the gguf pac
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -60,6 +61,20 @@ def test_other_weights_of_the_same_shape_differ(tiny_chat_model, other_weights):
     reason = describe_mismatch(job, worker)
     assert reason is not None and "its weights differ" in reason
     assert job.digest in reason and worker.digest in reason
+
+
+def test_an_unchanged_weight_file_is_not_read_again(tmp_path, tiny_chat_model, other_weights):
+    """A weight file's digest is remembered by (path, size, mtime): bytes replaced under the
+    same size and mtime go unseen (nothing was read), a rewrite with a new mtime is read."""
+    model = _copy(tiny_chat_model, tmp_path / "model")
+    weights = model / "model.safetensors"
+    first = fingerprint(model)
+    stat = weights.stat()
+    shutil.copyfile(other_weights / "model.safetensors", weights)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert fingerprint(model) == first  # the remembered digest: the file was not read
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert fingerprint(model).differences(first) == ["weights"]  # read again: new weights
 
 
 def test_tokenizer_config_and_quantization_each_count(tmp_path, tiny_chat_model):
