@@ -95,6 +95,10 @@ def test_open_storage_picks_by_uri(tmp_path):
         open_storage("")
     with pytest.raises(StorageError, match="not a bucket name"):
         open_storage("s3://")
+    for typo in ("s3:/bkt/k", "s3:bkt", "file:x"):  # never a local folder named "s3:"
+        with pytest.raises(StorageError, match="nor a plain path"):
+            open_storage(typo)
+    assert isinstance(open_storage("./a:b"), LocalStorage)
 
 
 # -- local files
