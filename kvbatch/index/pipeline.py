@@ -43,7 +43,7 @@ from kvbatch.index.preflight import preflight
 from kvbatch.index.report import ErrorRecord, IndexReport, PrefillTokens
 from kvbatch.index.rows import build_rows, write_run_files
 from kvbatch.index.spec import IndexSpec
-from kvbatch.index.stage_jobs import StageAnswers, delete_folder, run_stage, write_lines
+from kvbatch.index.stage_jobs import StageAnswers, run_stage, write_lines
 from kvbatch.index.table import document_state, open_table, write_rows
 from kvbatch.index.windows import DocumentWindows, WindowBudget, WindowError, document_windows
 from kvbatch.jobs.local.output_lock import OutputBusy
@@ -343,7 +343,7 @@ def _write(
     report.wrote = True
     write_run_files(folder, rows, {**manifest, "status": "merged", "version": report.table_version})
     for stage in ("generate", "embed"):  # their inputs repeat each document per chunk
-        delete_folder(folder.join(stage))
+        folder.join(stage).delete_tree()
     log.info(
         "write: %d rows for %d documents, %d documents deleted: table version %d",
         rows.num_rows,

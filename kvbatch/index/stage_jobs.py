@@ -85,12 +85,6 @@ def run_stage(folder: Storage, model: str, llm, engine: dict) -> StageAnswers:
     return read_answers(folder)
 
 
-def delete_folder(folder: Storage) -> None:
-    """Every file under `folder` (a stage's job, once its rows are merged)."""
-    for key in list(folder.list()):
-        folder.join(key).delete()
-
-
 def read_answers(folder: Storage, errors: str = "output.errors.jsonl") -> StageAnswers:
     """The answers in folder/output.jsonl and the error lines in folder/`errors` (a
     distributed job's folder names them errors.jsonl)."""
