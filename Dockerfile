@@ -25,7 +25,7 @@ RUN pip install . && rm -rf build
 
 # Non-root; models are mounted read-only at /models, the cache lives in the user's home.
 # /state: beat's schedule file, on a named volume (compose.yaml), which takes this owner.
-RUN useradd --create-home --uid 1000 kvbatch && mkdir /state /runs && chown kvbatch /state /runs
+RUN useradd --create-home --uid 1000 kvbatch && mkdir /state && chown kvbatch /state
 USER kvbatch
 ENV KVBATCH_CACHE=/home/kvbatch/.cache/kvbatch
 

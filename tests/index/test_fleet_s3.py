@@ -104,7 +104,7 @@ uri = "s3://{bucket}/index"
         assert not thread.is_alive(), _logs(tmp_path)
         assert result["code"] == 0, _logs(tmp_path)
         report = json.loads((tmp_path / "report.json").read_text())
-        assert report["errors"] == [] and report["chunks"] > len(TEXTS)
+        assert report["errors"] == [] and report["chunks"] >= len(TEXTS)
         # nothing of the run on the local disk of any of the three
         for folder in (here, tmp_path / "generation-0", tmp_path / "embedding-0"):
             assert sorted(p.name for p in folder.iterdir()) in ([], ["index.toml"])
