@@ -16,13 +16,13 @@ import threading
 import time
 from pathlib import Path
 
-import lancedb
 import pytest
 
 from kvbatch.cli import main
 from kvbatch.index.distributed import model_queue
 from kvbatch.index.search import search
 from kvbatch.index.spec import load_spec
+from kvbatch.index.table import connect, open_table
 from tests.index.test_distributed import TEXTS, _logs
 from tests.processes import stop_processes
 from tests.redis_server import redis_server  # noqa: F401
@@ -116,7 +116,7 @@ uri = "s3://{bucket}/index"
         assert {f"{run}/chunks.parquet", f"{run}/manifest.json"} <= keys
         assert not any(k.startswith(f"{run}/generate/") for k in keys), "stage jobs cleaned up"
         # every chunk once, and a passage found
-        table = lancedb.connect(spec.output.uri).open_table(spec.output.table)
+        table = open_table(connect(spec.output.uri), spec.output.table)
         ids = table.to_arrow().column("chunk_id").to_pylist()
         assert len(ids) == len(set(ids)) == report["chunks"]
         hit = search(spec.output.uri, "Fresnel lens of glass prisms", k=1)[0]
