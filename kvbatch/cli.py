@@ -19,8 +19,8 @@ from kvbatch.engine_args import (
     non_negative_int,
 )
 from kvbatch.index import cli as index_cli
+from kvbatch.metrics_registry import metrics_port
 from kvbatch.threads import apply_threads
-from kvbatch.worker.settings import metrics_port
 
 MODEL_HELP = (
     "a Hugging Face folder, a .gguf file, or a Hub id (owner/name, or owner/name/FILE.gguf) "

@@ -39,6 +39,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvbatch.jobs.storage.local import LocalStorage
+
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "KVBATCH_CACHE"
@@ -192,11 +194,8 @@ def _write_marker(dest: Path, sha256: str) -> None:
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)  # mkstemp makes it private
-    os.replace(tmp, path)
+    """Written whole and synced before it replaces the old file (the one atomic writer)."""
+    LocalStorage(str(path)).write_bytes(text.encode("utf-8"))
 
 
 def _sha256_file(path: Path) -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import tomllib
 import yaml
 
 from tests.redis_server import redis_executable
@@ -154,7 +155,7 @@ def test_default_profile_is_what_works_today(compose):
     default = {n for n, s in _services(compose).items() if _default_profile(s)}
     assert default == {"redis", "moto", "bucket", "worker"}
     assert _services(compose)["submit"]["profiles"] == ["example"]
-    assert _services(compose)["beat"]["profiles"] == ["scheduled"]
+    assert _services(compose)["beat"]["profiles"] == ["scheduled", "index"]
     for name in ("prometheus", "grafana"):
         assert _services(compose)[name]["profiles"] == ["observability"]
 
@@ -209,7 +210,7 @@ def test_kvbatch_commands_are_valid_invocations(compose, monkeypatch):
         if getattr(ns, "model", None):
             assert ns.model.startswith("/models/"), f"{name}: the model is on the volume"
         checked.add(argv[0])
-    assert {"worker", "submit", "beat"} <= checked
+    assert {"worker", "submit", "beat", "index-worker"} <= checked
     worker = parse_kvbatch(_services(compose)["worker"]["command"], monkeypatch)
     assert worker.device == "cuda"
     assert worker.kv_cache_memory_fraction == 0.90  # KVBATCH_KV_CACHE_MEMORY_FRACTION's default
@@ -409,3 +410,47 @@ def test_docker_compose_config():
         argv += ["--profile", profile]
     proc = subprocess.run([*argv, "config", "-q"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+# --- the nightly index (profile "index") ----------------------------------------------------
+
+
+def test_the_index_profile_indexes_the_mounted_documents(compose, monkeypatch):
+    """beat's schedule names an index spec at a path the index worker sees too; the spec's
+    documents are mounted where it says; table and run folder are on the stack's bucket (no
+    volume shared between the services); its stages' queues are consumed by a worker of the
+    right model."""
+    from kvbatch.index.distributed import model_queue
+    from kvbatch.worker.schedule import IndexEntry, load_schedule
+
+    services = _services(compose)
+    beat = parse_kvbatch(services["beat"]["command"], monkeypatch)
+    beat_mounts = dict(v.split(":")[:2][::-1] for v in services["beat"]["volumes"])
+    schedule_host = ROOT / beat_mounts[str(Path(beat.schedule).parent)] / Path(beat.schedule).name
+    (entry,) = load_schedule(schedule_host).jobs
+    assert isinstance(entry, IndexEntry)
+    spec_host = Path(entry.index)
+    spec_inside = Path(beat.schedule).parent / spec_host.name
+    index_worker = services["index-worker"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in index_worker["volumes"]}
+    assert mounts[str(spec_inside.parent)] == "./deploy/schedules", "the spec at beat's path"
+    spec = tomllib.loads(spec_host.read_text())
+    assert (ROOT / mounts[spec["source"]["path"]]).is_dir()  # the default documents folder
+    assert spec["output"]["uri"].startswith("s3://kvbatch/")  # the bucket the init makes
+    assert spec["output"].get("runs", spec["output"]["uri"] + ".runs").startswith("s3://kvbatch/")
+    # each stage's queue has a worker of that stage's model, which sees the run folder
+    workers = {}
+    for name in ("worker", "embed-worker"):
+        ns = parse_kvbatch(services[name]["command"], monkeypatch)
+        workers[ns.queue] = (ns.model, services[name])
+    stages = {
+        entry.generation_queue or model_queue(spec["models"]["generation"]): "generation",
+        entry.embedding_queue or model_queue(spec["models"]["embedding"]): "embedding",
+    }
+    for queue, stage in stages.items():
+        assert queue in workers, f"no worker consumes {queue} ({stage})"
+        model, service = workers[queue]
+        assert model == spec["models"][stage]
+        assert _env(service)["AWS_ENDPOINT_URL"] == "http://moto:5000"
+    named = [v for s in services.values() for v in s.get("volumes") or [] if v[0] not in "./$"]
+    assert not [v for v in named if not v.startswith(("beat-state:", "redis-data:", "minio"))]

@@ -10,9 +10,9 @@ import logging
 import re
 import sys
 
+from kvbatch.metrics_registry import metrics_port, start_metrics_server
 from kvbatch.redact import redact_url, redact_urls
 from kvbatch.threads import apply_threads
-from kvbatch.worker.settings import metrics_port
 
 
 def add_index_parsers(sub) -> None:
@@ -125,7 +125,6 @@ def _serve_metrics(args: argparse.Namespace):
     if not args.metrics_port:
         return None
     from kvbatch.index.metrics import process_metrics
-    from kvbatch.worker.metrics import start_metrics_server
 
     metrics = process_metrics()
     try:
@@ -143,15 +142,16 @@ def _serve_metrics(args: argparse.Namespace):
 def _workers(args: argparse.Namespace, spec):
     """The stages on the workers of `--broker`: the broker reached and each queue made (SQS)
     before any work, so an unreachable broker leaves no job nobody runs."""
+    from kvbatch.broker.app import celery_app
+    from kvbatch.broker.settings import BrokerError, broker_url
+    from kvbatch.broker.sqs import ensure_queue
     from kvbatch.index.distributed import DistributedStages
     from kvbatch.index.pipeline import IndexRunError
-    from kvbatch.worker.app import BrokerError, broker_url, make_app
-    from kvbatch.worker.sqs import ensure_queue
 
     if args.shard_tokens < 1:
         raise IndexRunError(f"--shard-tokens must be positive, got {args.shard_tokens}")
     try:
-        app = make_app(broker_url(args.broker))
+        app = celery_app(broker_url(args.broker))
     except BrokerError as e:
         raise IndexRunError(str(e)) from e
     queues = {}

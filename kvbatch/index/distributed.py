@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbatch.broker.resend import unwritten_shards
+from kvbatch.broker.send import send_shard
 from kvbatch.index.pipeline import IndexRunError, StageOutcome
 from kvbatch.index.report import PrefillTokens
 from kvbatch.index.stage_jobs import read_answers
@@ -31,8 +33,7 @@ from kvbatch.jobs.distributed.finalize import job_status, read_manifest, try_fin
 from kvbatch.jobs.distributed.shards import job_dir
 from kvbatch.jobs.distributed.submit import prepare_job
 from kvbatch.jobs.local.run import JobError
-from kvbatch.worker.resend import unwritten_shards
-from kvbatch.worker.tasks import send_shard
+from kvbatch.jobs.storage import Storage
 
 log = logging.getLogger("kvbatch.index")
 
@@ -79,18 +80,19 @@ class DistributedStages:
     def queue_for(self, model: str) -> str:
         return self.queues.get(model) or model_queue(model)
 
-    def run(self, stage: str, folder: Path, model: str, role: str) -> StageOutcome:
+    def run(self, stage: str, run_folder: Storage, model: str, role: str) -> StageOutcome:
         queue = self.queue_for(model)
-        job = job_dir(str(folder.parent), stage)
+        folder = run_folder.join(stage)  # the stage's input.jsonl beside its job's files
+        job = job_dir(run_folder.uri, stage)
         if job.join("job.json").exists():
             manifest = read_manifest(job)
             if not _final(job):
                 resent = unwritten_shards(job, manifest)
                 for msg in resent:
-                    send_shard(self.app, str(folder.parent), msg, queue)
+                    send_shard(self.app, run_folder.uri, msg, queue)
                 log.info("%s: resumed job %s: %d shards sent again", stage, job.uri, len(resent))
         else:
-            manifest = self._submit(stage, folder, model, role, queue)
+            manifest = self._submit(stage, run_folder, model, role, queue)
         status = self._wait(stage, job)
         if status["status"] != "completed":
             raise IndexRunError(
@@ -107,11 +109,11 @@ class DistributedStages:
             )
         return StageOutcome(answers, prefill)
 
-    def _submit(self, stage: str, folder: Path, model: str, role: str, queue: str) -> dict:
+    def _submit(self, stage: str, run_folder: Storage, model: str, role: str, queue: str) -> dict:
         try:
             submitted = prepare_job(
-                str(folder / "input.jsonl"),
-                str(folder.parent),
+                run_folder.join(stage, "input.jsonl").uri,
+                run_folder.uri,
                 model,
                 shard_tokens=self.shard_tokens,
                 job_id=stage,
@@ -120,7 +122,7 @@ class DistributedStages:
             raise IndexRunError(f"models.{role}: {stage}: {e}") from e
         for msg in submitted.messages:
             send_shard(self.app, submitted.output, msg, queue)
-        job = job_dir(str(folder.parent), stage)
+        job = job_dir(run_folder.uri, stage)
         if not submitted.messages:  # every line invalid: nothing for a worker to finalize
             try_finalize(job)
         log.info(

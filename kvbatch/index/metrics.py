@@ -1,5 +1,5 @@
 """Prometheus metrics of index runs, per stage, on the process's metrics registry (the one
-worker/metrics.py serves on --metrics-port): `kvbatch index --metrics-port N` and
+metrics_registry.py serves on --metrics-port): `kvbatch index --metrics-port N` and
 `kvbatch index-worker --metrics-port N` expose them while they run.
 
 Counters, so a long-lived index worker adds run after run:
@@ -19,14 +19,14 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvbatch.index.report import IndexReport
-from kvbatch.worker.metrics import METRICS
+from kvbatch.metrics_registry import REGISTRY
 
 
 class IndexMetrics:
-    """The index counters on `registry` (default: the worker metrics' registry)."""
+    """The index counters on `registry` (default: the process's, which the workers serve)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = registry if registry is not None else METRICS.registry
+        r = registry if registry is not None else REGISTRY
         self.documents = Counter(
             "kvbatch_index_documents", "Documents an index stage took", ["stage"], registry=r
         )

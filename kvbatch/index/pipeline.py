@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,6 +48,7 @@ from kvbatch.index.table import document_state, open_table, write_rows
 from kvbatch.index.windows import DocumentWindows, WindowBudget, WindowError, document_windows
 from kvbatch.jobs.local.output_lock import OutputBusy
 from kvbatch.jobs.local.run import JobError, JobInterrupted
+from kvbatch.jobs.storage import Storage, open_storage
 
 log = logging.getLogger("kvbatch.index")
 
@@ -89,11 +89,11 @@ class StageOutcome:
 
 
 class StageRunner(Protocol):
-    """Runs one model stage's job, whose lines are already in folder/input.jsonl, to the end
-    (or resumes it) and reads its answers: on this machine (LocalStages) or on the workers
-    (kvbatch.index.distributed.DistributedStages)."""
+    """Runs one model stage's job, whose lines are already in <run folder>/<stage>/input.jsonl,
+    to the end (or resumes it) and reads its answers: on this machine (LocalStages) or on the
+    workers (kvbatch.index.distributed.DistributedStages). The run folder is local or on S3."""
 
-    def run(self, stage: str, folder: Path, model: str, role: str) -> StageOutcome: ...
+    def run(self, stage: str, run_folder: Storage, model: str, role: str) -> StageOutcome: ...
 
 
 @dataclass
@@ -103,13 +103,14 @@ class LocalStages:
     factory: LLMFactory
     spec: IndexSpec
 
-    def run(self, stage: str, folder: Path, model: str, role: str) -> StageOutcome:
+    def run(self, stage: str, run_folder: Storage, model: str, role: str) -> StageOutcome:
+        folder = run_folder.join(stage)
         llm = _load(self.factory, model, role)
         try:
             answers = _run_stage(folder, model, llm, engine_settings(self.spec, model), stage)
             prefill = None
             if stage == "generate":
-                prefill = prefill_tokens(folder / "input.jsonl", llm.engine, answers)
+                prefill = prefill_tokens(folder.join("input.jsonl"), llm.engine, answers)
         finally:
             _release(llm)
         return StageOutcome(answers, prefill)
@@ -150,7 +151,7 @@ def run_index(
         observe.finished()
         return report
     report.run_id = plan.run_id(identity)
-    folder = Path(spec.output.runs) / report.run_id
+    folder = open_storage(spec.output.runs).join(report.run_id)
     docs = plan.work
     generated = Generated()
     if spec.stages.generates and docs:
@@ -158,14 +159,14 @@ def run_index(
             windows, errors = _windows(docs, checked.windows, report)
             report.errors += errors
             docs = _without(docs, errors)
-            generated, errors = _generate(spec, docs, windows, folder / "generate", runner, report)
+            generated, errors = _generate(spec, docs, windows, folder, runner, report)
         observe.stage("generate", docs)
         report.errors += errors
         docs = _without(docs, errors)
     vectors: dict[str, list[float]] = {}
     if spec.stages.embed and docs:
         with _timed(report, "embed"):
-            vectors, errors = _embed(spec, docs, generated, folder / "embed", runner, budget)
+            vectors, errors = _embed(spec, docs, generated, folder, runner, budget)
         observe.stage("embed", docs)
         report.errors += errors
         docs = _without(docs, errors)
@@ -238,13 +239,13 @@ def _generate(
     spec: IndexSpec,
     docs,
     windows: dict[str, DocumentWindows],
-    folder: Path,
+    folder: Storage,
     runner: StageRunner,
     report: IndexReport,
 ):
     model = spec.models.generation
     lines = generation_lines(docs, spec.stages, _name(model), windows)
-    n = write_lines(folder / "input.jsonl", lines)
+    n = write_lines(folder.join("generate", "input.jsonl"), lines)
     log.info("generate: %d documents, %d chunks, %d requests", len(docs), _chunks(docs), n)
     outcome = runner.run("generate", folder, model, "generation")
     answers = outcome.answers
@@ -264,12 +265,13 @@ def _embed(
     spec: IndexSpec,
     docs,
     generated: Generated,
-    folder: Path,
+    folder: Storage,
     runner: StageRunner,
     budget: EmbeddingBudget,
 ):
     model = spec.models.embedding
-    n = write_lines(folder / "input.jsonl", embedding_lines(docs, generated, _name(model), budget))
+    lines = embedding_lines(docs, generated, _name(model), budget)
+    n = write_lines(folder.join("embed", "input.jsonl"), lines)
     log.info("embed: %d documents, %d chunks", len(docs), n)
     answers = runner.run("embed", folder, model, "embedding").answers
     log.info("embed: %d prompt tokens", answers.prompt_tokens)
@@ -285,7 +287,7 @@ def _load(factory: LLMFactory, model: str, role: str):
         raise IndexRunError(f"engine: {e}: see kvbatch.engine.LLM's keywords") from e
 
 
-def _run_stage(folder: Path, model: str, llm, engine: dict, stage: str):
+def _run_stage(folder: Storage, model: str, llm, engine: dict, stage: str):
     try:
         return run_stage(folder, model, llm, engine)
     except JobInterrupted:  # Ctrl-C or a kill: the stage's answers so far are kept
@@ -293,7 +295,7 @@ def _run_stage(folder: Path, model: str, llm, engine: dict, stage: str):
     except JobError as e:  # another run holds the stage's output, an unwritable folder, ...
         if isinstance(e.__cause__, OutputBusy):
             raise IndexRunError(
-                f"{stage}: another index run is doing this same work (it holds {folder}): "
+                f"{stage}: another index run is doing this same work (it holds {folder.uri}): "
                 "wait for it to finish; running the spec again then finds its rows written"
             ) from e
         raise IndexRunError(f"{stage}: {e}") from e
@@ -307,7 +309,7 @@ def _write(
     generated: Generated,
     vectors: dict[str, list[float]],
     identity: RowIdentity,
-    folder: Path,
+    folder: Storage,
     report: IndexReport,
 ) -> None:
     table = None if report.rebuilt else open_table(db, spec.output.table)
@@ -341,7 +343,7 @@ def _write(
     report.wrote = True
     write_run_files(folder, rows, {**manifest, "status": "merged", "version": report.table_version})
     for stage in ("generate", "embed"):  # their inputs repeat each document per chunk
-        shutil.rmtree(folder / stage, ignore_errors=True)
+        folder.join(stage).delete_tree()
     log.info(
         "write: %d rows for %d documents, %d documents deleted: table version %d",
         rows.num_rows,

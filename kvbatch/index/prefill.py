@@ -8,20 +8,19 @@ the promise the run checks and reports. The prompts are tokenized as run_job tok
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from kvbatch.index.report import PrefillTokens
 from kvbatch.index.stage_jobs import StageAnswers
 from kvbatch.jobs.grouping import group_by_prefix
 from kvbatch.jobs.openai_format.prompts import PromptError, prompt_token_ids
 from kvbatch.jobs.openai_format.validate import JobRequest, read_lines, validate_lines
+from kvbatch.jobs.storage import Storage
 
 
-def prefill_tokens(input_path: Path, engine, answers: StageAnswers) -> PrefillTokens:
+def prefill_tokens(input_file: Storage, engine, answers: StageAnswers) -> PrefillTokens:
     """`computed` from the answers' usage (prompt tokens less cached tokens); `ideal` and
     `no_sharing` from the job's prompts, over the lines that were answered."""
     prompts = []
-    with open(input_path, "rb") as f:
+    with input_file.open_read() as f:
         for item in validate_lines(read_lines(f)):
             if not isinstance(item, JobRequest) or item.custom_id not in answers.bodies:
                 continue

@@ -5,9 +5,7 @@ any other store to load."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -16,6 +14,7 @@ from kvbatch.index.generate import Generated
 from kvbatch.index.identity import RowIdentity
 from kvbatch.index.plan import WorkDocument
 from kvbatch.index.table import chunk_schema
+from kvbatch.jobs.storage import Storage
 
 
 def build_rows(
@@ -54,14 +53,11 @@ def build_rows(
     return pa.Table.from_pylist(rows, schema=chunk_schema(dimension))
 
 
-def write_run_files(folder: Path, rows: pa.Table, manifest: dict) -> None:
-    """chunks.parquet, then manifest.json (written last and atomically: a manifest means the
-    Parquet beside it is whole)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in ("chunks.parquet", ".manifest.json.tmp"):  # never write through a link
-        if (folder / name).is_symlink():
-            (folder / name).unlink()
-    pq.write_table(rows, folder / "chunks.parquet")
-    tmp = folder / ".manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, folder / "manifest.json")
+def write_run_files(folder: Storage, rows: pa.Table, manifest: dict) -> None:
+    """chunks.parquet, then manifest.json (written last: a manifest means the Parquet beside it
+    is whole). Each is written whole or not at all (a local file replaced after its fsync, an
+    S3 object put once), never through a link."""
+    with folder.join("chunks.parquet").open_write() as f:
+        pq.write_table(rows, f)
+    text = json.dumps(manifest, indent=2, ensure_ascii=False) + "\n"
+    folder.join("manifest.json").write_bytes(text.encode("utf-8"))

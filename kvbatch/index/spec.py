@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import string
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -187,8 +188,9 @@ class StagesSpec(_Section):
 
 class OutputSpec(_Section):
     uri: NonEmpty  # LanceDB: a local folder or s3://bucket/prefix
-    # local folder of the run folders (stage jobs, Parquet rows, manifest); <uri>.runs when
-    # the spec does not say (parse_spec fills it in)
+    # the run folders (stage jobs, Parquet rows, manifest): a local folder or s3://bucket/prefix
+    # (a fleet shares nothing but the broker and the bucket); <uri>.runs when the spec does not
+    # say (parse_spec fills it in), so on S3 beside an S3 table
     runs: NonEmpty | None = None
     table: NonEmpty = "chunks"
 
@@ -201,13 +203,12 @@ class OutputSpec(_Section):
 
     @field_validator("runs")
     @classmethod
-    def _local_runs(cls, v: str | None, info: ValidationInfo) -> str | None:
+    def _resolved_runs(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is None:
             return None
-        if v.startswith("s3://"):
-            raise ValueError(f"{v!r} must be a local folder (stage jobs resume there)")
+        _s3_bucket(v)
         base = _base(info)
-        return v if base is None else _local(v, base)
+        return v if base is None else _local_or_s3(v, base)
 
     @field_validator("table")
     @classmethod
@@ -290,8 +291,6 @@ def _check_relations(spec: IndexSpec) -> None:
             "(a folder or Hub id of a chat model)"
         )
     out = spec.output
-    if out.runs is None and out.uri.startswith("s3://"):
-        raise SpecError("output.runs: required when output.uri is on S3 (a local folder)")
     runs = out.runs or out.uri.rstrip("/") + ".runs"
     _outside_source(spec.source.uri, {"output.uri": out.uri, "output.runs": runs})
     for name, value in (("output.uri", out.uri), ("output.runs", runs)):
@@ -351,9 +350,21 @@ def _outside_source(source: str, outputs: dict[str, str]) -> None:
             )
 
 
+_SCHEME_LIKE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+
+
 def _s3_bucket(value: str) -> None:
-    if value.startswith("s3://") and not value[len("s3://") :].split("/", 1)[0]:
-        raise ValueError(f"{value!r} names no bucket (s3://bucket/prefix)")
+    """A location is a local path or s3://bucket/prefix: any other scheme, or a mistyped one
+    (`s3:/x`, `s3:x`), is refused here rather than becoming a local folder named `s3:`."""
+    if value.startswith("s3://"):
+        if not value[len("s3://") :].split("/", 1)[0]:
+            raise ValueError(f"{value!r} names no bucket (s3://bucket/prefix)")
+        return
+    if _SCHEME_LIKE.match(value):
+        raise ValueError(
+            f"{value!r}: a local path or s3://bucket/prefix (no other scheme; "
+            "write ./name for a local name with a colon)"
+        )
 
 
 def _local_or_s3(value: str, base: Path) -> str:

@@ -1,17 +1,19 @@
 """The model stages as ordinary kvbatch jobs: OpenAI batch lines written into the run's folder,
 run by `kvbatch run`'s run_job with --resume, answers read back by custom_id. So a stage
 resumes after a kill (run_job's partial output) and answers each line once, and a stage that
-finished in an earlier attempt of the same run is read back, not run again."""
+finished in an earlier attempt of the same run is read back, not run again. The run folder is
+a Storage: a local folder or an s3:// prefix, read and written the same way."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvbatch.jobs.local.run import RunOptions, run_job
+from kvbatch.jobs.storage import Storage, StorageError
 
 log = logging.getLogger("kvbatch.index")
 
@@ -50,33 +52,32 @@ def embedding_line(custom_id: str, model: str, text: str) -> dict:
     }
 
 
-def write_lines(path: Path, lines: Iterable[dict]) -> int:
+def write_lines(target: Storage, lines: Iterable[dict]) -> int:
     """Write the job's input (again: it is the same for the same run) and count its lines."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     n = 0
-    with open(path, "w", encoding="utf-8") as f:
+    with target.open_write() as f:
         for line in lines:
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+            f.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
             n += 1
     return n
 
 
-def stage_finished(folder: Path) -> bool:
+def stage_finished(folder: Storage) -> bool:
     """The stage's job completed in an earlier attempt of this run (batch.json says so)."""
-    batch = folder / "output.batch.json"
     try:
-        return json.loads(batch.read_text()).get("status") == "completed"
-    except (OSError, ValueError):
+        with folder.join("output.batch.json").open_read() as f:
+            return json.loads(f.read()).get("status") == "completed"
+    except (OSError, ValueError, StorageError):
         return False
 
 
-def run_stage(folder: Path, model: str, llm, engine: dict) -> StageAnswers:
+def run_stage(folder: Storage, model: str, llm, engine: dict) -> StageAnswers:
     """Run (or resume) the job whose input is folder/input.jsonl, then read its answers."""
     if not stage_finished(folder):
         opts = RunOptions(
-            input=str(folder / "input.jsonl"),
+            input=folder.join("input.jsonl").uri,
             model=model,
-            output=str(folder / "output.jsonl"),
+            output=folder.join("output.jsonl").uri,
             resume=True,
             engine=dict(engine),
         )
@@ -84,29 +85,29 @@ def run_stage(folder: Path, model: str, llm, engine: dict) -> StageAnswers:
     return read_answers(folder)
 
 
-def read_answers(folder: Path, errors: str = "output.errors.jsonl") -> StageAnswers:
+def read_answers(folder: Storage, errors: str = "output.errors.jsonl") -> StageAnswers:
     """The answers in folder/output.jsonl and the error lines in folder/`errors` (a
     distributed job's folder names them errors.jsonl)."""
     answers = StageAnswers()
-    for line in _jsonl(folder / "output.jsonl"):
+    for line in _jsonl(folder.join("output.jsonl")):
         body = line["response"]["body"]
         answers.bodies[line["custom_id"]] = body
         usage = body.get("usage") or {}
         answers.prompt_tokens += usage.get("prompt_tokens", 0)
         details = usage.get("prompt_tokens_details") or {}
         answers.cached_tokens += details.get("cached_tokens", 0) or 0
-    for line in _jsonl(folder / errors):
+    for line in _jsonl(folder.join(errors)):
         answers.errors[line["custom_id"]] = line["error"]
     return answers
 
 
-def _jsonl(path: Path) -> Iterator[dict]:
-    if not path.exists():
+def _jsonl(file: Storage) -> Iterator[dict]:
+    if not file.exists():
         return
-    with open(path, encoding="utf-8") as f:
-        for raw in f:
-            if raw.strip():
-                yield json.loads(raw)
+    with file.open_read() as raw, io.TextIOWrapper(raw, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
 
 
 def chat_text(body: dict) -> str:

@@ -17,7 +17,7 @@ kvbatch cancel JOB --output URI
     finished lines are kept (jobs/distributed/cancel.py)
 kvbatch resend JOB --output URI [--broker URL] [--queue Q] [--unwritten]
     send again the shards the broker lost (Redis: no result and no message in the queue or
-    unacknowledged); --unwritten: every shard without a result (worker/resend.py)
+    unacknowledged); --unwritten: every shard without a result (broker/resend.py)
 """
 
 from __future__ import annotations
@@ -29,13 +29,12 @@ import os
 import socket
 import sys
 
+from kvbatch.broker.settings import DEFAULT_QUEUE  # plain Python: no Celery to parse arguments
 from kvbatch.engine import EngineArgs  # plain Python: no torch to parse arguments
+from kvbatch.env_settings import SettingError
 from kvbatch.jobs.context_flags import as_flags
+from kvbatch.metrics_registry import metrics_port
 from kvbatch.redact import redact_url, redact_urls
-from kvbatch.worker.settings import (  # plain Python: no Celery to parse arguments
-    DEFAULT_QUEUE,
-    metrics_port,
-)
 
 log = logging.getLogger("kvbatch.worker")
 DEFAULTS = EngineArgs()  # the engine's defaults, for the flags below
@@ -193,9 +192,9 @@ def _broker_error(e: Exception, app) -> str:
 
 
 def submit(args: argparse.Namespace) -> int:
+    from kvbatch.broker.send import send_shard
     from kvbatch.jobs.distributed.submit import prepare_job
     from kvbatch.jobs.local.run import JobError
-    from kvbatch.worker.tasks import send_shard
 
     app = _app(args, "submit")
     if app is None:
@@ -211,7 +210,7 @@ def submit(args: argparse.Namespace) -> int:
         )
         return 1
     try:
-        from kvbatch.worker.sqs import ensure_queue
+        from kvbatch.broker.sqs import ensure_queue
 
         ensure_queue(app, args.queue)  # SQS: the queue and its dead-letter queue; Redis: no-op
     except Exception as e:
@@ -263,14 +262,19 @@ def submit(args: argparse.Namespace) -> int:
 
 
 def worker(args: argparse.Namespace, engine: dict) -> int:
+    from kvbatch.broker.settings import TASK_NAME
     from kvbatch.worker.app import run_solo_worker
-    from kvbatch.worker.settings import TASK_NAME
-    from kvbatch.worker.tasks import WorkerModel
+    from kvbatch.worker.tasks import WorkerModel, step_delay
 
     logging.basicConfig(level=logging.WARNING, format="kvbatch: %(message)s", stream=sys.stderr)
     logging.getLogger("kvbatch").setLevel(logging.INFO)
     app = _app(args, "worker")
     if app is None:
+        return 1
+    try:  # read per shard: a bad value is named here, before any model loads
+        step_delay()
+    except SettingError as e:
+        print(f"kvbatch worker: {e}", file=sys.stderr)
         return 1
     model = WorkerModel(args.model, engine)
     try:
@@ -282,7 +286,7 @@ def worker(args: argparse.Namespace, engine: dict) -> int:
         return 1
     app.tasks[TASK_NAME].use_model(model)
     try:
-        from kvbatch.worker.sqs import ensure_queue
+        from kvbatch.broker.sqs import ensure_queue
 
         ensure_queue(app, args.queue)  # SQS: the queue and its dead-letter queue; Redis: no-op
     except Exception as e:
@@ -467,10 +471,10 @@ def cancel(args: argparse.Namespace) -> int:
 
 
 def resend(args: argparse.Namespace) -> int:
+    from kvbatch.broker.resend import ResendError, resend
     from kvbatch.jobs.distributed.finalize import read_manifest
     from kvbatch.jobs.distributed.shards import job_dir
     from kvbatch.jobs.storage import StorageError, absolute_location
-    from kvbatch.worker.resend import ResendError, resend
 
     if args.settle < 0:
         print("kvbatch resend: --settle must be 0 or more seconds", file=sys.stderr)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from kvbatch.index.spec import IndexSpec, load_spec
 from kvbatch.jobs.storage import Storage, open_storage
+from kvbatch.metrics_registry import metrics_port
 from kvbatch.worker.schedule import IndexEntry
-from kvbatch.worker.settings import metrics_port
 
 INDEX_TASK = "kvbatch.index_run"
 INDEX_QUEUE = "kvbatch-index"  # consumed by `kvbatch index-worker` (no model, no GPU)

@@ -25,9 +25,11 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvbatch.jobs.distributed.cancelled import CANCELLED
+from kvbatch.metrics_registry import REGISTRY
+from kvbatch.metrics_registry import start_metrics_server as serve_registry
 from kvbatch.worker.latency_metrics import RequestLatency
 
 log = logging.getLogger("kvbatch.worker")
@@ -300,7 +302,7 @@ class StepObserver:
 
 # -- the process's metrics ------------------------------------------------------------------
 
-METRICS = WorkerMetrics()
+METRICS = WorkerMetrics(REGISTRY)  # the process's registry: one port serves every metric
 
 
 def observe_engine(engine, metrics: WorkerMetrics | None = None) -> None:
@@ -369,8 +371,5 @@ class RunMetrics:
 
 
 def start_metrics_server(port: int, addr: str = "0.0.0.0", metrics: WorkerMetrics | None = None):
-    """Serve /metrics on `port` in a daemon thread (port 0: nothing). Returns prometheus_client's
-    (server, thread), or None when off."""
-    if not port:
-        return None
-    return start_http_server(port, addr=addr, registry=(metrics or METRICS).registry)
+    """Serve `metrics`' registry (default: the process's) on `port` (0: nothing)."""
+    return serve_registry(port, addr, (metrics or METRICS).registry)

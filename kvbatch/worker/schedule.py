@@ -8,15 +8,10 @@
     output = "s3://kvbatch/scheduled"     # job folders, inputs/ and runs/ go under it
     model = "/models/SmolLM2-135M-Instruct"
     # model_name = "SmolLM2-135M-Instruct"   shard_tokens = 200000   queue = "kvbatch"
-    input = "s3://kvbatch/nightly.jsonl"  # a JSONL of requests, or instead:
-    [jobs.documents]                      # every new document under a prefix, cut into chunks
-    prefix = "s3://kvbatch/docs/"
-    chunk_chars = 1200
-    max_tokens = 48
-    template = "<document>\n{document}\n</document>\n...<passage>\n{chunk}\n</passage>..."
+    input = "s3://kvbatch/nightly.jsonl"  # a JSONL of requests
 
     [[jobs]]
-    name = "docs-index"                   # an index run (docs/INDEXING.md), instead of the above
+    name = "docs-index"                   # an index run (docs/INDEXING.md): documents to a table
     cron = "0 2 * * *"
     index = "/specs/index.toml"           # its spec: output and models come from it
     # generation_queue = "..."  embedding_queue = "..."  shard_tokens = 200000
@@ -26,7 +21,6 @@ Every error is a ScheduleError that names the file, the entry and the field.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -44,14 +38,12 @@ from pydantic import (
 from kvbatch.field_errors import field_errors
 from kvbatch.jobs.storage import validate_key_part
 
-DEFAULT_TEMPLATE = (
-    "<document>\n{document}\n</document>\n\n"
-    "Here is a passage from the document above:\n<passage>\n{chunk}\n</passage>\n\n"
-    "Write one short sentence that places this passage within the whole document, to improve "
-    "search retrieval of the passage. Answer with the sentence only."
-)
 CRON_FIELDS = ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
-_PLACEHOLDER = re.compile(r"\{(document|chunk)\}")
+REMOVED_DOCUMENTS = (
+    "`documents` entries were removed: index a folder or s3:// prefix with an index spec "
+    'instead, `index = "index.toml"` in this entry (and no output/model/input), which '
+    "chunks, adds contexts, embeds and merges into a table (docs/INDEXING.md)"
+)
 
 
 class ScheduleError(ValueError):
@@ -74,32 +66,6 @@ def parse_cron(expr: str):
         return crontab(**dict(zip(CRON_FIELDS, fields)))
     except Exception as e:  # celery raises ValueError or its own ParseException
         raise ValueError(f"{expr!r}: {e}") from None
-
-
-class DocumentsInput(BaseModel):
-    """Documents under a folder or s3:// prefix, each cut into chunks; one request per chunk
-    whose prompt holds the whole document first, then the chunk (a shared prefix per document)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prefix: str = Field(min_length=1)
-    chunk_chars: int = Field(default=1200, gt=0)
-    template: str = DEFAULT_TEMPLATE
-    max_tokens: int = Field(default=64, gt=0)
-    suffixes: list[str] = Field(default_factory=lambda: [".txt", ".md"])
-
-    @field_validator("template")
-    @classmethod
-    def _document_then_chunk(cls, v: str) -> str:
-        names = _PLACEHOLDER.findall(v)
-        if "document" not in names or "chunk" not in names:
-            raise ValueError("the template must contain both {document} and {chunk}")
-        if v.index("{document}") > v.index("{chunk}"):
-            raise ValueError(
-                "{document} must come before {chunk} in the template, so that every chunk "
-                "of a document shares the document as its prompt prefix"
-            )
-        return v
 
 
 class _Timed(BaseModel):
@@ -130,25 +96,21 @@ class _Timed(BaseModel):
 
 
 class ScheduleEntry(_Timed):
-    """A recurring job: a JSONL of requests (`input`) or documents cut into chat requests
-    (`documents`), sent to one model's queue."""
+    """A recurring job: a JSONL of requests (`input`) sent to one model's queue."""
 
     output: str = Field(min_length=1)
     model: str = Field(min_length=1)
-    input: str | None = None
-    documents: DocumentsInput | None = None
+    input: str = Field(min_length=1)
     model_name: str | None = None
     max_attempts: int = Field(default=3, gt=0)
     queue: str = "kvbatch"
 
-    @model_validator(mode="after")
-    def _one_input(self) -> ScheduleEntry:
-        if (self.input is None) == (self.documents is None):
-            raise ValueError(
-                "give exactly one of `input` (a JSONL) or `documents` (a prefix), or `index` "
-                "(an index spec) alone"
-            )
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _no_documents(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "documents" in data:
+            raise ValueError(REMOVED_DOCUMENTS)
+        return data
 
 
 class IndexEntry(_Timed):
@@ -156,7 +118,7 @@ class IndexEntry(_Timed):
     output and models it uses; its stages run on the workers of each model's queue
     (worker/index_trigger.py)."""
 
-    index: str = Field(min_length=1)
+    index: str = Field(min_length=1)  # relative to the schedule file's folder
     generation_queue: str | None = None  # default kvbatch-<model folder name>
     embedding_queue: str | None = None
 
@@ -236,7 +198,11 @@ def load_schedule(path: str | Path) -> Schedule:
             raise ScheduleError(f"{path}: not valid TOML: {e}") from None
     if not isinstance(data, dict):
         raise ScheduleError(f"{path}: expected a table with [[jobs]] entries")
-    return parse_schedule(data, str(path))
+    schedule = parse_schedule(data, str(path))
+    for entry in schedule.jobs:  # an index spec's path is read from the schedule's folder,
+        if isinstance(entry, IndexEntry):  # as the spec's own paths are from the spec's
+            entry.index = str((path.parent / entry.index).resolve())
+    return schedule
 
 
 def _describe(err: ValidationError, data: Any, source: str) -> str:

@@ -1,20 +1,15 @@
 """Scheduled runs: `kvbatch.scheduled_run(name, run_key)` prepares and enqueues one run of a
 schedule entry (worker/schedule.py). An `index` entry only sends one task to the index worker
-(worker/index_trigger.py); the steps below are those of the `input` and `documents` entries.
+(worker/index_trigger.py); the steps below are those of an `input` entry.
 
 A run is keyed by its date: its job id is `<name>-<YYYY-MM-DD>`, so a duplicate trigger (two
 beats, a redelivered message, a manual rerun) finds `<output>/<job id>/job.json` and does
 nothing. The steps:
 
-1. input: the entry's JSONL as is, or (documents mode) every new document under the prefix cut
-   into chunks, one chat request per chunk whose prompt is the template with the whole
-   document first and then the chunk, written to `<output>/inputs/<name>-<date>.jsonl`.
-   Document first: all chunks of a document share it as a prompt prefix, which prefix grouping
-   turns into one document prefill per group (and one shard per document group).
+1. input: the entry's JSONL as it is (documents go through an `index` entry instead).
 2. kvbatch.jobs.distributed.submit.prepare_job(..., job_id=<name>-<date>); JobError because the job exists -> None.
-3. `<output>/runs/<name>-<date>.json` records the documents read (key -> sha256), so the next
-   run takes only new or changed ones, with `sent: false`; one message per shard
-   (kvbatch.worker.tasks.send_shard); then `sent: true`. A trigger that finds job.json but not
+3. `<output>/runs/<name>-<date>.json` records the run with `sent: false`; one message per shard
+   (kvbatch.broker.send.send_shard); then `sent: true`. A trigger that finds job.json but not
    `sent: true` (a send failed part-way) sends the shards that have no attempt or result yet;
    the scheduled task itself retries the same date a few times after such a failure.
 """
@@ -22,11 +17,8 @@ nothing. The steps:
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import logging
-import re
-from pathlib import PurePosixPath
 
 from kvbatch.jobs.storage import absolute_location, open_storage
 from kvbatch.worker.index_trigger import trigger_index_run
@@ -36,103 +28,10 @@ SCHEDULED_TASK = "kvbatch.scheduled_run"
 SCHEDULED_QUEUE = "kvbatch-scheduled"  # consumed by `kvbatch beat` itself, not by GPU workers
 
 log = logging.getLogger("kvbatch.scheduled")
-_PLACEHOLDER = re.compile(r"\{(document|chunk)\}")
 
 
 def run_id(name: str, run_date: dt.date) -> str:
     return f"{name}-{run_date.isoformat()}"
-
-
-def chunk_text(text: str, chunk_chars: int) -> list[str]:
-    """Cut `text` into pieces of at most `chunk_chars` characters, at a paragraph, sentence or
-    word end when one lies in the second half of the window."""
-    text = text.strip()
-    chunks = []
-    while text:
-        if len(text) <= chunk_chars:
-            chunks.append(text)
-            break
-        window = text[:chunk_chars]
-        cut = -1
-        for sep in ("\n\n", "\n", ". ", " "):
-            at = window.rfind(sep)
-            if at >= chunk_chars // 2:
-                cut = at + len(sep)
-                break
-        if cut <= 0:
-            cut = chunk_chars
-        piece, text = text[:cut].strip(), text[cut:].strip()
-        if piece:
-            chunks.append(piece)
-    return chunks
-
-
-def fill_template(template: str, document: str, chunk: str) -> str:
-    """One pass, so a document containing '{chunk}' is never substituted into."""
-    values = {"document": document, "chunk": chunk}
-    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
-
-
-def _seen_documents(entry: ScheduleEntry) -> dict[str, str]:
-    """key -> sha256 of the documents earlier runs of this entry took."""
-    runs = open_storage(entry.output).join("runs")
-    pattern = re.compile(re.escape(entry.name) + r"-\d{4}-\d{2}-\d{2}\.json")
-    seen: dict[str, str] = {}
-    for rel in _safe_list(runs, entry.name):
-        if pattern.fullmatch(rel):
-            with runs.join(rel).open_read() as f:
-                seen.update(json.load(f).get("documents", {}))
-    return seen
-
-
-def _safe_list(storage, prefix: str):
-    try:
-        yield from storage.list(prefix)
-    except FileNotFoundError:
-        return
-
-
-def documents_input(entry: ScheduleEntry, model_name: str) -> tuple[bytes, dict[str, str]]:
-    """The chat JSONL of every new document's chunks, and the documents it covers."""
-    docs = entry.documents
-    assert docs is not None
-    source = open_storage(docs.prefix)
-    seen = _seen_documents(entry)
-    lines: list[bytes] = []
-    taken: dict[str, str] = {}
-    for rel in source.list():
-        if docs.suffixes and not rel.endswith(tuple(docs.suffixes)):
-            continue
-        try:
-            obj = source.join(rel)
-        except ValueError as e:
-            log.warning("scheduled %s: skipping %s: %s", entry.name, rel, e)
-            continue
-        with obj.open_read() as f:
-            raw = f.read()
-        digest = hashlib.sha256(raw).hexdigest()
-        if seen.get(rel) == digest:
-            continue  # taken by an earlier run, unchanged
-        document = raw.decode("utf-8", errors="replace").strip()
-        taken[rel] = digest
-        stem = PurePosixPath(rel).as_posix()
-        for n, chunk in enumerate(chunk_text(document, docs.chunk_chars)):
-            body = {
-                "model": model_name,
-                "messages": [
-                    {"role": "user", "content": fill_template(docs.template, document, chunk)}
-                ],
-                "max_tokens": docs.max_tokens,
-                "temperature": 0,
-            }
-            line = {
-                "custom_id": f"{stem}#chunk-{n}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": body,
-            }
-            lines.append(json.dumps(line, ensure_ascii=False).encode() + b"\n")
-    return b"".join(lines), taken
 
 
 def start_scheduled_run(
@@ -156,18 +55,7 @@ def start_scheduled_run(
             log.info("scheduled %s: run %s exists; nothing to do", entry.name, job_id)
             return None
         return _resend(entry, job, job_id, out, app)
-    documents: dict[str, str] = {}
-    if entry.documents is not None:
-        model_name = entry.model_name or PurePosixPath(entry.model.rstrip("/")).name
-        data, documents = documents_input(entry, model_name)
-        if not data:
-            log.info("scheduled %s: no new documents under %s", entry.name, entry.documents.prefix)
-            return None
-        target = out.join("inputs", f"{job_id}.jsonl")
-        target.write_bytes(data)
-        input_uri = target.uri
-    else:
-        input_uri = entry.input
+    input_uri = entry.input
     try:
         submitted = prepare_job(
             input_uri,
@@ -188,7 +76,6 @@ def start_scheduled_run(
         "input": input_uri,
         "shards": len(submitted.messages),
         "requests": submitted.num_requests,
-        "documents": documents,
         "sent": False,  # True once every shard's message is sent
     }
     # The record first (with sent: False): if a send fails, a later trigger of the same date
@@ -228,8 +115,8 @@ def _send(entry: ScheduleEntry, job, messages, app) -> None:
     """One message per shard, then finalize a job with nothing to run."""
     if app is None:
         app = _default_app()
-    from kvbatch.worker.sqs import ensure_queue
-    from kvbatch.worker.tasks import send_shard
+    from kvbatch.broker.send import send_shard
+    from kvbatch.broker.sqs import ensure_queue
 
     if messages:
         ensure_queue(app, entry.queue)
@@ -245,8 +132,8 @@ def _resend(entry: ScheduleEntry, job, job_id: str, out, app) -> str:
     """Send again the shards of a run whose sends failed part-way: every shard that has no
     result and no attempt yet (one already sent and still queued is sent twice; its second
     delivery finds the result and does nothing)."""
+    from kvbatch.broker.resend import unwritten_shards
     from kvbatch.jobs.distributed.finalize import read_manifest
-    from kvbatch.worker.resend import unwritten_shards
 
     manifest = read_manifest(job)
     started = {k.split("/", 1)[1].rsplit(".", 1)[0] for k in job.list("attempts/")}
@@ -255,7 +142,7 @@ def _resend(entry: ScheduleEntry, job, job_id: str, out, app) -> str:
                 entry.name, job_id, len(messages))  # fmt: skip
     record = _run_record(out, job_id)
     record = {"job_id": job_id, "input": manifest["input"], "shards": len(manifest["shards"]),
-              "requests": manifest["num_requests"], "documents": {}, **record}  # fmt: skip
+              "requests": manifest["num_requests"], **record}  # fmt: skip
     _send(entry, job, messages, app)
     _write_run_record(out, {**record, "sent": True})
     return job_id

@@ -28,7 +28,7 @@ comes back through acks_late + reject_on_worker_lost (or the broker's visibility
 Either way each delivery records an attempt, so the attempt markers cap the total. A failure
 in any other step (storage unreachable, finalize) is retried with backoff up to INFRA_RETRIES
 times, then the shard is failed: Celery acknowledges a failed task, so none may fail silently.
-On SQS a heartbeat thread keeps the message invisible while the shard runs (worker/sqs.py).
+On SQS a heartbeat thread keeps the message invisible while the shard runs (broker/sqs.py).
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ from typing import Any
 from celery import Celery, Task
 from celery.exceptions import Ignore, Reject, Retry
 
+from kvbatch.broker.settings import TASK_NAME, visibility_timeout
+from kvbatch.broker.sqs import visibility_heartbeat
+from kvbatch.env_settings import env_number
 from kvbatch.jobs.distributed.cancel import CancelCheck
 from kvbatch.jobs.distributed.cancelled import cancel_requested
 from kvbatch.jobs.distributed.finalize import (
@@ -78,8 +81,6 @@ from kvbatch.jobs.model_fingerprint import (
 )
 from kvbatch.jobs.storage import Storage, StorageError, is_relative_path
 from kvbatch.worker import metrics
-from kvbatch.worker.settings import TASK_NAME, visibility_timeout
-from kvbatch.worker.sqs import visibility_heartbeat
 
 log = logging.getLogger("kvbatch.worker")
 
@@ -170,13 +171,6 @@ def register(app: Celery) -> None:
         reject_on_worker_lost=True,
         max_retries=None,
     )(run_shard_task)
-
-
-def send_shard(app: Celery, output: str, message, queue: str) -> None:
-    """Enqueue one shard (a kvbatch.jobs.distributed.shards.ShardMessage) for the job under `output`."""
-    app.tasks[TASK_NAME].apply_async(
-        kwargs={"output": output, "shard": message.to_dict()}, queue=queue
-    )
 
 
 class StageFailed(Exception):
@@ -463,9 +457,14 @@ def _last_failure(job, msg) -> str | None:
     return f"shard {msg.shard_id} was given up after its last attempt; last failure: {reason}"
 
 
+def step_delay() -> float:
+    """KVBATCH_STEP_DELAY (seconds, for tests of long shards): a sleep before each engine step;
+    `kvbatch worker` checks it at start-up (SettingError names a bad value)."""
+    return float(env_number("KVBATCH_STEP_DELAY", 0.0, kind=float, minimum=0, unit="seconds"))
+
+
 def _slowed(should_stop):
-    """KVBATCH_STEP_DELAY (seconds, for tests of long shards): sleep before each engine step."""
-    delay = float(os.environ.get("KVBATCH_STEP_DELAY") or 0)
+    delay = step_delay()
     if delay <= 0:
         return should_stop
 

@@ -7,10 +7,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import lancedb
-
 from kvbatch.engine import LLM
 from kvbatch.index.spec import IndexSpec, load_spec
+from kvbatch.index.table import connect
 
 
 def index_spec(
@@ -45,12 +44,12 @@ max_num_seqs = 4
 
 
 def table_rows(spec: IndexSpec) -> list[dict]:
-    tbl = lancedb.connect(spec.output.uri).open_table(spec.output.table)
+    tbl = connect(spec.output.uri).open_table(spec.output.table)  # an http endpoint allowed
     return sorted(tbl.to_arrow().to_pylist(), key=lambda r: (r["document_id"], r["chunk_index"]))
 
 
 def table_version(spec: IndexSpec) -> int:
-    return lancedb.connect(spec.output.uri).open_table(spec.output.table).version
+    return connect(spec.output.uri).open_table(spec.output.table).version
 
 
 @dataclass

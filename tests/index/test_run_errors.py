@@ -8,6 +8,7 @@ from kvbatch.index.pipeline import IndexRunError, LocalStages, default_llm_facto
 from kvbatch.index.sources import SourceError
 from kvbatch.index.stage_jobs import embedding_line, write_lines
 from kvbatch.jobs.local.output_lock import output_lock
+from kvbatch.jobs.storage import LocalStorage
 from tests.index.indexing import index_spec
 
 
@@ -41,12 +42,13 @@ def test_a_stage_held_by_another_run_says_to_wait_not_to_choose_another_output(
 ):
     """`kvbatch index` has no -o: the message of a busy stage speaks of the index run."""
     spec = index_spec(tmp_path, docs_folder, None, minilm)
+    run_folder = LocalStorage(str(tmp_path / "run"))
     folder = tmp_path / "run" / "embed"
-    write_lines(folder / "input.jsonl", [embedding_line("e:1", "minilm", "tides")])
+    write_lines(run_folder.join("embed", "input.jsonl"), [embedding_line("e:1", "minilm", "x")])
     stages = LocalStages(default_llm_factory(spec), spec)
     with output_lock(str(folder / "output.jsonl"), str(folder / "input.jsonl")):
         with pytest.raises(IndexRunError) as e:
-            stages.run("embed", folder, str(minilm), "embedding")
+            stages.run("embed", run_folder, str(minilm), "embedding")
     message = str(e.value)
     assert "another index run" in message and "wait for it to finish" in message
     assert "choose another" not in message and " -o" not in message

@@ -36,10 +36,13 @@ context = false
 embedding = "{minilm}"
 [output]
 uri = "s3://{bucket}/index"
-runs = "runs"
-""")
+""")  # the run folder beside the table: s3://<bucket>/index.runs
     spec = load_spec(tmp_path / "index.toml")
+    assert spec.output.runs == f"s3://{bucket}/index.runs"
     first = run_index(spec, llm_factory=WatchedModels())
+    runs = s3.list_objects_v2(Bucket=bucket, Prefix="index.runs/").get("Contents", [])
+    assert {k["Key"].rsplit("/", 1)[1] for k in runs} == {"chunks.parquet", "manifest.json"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.toml"]  # nothing local
     assert (first.documents_seen, first.errors, first.table_version) == (3, [], 1)
     hit = search(spec.output.uri, "Fresnel lens", k=1)[0]
     assert hit.document_id == "lighthouses.html"

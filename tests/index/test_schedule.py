@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from kvbatch.index.distributed import model_queue
+from kvbatch.index.spec import load_spec
 from kvbatch.worker.app import make_app
 from kvbatch.worker.index_trigger import INDEX_QUEUE, IndexRunRequest, run_record
 from kvbatch.worker.schedule import IndexEntry, ScheduleError, parse_schedule
@@ -50,6 +51,11 @@ def test_an_index_run_message_names_a_run_date():
         IndexRunRequest("/specs/index.toml", "../../etc/passwd", "docs-index")
 
 
+def _json(file) -> dict:
+    with file.open_read() as f:
+        return json.loads(f.read())
+
+
 def _process(tmp: Path, name: str, *args: str, env: dict) -> subprocess.Popen:
     log = (tmp / f"{name}.log").open("w")
     cmd = [sys.executable, "-m", "kvbatch.cli", *args]
@@ -61,13 +67,23 @@ def _process(tmp: Path, name: str, *args: str, env: dict) -> subprocess.Popen:
 def test_a_scheduled_index_run_is_sent_once_and_run_by_the_index_worker(
     tmp_path,
     redis_server,  # noqa: F811
+    s3_server,
     minilm,
 ):
+    """The table and the run folder on S3 (the run record among them): the index worker and
+    the model worker see the run only through the bucket."""
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "tides.txt").write_text("Tides rise and fall twice a day as the Moon pulls the sea.")
     (docs / "reefs.txt").write_text("Coral reefs are built by tiny polyps over many centuries.")
-    spec = index_spec(tmp_path, docs, None, minilm)  # the embed stage only: one model worker
+    bucket = s3_server.make_bucket()
+    # the embed stage only: one model worker; [output] last in the file, so this one wins
+    spec = index_spec(tmp_path, docs, None, minilm)
+    text = (tmp_path / "index.toml").read_text()
+    text = text.replace(f'uri = "{tmp_path / "index"}"', f'uri = "s3://{bucket}/index"')
+    (tmp_path / "index.toml").write_text(text)
+    spec = load_spec(tmp_path / "index.toml")
+    assert spec.output.runs == f"s3://{bucket}/index.runs"
     (entry,) = parse_schedule({"jobs": [_index_entry(tmp_path / "index.toml")]}).jobs
     app = make_app(redis_server.url)
     day = dt.date(2026, 3, 1)
@@ -85,17 +101,17 @@ def test_a_scheduled_index_run_is_sent_once_and_run_by_the_index_worker(
                  redis_server.url, "--queue", model_queue(str(minilm)), "--device", "cpu",
                  "--metrics-port", "0", env=env),
     ]  # fmt: skip
-    target = Path(run_record(spec, "docs-index", "2026-03-01").uri)
+    target = run_record(spec, "docs-index", "2026-03-01")
     try:
         deadline = time.monotonic() + 180
-        while "status" not in json.loads(target.read_text()):
+        while "status" not in _json(target):
             logs = "\n".join(p.read_text()[-2000:] for p in tmp_path.glob("*.log"))
             assert time.monotonic() < deadline, logs
             assert all(p.poll() is None for p in procs), logs
             time.sleep(0.2)
     finally:
         stop_processes(procs)
-    record = json.loads(target.read_text())
+    record = _json(target)
     assert record["status"] == "merged" and record["sent"] is True
     rows = table_rows(spec)
     assert sorted(r["document_id"] for r in rows) == ["reefs.txt", "tides.txt"]

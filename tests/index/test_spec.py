@@ -102,7 +102,10 @@ def test_the_prompt_version_follows_the_prompts_and_stage_settings(tmp_path):
             "stages.context.prompt",
         ),
         (lambda s: s + "[stages.summary]\nenabled = 'yes'\n", "stages.summary.enabled"),
-        (lambda s: s.replace('uri = "index"', 'uri = "s3://b/i"'), "output.runs"),
+        (lambda s: s.replace('uri = "index"', 'uri = "s3:/b/i"'), "output.uri"),
+        (lambda s: s.replace('uri = "index"', 'uri = "i"\nruns = "s3:/b/runs"'), "output.runs"),
+        (lambda s: s.replace('uri = "index"', 'uri = "i"\nruns = "gs://b/runs"'), "output.runs"),
+        (lambda s: s.replace('path = "docs"', 'path = "s3:docs"'), "source.path"),
         (lambda s: s.replace('uri = "index"', 'uri = "i"\ntable = "../x"'), "output.table"),
         (lambda s: s + "colour = 'blue'\n", "colour"),
         (lambda s: s.replace('path = "docs"', 'path = "docs"\ninclude = []'), "source.include"),
@@ -163,3 +166,12 @@ def test_an_output_path_that_is_a_file_is_named(tmp_path, field):
     )
     with pytest.raises(SpecError, match=f"output.{field}: .*taken is a file"):
         load_spec(write(tmp_path, text))
+
+
+def test_the_run_folder_may_be_on_s3_and_defaults_beside_an_s3_table(tmp_path):
+    """A fleet shares the bucket, not a volume: runs on S3, by default next to the table."""
+    beside = load_spec(write(tmp_path, MINIMAL.replace('uri = "index"', 'uri = "s3://b/i"')))
+    assert beside.output.runs == "s3://b/i.runs"
+    named = MINIMAL.replace('uri = "index"', 'uri = "i"\nruns = "s3://b/runs"')
+    assert load_spec(write(tmp_path, named)).output.runs == "s3://b/runs"
+    assert not (tmp_path / "s3:").exists()

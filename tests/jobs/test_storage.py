@@ -95,6 +95,10 @@ def test_open_storage_picks_by_uri(tmp_path):
         open_storage("")
     with pytest.raises(StorageError, match="not a bucket name"):
         open_storage("s3://")
+    for typo in ("s3:/bkt/k", "s3:bkt", "file:x"):  # never a local folder named "s3:"
+        with pytest.raises(StorageError, match="nor a plain path"):
+            open_storage(typo)
+    assert isinstance(open_storage("./a:b"), LocalStorage)
 
 
 # -- local files
@@ -442,3 +446,18 @@ def test_s3_endpoint_credentials_are_masked(
     printed = "".join(traceback.format_exception(info.value))  # what a worker's log shows
     assert shown.format(port=port) in str(info.value)
     assert "pw" not in printed and "token" not in printed, printed
+
+
+def test_delete_tree_removes_a_folder_and_what_is_under_it(tmp_path, s3_server):
+    """Local: the folders go too; S3: every object under the prefix, and none beside it."""
+    local = LocalStorage(str(tmp_path / "run"))
+    local.join("embed", "shards", "a.jsonl").write_bytes(b"x")
+    local.join("kept.json").write_bytes(b"{}")
+    local.join("embed").delete_tree()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["kept.json"]
+    bucket = s3_server.make_bucket()
+    run = open_storage(f"s3://{bucket}/run")
+    for key in ("embed/shards/a.jsonl", "embed/input.jsonl", "embedded.json"):
+        run.join(key).write_bytes(b"x")
+    run.join("embed").delete_tree()
+    assert list(run.list()) == ["embedded.json"]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from kvbatch.broker.settings import BrokerError, task_events
 from kvbatch.worker.app import make_app
-from kvbatch.worker.settings import BrokerError, task_events
 from tests.redis_server import redis_server  # noqa: F401
 
 CELERY = [sys.executable, "-m", "celery", "-A", "kvbatch.worker.celery_app"]

@@ -37,9 +37,9 @@ def test_random_kills_duplicates_and_tampering_answer_each_line_once(
     redis_server,  # noqa: F811
     tiny_chat_model: Path,
 ):
+    from kvbatch.broker.send import send_shard
     from kvbatch.jobs.distributed.shards import ShardMessage
     from kvbatch.worker.app import make_app
-    from kvbatch.worker.tasks import send_shard
 
     rng = random.Random(SEED)
     lines = [_chat(i, system=i % 3 == 0, max_tokens=24) for i in range(LINES)]

@@ -144,12 +144,12 @@ def test_two_workers_answer_like_run_job(tmp_path, persistent_redis_server, tiny
     """2,000 lines (plus a bad line and a duplicate custom_id), two workers, one shard message
     sent twice, and Redis SIGKILLed and restarted (from its append-only file) once the first
     shard is written, then `kvbatch resend` (a worker whose BRPOP was in flight at the kill
-    lost that shard: worker/resend.py): every custom_id is answered exactly once, as
+    lost that shard: broker/resend.py): every custom_id is answered exactly once, as
     `kvbatch run` answers it. (~30 s on an idle 2-core machine.)"""
+    from kvbatch.broker.send import send_shard
     from kvbatch.jobs.distributed.shards import ShardMessage
     from kvbatch.jobs.local.run import RunOptions, run_job
     from kvbatch.worker.app import make_app
-    from kvbatch.worker.tasks import send_shard
 
     redis = persistent_redis_server
     n = 2000

@@ -156,10 +156,10 @@ def test_submit_marks_the_job_failed_when_sending_fails(
 ):
     """The broker answers submit's check, then sending the second shard fails: the job folder
     is written, so batch.json says failed, with the reason, and `kvbatch status` shows it."""
-    import kvbatch.worker.tasks
+    import kvbatch.broker.send
     from kvbatch.cli import main
 
-    real_send, sent = kvbatch.worker.tasks.send_shard, []
+    real_send, sent = kvbatch.broker.send.send_shard, []
 
     def send_then_fail(app, output, message, queue):
         if sent:
@@ -167,7 +167,7 @@ def test_submit_marks_the_job_failed_when_sending_fails(
         sent.append(message)
         real_send(app, output, message, queue)
 
-    monkeypatch.setattr(kvbatch.worker.tasks, "send_shard", send_then_fail)
+    monkeypatch.setattr(kvbatch.broker.send, "send_shard", send_then_fail)
     input_path = _write_input(
         tmp_path / "input.jsonl", [_chat(i, system=i % 2 == 0) for i in range(20)]
     )

@@ -32,9 +32,9 @@ def test_a_relative_output_reaches_a_worker_started_elsewhere(
     tiny_chat_model: Path,
     monkeypatch: pytest.MonkeyPatch,
 ):
+    from kvbatch.broker.send import send_shard
     from kvbatch.jobs.distributed.shards import ShardMessage
     from kvbatch.worker.app import make_app
-    from kvbatch.worker.tasks import send_shard
 
     client = tmp_path / "client"
     client.mkdir()

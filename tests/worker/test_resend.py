@@ -37,8 +37,8 @@ def test_resend_sends_only_the_shard_the_broker_lost(job, redis_server):  # noqa
     import redis
     from kombu.utils.json import loads
 
+    from kvbatch.broker.resend import held_shards
     from kvbatch.worker.app import make_app
-    from kvbatch.worker.resend import held_shards
 
     output, job_id, manifest = job
     ids = [s["shard_id"] for s in manifest["shards"]]

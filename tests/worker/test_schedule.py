@@ -1,4 +1,4 @@
-"""Scheduled runs: the schedule file, documents -> chunk prompts, runs keyed by date, beat."""
+"""Scheduled runs: the schedule file, runs keyed by date, beat."""
 
 from __future__ import annotations
 
@@ -23,13 +23,36 @@ def _entry(**over):
 
 
 def test_shipped_schedules_parse():
+    """Both shipped schedules index documents (an `index` entry), and their specs parse."""
+    from kvbatch.index.spec import load_spec
+    from kvbatch.worker.schedule import IndexEntry
+
     for path in ("deploy/schedules/nightly.toml", "examples/schedule.toml"):
         s = load_schedule(ROOT / path)
         assert s.timezone == "UTC"
         (job,) = s.jobs
-        assert job.documents is not None and job.input is None
-    nightly = load_schedule(ROOT / "deploy/schedules/nightly.toml").jobs[0]
-    assert nightly.documents.prefix == "s3://kvbatch/docs/"
+        assert isinstance(job, IndexEntry)
+    example = load_schedule(ROOT / "examples/schedule.toml").jobs[0]
+    assert load_spec(ROOT / example.index).source.uri.endswith("examples/docs")
+
+
+def test_the_removed_documents_mode_names_the_index_form():
+    entry = {**_entry(input=None), "documents": {"prefix": "docs/"}}
+    with pytest.raises(ScheduleError, match=r"job 'nightly'.*`documents` entries were removed"):
+        parse_schedule({"jobs": [entry]})
+
+
+def _write_chat_input(path: Path, n: int) -> Path:
+    """A JSONL of `n` chat lines that share a long system prompt (more than one shard)."""
+    system = (ROOT / "examples/docs/tides.txt").read_text()
+    with path.open("w") as f:
+        for i in range(n):
+            line = {"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"messages": [{"role": "system", "content": system},
+                                          {"role": "user", "content": f"Question {i}?"}],
+                             "max_tokens": 4}}  # fmt: skip
+            f.write(json.dumps(line) + "\n")
+    return path
 
 
 def test_bad_cron_names_entry_and_field():
@@ -46,16 +69,8 @@ def test_missing_and_unknown_fields():
         parse_schedule({"jobs": [_entry(name=None)]})
     with pytest.raises(ScheduleError, match=r"job 'nightly': modle: unknown field"):
         parse_schedule({"jobs": [_entry(modle="x")]})
-    with pytest.raises(ScheduleError, match=r"exactly one of `input`"):
+    with pytest.raises(ScheduleError, match=r"job 'nightly': input: missing"):
         parse_schedule({"jobs": [_entry(input=None)]})
-    with pytest.raises(ScheduleError, match=r"documents.template: .*before"):
-        parse_schedule(
-            {
-                "jobs": [
-                    _entry(input=None, documents={"prefix": "d", "template": "{chunk}{document}"})
-                ]
-            }
-        )
     with pytest.raises(ScheduleError, match=r"job 'a b': name: .*not allowed"):
         parse_schedule({"jobs": [_entry(name="a b")]})
     with pytest.raises(ScheduleError, match=r"two jobs are named"):
@@ -75,56 +90,18 @@ def test_toml_file_errors(tmp_path):
     assert load_schedule(yml).timezone == "Europe/Paris"
 
 
-def test_chunks_hold_the_document_first(tmp_path):
-    from kvbatch.worker.scheduled import chunk_text, documents_input
-
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    text = " ".join(f"Sentence {i} about {{chunk}} tides." for i in range(60))
-    (docs / "a.txt").write_text(text)
-    (docs / "b.md").write_text("Short document.")
-    (docs / "skip.bin").write_text("not a document")
-    entry = parse_schedule(
-        {"jobs": [_entry(input=None, documents={"prefix": str(docs), "chunk_chars": 300})]}
-    ).jobs[0]
-    data, taken = documents_input(entry, "m")
-    assert set(taken) == {"a.txt", "b.md"}
-    lines = [json.loads(x) for x in data.decode().splitlines()]
-    chunks = chunk_text(text, 300)
-    assert len(chunks) > 3 and all(len(c) <= 300 for c in chunks)
-    assert len(lines) == len(chunks) + 1
-    for line in lines:
-        prompt = line["body"]["messages"][0]["content"]
-        doc = text if line["custom_id"].startswith("a.txt") else "Short document."
-        assert prompt.index(doc) < prompt.rindex("<passage>")
-        assert line["body"]["model"] == "m"
-    a_prompts = [
-        x["body"]["messages"][0]["content"] for x in lines if x["custom_id"].startswith("a.txt")
-    ]
-    assert [p.split("<passage>\n")[1].split("\n</passage>")[0] for p in a_prompts] == chunks
-    # all chunks of a document share the document as a prefix
-    common = a_prompts[0]
-    for p in a_prompts[1:]:
-        while not p.startswith(common):
-            common = common[:-1]
-    assert text in common
-
-
 def test_same_date_twice_is_one_job(tmp_path, redis_server, tiny_chat_model):  # noqa: F811
     import redis
 
     from kvbatch.worker.app import DEFAULT_QUEUE, make_app
     from kvbatch.worker.scheduled import start_scheduled_run
 
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for name in ("tides", "bread"):
-        (docs / f"{name}.txt").write_text((ROOT / "examples/docs" / f"{name}.txt").read_text())
+    source = _write_chat_input(tmp_path / "in.jsonl", 6)
     out = tmp_path / "out"
     entry = parse_schedule(
         {"jobs": [_entry(
-            name="rag", output=str(out), model=str(tiny_chat_model), input=None,
-            shard_tokens=300, documents={"prefix": str(docs), "chunk_chars": 300},
+            name="rag", output=str(out), model=str(tiny_chat_model), input=str(source),
+            shard_tokens=300,
         )]}
     ).jobs[0]  # fmt: skip
     app = make_app(redis_server.url)
@@ -134,15 +111,10 @@ def test_same_date_twice_is_one_job(tmp_path, redis_server, tiny_chat_model):  #
     manifest = json.loads((out / "rag-2025-03-01" / "job.json").read_text())
     queued = redis.Redis.from_url(redis_server.url).llen(DEFAULT_QUEUE)
     assert queued == len(manifest["shards"]) >= 1  # one message per shard, sent once
-    assert manifest["num_requests"] > 2
-    assert (out / "inputs" / "rag-2025-03-01.jsonl").exists()
-    assert sorted(p.name for p in out.iterdir()) == ["inputs", "rag-2025-03-01", "runs"]
-    # the next day: no new documents -> no job; a new document -> a job with only its chunks
-    assert start_scheduled_run(entry, dt.date(2025, 3, 2), app=app) is None
-    (docs / "compilers.txt").write_text((ROOT / "examples/docs/compilers.txt").read_text())
-    assert start_scheduled_run(entry, dt.date(2025, 3, 3), app=app) == "rag-2025-03-03"
-    ids = [json.loads(x)["custom_id"] for x in (out / "inputs/rag-2025-03-03.jsonl").open()]
-    assert ids and all(i.startswith("compilers.txt#") for i in ids)
+    assert manifest["num_requests"] == 6
+    assert sorted(p.name for p in out.iterdir()) == ["rag-2025-03-01", "runs"]
+    # the next day is another run of the same input
+    assert start_scheduled_run(entry, dt.date(2025, 3, 2), app=app) == "rag-2025-03-02"
 
 
 def test_cron_entries_become_crontabs():
@@ -199,14 +171,12 @@ def test_a_run_whose_sends_failed_is_sent_by_the_next_trigger(
     from kvbatch.worker.app import DEFAULT_QUEUE, make_app
     from kvbatch.worker.scheduled import start_scheduled_run
 
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    (docs / "tides.txt").write_text((ROOT / "examples/docs/tides.txt").read_text())
+    source = _write_chat_input(tmp_path / "in.jsonl", 6)
     out = tmp_path / "out"
     entry = parse_schedule(
         {"jobs": [_entry(
-            name="rag", output=str(out), model=str(tiny_chat_model), input=None,
-            shard_tokens=300, documents={"prefix": str(docs), "chunk_chars": 300},
+            name="rag", output=str(out), model=str(tiny_chat_model), input=str(source),
+            shard_tokens=300,
         )]}
     ).jobs[0]  # fmt: skip
     day = dt.date(2025, 4, 1)
@@ -225,7 +195,7 @@ def test_a_run_whose_sends_failed_is_sent_by_the_next_trigger(
     queued = redis.Redis.from_url(redis_server.url).llen(DEFAULT_QUEUE)
     assert queued == len(manifest["shards"]) >= 1
     record = json.loads((out / "runs" / "rag-2025-04-01.json").read_text())
-    assert record["sent"] is True and "tides.txt" in record["documents"]
+    assert record["sent"] is True and record["requests"] == 6
 
 
 def test_a_relative_output_reaches_the_workers_as_an_absolute_path(

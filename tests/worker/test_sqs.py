@@ -105,8 +105,8 @@ def test_sqs_jobs_two_workers_heartbeat_and_answers(
 def test_sqs_dead_letter_queue_takes_a_message_received_too_often(s3_server, monkeypatch):
     """ensure_queue's RedrivePolicy, on moto's SQS: a message received more than
     maxReceiveCount times without being deleted moves to `<queue>-dlq`."""
+    from kvbatch.broker.sqs import ensure_queue
     from kvbatch.worker.app import make_app
-    from kvbatch.worker.sqs import ensure_queue
 
     monkeypatch.setenv("KVBATCH_VISIBILITY_TIMEOUT", "30")
     queue = f"kvbatch-dlq-{uuid.uuid4().hex[:8]}"
@@ -129,7 +129,7 @@ def test_sqs_heartbeat_stops_at_the_12_hour_cap(s3_server):
     """A message received 12 h ago cannot be extended: the heartbeat stops without asking."""
     import time
 
-    from kvbatch.worker.sqs import SQS_MAX_VISIBILITY, VisibilityHeartbeat
+    from kvbatch.broker.sqs import SQS_MAX_VISIBILITY, VisibilityHeartbeat
 
     sqs = s3_server.client("sqs")
     url = sqs.create_queue(QueueName=f"kvbatch-cap-{uuid.uuid4().hex[:8]}")["QueueUrl"]

@@ -42,11 +42,11 @@ def _wait_for(workers: Workers, text: str, count: int, timeout: float = 90) -> N
 def test_tampered_and_stale_messages_are_dropped_and_the_real_one_runs(
     broker: str, tmp_path: Path, tiny_chat_model: Path
 ):
+    from kvbatch.broker.send import send_shard
+    from kvbatch.broker.sqs import ensure_queue
     from kvbatch.jobs.distributed.shards import ShardMessage
     from kvbatch.jobs.distributed.submit import prepare_job
     from kvbatch.worker.app import make_app
-    from kvbatch.worker.sqs import ensure_queue
-    from kvbatch.worker.tasks import send_shard
 
     queue = f"kvbatch-{uuid.uuid4().hex[:8]}"
     lines = [_chat(i, system=i % 2 == 0) for i in range(12)]

@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+_SCHEME_TYPO = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 def open_storage(uri: str) -> Storage:
@@ -51,6 +52,11 @@ def open_storage(uri: str) -> Storage:
         return StdioStorage()
     scheme = _SCHEME.match(uri)
     if scheme is None:
+        if _SCHEME_TYPO.match(uri):  # s3:/bucket, s3:bucket: never a local folder named "s3:"
+            raise StorageError(
+                f"{uri}: not a URI kvbatch reads (s3://bucket/key) nor a plain path; write "
+                "./NAME for a local name with a colon"
+            )
         return LocalStorage(uri)
     name = scheme.group(1).lower()
     if name == "s3":

@@ -152,6 +152,12 @@ class Storage(ABC):
         """Remove the object if it exists (used for leases; job files are never deleted)."""
         raise StorageError(f"cannot delete {self.uri}: this storage does not delete")
 
+    def delete_tree(self) -> None:
+        """Remove every object under this folder/prefix (a finished stage job of an index run,
+        whose rows are merged); nothing else is ever deleted in bulk."""
+        for key in list(self.list()):
+            self.join(key).delete()
+
     @abstractmethod
     def open_append(self) -> AbstractContextManager[BinaryIO]:
         """An appending writer (local files only: resume appends batches as they finish)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -85,6 +86,13 @@ class LocalStorage(Storage):
             self.path.unlink(missing_ok=True)
         except OSError as e:
             raise StorageError(f"cannot delete {self.uri}: {e.strerror}") from None
+
+    def delete_tree(self) -> None:
+        """The folder and its sub-folders too (a link is removed, never followed)."""
+        if self.path.is_symlink() or self.path.is_file():
+            self.path.unlink()
+        elif self.path.is_dir():
+            shutil.rmtree(self.path)
 
     def open_append(self) -> BinaryIO:
         self._make_parent()

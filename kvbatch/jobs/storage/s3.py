@@ -34,6 +34,7 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from kvbatch.env_settings import SettingError, env_number
 from kvbatch.jobs.storage.base import (
     AlreadyExists,
     Storage,
@@ -73,7 +74,7 @@ def client() -> Any:
                     # (Config's max_attempts would count retries only: 5 -> 6 tries).
                     retries={
                         "mode": "standard",
-                        "total_max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS", "5")),
+                        "total_max_attempts": _max_attempts(),
                     },
                     # boto3 >= 1.36 adds CRC checksums by default; some S3-compatible servers
                     # reject them.
@@ -104,6 +105,17 @@ def reset_client() -> None:
 os.register_at_fork(after_in_child=reset_client)
 
 
+def _setting(name: str, default: int, minimum: int, unit: str) -> int:
+    try:
+        return int(env_number(name, default, minimum=minimum, unit=unit))
+    except SettingError as e:
+        raise StorageError(str(e)) from None
+
+
+def _max_attempts() -> int:
+    return _setting("AWS_MAX_ATTEMPTS", 5, 1, "tries")
+
+
 def _status(e: ClientError) -> int | None:
     return e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
 
@@ -113,7 +125,8 @@ class S3Storage(Storage):
 
     def __init__(self, uri: str, part_size: int | None = None):
         if part_size is None:  # KVBATCH_S3_PART_SIZE (bytes) tunes multipart uploads
-            part_size = int(os.environ.get("KVBATCH_S3_PART_SIZE", DEFAULT_PART_SIZE))
+            part_size = _setting("KVBATCH_S3_PART_SIZE", DEFAULT_PART_SIZE, MIN_PART_SIZE, "bytes")
+        _max_attempts()  # checked here, where the caller reports a StorageError, not at first use
         if not uri.startswith("s3://"):
             raise StorageError(f"{uri} is not an s3:// URI")
         bucket, _, key = uri[len("s3://") :].partition("/")

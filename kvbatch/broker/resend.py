@@ -26,9 +26,9 @@ import logging
 import time
 from dataclasses import dataclass
 
+from kvbatch.broker.settings import TASK_NAME
 from kvbatch.jobs.distributed.shards import ShardMessage
 from kvbatch.jobs.storage import Storage
-from kvbatch.worker.settings import TASK_NAME
 
 log = logging.getLogger("kvbatch.worker")
 
@@ -121,7 +121,7 @@ def resend(
 ) -> ResendResult:  # fmt: skip
     """Send again the shards that are lost (Redis), or with `unwritten` every shard that has
     no result (any broker). Returns what was sent."""
-    from kvbatch.worker.tasks import send_shard
+    from kvbatch.broker.send import send_shard
 
     redis = app.conf.broker_url.startswith(("redis://", "rediss://"))
     if not (redis or unwritten):

@@ -5,7 +5,6 @@ the task module and the app module both build on it without importing each other
 
 from __future__ import annotations
 
-import argparse
 import os
 from urllib.parse import urlsplit
 
@@ -59,17 +58,3 @@ def task_events() -> bool:
     if raw in ("1", "true", "yes", "on"):
         return True
     raise BrokerError(f"KVBATCH_TASK_EVENTS={raw!r}: expected 1 or 0 (true or false)")
-
-
-def metrics_port(text: str) -> int:
-    """argparse type of --metrics-port: a TCP port, or 0 for none. Out of range, socket's
-    bind raises OverflowError, which is no OSError: a traceback instead of a message."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(
-            f"must be a port from 1 to 65535, or 0 for none, got {text}"
-        )
-    return port
