@@ -14,8 +14,10 @@ so that a later request sharing that prefix starts from a copy (engine/kv/statef
 The recurrent state is kept in float32 whatever the model's dtype: it sums every token of the
 prefix, and rounding it to bfloat16 each token would drift.
 
-StateStep is what a forward reads: each scheduled chunk's slot, and where inside a prompt
-chunk to copy the states out as snapshots.
+StateStep is what a forward reads: each scheduled chunk's slot, the snapshot a sequence
+admitted on a prefix hit starts from, and where inside a prompt chunk to copy the states out
+as snapshots. The copies happen inside each layer's forward, prompt chunks first and in step
+order, so a sequence can start from a snapshot that an earlier chunk of the same step fills.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class StateSpan:
     query_len: int
     slot: int
     snapshots: tuple[SnapshotAt, ...] = ()
+    init_from: int = -1  # a snapshot's slot to copy the states from first (-1: none)
 
 
 @dataclass
@@ -114,6 +117,8 @@ class StateStep:
     prefills: list[StateSpan]
     # (decode row, snapshot slot): states copied after a one-token chunk
     decode_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    # (decode row, snapshot slot): states copied before (a sequence admitted on a hit)
+    decode_inits: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -55,6 +55,14 @@ class StatefulKVManager:
         self._snapshot_lengths: Counter[int] = Counter()
         self._planned: dict[Hashable, list[int]] = {}  # seq -> prefix lengths to snapshot
         self._to_come: Counter[int] = Counter()  # block-chain hash -> prompts not yet admitted
+        self._admitted: set[Hashable] = set()  # sequences counted out of _to_come
+        # the step being scheduled: where each sequence's chunk ends, the snapshot a new one
+        # starts from, the snapshots its chunk fills, and the slots those read or fill
+        self._progress: dict[Hashable, int] = {}
+        self._inits: dict[Hashable, int] = {}
+        self._pending: dict[Hashable, list[SnapshotAt]] = {}
+        self._busy: set[int] = set()
+        self._last_lookup: tuple[Sequence[int] | None, int] = (None, 0)  # prompt, KV hit
         self.num_snapshots_taken = 0
 
     def __getattr__(self, name: str):
@@ -75,13 +83,22 @@ class StatefulKVManager:
             out.append(h)
         return out
 
-    def _plan_snapshots(self, seq_id: Hashable, token_ids: Sequence[int], start: int) -> None:
-        """The branch points of a sequence being admitted (see the module doc), past `start`,
-        each at a block boundary before its last token; it no longer counts as to come."""
+    def _plan_snapshots(
+        self, seq_id: Hashable, token_ids: Sequence[int], start: int, kv_hit: int = 0
+    ) -> None:
+        """The branch points of a sequence being admitted (see the module doc), past `start`;
+        it no longer counts as to come. `kv_hit`: the KV cache's hit, longer than the
+        snapshot's when a branch point was missed (its sharer was not known yet): a branch
+        point too, so the prefix is recomputed once, not by every later sharer."""
         if not self.max_snapshots:
             return
         chain = self._chain(token_ids)
-        self._to_come.subtract(chain)
+        if seq_id not in self._admitted:  # a preempted sequence is not counted out twice
+            self._admitted.add(seq_id)
+            for h in chain:
+                self._to_come[h] -= 1
+                if self._to_come[h] <= 0:
+                    del self._to_come[h]
         # A later prompt's hit leaves its last token to compute: one that ends where the
         # sharing does reads the snapshot a block earlier.
         bs, last = self.block_size, (len(token_ids) - 1) // self.block_size * self.block_size
@@ -91,6 +108,7 @@ class StatefulKVManager:
             after = self._to_come[chain[j + 1]] if j + 1 < len(chain) else 0
             if sharers > 0 and after < sharers:
                 points.update({(j + 1) * bs, min((j + 1) * bs, last)})
+        points.add(kv_hit)
         points = sorted(
             p for p in points if p > start and tuple(token_ids[:p]) not in self._snapshots
         )
@@ -102,6 +120,7 @@ class StatefulKVManager:
     def get_computed_blocks(self, token_ids: Sequence[int]) -> ComputedBlocks:
         """The KV hit, cut back to the longest prefix whose states are snapshotted."""
         hit = self.kv.get_computed_blocks(token_ids)
+        self._last_lookup = (token_ids, hit.num_tokens)
         for length in sorted(self._snapshot_lengths, reverse=True):
             if length <= hit.num_tokens and tuple(token_ids[:length]) in self._snapshots:
                 return ComputedBlocks(hit.block_ids[: length // self.block_size], length)
@@ -110,7 +129,7 @@ class StatefulKVManager:
     def can_allocate(
         self, seq_id: Hashable, num_new_tokens: int, computed: ComputedBlocks | None = None
     ) -> bool:
-        room = seq_id in self._slots or self.pool.num_free + len(self._snapshots) > 0
+        room = seq_id in self._slots or self.pool.num_free + self._num_evictable() > 0
         return room and self.kv.can_allocate(seq_id, num_new_tokens, computed)
 
     def allocate_slots(
@@ -120,33 +139,66 @@ class StatefulKVManager:
         num_new_tokens: int,
         computed: ComputedBlocks | None = None,
     ) -> bool:
+        """As KVCacheManager's; a new sequence also takes a slot (its states zeroed, or to be
+        copied from the snapshot of its hit), and the snapshots its chunk reaches are
+        reserved now, so that a sequence admitted later in the same step finds them: the
+        forward fills a snapshot before any later chunk of the step reads it."""
         new = seq_id not in self._slots
-        if new and not self._make_room(1, keep=token_ids, upto=computed):
+        start = (computed.num_tokens if computed is not None else 0) if new else None
+        source = self._snapshots.get(tuple(token_ids[:start])) if start else None
+        if source is not None:
+            self._busy.add(source)  # not evicted to make room for this very sequence
+        if new and not self._make_room(1):
             return False
         if not self.kv.allocate_slots(seq_id, token_ids, num_new_tokens, computed):
             return False
         if new:
-            slot = self.pool.acquire()
-            self._slots[seq_id] = slot
-            start = computed.num_tokens if computed is not None else 0
-            if start:
-                key = tuple(token_ids[:start])
-                self._snapshots.move_to_end(key)
-                self.pool.copy(self._snapshots[key], slot)
-            self._plan_snapshots(seq_id, token_ids, start)
+            self._slots[seq_id] = self.pool.acquire()
+            self._progress[seq_id] = start
+            if source is not None:
+                self._snapshots.move_to_end(tuple(token_ids[:start]))
+                self._inits[seq_id] = source
+            looked_up, kv_hit = self._last_lookup
+            self._plan_snapshots(seq_id, token_ids, start, kv_hit if looked_up is token_ids else 0)
+        self._reserve_snapshots(seq_id, token_ids, num_new_tokens)
         return True
 
-    def _make_room(self, n: int, keep=None, upto: ComputedBlocks | None = None) -> bool:
-        """n free slots, evicting the least recently used snapshots (never the one `keep`'s
-        admission is about to copy)."""
-        protect = None
-        if keep is not None and upto is not None and upto.num_tokens:
-            protect = tuple(keep[: upto.num_tokens])
+    def _reserve_snapshots(self, seq_id: Hashable, token_ids, num_new_tokens: int) -> None:
+        """Slots for the planned snapshots within this chunk, registered as they will be once
+        the step has run."""
+        start = self._progress[seq_id]
+        end = self._progress[seq_id] = start + num_new_tokens
+        planned = self._planned.get(seq_id)
+        while planned and planned[0] <= end:
+            p = planned.pop(0)
+            key = tuple(token_ids[:p])
+            if p <= start or key in self._snapshots or not self._make_room(1):
+                continue
+            slot = self.pool.acquire()
+            self._snapshots[key] = slot
+            self._snapshot_lengths[p] += 1
+            self._busy.add(slot)
+            self._pending.setdefault(seq_id, []).append(SnapshotAt(p - start, slot))
+            self.num_snapshots_taken += 1
+            while len(self._snapshots) > self.max_snapshots and self._evict_one():
+                pass
+
+    def _num_evictable(self) -> int:
+        return sum(1 for slot in self._snapshots.values() if slot not in self._busy)
+
+    def _make_room(self, n: int) -> bool:
+        """n free slots, evicting the least recently used snapshots that this step does not
+        read or fill."""
         while self.pool.num_free < n:
-            victim = next((k for k in self._snapshots if k != protect), None)
-            if victim is None:
+            if not self._evict_one():
                 return False
-            self._drop_snapshot(victim)
+        return True
+
+    def _evict_one(self) -> bool:
+        victim = next((k for k, slot in self._snapshots.items() if slot not in self._busy), None)
+        if victim is None:
+            return False
+        self._drop_snapshot(victim)
         return True
 
     def _drop_snapshot(self, key: tuple[int, ...]) -> None:
@@ -159,11 +211,20 @@ class StatefulKVManager:
         return 0  # see the module doc
 
     def free(self, seq_id: Hashable, token_ids: Sequence[int] | None = None) -> None:
+        """Free the blocks and the slot; snapshots reserved for a chunk that will not run
+        (the sequence preempted in the step that reserved them) go too."""
         self.kv.free(seq_id, token_ids)
         slot = self._slots.pop(seq_id, None)
         if slot is not None:
             self.pool.release(slot)
-        self._planned.pop(seq_id, None)
+        for snapshot in self._pending.pop(seq_id, []):
+            key = next(k for k, s in self._snapshots.items() if s == snapshot.slot)
+            self._busy.discard(snapshot.slot)
+            self._drop_snapshot(key)
+        for table in (self._planned, self._progress, self._inits):
+            table.pop(seq_id, None)
+        if token_ids is not None:  # finished (a preempted one is freed without its tokens)
+            self._admitted.discard(seq_id)
 
     def truncate(self, seq_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
         raise RuntimeError("a hybrid model's recurrent states cannot be rolled back")
@@ -173,41 +234,26 @@ class StatefulKVManager:
     def state_step(
         self, chunks, num_decodes: int, starts, query_start, device: torch.device
     ) -> StateStep:
-        """Each chunk's slot, and the snapshots its tokens reach this step (their slots are
-        taken now; the forward fills them)."""
-        decode_slots = [self._slots[id(c.seq)] for c in chunks[:num_decodes]]
+        """Each chunk's slot, the snapshot its states start from (a new sequence's hit), and
+        the snapshots its tokens reach (reserved by allocate_slots)."""
+        decode_slots: list[int] = []
+        decode_inits: list[tuple[int, int]] = []
         decode_snapshots: list[tuple[int, int]] = []
         prefills = []
         for i, (seq, n) in enumerate(chunks):
-            start = int(starts[i])
-            snaps = self._snapshots_reached(id(seq), seq.token_ids, start, n)
+            key = id(seq)
+            slot, init = self._slots[key], self._inits.pop(key, -1)
+            snaps = tuple(self._pending.pop(key, ()))
             if i < num_decodes:
+                decode_slots.append(slot)
+                if init >= 0:
+                    decode_inits.append((i, init))
                 decode_snapshots += [(i, s.slot) for s in snaps]
             else:
-                prefills.append(
-                    StateSpan(int(query_start[i]), n, self._slots[id(seq)], tuple(snaps))
-                )
+                prefills.append(StateSpan(int(query_start[i]), n, slot, snaps, init))
+        self._busy.clear()
         slots = torch.tensor(decode_slots, dtype=torch.int64).to(device)
-        return StateStep(num_decodes, slots, prefills, decode_snapshots)
-
-    def _snapshots_reached(self, seq_id, token_ids, start: int, n: int) -> list[SnapshotAt]:
-        planned = self._planned.get(seq_id)
-        if not planned:
-            return []
-        out = []
-        while planned and planned[0] <= start + n:
-            p = planned.pop(0)
-            key = tuple(token_ids[:p])
-            if p <= start or key in self._snapshots or not self._make_room(1):
-                continue
-            slot = self.pool.acquire()
-            self._snapshots[key] = slot
-            self._snapshot_lengths[p] += 1
-            self.num_snapshots_taken += 1
-            out.append(SnapshotAt(p - start, slot))
-            while len(self._snapshots) > self.max_snapshots:
-                self._drop_snapshot(next(iter(self._snapshots)))
-        return out
+        return StateStep(num_decodes, slots, prefills, decode_snapshots, decode_inits)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -78,9 +78,14 @@ class GatedDeltaNet(nn.Module):
         conv_states = pool.conv[self.index]  # [slots, conv_dim, kernel - 1]
         states = pool.recurrent[self.index]  # [slots, Hv, Dk, Dv]
         out = torch.empty(t, cfg.num_value_heads, cfg.value_head_dim, device=x.device)
+        for span in step.prefills:  # first: they fill snapshots that decodes may start from
+            self._prefill(span, qkv, g, beta, weight, conv_states, states, out)
         d = step.num_decodes
         if d:
             slots = step.decode_slots
+            for row, source in step.decode_inits:
+                conv_states[int(slots[row])] = conv_states[source]
+                states[int(slots[row])] = states[source]
             conv = conv_states[slots]
             mixed = causal_conv1d_step(qkv[:d], weight, conv)
             conv_states[slots] = conv
@@ -91,8 +96,6 @@ class GatedDeltaNet(nn.Module):
             for row, snapshot in step.decode_snapshots:
                 conv_states[snapshot] = conv_states[int(slots[row])]
                 states[snapshot] = states[int(slots[row])]
-        for span in step.prefills:
-            self._prefill(span, qkv, g, beta, weight, conv_states, states, out)
         o = self.norm(out.to(x.dtype), z).reshape(t, cfg.value_dim)
         return self.out_proj(o)
 
@@ -102,6 +105,9 @@ class GatedDeltaNet(nn.Module):
         cuts = [s.offset for s in span.snapshots if s.offset < span.query_len]
         ends = sorted(set(cuts)) + [span.query_len]
         snapshots = {s.offset: s.slot for s in span.snapshots}
+        if span.init_from >= 0:
+            conv_states[span.slot] = conv_states[span.init_from]
+            states[span.slot] = states[span.init_from]
         conv, state, start = conv_states[span.slot], states[span.slot], 0
         for end in ends:
             rows = slice(lo + start, lo + end)

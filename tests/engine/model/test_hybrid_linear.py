@@ -13,12 +13,23 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvbatch.engine import LLM, SamplingParams
+from kvbatch.engine.kv.kv_cache import block_hashes
 from kvbatch.engine.model.checkpoint_errors import CheckpointError
 from kvbatch.engine.model.loader import load_model
+from kvbatch.jobs.grouping import group_by_prefix
 from tests.reference import hf_greedy
 from tests.tiny_hybrid import HYBRID_KINDS, build_tiny_hybrid
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """torch at one thread: on a shared machine a second one only waits (see HELPERS)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +121,45 @@ def test_an_unknown_layer_type_is_named(hybrid, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="'sliding_attention'"):
         load_model(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def _two_level_job(seed: int, bs: int):
+    """A system prompt, documents, questions on each; shuffled, then in the job's order."""
+    rng = random.Random(seed)
+    vocab = range(3, 512)
+    system = rng.choices(vocab, k=rng.randint(20, 40))
+    groups = []
+    for _ in range(16):
+        doc = rng.choices(vocab, k=rng.randint(48, 96))
+        groups.append([system + doc + rng.choices(vocab, k=rng.randint(1, 16)) for _ in range(3)])
+    prompts = [p for g in groups for p in g]
+    rng.shuffle(prompts)
+    order = group_by_prefix(prompts, bs)
+    return [prompts[i] for i in order.order], order
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_two_level_job_prefill_stays_at_the_ideal(hybrid, seed):
+    """System prompt -> documents -> questions on Qwen3.5, a KV pool of a third of the job's
+    distinct prefix blocks: each distinct prefix is computed once (prefix hits = the ideal of
+    the order), served from state snapshots at the branch points with the full-attention
+    KV from the paged cache; the answers equal those with prefix caching off."""
+    bs = 16
+    prompts, order = _two_level_job(seed, bs)
+    distinct = len({h for p in prompts for h in block_hashes(p, bs)})
+    longest = max(map(len, prompts)) + GREEDY.max_tokens
+    kw = dict(block_size=bs, max_num_seqs=2, max_model_len=longest, max_num_batched_tokens=32)
+    # two running sequences at full length (the shared prefix within them) and a spare block
+    blocks = 2 * (-(-longest // bs) + 1) + 1
+    assert 3 * blocks <= distinct
+    path = hybrid("qwen3.5")
+    llm = _llm(path, num_kv_blocks=blocks, **kw)
+    cached = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    stats = llm.stats()
+    assert stats.prefix_hits == order.ideal_cached_tokens > 0
+    assert stats.computed_tokens == stats.prompt_tokens - order.ideal_cached_tokens + (
+        len(prompts) * (GREEDY.max_tokens - 1)
+    )
+    llm.engine.kv.check_integrity()
+    plain = _llm(path, num_kv_blocks=blocks, enable_prefix_caching=False, **kw)
+    assert _tokens(plain.generate(prompts, GREEDY, use_tqdm=False)) == cached
