@@ -77,3 +77,39 @@ def build_tiny_hybrid(kind: str, path: Path, seed: int = 0) -> Path:
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
     model.save_pretrained(Path(path))
     return Path(path)
+
+
+def build_tiny_qwen35_vision_language(path: Path, seed: int = 0, mtp: bool = True) -> Path:
+    """A tiny Qwen3_5ForConditionalGeneration (the published Qwen3.5 checkpoints' class) with
+    the tiny qwen3.5 text model and a one-block vision tower; `mtp` adds stand-in
+    multi-token-prediction tensors as the published files carry."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen3_5 import Qwen3_5Config
+
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=4,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+    )
+    config = Qwen3_5Config(
+        text_config=tiny_hybrid_config("qwen3.5").to_dict(),
+        vision_config=vision,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3_5ForConditionalGeneration(config)
+    randomize_weights(model, seed * 7 + 99)
+    model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
+    path = Path(path)
+    model.save_pretrained(path)
+    if mtp:
+        weights = load_file(path / "model.safetensors")
+        weights["mtp.fc.weight"] = torch.zeros(64, 128)
+        weights["mtp.norm.weight"] = torch.zeros(64)
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForImageTextToText
 
 from kvbatch.engine import LLM, SamplingParams
 from kvbatch.engine.kv.kv_cache import block_hashes
@@ -18,7 +19,11 @@ from kvbatch.engine.model.checkpoint_errors import CheckpointError
 from kvbatch.engine.model.loader import load_model
 from kvbatch.jobs.grouping import group_by_prefix
 from tests.reference import hf_greedy
-from tests.tiny_hybrid import HYBRID_KINDS, build_tiny_hybrid
+from tests.tiny_hybrid import (
+    HYBRID_KINDS,
+    build_tiny_hybrid,
+    build_tiny_qwen35_vision_language,
+)
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -163,3 +168,22 @@ def test_two_level_job_prefill_stays_at_the_ideal(hybrid, seed):
     llm.engine.kv.check_integrity()
     plain = _llm(path, num_kv_blocks=blocks, enable_prefix_caching=False, **kw)
     assert _tokens(plain.generate(prompts, GREEDY, use_tqdm=False)) == cached
+
+
+def test_the_language_model_of_a_qwen35_vision_language_checkpoint(tmp_path):
+    """Published Qwen3.5 checkpoints are Qwen3_5ForConditionalGeneration: the engine runs
+    their language model (the vision tower and the MTP tensors unread) and answers text
+    prompts as transformers' whole model does."""
+    path = build_tiny_qwen35_vision_language(tmp_path / "vl")
+    loaded = load_model(path, torch.float32, torch.device("cpu"))
+    assert loaded.config.architecture == "Qwen3_5ForCausalLM"
+    prompts = _prompts(6, (30, 9))
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    want = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None
+            )
+        want.append(out[0, len(ids) :].tolist())
+    assert _tokens(_llm(path).generate(prompts, GREEDY, use_tqdm=False)) == want
