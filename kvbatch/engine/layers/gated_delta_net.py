@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbatch.engine.kv.state_slots import StatePool, StateSpan, StateStep
+from kvbatch.engine.layers.kernel_op import KernelOp
 from kvbatch.engine.model.linear_attention import LinearAttentionConfig
 from kvbatch.kernels.gated_delta import (
     causal_conv1d,
@@ -29,6 +30,7 @@ from kvbatch.kernels.gated_delta import (
     gated_delta_step,
     l2_normalize,
 )
+from kvbatch.kernels.gated_delta_step import gated_delta_step_slots
 
 CHUNK_SIZE = 64  # tokens per chunk of the chunked rule (fla's and transformers' size)
 
@@ -50,7 +52,10 @@ class GatedRMSNorm(nn.Module):
         return (out * F.silu(z.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(KernelOp):
+    """On the triton backend the decodes' rule is one kernel over their slots
+    (kernels/gated_delta_step.py); prompt chunks run the torch chunked form on both."""
+
     def __init__(self, hidden_size: int, cfg: LinearAttentionConfig, eps: float, index: int):
         super().__init__()
         self.cfg = cfg
@@ -67,7 +72,13 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(cfg.value_head_dim, eps)
         self.out_proj = nn.Linear(cfg.value_dim, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, step: StateStep, pool: StatePool) -> torch.Tensor:
+    def forward_torch(self, x: torch.Tensor, step: StateStep, pool: StatePool) -> torch.Tensor:
+        return self.run(x, step, pool, fused_decode=False)
+
+    def forward_triton(self, x: torch.Tensor, step: StateStep, pool: StatePool) -> torch.Tensor:
+        return self.run(x, step, pool, fused_decode=True)
+
+    def run(self, x: torch.Tensor, step: StateStep, pool: StatePool, fused_decode: bool):
         cfg = self.cfg
         t = x.shape[0]
         qkv = self.in_proj_qkv(x)  # [T, conv_dim]
@@ -90,9 +101,12 @@ class GatedDeltaNet(nn.Module):
             mixed = causal_conv1d_step(qkv[:d], weight, conv)
             conv_states[slots] = conv
             q, k, v = self._heads(mixed)
-            s = states[slots]
-            out[:d] = gated_delta_step(q, k, v, g[:d], beta[:d], s)
-            states[slots] = s
+            if fused_decode:
+                out[:d] = gated_delta_step_slots(q, k, v, g[:d], beta[:d], states, slots)
+            else:
+                s = states[slots]
+                out[:d] = gated_delta_step(q, k, v, g[:d], beta[:d], s)
+                states[slots] = s
             for row, snapshot in step.decode_snapshots:
                 conv_states[snapshot] = conv_states[int(slots[row])]
                 states[snapshot] = states[int(slots[row])]

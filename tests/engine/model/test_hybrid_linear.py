@@ -187,3 +187,14 @@ def test_the_language_model_of_a_qwen35_vision_language_checkpoint(tmp_path):
             )
         want.append(out[0, len(ids) :].tolist())
     assert _tokens(_llm(path).generate(prompts, GREEDY, use_tqdm=False)) == want
+
+
+@pytest.mark.slow
+def test_greedy_on_the_triton_backend_equals_the_torch_backend(hybrid):
+    """The triton backend runs the decodes' rule as one kernel (the interpreter on the CPU)."""
+    path = hybrid("qwen3.5")
+    prompts = _prompts(7, (12, 5))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    want = _tokens(_llm(path).generate(prompts, params, use_tqdm=False))
+    llm = _llm(path, attention_backend="triton", cascade_attention=False)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
