@@ -133,3 +133,19 @@ class StatefulMeta:
     @property
     def num_decode_tokens(self) -> int:
         return self.attention.num_decode_tokens
+
+
+def fresh_states(
+    attention: AttentionMetadata, shape: StateShape, dtype: torch.dtype, device: torch.device
+) -> StatefulMeta:
+    """A StatefulMeta in which every chunk of `attention` starts from zero states, in a pool
+    of its own: a forward outside the engine's runner (the startup's profile of the largest
+    step, a test's prefill), whose states are dropped afterwards."""
+    d = attention.num_decode_tokens
+    pool = StatePool(shape, max(1, d + len(attention.prefills)), dtype, device)
+    spans = [
+        StateSpan(span.query_start, span.query_len, d + i)
+        for i, span in enumerate(attention.prefills)
+    ]
+    slots = torch.arange(d, dtype=torch.int64, device=device)
+    return StatefulMeta(attention, StateStep(d, slots, spans), pool)

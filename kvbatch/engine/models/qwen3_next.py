@@ -27,7 +27,9 @@ import logging
 import torch
 from torch import nn
 
-from kvbatch.engine.kv.state_slots import StatefulMeta
+from kvbatch.engine.attention.metadata import AttentionMetadata
+from kvbatch.engine.kv.state_slots import StatefulMeta, fresh_states
+from kvbatch.engine.kv.stateful import state_shape
 from kvbatch.engine.layers.gated_attention import GatedSelfAttention
 from kvbatch.engine.layers.gated_delta_net import GatedDeltaNet
 from kvbatch.engine.layers.logits import final_logits
@@ -122,17 +124,14 @@ class HybridForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],  # one per full-attention layer
-        meta: StatefulMeta,
+        meta: StatefulMeta | AttentionMetadata,  # plain: every chunk starts from zero states
         backend,
         logits_indices: torch.Tensor | None = None,
         final_hidden: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        if not isinstance(meta, StatefulMeta):
-            raise TypeError(
-                f"{self.config.architecture} keeps linear-attention states: its forward takes "
-                "a StatefulMeta (the engine's runner builds one for each step)"
-            )
         x = self.model.embed_tokens(input_ids)
+        if not isinstance(meta, StatefulMeta):  # outside the runner: every chunk from zero
+            meta = fresh_states(meta, state_shape(self.config.linear), x.dtype, x.device)
         rotation = self.rotary(positions, x.dtype)
         residual = None
         for layer in self.model.layers:

@@ -14,11 +14,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText
 
 from kvbatch.engine import LLM, SamplingParams
+from kvbatch.engine.attention.torch_backend import TorchAttentionBackend
 from kvbatch.engine.kv.kv_cache import block_hashes
+from kvbatch.engine.kv.memory import largest_step, run_step
 from kvbatch.engine.model.checkpoint_errors import CheckpointError
 from kvbatch.engine.model.loader import load_model
 from kvbatch.jobs.grouping import group_by_prefix
-from tests.reference import hf_greedy
+from tests.engine.model.test_model import prefill_logits
+from tests.reference import hf_greedy, hf_logits
 from tests.tiny_hybrid import (
     HYBRID_KINDS,
     build_tiny_hybrid,
@@ -198,3 +201,20 @@ def test_greedy_on_the_triton_backend_equals_the_torch_backend(hybrid):
     want = _tokens(_llm(path).generate(prompts, params, use_tqdm=False))
     llm = _llm(path, attention_backend="triton", cascade_attention=False)
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+
+
+def test_a_forward_outside_the_runner_starts_from_zero_states(hybrid):
+    """The startup's profile step (and any caller without a StatefulMeta) runs each chunk
+    from zero states: a whole prompt gives transformers' logits, and the profile step runs."""
+    path = hybrid("qwen3-next")
+    loaded = load_model(path, torch.float32, torch.device("cpu"))
+    ids = _prompts(8, (21,))[0]
+    torch.testing.assert_close(
+        prefill_logits(loaded.model, ids, len(ids)), hf_logits(path, ids), atol=1e-4, rtol=0
+    )
+    step = largest_step(
+        loaded.model, num_tokens=40, max_model_len=16, max_num_seqs=3, block_size=16,
+        dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    probs = run_step(loaded.model, TorchAttentionBackend(), step)
+    assert probs.shape[-1] == 512 and torch.isfinite(probs).all()
