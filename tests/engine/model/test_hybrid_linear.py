@@ -93,12 +93,17 @@ def test_forced_preemption_recomputes_the_states(hybrid):
 
 
 def test_n_2_choices_each_equal_transformers(hybrid):
+    """Choice 1 shares no blocks with choice 0 (fork returns 0): it is queued and starts from
+    the state snapshot choice 0 left at their branch point."""
     path = hybrid("qwen3-next")
     prompt = _prompts(3, (37,))[0]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, n=2)
-    out = _llm(path).generate([prompt], params, use_tqdm=False)[0]
+    llm = _llm(path)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
     ref = hf_greedy(path, [prompt], 5, ignore_eos=True)[0]
     assert [c.token_ids for c in out.outputs] == [ref, ref]
+    # the child starts from the snapshot at the prompt's last full block, not from scratch
+    assert llm.stats().prefix_hits == 32
 
 
 def test_speculative_decoding_is_refused(hybrid):
@@ -146,6 +151,7 @@ def _two_level_job(seed: int, bs: int):
     return [prompts[i] for i in order.order], order
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_two_level_job_prefill_stays_at_the_ideal(hybrid, seed):
     """System prompt -> documents -> questions on Qwen3.5, a KV pool of a third of the job's
