@@ -66,6 +66,8 @@ TOOLS: dict[str, Callable[[list[str] | None], int]] = {
     "index-retrieval": partial(_lazy_main, "retrieval_bench"),
     # a Gemma 3 shape with window KV on and off: sequences at once, throughput, same tokens
     "gemma-window": partial(_lazy_main, "gemma_window"),
+    # a Qwen3.5 shape (linear + full attention) beside transformers, and sequences per GiB
+    "hybrid-linear": partial(_lazy_main, "hybrid_linear"),
 }
 """Benchmarks with their own options: `kvbatch bench NAME ...` hands them the rest of argv."""
 

@@ -44,7 +44,7 @@ from kvbatch.engine.core.sequence import Sequence, SequenceStatus, TokenLogprobs
 from kvbatch.engine.core.startup_heap import freeze_startup_heap, thaw_startup_heap
 from kvbatch.engine.core.stopping import StopChecker
 from kvbatch.engine.exec.launched_step import LaunchedStep, StepResult, start_clock
-from kvbatch.engine.exec.runner import ModelRunner
+from kvbatch.engine.exec.runner import ModelRunner, kv_bytes_per_block
 from kvbatch.engine.kv.context_len import CAPPED_AT_POOL, chosen_context_len
 from kvbatch.engine.kv.hybrid import kv_manager_for
 from kvbatch.engine.kv.layout import KVLayout, plan_layout
@@ -54,6 +54,7 @@ from kvbatch.engine.kv.sizing import (
     kv_pool_blocks,
     log_kv_pool,
 )
+from kvbatch.engine.kv.stateful import plan_state_slots, state_shape, stateful_manager
 from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.pooling.config import PoolingConfig, read_pooling_config
 from kvbatch.engine.pooling.outputs import EmbeddingOutput
@@ -108,6 +109,10 @@ class LLMEngine:
         draft = self._load_draft_model()
         self.kv_layout = self._kv_layout()
         num_blocks = self._checked_num_blocks(backend, scheduler_config, draft)
+        full_attention_blocks = num_blocks
+        state_plan = self._state_plan(num_blocks, scheduler_config)  # hybrid models only
+        if state_plan is not None:
+            num_blocks = state_plan.num_blocks
         scheduler_config = dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
         self.model.rotary.fit_context(self.max_model_len)  # LongRoPE: short or long factors
         cache = config.cache
@@ -119,6 +124,18 @@ class LLMEngine:
             self.max_model_len,
             scheduler_config.max_num_seqs,
         )
+        if state_plan is not None:  # a hybrid model's state slots beside the blocks
+            self.kv = stateful_manager(
+                self.kv,
+                state_plan,
+                self.model_config.linear,
+                self.dtype,
+                self.device,
+                self.max_model_len,
+                full_attention_blocks
+                * self.model_config.num_kv_layers
+                // self.model_config.num_layers,
+            )
         self.step_cost = self._step_cost_model(scheduler_config)
         self.scheduler = Scheduler(scheduler_config, self.kv, self.step_cost)
         self.runner = ModelRunner(
@@ -168,6 +185,28 @@ class LLMEngine:
         if self._freeze_gc():
             self.frozen_gc_objects = freeze_startup_heap()
             log.info("froze %d objects out of the cycle collector's passes", self.frozen_gc_objects)
+
+    def _state_plan(self, num_blocks: int, scheduler_config: SchedulerConfig):
+        """A hybrid model's split of the KV budget between blocks and state slots
+        (engine/kv/stateful.py); None for other models. Speculative decoding is refused for
+        them: a rejected draft token cannot be taken back out of a recurrent state."""
+        linear = self.model_config.linear
+        if linear is None:
+            return None
+        if self.config.speculative is not None:
+            raise ValueError(
+                f"speculative decoding is not supported for {self.model_config.architecture}: "
+                "its linear-attention layers keep recurrent states that cannot take back "
+                "rejected draft tokens; run it without `speculative`"
+            )
+        block_bytes = kv_bytes_per_block(self.model, self.config.cache.block_size, self.kv_dtype)
+        return plan_state_slots(
+            state_shape(linear).bytes_per_slot(self.dtype),
+            num_blocks,
+            block_bytes,
+            scheduler_config.max_num_seqs,
+            blocks_fixed=self.config.cache.num_kv_blocks is not None,
+        )
 
     def _resolved_scheduler_config(self) -> SchedulerConfig:
         """The scheduler's config with every default that depends on the device or the model
@@ -254,6 +293,8 @@ class LLMEngine:
 
     def _capture_decode_graphs(self, backend, scheduler_config: SchedulerConfig) -> None:
         """On CUDA with the triton backend, decode steps replay graphs from now on."""
+        if self.runner.states is not None:  # hybrid models' steps run eagerly
+            return
         if self.config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
             self.runner.capture_step_graphs(
                 min(scheduler_config.max_num_seqs, CUDA_GRAPH_MAX_BATCH),
@@ -331,6 +372,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, token_ids, params, prompt=text)
+        if self.runner.states is not None:  # its branch points get state snapshots
+            for _ in range(params.n):
+                self.runner.states.note_prompt(token_ids)
         self._prepare_sequence(seq)
         if params.n > 1:
             make_choices(seq, self._prepare_sequence)

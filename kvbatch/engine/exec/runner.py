@@ -29,6 +29,8 @@ from kvbatch.engine.kv.device_tables import (
 from kvbatch.engine.kv.hybrid import HybridKVCacheManager
 from kvbatch.engine.kv.kv_cache import KVCacheManager
 from kvbatch.engine.kv.layout import KVLayout
+from kvbatch.engine.kv.state_slots import StatefulMeta
+from kvbatch.engine.kv.stateful import StatefulKVManager
 from kvbatch.engine.layers.kernel_op import use_kernels
 from kvbatch.engine.models.llama import LlamaForCausalLM
 from kvbatch.engine.pooling.pooler import Pooler, pooling_chunks
@@ -55,7 +57,7 @@ def kv_bytes_per_block(
     layout's slots (engine/kv/layout.py)."""
     cfg = model.config
     elem = torch.empty((), dtype=dtype).element_size()
-    layers = cfg.num_layers if layout is None else layout.num_slots
+    layers = cfg.num_kv_layers if layout is None else layout.num_slots
     return layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
@@ -94,7 +96,7 @@ class ModelRunner:
                 dtype=kv_dtype or dtype,
                 device=device,
             )
-            for _ in range(cfg.num_layers if layout is None else layout.num_slots)
+            for _ in range(cfg.num_kv_layers if layout is None else layout.num_slots)
         ]
         self.kv_caches = (
             slots if layout is None else [slots[layout.slot_of(i)] for i in range(cfg.num_layers)]
@@ -110,6 +112,8 @@ class ModelRunner:
         )
         if layout is not None and not kv.full_has_kv:
             self.cascade = False  # every group has a window: no shared prefix stays whole
+        # a hybrid model's linear-attention states (engine/kv/stateful.py)
+        self.states = kv if isinstance(kv, StatefulKVManager) else None
         self.sampler = Sampler(seed=seed)
         self.pooler = Pooler()  # embedding requests' partial states between their chunks
         self.step_graphs = None  # set by capture_step_graphs (CUDA, triton backend)
@@ -314,6 +318,11 @@ class ModelRunner:
         attention = (
             metas[0] if self.layer_group is None else GroupedAttention(metas, self.layer_group)
         )
+        if self.states is not None:
+            step = self.states.state_step(
+                batch.chunks, batch.num_decodes, batch.starts, tokens.query_start, self.device
+            )
+            attention = StatefulMeta(attention, step, self.states.pool)
         meta = _StepMeta(positions_d, attention, batch.chunks)
         return ids_d, meta, logits_rows_d, [batch.chunks[i].seq for i in sample_idx]
 

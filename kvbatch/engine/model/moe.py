@@ -17,7 +17,13 @@ import torch
 
 from kvbatch.engine.model.tensor_names import some_names
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+)
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ class MoeConfig:
                 intermediate_size=hf_config.intermediate_size,
                 renormalize=True,
             )
-        if architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        if architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3NextForCausalLM"):
             return cls(
                 num_experts=hf_config.num_experts,
                 top_k=hf_config.num_experts_per_tok,
@@ -72,6 +78,14 @@ class MoeConfig:
                     hf_config, "shared_expert_intermediate_size", 0
                 )
                 or 0,
+            )
+        if architecture == "Qwen3_5MoeForCausalLM":  # every layer sparse, always renormalised
+            return cls(
+                num_experts=hf_config.num_experts,
+                top_k=hf_config.num_experts_per_tok,
+                intermediate_size=hf_config.moe_intermediate_size,
+                renormalize=True,
+                shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
             )
         return None
 

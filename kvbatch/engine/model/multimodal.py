@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 TEXT_MODEL_OF = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
 """Vision-language architectures whose text model the engine runs, and that model's name."""
 
@@ -37,6 +39,7 @@ _TEXT_PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
 )
 _VISION_PREFIXES = (
+    "model.visual.",  # Qwen3.5's
     "model.vision_tower.",
     "vision_tower.",
     "model.multi_modal_projector.",

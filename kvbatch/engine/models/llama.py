@@ -24,6 +24,7 @@ from kvbatch.engine.layers.moe import SparseMoeBlock
 from kvbatch.engine.layers.norm import RMSNorm
 from kvbatch.engine.layers.rotary import RotaryEmbedding
 from kvbatch.engine.model.architectures import check_supported_features
+from kvbatch.engine.model.linear_attention import LinearAttentionConfig
 from kvbatch.engine.model.moe import MoeConfig
 from kvbatch.engine.model.multimodal import TEXT_MODEL_OF
 from kvbatch.engine.model.registry import (
@@ -64,6 +65,8 @@ class ModelConfig:
     moe: MoeConfig | None = None  # the experts of mixture-of-experts models
     gemma: GemmaConfig | None = None  # Gemma 2 / 3 (engine/models/gemma.py)
     has_lm_head: bool = True  # False for a base model (Architecture.base_model): embeds only
+    # the linear-attention layers of a hybrid model (engine/models/qwen3_next.py)
+    linear: LinearAttentionConfig | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -75,6 +78,11 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep KV in the paged cache (a hybrid's linear layers keep states)."""
+        return self.num_layers if self.linear is None else len(self.linear.full_layers)
 
     def is_sliding(self, layer: int) -> bool:
         """Whether layer `layer` (0-based) attends within the sliding window."""
@@ -128,7 +136,8 @@ class ModelConfig:
             architecture=arch,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
+            # Qwen3.5-MoE has none: every layer's feed-forward is the experts
+            intermediate_size=getattr(hf_config, "intermediate_size", 0),
             num_layers=hf_config.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
@@ -147,6 +156,7 @@ class ModelConfig:
             moe=MoeConfig.from_hf(arch, hf_config),
             gemma=GemmaConfig.from_hf(arch, hf_config, head_dim),
             has_lm_head=has_lm_head,
+            linear=LinearAttentionConfig.from_hf(arch, hf_config),
         )
 
 
