@@ -39,11 +39,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvbatch.cache_dir import CACHE_ENV, resolve_cache_dir
 from kvbatch.jobs.storage.local import LocalStorage
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "KVBATCH_CACHE"
 _TMP_PREFIX = ".tmp-"
 
 
@@ -72,15 +72,6 @@ SMOLLM2_GGUF = WheelFile(
 SMOLLM2_DIR_NAME = "SmolLM2-135M-Instruct"
 # Files whose presence means a converted folder is complete (it is renamed into place whole).
 HF_DIR_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-
-
-def resolve_cache_dir(cache_dir: Path | str | None = None) -> Path:
-    """The cache folder: `cache_dir`, else $KVBATCH_CACHE, else ~/.cache/kvbatch (created)."""
-    if cache_dir is None:
-        cache_dir = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvbatch"
-    root = Path(cache_dir).expanduser()
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def smollm2_gguf(cache_dir: Path | str | None = None) -> Path:

@@ -448,7 +448,7 @@ def test_s3_endpoint_credentials_are_masked(
     assert "pw" not in printed and "token" not in printed, printed
 
 
-def test_delete_tree_removes_a_folder_and_what_is_under_it(tmp_path, s3_server):
+def test_delete_tree_removes_a_folder_and_what_is_under_it(tmp_path, s3_server):  # noqa: F811
     """Local: the folders go too; S3: every object under the prefix, and none beside it."""
     local = LocalStorage(str(tmp_path / "run"))
     local.join("embed", "shards", "a.jsonl").write_bytes(b"x")

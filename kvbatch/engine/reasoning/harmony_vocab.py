@@ -25,7 +25,7 @@ from pathlib import Path
 
 from openai_harmony import HarmonyEncoding, HarmonyEncodingName, load_harmony_encoding
 
-from kvbatch.fetch import resolve_cache_dir
+from kvbatch.cache_dir import resolve_cache_dir
 
 O200K_BASE_FILE = "o200k_base.tiktoken"
 O200K_BASE_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
