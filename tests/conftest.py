@@ -16,6 +16,11 @@ import pytest
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread per test process (set before anything imports torch, which reads it
+# then): `make test` runs two processes on two cores, and torch's spinning OpenMP threads in
+# both would steal each other's time slices. Worker processes the tests start inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from tests.s3_server import s3_server  # noqa: F401  (a session fixture for every test)
 
 # Imports of torch and transformers stay inside the fixtures: tests of jobs/ and worker/ should
