@@ -66,6 +66,8 @@ TOOLS: dict[str, Callable[[list[str] | None], int]] = {
     "index-retrieval": partial(_lazy_main, "retrieval_bench"),
     # a Gemma 3 shape with window KV on and off: sequences at once, throughput, same tokens
     "gemma-window": partial(_lazy_main, "gemma_window"),
+    # `kvbatch submit` of 10k, 100k, 1M generated chat lines: time a line and peak memory
+    "submit-lines": partial(_lazy_main, "submit_bench"),
 }
 """Benchmarks with their own options: `kvbatch bench NAME ...` hands them the rest of argv."""
 

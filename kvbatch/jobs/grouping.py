@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvbatch.engine import (
     CompletionOutput,
@@ -81,10 +81,13 @@ __all__ = ["GroupedOrder", "feed_in_order", "group_boundaries", "group_by_prefix
 class GroupedOrder:
     """A job's requests in prefix order (see the module docstring)."""
 
-    order: list[int]  # indices into the input list, depth-first over the trie
-    group_of: list[int]  # top-level group id per position in `order`; ids 0, 1, ... contiguous
+    order: array  # ('q') indices into the input list, depth-first over the trie
+    group_of: array  # ('q') top-level group id per position in `order`; ids 0, 1, ... contiguous
     ideal_cached_tokens: int  # tokens a never-evicting cache would serve in this order
     prompt_tokens: int  # all prompt tokens of the job
+    # ('q') per position in `order`: the leading full blocks its prompt shares with the one
+    # before (where shards are cut: kvbatch.jobs.distributed.submit.cut_shards)
+    shared_blocks: array = field(default_factory=lambda: array("q"))
 
     @property
     def num_groups(self) -> int:
@@ -178,17 +181,17 @@ def group_by_prefix(prompts: Iterable[Sequence[int]], block_size: int = 16) -> G
     for index, tokens in enumerate(prompts):
         lengths.append(len(tokens))
         trie.insert(index, block_hashes(tokens, block_size))
-    order: list[int] = []
-    group_of: list[int] = []
+    order, group_of, shared = array("q"), array("q"), array("q")  # 8 bytes a request each
     group = -1
     ideal = 0
     for index, shared_blocks, new_group in trie.walk():
         group += 1 if new_group else 0
         order.append(index)
         group_of.append(group)
+        shared.append(shared_blocks)
         # The engine leaves the last prompt token to compute: at most (len - 1) // bs blocks.
         ideal += min(shared_blocks, max(0, lengths[index] - 1) // block_size) * block_size
-    return GroupedOrder(order, group_of, ideal, sum(lengths))
+    return GroupedOrder(order, group_of, ideal, sum(lengths), shared)
 
 
 def group_boundaries(g: GroupedOrder) -> list[int]:
