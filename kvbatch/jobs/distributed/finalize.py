@@ -33,13 +33,15 @@ from kvbatch.jobs.distributed.cancelled import (
 )
 from kvbatch.jobs.distributed.shard_progress import running_progress
 from kvbatch.jobs.distributed.shards import ShardMessage, read_shard, read_shard_lines
-from kvbatch.jobs.distributed.sorted_runs import SortedRuns
+from kvbatch.jobs.distributed.sorted_runs import DEFAULT_RUN_BYTES, SortedRuns
 from kvbatch.jobs.distributed.waiting import unclaimed_hint, waiting_shards
 from kvbatch.jobs.openai_format.batch_record import MAX_BATCH_ERRORS, BatchRecord
 from kvbatch.jobs.openai_format.responses import error_line
 from kvbatch.jobs.openai_format.schemas import CHAT_URL
 from kvbatch.jobs.openai_format.validate import LineError
 from kvbatch.jobs.storage import Storage, StorageError, validate_key_part
+
+RUN_BYTES = DEFAULT_RUN_BYTES  # lines sorted in memory before they spill to a run file
 
 
 def read_manifest(job: Storage) -> dict:
@@ -162,7 +164,7 @@ def try_finalize(job: Storage) -> BatchRecord | None:
         return None
 
     record = _record(job, manifest)
-    with SortedRuns() as answered, SortedRuns() as errors:
+    with SortedRuns(run_bytes=RUN_BYTES) as answered, SortedRuns(run_bytes=RUN_BYTES) as errors:
         for shard in manifest["shards"]:
             for raw in _read_lines(_result(job, shard["shard_id"])):
                 item = json.loads(raw)
