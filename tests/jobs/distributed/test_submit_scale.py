@@ -9,6 +9,7 @@ or a shard request per line, kept for the whole job): the peak traced allocation
 from __future__ import annotations
 
 import json
+import subprocess
 import tracemalloc
 from pathlib import Path
 
@@ -122,3 +123,34 @@ def test_s3_failure_writing_shards_then_the_same_job_id_completes(
     with pytest.raises(JobError, match="already exists"):  # complete now: never twice
         prepare_job(f"s3://{bucket}/in.jsonl", f"s3://{bucket}/failing", str(tiny_chat_model),
                     job_id="j", **kw)  # fmt: skip
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 200 KB tmpfs (a full disk for real): where mounting is not allowed (not root, no
+    CAP_SYS_ADMIN), the S3 test above covers the same path."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(folder)],
+                             capture_output=True, check=False)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_full_disk_writing_shards_then_the_same_job_id_completes(
+    tmp_path: Path, small_disk: Path, tiny_chat_model: Path
+):
+    src = write_chat_job(tmp_path / "in.jsonl", 600, words=30)
+    kw = {"max_model_len": 2048, "shard_tokens": 2_000, "job_id": "j"}
+    with pytest.raises(JobError, match=r"No space left on device.*--job-id j"):
+        prepare_job(str(src), str(small_disk / "out"), str(tiny_chat_model), **kw)
+    assert not (small_disk / "out" / "j" / "job.json").exists()
+    subprocess.run(["mount", "-o", "remount,size=20m", str(small_disk)], check=True)
+    done = prepare_job(str(src), str(small_disk / "out"), str(tiny_chat_model), **kw)
+    clean = prepare_job(str(src), str(tmp_path / "clean"), str(tiny_chat_model), **kw)
+    assert [m.sha256 for m in done.messages] == [m.sha256 for m in clean.messages]
+    assert done.num_requests == 600
