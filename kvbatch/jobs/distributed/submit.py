@@ -12,6 +12,11 @@ prefix (kvbatch.jobs.grouping) and cut into shards only where a top-level prefix
 shared prefix is computed by two workers; each shard holds about `shard_tokens` prompt tokens
 (a bigger group is a shard of its own). prepare_job enqueues nothing: the caller sends
 `SubmittedJob.messages`.
+
+A job of a million lines fits: the input is streamed once to validate and tokenize (token ids
+spilled to disk, a row of integers kept a line, kvbatch.jobs.distributed.job_lines), the cuts
+come from the trie's walk, and each shard's lines are read again by byte offset when it is
+written.
 """
 
 from __future__ import annotations
