@@ -51,9 +51,10 @@ A million prompts of 1k tokens is 64M block hashes: about 0.8 GB for the trie if
 shared, plus 32 bytes a request for the order, the groups, the shared blocks and the prompt
 lengths (arrays of 8-byte integers); far less when prompts share long prefixes. (A plain trie
 with one Python object per block would need some 200 bytes a block, about 13 GB.) Time goes
-to hashing, one tuple hash per block as in the engine: about 0.35 s per million prompt tokens. Where a job outgrows memory, the place to
-spill is the top-level group: partition requests by their first block's hash into files,
-build one trie per partition and concatenate the orders (no group crosses a partition).
+to hashing, one tuple hash per block as in the engine: about 0.35 s per million prompt tokens.
+Where a job outgrows memory, the place to spill is the top-level group: partition requests by
+their first block's hash into files, build one trie per partition and concatenate the orders
+(no group crosses a partition).
 
 A 64-bit hash can collide; here a collision only merges two prefixes in the order (the
 engine compares tokens on a hit), so it could cost cache reuse, never correctness.
