@@ -68,6 +68,8 @@ TOOLS: dict[str, Callable[[list[str] | None], int]] = {
     "gemma-window": partial(_lazy_main, "gemma_window"),
     # a Qwen3.5 shape (linear + full attention) beside transformers, and sequences per GiB
     "hybrid-linear": partial(_lazy_main, "hybrid_linear"),
+    # `kvbatch submit` of 10k, 100k, 1M generated chat lines: time a line and peak memory
+    "submit-lines": partial(_lazy_main, "submit_bench"),
 }
 """Benchmarks with their own options: `kvbatch bench NAME ...` hands them the rest of argv."""
 

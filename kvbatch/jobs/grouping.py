@@ -48,12 +48,13 @@ and a node exists only where paths branch or a request ends, so there are at mos
 request. Measured (tracemalloc, 20k prompts of 1,024 tokens, block size 16): 810 bytes a request
 when nothing is shared (512 of them the 64 hashes), 410 when each shares a 56-block document.
 A million prompts of 1k tokens is 64M block hashes: about 0.8 GB for the trie if nothing is
-shared, plus about 80 bytes a request for the order and the prompt lengths; far less when
-prompts share long prefixes. (A plain trie with one Python object per block would need some
-200 bytes a block, about 13 GB.) Time goes to hashing, one tuple hash per block as in the
-engine: about 0.35 s per million prompt tokens. Where a job outgrows memory, the place to
-spill is the top-level group: partition requests by their first block's hash into files,
-build one trie per partition and concatenate the orders (no group crosses a partition).
+shared, plus 32 bytes a request for the order, the groups, the shared blocks and the prompt
+lengths (arrays of 8-byte integers); far less when prompts share long prefixes. (A plain trie
+with one Python object per block would need some 200 bytes a block, about 13 GB.) Time goes
+to hashing, one tuple hash per block as in the engine: about 0.35 s per million prompt tokens.
+Where a job outgrows memory, the place to spill is the top-level group: partition requests by
+their first block's hash into files, build one trie per partition and concatenate the orders
+(no group crosses a partition).
 
 A 64-bit hash can collide; here a collision only merges two prefixes in the order (the
 engine compares tokens on a hit), so it could cost cache reuse, never correctness.
@@ -63,7 +64,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvbatch.engine import (
     CompletionOutput,
@@ -81,10 +82,13 @@ __all__ = ["GroupedOrder", "feed_in_order", "group_boundaries", "group_by_prefix
 class GroupedOrder:
     """A job's requests in prefix order (see the module docstring)."""
 
-    order: list[int]  # indices into the input list, depth-first over the trie
-    group_of: list[int]  # top-level group id per position in `order`; ids 0, 1, ... contiguous
+    order: array  # ('q') indices into the input list, depth-first over the trie
+    group_of: array  # ('q') top-level group id per position in `order`; ids 0, 1, ... contiguous
     ideal_cached_tokens: int  # tokens a never-evicting cache would serve in this order
     prompt_tokens: int  # all prompt tokens of the job
+    # ('q') per position in `order`: the leading full blocks its prompt shares with the one
+    # before (where shards are cut: kvbatch.jobs.distributed.submit.cut_shards)
+    shared_blocks: array = field(default_factory=lambda: array("q"))
 
     @property
     def num_groups(self) -> int:
@@ -178,17 +182,17 @@ def group_by_prefix(prompts: Iterable[Sequence[int]], block_size: int = 16) -> G
     for index, tokens in enumerate(prompts):
         lengths.append(len(tokens))
         trie.insert(index, block_hashes(tokens, block_size))
-    order: list[int] = []
-    group_of: list[int] = []
+    order, group_of, shared = array("q"), array("q"), array("q")  # 8 bytes a request each
     group = -1
     ideal = 0
     for index, shared_blocks, new_group in trie.walk():
         group += 1 if new_group else 0
         order.append(index)
         group_of.append(group)
+        shared.append(shared_blocks)
         # The engine leaves the last prompt token to compute: at most (len - 1) // bs blocks.
         ideal += min(shared_blocks, max(0, lengths[index] - 1) // block_size) * block_size
-    return GroupedOrder(order, group_of, ideal, sum(lengths))
+    return GroupedOrder(order, group_of, ideal, sum(lengths), shared)
 
 
 def group_boundaries(g: GroupedOrder) -> list[int]:

@@ -193,6 +193,7 @@ def _broker_error(e: Exception, app) -> str:
 
 def submit(args: argparse.Namespace) -> int:
     from kvbatch.broker.send import send_shard
+    from kvbatch.jobs.distributed.job_lines import ScanProgress
     from kvbatch.jobs.distributed.submit import prepare_job
     from kvbatch.jobs.local.run import JobError
 
@@ -229,6 +230,7 @@ def submit(args: argparse.Namespace) -> int:
             max_attempts=args.max_attempts,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            progress=ScanProgress(None),  # lines tokenized and an ETA, on stderr
         )
     except JobError as e:
         print(f"kvbatch submit: {e}", file=sys.stderr)

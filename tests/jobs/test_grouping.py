@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+from array import array
 
 import pytest
 
 from kvbatch.engine.core.outputs import CompletionOutput, RequestOutput
 from kvbatch.engine.core.sampling_params import SamplingParams
+from kvbatch.jobs.distributed.submit import shared_leading_blocks
 from kvbatch.jobs.grouping import GroupedOrder, feed_in_order, group_boundaries, group_by_prefix
 
 BS = 16
@@ -84,11 +86,11 @@ def test_rag_job_groups_documents():
     runs = [docs[b] for b in group_boundaries(g)]
     assert runs == list(dict.fromkeys(doc_of))
     assert group_boundaries(g) == list(range(0, len(prompts), CHUNKS_PER_DOC))
-    assert g.group_of == [pos // CHUNKS_PER_DOC for pos in range(len(prompts))]
+    assert list(g.group_of) == [pos // CHUNKS_PER_DOC for pos in range(len(prompts))]
     assert g.num_groups == NUM_DOCS
     # Within a group, children come in input order (stable).
     for b in group_boundaries(g):
-        chunk = g.order[b : b + CHUNKS_PER_DOC]
+        chunk = list(g.order[b : b + CHUNKS_PER_DOC])
         assert chunk == sorted(chunk)
     # A never-evicting cache would serve as much in input order: grouping pays off only when
     # the cache is smaller than the job's prefixes (the engine test below).
@@ -103,17 +105,19 @@ def test_matches_reference_on_random_tries(seed):
     prompts = [[rng.randrange(2) for _ in range(rng.randrange(0, 12))] for _ in range(60)]
     g = group_by_prefix(prompts, bs)
     order, groups = sorted_reference(prompts, bs)
-    assert g.order == order
-    assert g.group_of == groups
+    assert list(g.order) == order
+    assert list(g.group_of) == groups
     assert g.ideal_cached_tokens == brute_force_ideal(prompts, g.order, bs)
     assert g.prompt_tokens == sum(map(len, prompts))
+    ordered = [prompts[i] for i in g.order]  # what submit cuts shards by, without token lists
+    assert list(g.shared_blocks) == shared_leading_blocks(ordered, bs)
 
 
 def test_no_shared_first_block_means_own_groups():
     prompts = [[i] * 40 for i in range(5)]
     g = group_by_prefix(prompts, BS)
-    assert g.order == [0, 1, 2, 3, 4]
-    assert g.group_of == [0, 1, 2, 3, 4]
+    assert list(g.order) == [0, 1, 2, 3, 4]
+    assert list(g.group_of) == [0, 1, 2, 3, 4]
     assert group_boundaries(g) == [0, 1, 2, 3, 4]
     assert g.ideal_cached_tokens == 0
 
@@ -122,28 +126,28 @@ def test_identical_prompts():
     exact = list(range(3, 3 + 3 * BS))  # three full blocks: a hit stops one block short
     longer = exact + [7, 8, 9]  # partial last block: all three blocks can hit
     g = group_by_prefix([exact] * 4, BS)
-    assert g.order == [0, 1, 2, 3] and g.group_of == [0] * 4
+    assert list(g.order) == [0, 1, 2, 3] and list(g.group_of) == [0] * 4
     assert g.ideal_cached_tokens == 3 * 2 * BS
     g = group_by_prefix([longer] * 4, BS)
     assert g.ideal_cached_tokens == 3 * 3 * BS
     # Same full blocks, different partial block: they end at the same node, in input order.
     g = group_by_prefix([longer, exact, longer], BS)
-    assert g.order == [0, 1, 2]
+    assert list(g.order) == [0, 1, 2]
     assert g.ideal_cached_tokens == 0 + 2 * BS + 3 * BS
     # A prompt ending at a node comes before the prompts that extend it.
     extended = exact + list(range(100, 100 + BS)) + [7]
     g = group_by_prefix([extended, exact, extended], BS)
-    assert g.order == [1, 0, 2] and g.group_of == [0, 0, 0]
+    assert list(g.order) == [1, 0, 2] and list(g.group_of) == [0, 0, 0]
     assert g.ideal_cached_tokens == 0 + 3 * BS + 4 * BS
 
 
 def test_prompts_shorter_than_a_block():
     prompts = [[5] * 3, [5] * 3, [], [1] * (BS - 1), [1] * BS + [2]]
     g = group_by_prefix(prompts, BS)
-    assert g.order == [0, 1, 2, 3, 4]  # short ones (the root's) first, then the trie
-    assert g.group_of == [0, 1, 2, 3, 4]  # nothing to share: each is its own group
+    assert list(g.order) == [0, 1, 2, 3, 4]  # short ones (the root's) first, then the trie
+    assert list(g.group_of) == [0, 1, 2, 3, 4]  # nothing to share: each is its own group
     assert g.ideal_cached_tokens == 0
-    assert group_by_prefix([], BS) == GroupedOrder([], [], 0, 0)
+    assert group_by_prefix([], BS) == GroupedOrder(array("q"), array("q"), 0, 0)
     assert group_boundaries(group_by_prefix([], BS)) == []
 
 
@@ -159,7 +163,7 @@ def test_deep_prompts_do_not_recurse():
     long = list(range(1100))
     prompts = [long[: n + 1] for n in range(1100)]  # one chain of 1,100 nested nodes
     g = group_by_prefix(prompts, 1)
-    assert g.order == list(range(len(prompts)))
+    assert list(g.order) == list(range(len(prompts)))
     assert g.ideal_cached_tokens == sum(len(prompts[i - 1]) for i in range(1, len(prompts)))
 
 

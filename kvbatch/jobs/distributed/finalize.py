@@ -9,7 +9,10 @@ and the merge into output.jsonl / errors.jsonl / batch.json.
     <job>/progress/<shard_id>.json     how far a running shard is (jobs/distributed/shard_progress.py)
     <job>/finalize.json                the completion time and whether the job was cancelled,
                                        claimed once (so reruns write the same bytes)
-    <job>/output.jsonl, errors.jsonl   the merge; batch.json is written last
+    <job>/output.jsonl, errors.jsonl   the merge; batch.json is written last; streamed
+                                       (jobs/distributed/sorted_runs.py: shard results are in
+                                       prefix order, sorted runs on local disk, a k-way merge),
+                                       so a million answers are never in memory at once
 
 Every step is idempotent: a redelivered shard finds its result written (first writer wins), a
 finalizer that dies is replaced by the next call to try_finalize, and two finalizers running at
@@ -30,12 +33,15 @@ from kvbatch.jobs.distributed.cancelled import (
 )
 from kvbatch.jobs.distributed.shard_progress import running_progress
 from kvbatch.jobs.distributed.shards import ShardMessage, read_shard, read_shard_lines
+from kvbatch.jobs.distributed.sorted_runs import DEFAULT_RUN_BYTES, SortedRuns
 from kvbatch.jobs.distributed.waiting import unclaimed_hint, waiting_shards
 from kvbatch.jobs.openai_format.batch_record import MAX_BATCH_ERRORS, BatchRecord
 from kvbatch.jobs.openai_format.responses import error_line
 from kvbatch.jobs.openai_format.schemas import CHAT_URL
 from kvbatch.jobs.openai_format.validate import LineError
 from kvbatch.jobs.storage import Storage, StorageError, validate_key_part
+
+RUN_BYTES = DEFAULT_RUN_BYTES  # lines sorted in memory before they spill to a run file
 
 
 def read_manifest(job: Storage) -> dict:
@@ -157,29 +163,30 @@ def try_finalize(job: Storage) -> BatchRecord | None:
     if any(f"results/{s['shard_id']}.jsonl" not in done for s in manifest["shards"]):
         return None
 
-    answered: list[tuple[int, bytes]] = []
-    errors: list[tuple[int, bytes]] = []
     record = _record(job, manifest)
-    for shard in manifest["shards"]:
-        for raw in _read_lines(_result(job, shard["shard_id"])):
-            item = json.loads(raw)
-            line = item["record"]
-            data = json.dumps(line, ensure_ascii=False).encode() + b"\n"
-            if line.get("error"):
-                errors.append((line["error"]["line"], data))
-            else:
-                answered.append((item["index"], data))
-                record.add_usage(line["response"]["body"]["usage"])
-    for raw in _read_lines(job.join("validation_errors.jsonl")):
-        errors.append((json.loads(raw)["error"]["line"], raw))
-    answered.sort(key=lambda x: x[0])
-    errors.sort(key=lambda x: x[0])
-    with job.join("output.jsonl").open_write() as f:
-        for _, data in answered:
-            f.write(data)
-    with job.join("errors.jsonl").open_write() as f:
-        for _, data in errors:
-            f.write(data)
+    with SortedRuns(run_bytes=RUN_BYTES) as answered, SortedRuns(run_bytes=RUN_BYTES) as errors:
+        for shard in manifest["shards"]:
+            for raw in _read_lines(_result(job, shard["shard_id"])):
+                item = json.loads(raw)
+                line = item["record"]
+                data = json.dumps(line, ensure_ascii=False).encode() + b"\n"
+                if line.get("error"):
+                    errors.add(line["error"]["line"], data)
+                else:
+                    answered.add(item["index"], data)
+                    record.add_usage(line["response"]["body"]["usage"])
+        for raw in _read_lines(job.join("validation_errors.jsonl")):
+            errors.add(json.loads(raw)["error"]["line"], raw)
+        with job.join("output.jsonl").open_write() as f:
+            for _, data in answered.merged():
+                f.write(data)
+        samples = []  # the first errors, by line, for batch.json
+        with job.join("errors.jsonl").open_write() as f:
+            for _, data in errors.merged():
+                f.write(data)
+                if len(samples) < MAX_BATCH_ERRORS:
+                    samples.append(json.loads(data)["error"])
+        num_answered, num_errors = answered.count, errors.count
 
     # One completion time (and one cancelled-or-not) for every finalizer: the first claims
     # it, the others read it. A cancel that comes after this claim changes nothing.
@@ -190,10 +197,10 @@ def try_finalize(job: Storage) -> BatchRecord | None:
         claim = json.loads(f.read())
     completed_at = claim["completed_at"]
     record.finish(
-        completed=len(answered),
-        failed=len(errors),
+        completed=num_answered,
+        failed=num_errors,
         ran=int(manifest.get("num_requests") or 0),
-        samples=(json.loads(raw)["error"] for _, raw in errors[:MAX_BATCH_ERRORS]),
+        samples=samples,
     )
     record.finalizing_at = record.completed_at = completed_at
     if claim.get("cancelled"):

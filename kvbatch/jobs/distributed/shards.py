@@ -100,7 +100,9 @@ class ShardRequest:
     tool_calling: dict | None = None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as they are (the params and specs are dicts already): asdict would copy
+        every token id of the prompt one by one."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict) -> ShardRequest:

@@ -12,6 +12,11 @@ prefix (kvbatch.jobs.grouping) and cut into shards only where a top-level prefix
 shared prefix is computed by two workers; each shard holds about `shard_tokens` prompt tokens
 (a bigger group is a shard of its own). prepare_job enqueues nothing: the caller sends
 `SubmittedJob.messages`.
+
+A job of a million lines fits: the input is streamed once to validate and tokenize (token ids
+spilled to disk, a row of integers kept a line, kvbatch.jobs.distributed.job_lines), the cuts
+come from the trie's walk, and each shard's lines are read again by byte offset when it is
+written.
 """
 
 from __future__ import annotations
@@ -21,11 +26,19 @@ import hashlib
 import json
 import shutil
 import tempfile
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvbatch.engine import block_hashes
 from kvbatch.jobs import model_info
+from kvbatch.jobs.distributed.job_lines import (
+    InputScan,
+    LineTable,
+    ScanProgress,
+    local_input,
+    read_request,
+)
 from kvbatch.jobs.distributed.shards import (
     EmbeddingSpec,
     ShardMessage,
@@ -35,11 +48,12 @@ from kvbatch.jobs.distributed.shards import (
     write_shard,
 )
 from kvbatch.jobs.grouping import group_by_prefix
-from kvbatch.jobs.local.run import JobError, PreparedJob, RunOptions, prepare_requests
+from kvbatch.jobs.local.model_on_demand import GivenModel
+from kvbatch.jobs.local.prepare import JobTraits
+from kvbatch.jobs.local.run import JobError, RunOptions
 from kvbatch.jobs.local.token_store import TokenStore
 from kvbatch.jobs.model_fingerprint import FingerprintError, fingerprint
 from kvbatch.jobs.openai_format.batch_record import BatchRecord
-from kvbatch.jobs.openai_format.responses import error_line
 from kvbatch.jobs.storage import StorageError, absolute_location, open_storage
 
 DEFAULT_MAX_ATTEMPTS = 3
@@ -113,12 +127,18 @@ def prepare_job(
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    progress: ScanProgress | None = None,
 ) -> SubmittedJob:
     """Validate, tokenize, group and shard `input_uri` into `<output_prefix>/<job_id>/`.
     Raises JobError (before any work) when the input is unreadable, the output unwritable,
     the job id unsafe or already used, or the model's tokenizer cannot be read.
     `tool_call_parser` (kvbatch.jobs.openai_format.tool_parsers) goes into every shard request that needs it,
-    so the workers read answers for tool calls without a flag of their own."""
+    so the workers read answers for tool calls without a flag of their own. `progress`
+    (ScanProgress) shows the tokenizing pass on stderr.
+
+    Memory does not grow with the lines' text: see kvbatch.jobs.distributed.job_lines. A
+    failure while writing the shards (a full disk, S3 refusing) raises JobError before any
+    shard is sent; the same call with the same `job_id` then completes the job."""
     job_id = new_job_id() if job_id is None else job_id
     # Workers run in other folders (and on other machines): a relative path would name
     # another folder there.
@@ -142,25 +162,25 @@ def prepare_job(
         engine={"reasoning_parser": reasoning_parser} if reasoning_parser else {},
     )
     sharded = _write_shards(source, opts, tokenizer, max_len, job, job_id, batch_id,
-                            block_size, shard_tokens)  # fmt: skip
-    prepared = sharded.prepared
+                            block_size, shard_tokens, progress)  # fmt: skip
+    traits = sharded.traits
     record.mark_in_progress()
     record.total = sharded.num_units + sharded.num_invalid
-    record.endpoint = prepared.endpoint
+    record.endpoint = traits.endpoint.endpoint
     manifest = {
         "job_id": job_id,
         "batch_id": batch_id,
         "input": input_uri,
         "model": model,
-        "model_name": prepared.model_name,
+        "model_name": traits.job_name(),
         "created_at": record.created_at,
         "block_size": block_size,
         "max_model_len": max_len,
         # every worker without --max-model-len runs the job at this context
         # (kvbatch.jobs.job_context), whichever shards it takes
-        "longest_request": prepared.longest_request,
-        "urls": sorted(prepared.urls),
-        "endpoint": prepared.endpoint,
+        "longest_request": traits.longest,
+        "urls": sorted(traits.urls),
+        "endpoint": traits.endpoint.endpoint,
         "shards": sharded.entries,
         "num_requests": sharded.num_units,
         "num_invalid": sharded.num_invalid,
@@ -218,7 +238,7 @@ def _fingerprint(model: str) -> dict:
 class _Sharded:
     """What validating and sharding the input wrote."""
 
-    prepared: PreparedJob
+    traits: JobTraits
     num_units: int  # answered lines (an embeddings line's inputs are one unit)
     num_invalid: int
     messages: list[ShardMessage]
@@ -229,54 +249,81 @@ class _Sharded:
 
 def _write_shards(
     source, opts: RunOptions, tokenizer, max_len: int, job, job_id: str, batch_id: str,
-    block_size: int, shard_tokens: int,
+    block_size: int, shard_tokens: int, progress: ScanProgress | None,
 ) -> _Sharded:  # fmt: skip
-    """Validate and tokenize (as `kvbatch run` does), write the validation errors, order by
-    prefix and write one payload per shard."""
+    """Validate and tokenize (as `kvbatch run` does) in one streaming pass, write the
+    validation errors, order by prefix and write one payload per shard, reading each line
+    again by its byte offset (kvbatch.jobs.distributed.job_lines)."""
     spill = Path(tempfile.mkdtemp(prefix="kvbatch-submit-"))
     try:
+        path = local_input(source, spill)
+        if progress is not None:
+            progress.total = path.stat().st_size
         with TokenStore(spill) as store:
-            prepared = prepare_requests(source, opts, tokenizer, max_len, store, {})
-            errors = sorted(prepared.errors, key=lambda e: e.line)
-            job.join("validation_errors.jsonl").write_bytes(
-                b"".join(
-                    json.dumps(error_line(e, batch_id=batch_id), ensure_ascii=False).encode()
-                    + b"\n"
-                    for e in errors
-                )
-            )
-            units = line_units(prepared.input_index)
-            order = group_by_prefix((store[u[0]] for u in units), block_size)
-            lengths = [sum(len(store[i]) for i in units[u]) for u in order.order]
-            shared = shared_leading_blocks([store[units[u][0]] for u in order.order], block_size)
+            scan = InputScan(path, opts, GivenModel(tokenizer, max_len), store,
+                             spill / "errors.jsonl", batch_id, progress)  # fmt: skip
+            order = group_by_prefix(scan.prompts(), block_size)
+            scanned = scan.result
+            table = scanned.table
+            _write_errors(job, job_id, scanned.errors_path)
+            lengths = array("q", (table.tokens[u] for u in order.order))
             messages, entries = [], []
-            for n, (a, b) in enumerate(cut_shards(lengths, shared, shard_tokens)):
-                shard_id = f"shard-{n:05d}"
-                reqs = [
-                    _shard_request(u, prepared.requests[units[u][0]], [store[i] for i in units[u]])
-                    for u in order.order[a:b]
-                ]
-                msg = write_shard(job, job_id, shard_id, reqs)
-                messages.append(msg)
-                entries.append(
-                    {
-                        "shard_id": shard_id,
-                        "uri": msg.uri,
-                        "sha256": msg.sha256,
-                        "num_requests": b - a,
-                        "prompt_tokens": sum(lengths[a:b]),
-                    }
-                )
+            with open(path, "rb") as f:
+                cuts = cut_shards(lengths, order.shared_blocks, shard_tokens)
+                for n, (a, b) in enumerate(cuts):
+                    shard_id = f"shard-{n:05d}"
+                    reqs = [_shard_request(u, f, table, store, opts, max_len)
+                            for u in order.order[a:b]]  # fmt: skip
+                    msg = _write_shard(job, job_id, shard_id, reqs, n, len(cuts))
+                    messages.append(msg)
+                    entries.append(
+                        {
+                            "shard_id": shard_id,
+                            "uri": msg.uri,
+                            "sha256": msg.sha256,
+                            "num_requests": b - a,
+                            "prompt_tokens": sum(lengths[a:b]),
+                        }
+                    )
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     return _Sharded(
-        prepared,
-        len(units),
-        len(errors),
+        scanned.traits,
+        len(table),
+        scanned.num_errors,
         messages,
         entries,
         order.prompt_tokens,
         order.ideal_cached_tokens,
+    )
+
+
+def _write_errors(job, job_id: str, path: Path) -> None:
+    """validation_errors.jsonl, streamed from the spill file (already in line order)."""
+    try:
+        with open(path, "rb") as src, job.join("validation_errors.jsonl").open_write() as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+    except (StorageError, OSError) as e:
+        raise JobError(
+            _unfinished(job_id, job, f"writing validation_errors.jsonl failed: {e}")
+        ) from e
+
+
+def _write_shard(job, job_id: str, shard_id: str, reqs, n: int, total: int) -> ShardMessage:
+    """One shard's payload; a failed write (a full disk, S3 refusing) names how to finish the
+    job: nothing was sent yet, so the same job id submitted again completes it."""
+    try:
+        return write_shard(job, job_id, shard_id, reqs)
+    except (StorageError, OSError) as e:
+        raise JobError(
+            _unfinished(job_id, job, f"writing shard {n + 1} of {total} ({shard_id}) failed: {e}")
+        ) from e
+
+
+def _unfinished(job_id: str, job, why: str) -> str:
+    return (
+        f"job {job_id} at {job.uri} is not submitted: {why}. No shard was sent; once the "
+        f"cause is fixed, run the same `kvbatch submit` with --job-id {job_id} to complete it"
     )
 
 
@@ -288,32 +335,27 @@ def _publish(job, job_id: str, record: BatchRecord, manifest: dict) -> None:
         raise JobError(f"job {job_id} was created concurrently at {job.uri}")
 
 
-def line_units(input_index: list[int]) -> list[list[int]]:
-    """The token-store entries of each answered line, in order: one entry per line, but one
-    per input of an embeddings line (input_index 0, 1, ...), kept together in one shard."""
-    units: list[list[int]] = []
-    for i, k in enumerate(input_index):
-        if k == 0:
-            units.append([i])
-        else:
-            units[-1].append(i)
-    return units
-
-
-def _shard_request(index: int, req, prompts: list[list[int]]) -> ShardRequest:
+def _shard_request(unit: int, f, table: LineTable, store: TokenStore, opts: RunOptions,
+                   max_len: int) -> ShardRequest:  # fmt: skip
+    """Answered line `unit` as a shard request: the line read again, its tokens from the
+    store."""
+    req = read_request(f, table, unit, opts, max_len)
+    entry = table.entry[unit]
+    end = table.entry[unit + 1] if unit + 1 < len(table) else len(store)
+    prompts = [store[i] for i in range(entry, end)]
     embedding = None
     if req.is_embedding:
         embedding = EmbeddingSpec(
-            inputs=[[int(t) for t in ids] for ids in prompts],
+            inputs=prompts,
             dimensions=req.dimensions,
             encoding_format=req.encoding_format,
         ).to_dict()
     return ShardRequest(
-        index=index,
+        index=unit,
         line=req.line,
         custom_id=req.custom_id,
         url=req.url,
-        prompt_token_ids=[int(t) for t in prompts[0]],
+        prompt_token_ids=prompts[0],
         params=dataclasses.asdict(req.params),
         logprobs=req.logprobs,
         max_tokens=req.max_tokens,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,14 +73,95 @@ def prepare_lines(source, opts: RunOptions, model, store: TokenStore, done: Mapp
     line_of: dict[str, int] = {}
     digest_of: dict[str, str] = {}
     errors: list[LineError] = []
-    job_model = opts.model_name
-    model_decided = job_model is not None  # by the flag, or else by the first valid line
-    endpoint = EndpointRule()
     input_index: list[int] = []
-    urls: set[str] = set()
+    traits = JobTraits(opts)
+    for item in scan_lines(source, opts, model, done, traits):
+        if isinstance(item, LineError):
+            errors.append(item)
+            continue
+        line_of[item.custom_id] = item.line
+        digest_of[item.custom_id] = item.digest
+        if isinstance(item, AnsweredLine):
+            continue
+        for i, ids in enumerate(item.inputs):
+            requests.append(item.request)
+            input_index.append(i)
+            store.append(ids)
+    return PreparedJob(
+        requests, line_of, digest_of, errors, traits.job_name(), traits.urls, input_index,
+        traits.endpoint.endpoint, traits.longest,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PreparedLine:
+    """A valid line to run: its request (text dropped), its token ids and where it lies in the
+    input (so a second pass can read it again instead of keeping it)."""
+
+    request: JobRequest
+    inputs: list[list[int]]  # the prompt's token ids, or one list per embeddings input
+    offset: int  # byte offset of the line in the input
+    size: int  # its length in bytes
+    digest: str  # line_digest of the line
+
+    @property
+    def custom_id(self) -> str:
+        return self.request.custom_id
+
+    @property
+    def line(self) -> int:
+        return self.request.line
+
+
+@dataclass(frozen=True)
+class AnsweredLine:
+    """A valid line that `done` (--resume) says is answered already, with these same bytes."""
+
+    custom_id: str
+    line: int
+    digest: str
+
+
+class JobTraits:
+    """What the validation pass learns of the whole job, in a few values whatever its size:
+    the job's model, the urls and endpoint of its lines, and its longest request."""
+
+    def __init__(self, opts: RunOptions) -> None:
+        self.opts = opts
+        self.model = opts.model_name
+        self.model_decided = self.model is not None  # by the flag, or by the first valid line
+        self.endpoint = EndpointRule()
+        self.urls: set[str] = set()
+        self.longest = 0  # prompt + output cap of the longest request (kvbatch.jobs.job_context)
+        self.reasoning: str | None = None  # the job's reasoning parser, from its first chat line
+        self.reasoning_read = False
+
+    def job_name(self) -> str:
+        return self.model or Path(self.opts.model.rstrip("/")).name
+
+    def model_error(self, item: JobRequest) -> LineError | None:
+        """A line naming another model than the job's (the first valid line decides it)."""
+        if not self.model_decided:
+            self.model, self.model_decided = item.model, True
+        elif item.model is not None and self.model is not None and item.model != self.model:
+            return LineError(
+                item.line,
+                item.custom_id,
+                "model_mismatch",
+                f"line {item.line}: model {item.model!r} differs from the job's model "
+                f"{self.model!r}: a batch runs one model; split the file",
+            )
+        return None
+
+
+def scan_lines(
+    source, opts: RunOptions, model, done: Mapping[str, str], traits: JobTraits
+) -> Iterator[LineError | PreparedLine | AnsweredLine]:
+    """The validation pass as a stream: one record per non-blank line, in input order, holding
+    nothing of the lines already yielded (but validate_lines' set of custom_ids): a LineError,
+    an AnsweredLine (skipped: `done` has its digest) or a PreparedLine. `traits` collects what
+    the job as a whole needs."""
     params_seen: dict = {}  # identical SamplingParams are shared: millions of lines, few kinds
-    longest = 0
-    reasoning, reasoning_read = None, False  # the job's reasoning parser, from its first chat line
     try:
         with source.open_read() as f:
             lines = _LastLine(read_lines(f))
@@ -88,70 +169,54 @@ def prepare_lines(source, opts: RunOptions, model, store: TokenStore, done: Mapp
                 lines, model=opts.model_name, tool_call_parser=opts.tool_call_parser
             ):
                 if isinstance(item, LineError):
-                    errors.append(item)
+                    yield item
                     continue
-                line_of[item.custom_id] = item.line
-                mismatch = endpoint.check(item)
+                mismatch = traits.endpoint.check(item) or traits.model_error(item)
                 if mismatch is not None:
-                    errors.append(mismatch)
+                    yield mismatch
                     continue
-                if not model_decided:
-                    job_model, model_decided = item.model, True
-                elif item.model is not None and job_model is not None and item.model != job_model:
-                    errors.append(
-                        LineError(
-                            item.line,
-                            item.custom_id,
-                            "model_mismatch",
-                            f"line {item.line}: model {item.model!r} differs from the job's model "
-                            f"{job_model!r}: a batch runs one model; split the file",
-                        )
-                    )
-                    continue
-                urls.add(item.url)
+                traits.urls.add(item.url)
                 digest = line_digest(lines.last)
-                digest_of[item.custom_id] = digest
                 if done.get(item.custom_id) == digest:
+                    yield AnsweredLine(item.custom_id, item.line, digest)
                     continue
-                if item.is_embedding:
-                    try:
-                        inputs = embedding_token_ids(item, model.tokenizer, model.max_model_len)
-                    except PromptError as e:
-                        errors.append(e.line_error(item))
-                        continue
-                    item = dataclasses.replace(item, inputs=None)
-                    longest = max(longest, *(request_tokens(len(ids), None) for ids in inputs))
-                    for i, ids in enumerate(inputs):
-                        requests.append(item)
-                        input_index.append(i)
-                        store.append(ids)
-                    continue
-                if item.messages is not None and not reasoning_read:
-                    reasoning, reasoning_read = job_reasoning_parser(opts, model.tokenizer), True
+                if item.messages is not None and not traits.reasoning_read:
+                    traits.reasoning = job_reasoning_parser(opts, model.tokenizer)
+                    traits.reasoning_read = True
                 try:
-                    ids = prompt_token_ids(item, model.tokenizer, model.max_model_len, reasoning)
-                    params = sampling_params_for(item, len(ids), model.max_model_len)
+                    request, inputs = tokenized(item, model, params_seen, traits.reasoning)
                 except PromptError as e:
-                    errors.append(
-                        LineError(item.line, item.custom_id, e.code, f"line {item.line}: {e}")
-                    )
+                    yield e.line_error(item)
                     continue
-                try:
-                    params = params_seen.setdefault(params, params)
-                except TypeError:  # a logit_bias dict makes the params unhashable: not shared
-                    pass
-                requests.append(
-                    dataclasses.replace(item, messages=None, prompt=None, tools=None, params=params)
-                )
-                input_index.append(0)
-                store.append(ids)
-                longest = max(longest, request_tokens(len(ids), params))
+                traits.longest = max(
+                    traits.longest,
+                    *(request_tokens(len(ids), None if request.is_embedding else request.params)
+                      for ids in inputs),
+                )  # fmt: skip
+                yield PreparedLine(request, inputs, lines.offset, lines.size, digest)
     except StorageError as e:
         raise JobError(str(e)) from e
-    name = job_model or Path(opts.model.rstrip("/")).name
-    return PreparedJob(
-        requests, line_of, digest_of, errors, name, urls, input_index, endpoint.endpoint, longest
-    )
+
+
+def tokenized(
+    item: JobRequest, model, params_seen: dict | None = None, reasoning: str | None = None
+):
+    """(the request with its text dropped, its token ids: one list, or one per embeddings
+    input). Raises PromptError (with the line's own message) when a prompt cannot run.
+    `params_seen` shares equal SamplingParams between lines; `reasoning` names the job's
+    reasoning parser (gpt-oss prompts are rendered by harmony)."""
+    if item.is_embedding:
+        inputs = embedding_token_ids(item, model.tokenizer, model.max_model_len)
+        return dataclasses.replace(item, inputs=None), inputs
+    ids = prompt_token_ids(item, model.tokenizer, model.max_model_len, reasoning)
+    params = sampling_params_for(item, len(ids), model.max_model_len)
+    if params_seen is not None:
+        try:
+            params = params_seen.setdefault(params, params)
+        except TypeError:  # a logit_bias dict makes the params unhashable: not shared
+            pass
+    request = dataclasses.replace(item, messages=None, prompt=None, tools=None, params=params)
+    return request, [ids]
 
 
 def job_reasoning_parser(opts: RunOptions, tokenizer) -> str | None:
@@ -169,14 +234,19 @@ def line_digest(raw: bytes) -> str:
 
 
 class _LastLine:
-    """Iterates a file's lines and remembers the last one: validate_lines is lazy (one record
-    per line, yielded before the next line is read), so it is the line of the record in hand."""
+    """Iterates a file's lines and remembers the last one, its byte offset and its size:
+    validate_lines is lazy (one record per line, yielded before the next line is read), so it
+    is the line of the record in hand."""
 
     def __init__(self, lines) -> None:
         self._lines = lines
         self.last = b""
+        self.offset = 0
+        self.size = 0
 
     def __iter__(self):
         for raw in self._lines:
             self.last = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
+            self.offset += self.size
+            self.size = getattr(raw, "size", len(self.last))  # an OversizedLine's whole length
             yield raw

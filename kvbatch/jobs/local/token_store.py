@@ -1,7 +1,8 @@
 """Tokenized prompts spilled to a file, so a job of millions of lines keeps memory flat.
 
-Prompts are appended once (validation pass) as int32 and read back by index (run pass) through
-a memory map: the process holds one offset per prompt, not the tokens.
+Prompts are appended once (validation pass) as int32 and read back by index (run pass) with
+one positioned read each: the process holds one offset per prompt, not the tokens (a memory
+map would count every page read against the process's resident memory).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ class TokenStore:
         self._file = os.fdopen(fd, "wb")
         self._path = name
         self._offsets = array("q", [0])
-        self._map: np.ndarray | None = None
+        self._reader = None  # opened at the first read: no appends after it
 
     def append(self, token_ids: list[int]) -> int:
         """Store one prompt; returns its index."""
-        if self._map is not None:
+        if self._reader is not None:
             raise RuntimeError("the store is sealed: no appends after the first read")
         self._file.write(np.asarray(token_ids, dtype=np.int32).tobytes())
         self._offsets.append(self._offsets[-1] + len(token_ids))
@@ -34,19 +35,18 @@ class TokenStore:
         return len(self._offsets) - 1
 
     def __getitem__(self, index: int) -> list[int]:
-        if self._map is None:
+        if self._reader is None:
             self._file.flush()
-            total = self._offsets[-1]
-            self._map = (
-                np.memmap(self._path, dtype=np.int32, mode="r", shape=(total,))
-                if total
-                else np.zeros(0, dtype=np.int32)
-            )
-        return self._map[self._offsets[index] : self._offsets[index + 1]].tolist()
+            self._reader = open(self._path, "rb", buffering=0)  # noqa: SIM115 (closed by close)
+        start, end = self._offsets[index], self._offsets[index + 1]
+        data = os.pread(self._reader.fileno(), 4 * (end - start), 4 * start)
+        return np.frombuffer(data, dtype=np.int32).tolist()
 
     def close(self) -> None:
         self._file.close()
-        self._map = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         Path(self._path).unlink(missing_ok=True)
 
     def __enter__(self) -> TokenStore:

@@ -1,0 +1,147 @@
+"""`kvbatch bench submit-lines --lines 10000,100000,1000000`: the submit half of a large job.
+
+For each size, a chat job of documents x questions (about 1.7 KB a line,
+kvbatch.bench.submit_workload) is written once into --workdir, then submitted
+(kvbatch.jobs.distributed.submit.prepare_job: validate, tokenize, group, write the shards; no
+broker, which only carries a pointer per shard) in a fresh process each, so every row's peak
+resident memory is its own. The table gives seconds, seconds of CPU, microseconds a line and
+the peak RSS; the targets are a flat time a line and a peak RSS that does not grow with the
+job beyond a few integers and the trie's hashes a line.
+
+`--bad-line N` replaces line N of every job that long with a malformed line: it must come back
+as one error record with its line number, the rest of the job submitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvbatch.bench.submit_workload import write_chat_job
+from kvbatch.bench.text_table import format_rows
+
+DEFAULT_LINES = "10000,100000"
+BAD_LINE = b'{"custom_id": "broken", "method": "POST", "url": '
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvbatch bench submit-lines", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--lines", default=DEFAULT_LINES, help="job sizes, comma-separated")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a model folder whose tokenizer and chat template submit uses "
+        "(default: SmolLM2-135M-Instruct, fetched once)",
+    )
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/kvbatch-submit-bench"))
+    p.add_argument("--shard-tokens", type=int, default=200_000)
+    p.add_argument("--bad-line", type=int, default=None, help="a malformed line at this line")
+    p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's size
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    model = args.model or str(_smollm2())
+    if args.one is not None:
+        print(json.dumps(_submit_one(args, model, args.one)))
+        return 0
+    rows = []
+    for n in (int(x) for x in args.lines.split(",")):
+        _input(args, n)
+        cmd = [sys.executable, "-m", "kvbatch.bench.submit_bench", "--one", str(n), "--model",
+               model, "--workdir", str(args.workdir), "--shard-tokens", str(args.shard_tokens)]  # fmt: skip
+        if args.bad_line:
+            cmd += ["--bad-line", str(args.bad_line)]
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, check=True)  # progress on stderr
+        rows.append(json.loads(done.stdout.decode().strip().splitlines()[-1]))
+        print(_table(rows), file=sys.stderr)
+    print(_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def _smollm2() -> Path:
+    from kvbatch.fetch import smollm2_dir
+
+    return smollm2_dir()
+
+
+def _input(args, n: int) -> Path:
+    bad = args.bad_line if args.bad_line and args.bad_line <= n else None
+    path = args.workdir / f"chat-{n}{f'-bad{bad}' if bad else ''}.jsonl"
+    if not path.exists():
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        write_chat_job(tmp, n, bad_lines={bad: BAD_LINE} if bad else None)
+        tmp.rename(path)
+    return path
+
+
+def _submit_one(args, model: str, n: int) -> dict:
+    from kvbatch.jobs.distributed.job_lines import ScanProgress
+    from kvbatch.jobs.distributed.submit import prepare_job
+    from kvbatch.jobs.model_info import load_tokenizer
+
+    load_tokenizer(model)  # imports transformers: not the job's cost
+    src = _input(args, n)
+    out = args.workdir / f"out-{n}"
+    shutil.rmtree(out, ignore_errors=True)
+    wall, cpu = time.perf_counter(), time.process_time()
+    job = prepare_job(
+        str(src), str(out), model, shard_tokens=args.shard_tokens, job_id="bench",
+        progress=ScanProgress(None),
+    )  # fmt: skip
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    errors = [json.loads(x) for x in (out / "bench" / "validation_errors.jsonl").open("rb")]
+    shutil.rmtree(out, ignore_errors=True)
+    return {
+        "lines": n,
+        "bytes": src.stat().st_size,
+        "seconds": round(wall, 1),
+        "cpu_seconds": round(cpu, 1),
+        "us_per_line": round(1e6 * wall / n),
+        "cpu_us_per_line": round(1e6 * cpu / n),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "shards": len(job.messages),
+        "requests": job.num_requests,
+        "invalid": job.num_invalid,
+        "error_lines": [e["error"]["line"] for e in errors[:3]],
+    }
+
+
+def _table(rows: list[dict]) -> str:
+    head = ["lines", "input", "s", "CPU s", "us/line", "CPU us/line", "peak RSS", "shards",
+            "invalid (lines)"]  # fmt: skip
+    body = [
+        [
+            str(c)
+            for c in [
+                f"{r['lines']:,}",
+                f"{r['bytes'] / 1e6:.0f} MB",
+                r["seconds"],
+                r["cpu_seconds"],
+                r["us_per_line"],
+                r["cpu_us_per_line"],
+                f"{r['peak_rss_mb']} MB",
+                r["shards"],
+                f"{r['invalid']} {r['error_lines']}",
+            ]
+        ]  # fmt: skip
+        for r in rows
+    ]
+    return "\n".join(format_rows([head, *body]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
