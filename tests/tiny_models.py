@@ -30,6 +30,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 LLAMA_KINDS = ("llama-gqa", "llama-mha", "llama3-rope", "qwen2", "mistral", "llama-sharded")
@@ -47,7 +48,18 @@ SLIDING_KINDS = ("mistral-window",)
 GEMMA_KINDS = ("gemma2", "gemma3")
 """Gemma's layer (engine/models/gemma.py), local and global layers alternating."""
 
-KINDS = LLAMA_KINDS + ("qwen3",) + MOE_KINDS + PHI3_KINDS + SLIDING_KINDS + GEMMA_KINDS
+DENSE_2026_KINDS = ("smollm3",)
+"""The dense families of 2026, each its own file in engine/models/."""
+
+KINDS = (
+    LLAMA_KINDS
+    + ("qwen3",)
+    + MOE_KINDS
+    + PHI3_KINDS
+    + SLIDING_KINDS
+    + GEMMA_KINDS
+    + DENSE_2026_KINDS
+)
 """Every kind build_tiny_checkpoint knows."""
 
 _SEED_SALT = {
@@ -65,6 +77,7 @@ _SEED_SALT = {
     "mistral-window": 10,
     "gemma2": 11,
     "gemma3": 12,
+    "smollm3": 13,
 }
 
 VOCAB_SIZE = 512
@@ -185,6 +198,16 @@ def tiny_config(kind: str) -> PretrainedConfig:
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
             },
+        )
+    if kind == "smollm3":
+        # Layers 1 and 3 are NoPE layers (no_rope_layer_interval 2: no_rope_layers [1, 0, 1,
+        # 0], 1 = uses RoPE); use_sliding_window gives the NoPE layers the window, as
+        # transformers' SmolLM3Config builds layer_types.
+        return SmolLM3Config(
+            **{**_SIZES, "num_hidden_layers": 4, "pad_token_id": 0},
+            no_rope_layer_interval=2,
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW,
         )
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(KINDS)}")
 

@@ -64,6 +64,8 @@ class ModelConfig:
     moe: MoeConfig | None = None  # the experts of mixture-of-experts models
     gemma: GemmaConfig | None = None  # Gemma 2 / 3 (engine/models/gemma.py)
     has_lm_head: bool = True  # False for a base model (Architecture.base_model): embeds only
+    # An architecture's own settings (Architecture.read_family_config), read by its model file
+    family: object | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -121,10 +123,13 @@ class ModelConfig:
         sliding = getattr(hf_config, "sliding_window", None)
         if arch.startswith("Qwen") and not getattr(hf_config, "use_sliding_window", False):
             sliding = None
+        switch = entry.sliding_window_switch
+        if switch is not None and not getattr(hf_config, switch, False):
+            sliding = None
         layer_types = tuple(getattr(hf_config, "layer_types", None) or ())
         if layer_types and "sliding_attention" not in layer_types:
             sliding = None
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
@@ -148,6 +153,9 @@ class ModelConfig:
             gemma=GemmaConfig.from_hf(arch, hf_config, head_dim),
             has_lm_head=has_lm_head,
         )
+        if entry.read_family_config is not None:
+            fields["family"] = entry.read_family_config(hf_config, fields)
+        return cls(**fields)
 
 
 def _has_qkv_bias(architecture: Architecture, hf_config) -> bool:
