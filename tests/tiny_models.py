@@ -24,6 +24,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo3Config,
     Phi3Config,
     PretrainedConfig,
     Qwen2Config,
@@ -48,7 +49,7 @@ SLIDING_KINDS = ("mistral-window",)
 GEMMA_KINDS = ("gemma2", "gemma3")
 """Gemma's layer (engine/models/gemma.py), local and global layers alternating."""
 
-DENSE_2026_KINDS = ("smollm3",)
+DENSE_2026_KINDS = ("smollm3", "olmo3")
 """The dense families of 2026, each its own file in engine/models/."""
 
 KINDS = (
@@ -78,6 +79,7 @@ _SEED_SALT = {
     "gemma2": 11,
     "gemma3": 12,
     "smollm3": 13,
+    "olmo3": 14,
 }
 
 VOCAB_SIZE = 512
@@ -208,6 +210,24 @@ def tiny_config(kind: str) -> PretrainedConfig:
             no_rope_layer_interval=2,
             use_sliding_window=True,
             sliding_window=SLIDING_WINDOW,
+        )
+    if kind == "olmo3":
+        # Three local layers and a global one (transformers' default pattern), the global
+        # layers' RoPE YaRN-scaled past a 64-token pretraining length on a base of their own,
+        # q/k/v/o biases.
+        return Olmo3Config(
+            **{**_SIZES, "num_hidden_layers": 4, "max_position_embeddings": 256},
+            sliding_window=SLIDING_WINDOW,
+            attention_bias=True,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": 500000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            },
         )
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(KINDS)}")
 

@@ -21,7 +21,7 @@ ENGINE_SETTINGS = {
     "cache": dict(enable_prefix_caching=True),
     "chunked": dict(enable_prefix_caching=True, max_num_batched_tokens=7),
     # preemption: a few requests' worth of blocks, 16 tokens a step
-    "tiny-pool": dict(num_kv_blocks=16, max_model_len=128, max_num_batched_tokens=16),
+    "tiny-pool": dict(num_kv_blocks=24, max_model_len=128, max_num_batched_tokens=16),
     "one-table": dict(num_kv_blocks=9, max_model_len=128, max_num_batched_tokens=64,
                       sliding_window_kv=False),
 }  # fmt: skip
