@@ -20,6 +20,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
@@ -49,7 +50,7 @@ SLIDING_KINDS = ("mistral-window",)
 GEMMA_KINDS = ("gemma2", "gemma3")
 """Gemma's layer (engine/models/gemma.py), local and global layers alternating."""
 
-DENSE_2026_KINDS = ("smollm3", "olmo3")
+DENSE_2026_KINDS = ("smollm3", "olmo3", "gemma4", "gemma4-dense")
 """The dense families of 2026, each its own file in engine/models/."""
 
 KINDS = (
@@ -80,6 +81,8 @@ _SEED_SALT = {
     "gemma3": 12,
     "smollm3": 13,
     "olmo3": 14,
+    "gemma4": 15,
+    "gemma4-dense": 16,
 }
 
 VOCAB_SIZE = 512
@@ -229,7 +232,43 @@ def tiny_config(kind: str) -> PretrainedConfig:
                 },
             },
         )
+    if kind in ("gemma4", "gemma4-dense"):
+        return gemma4_config(full=kind == "gemma4")
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+def gemma4_config(full: bool) -> Gemma4TextConfig:
+    """Six layers, local, local, global, twice; the local layers with head_dim 16 and one KV
+    head, the global ones with head_dim 32: caches of two shapes, a slot's blocks strided. Per-layer inputs of 8, a final soft-cap. `full`: the
+    last two layers share the KV of layers 3 and 2 (with double-wide MLPs), the global layers'
+    V is their K (attention_k_eq_v), and every layer has the MoE block beside its MLP."""
+    extra = dict(
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        attention_k_eq_v=True,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    )
+    return Gemma4TextConfig(
+        **{
+            **_SIZES,
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+            "num_hidden_layers": 6,
+            "num_key_value_heads": 1,
+        },
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB_SIZE,
+        final_logit_softcapping=8.0,
+        **(extra if full else {}),
+    )
 
 
 def build_tiny_checkpoint(kind: str, path: Path, seed: int = 0, **config_overrides) -> Path:
@@ -246,6 +285,10 @@ def build_tiny_checkpoint(kind: str, path: Path, seed: int = 0, **config_overrid
     # Kinds with the same tensor names and shapes (llama-gqa, llama3-rope, mistral) would
     # otherwise get the same weights; llama-sharded keeps llama-gqa's on purpose.
     randomize_weights(model, seed * len(KINDS) + _SEED_SALT[kind])
+    with torch.no_grad():  # Gemma 4's per-layer output scale is a buffer, saved with the weights
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.fill_(0.5 + 0.1 * int(name.split(".")[2]))
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
     path = Path(path)
     shard = "100KB" if kind == "llama-sharded" else "1GB"

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 TEXT_MODEL_OF = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
 }
 """Vision-language architectures whose text model the engine runs, and that model's name."""
 
@@ -41,6 +42,9 @@ _VISION_PREFIXES = (
     "vision_tower.",
     "model.multi_modal_projector.",
     "multi_modal_projector.",
+    "model.audio_tower.",  # Gemma 4: the audio tower and both towers' embedders
+    "model.embed_vision.",
+    "model.embed_audio.",
 )
 
 

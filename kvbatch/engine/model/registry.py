@@ -39,6 +39,9 @@ class Architecture:
     # (transformers config, ModelConfig's fields so far) -> the family's own settings, kept in
     # ModelConfig.family for its model file (SmolLM3's NoPE layers, Gemma 4's shapes)
     read_family_config: Callable[[object, dict], object] | None = None
+    # config.json's per_layer_config gives some layers another shape (Gemma 4): its global
+    # head_dim and KV heads are then the other layers', and the family config reads the rest
+    per_layer_shapes: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {}

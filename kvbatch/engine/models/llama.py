@@ -91,6 +91,18 @@ class ModelConfig:
             return self.gemma.layer_attention(window)
         return LayerAttention(sliding_window=window)
 
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head_dim) of layer `layer`'s cache: the model's, unless its family gives
+        some layers another shape (Gemma 4's full-attention layers)."""
+        shape = getattr(self.family, "kv_shape", None)
+        return shape(layer) if shape is not None else (self.num_kv_heads, self.head_dim)
+
+    def kv_owner(self, layer: int) -> int:
+        """The layer whose cache layer `layer` reads: itself, or for a KV-shared layer
+        (Gemma 4) an earlier one; a layer that is not its own owner holds no KV."""
+        owner = getattr(self.family, "kv_owner", None)
+        return owner(layer) if owner is not None else layer
+
     @property
     def attention_break_even_context(self) -> int:
         """The context length at which one token's attention FLOPs (QK and PV: 4 x heads x
@@ -115,6 +127,8 @@ class ModelConfig:
                 f"the text model of {', '.join(TEXT_MODEL_OF)}"
             )
         check_supported_features(entry, hf_config)
+        if entry.per_layer_shapes:  # transformers refuses the global values unless told
+            hf_config.allow_global_per_layer_attribute_access = True
         arch = entry.name
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads

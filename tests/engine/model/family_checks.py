@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvbatch.engine import LLM, SamplingParams
+from kvbatch.engine.core.spec_config import SpecConfig
 from kvbatch.engine.model.loader import load_model
 from tests.engine.core.test_llm import random_prompts, tokens
 from tests.engine.model.test_model import prefill_logits
@@ -50,10 +51,9 @@ def assert_ngram_spec_matches(path) -> None:
     were proposed and verified (rejected drafts rolled back)."""
     prompts = copy_prompts()
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    llm = LLM(
-        str(path), device="cpu", num_kv_blocks=96, max_model_len=256,
-        speculative="ngram", num_speculative_tokens=3,
-    )  # fmt: skip
+    # single-token lookups too: a tiny random model rarely repeats a whole bigram of its prompt
+    spec = SpecConfig("ngram", num_speculative_tokens=3, ngram_min=1)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=96, max_model_len=256, speculative=spec)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert tokens(outs) == hf_greedy(path, prompts, params.max_tokens, ignore_eos=True)
     assert sum(o.spec_stats.num_draft_tokens for o in outs if o.spec_stats) > 0
