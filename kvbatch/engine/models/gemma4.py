@@ -195,7 +195,9 @@ class Gemma4Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.shared:
             q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-            q, _ = rotation(q, q[:, :0])
+            # a rotation turns q and k together: a one-head scratch k (the Triton kernel
+            # wants at least one head of each)
+            q, _ = rotation(q, q[:, :1].clone())
             k, v, scales = shared_kv
         else:
             qkv = self.qkv_proj(x)

@@ -58,3 +58,16 @@ def assert_ngram_spec_matches(path) -> None:
     assert tokens(outs) == hf_greedy(path, prompts, params.max_tokens, ignore_eos=True)
     assert sum(o.spec_stats.num_draft_tokens for o in outs if o.spec_stats) > 0
     llm.engine.kv.check_integrity()
+
+
+def assert_triton_matches(path) -> None:
+    """The triton backend's kernels (TRITON_INTERPRET=1 on the CPU) give transformers' greedy
+    tokens too, window groups on."""
+    prompts = random_prompts(512, (7, 30), seed=5)
+    llm = LLM(
+        str(path), device="cpu", dtype="float32", attention_backend="triton",
+        num_kv_blocks=64, max_model_len=128,
+    )  # fmt: skip
+    assert llm.engine.runner.backend.name == "triton"
+    got = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert got == hf_greedy(path, prompts, GREEDY.max_tokens, ignore_eos=True)

@@ -28,6 +28,7 @@ from tests.engine.model.family_checks import (
     GREEDY,
     assert_logits_match,
     assert_ngram_spec_matches,
+    assert_triton_matches,
 )
 from tests.engine.model.test_model import prefill_logits
 from tests.engine.model.test_window_kv import whole_requests_at_once
@@ -108,6 +109,13 @@ def test_greedy_matches_transformers(tiny_models, kind, settings):
 
 def test_ngram_speculative_decoding_matches_transformers(tiny_models):
     assert_ngram_spec_matches(tiny_models("gemma4"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_triton_backend_matches_transformers(tiny_models, kind):
+    """The kernels read and write the strided caches of a slot shared by two shapes, and the
+    KV-shared layers' q-only rotation."""
+    assert_triton_matches(tiny_models(kind))
 
 
 def test_caches_of_two_shapes_share_a_slot(tiny_models):

@@ -21,6 +21,7 @@ from tests.engine.model.family_checks import (
     GREEDY,
     assert_logits_match,
     assert_ngram_spec_matches,
+    assert_triton_matches,
 )
 from tests.engine.model.test_model import prefill_logits
 from tests.reference import assert_greedy_matches_transformers, hf_logits
@@ -81,3 +82,7 @@ def test_local_layers_run_in_window_groups(tiny_models):
 
 def test_ngram_speculative_decoding_matches_transformers(tiny_models):
     assert_ngram_spec_matches(tiny_models("olmo3"))
+
+
+def test_triton_backend_matches_transformers(tiny_models):
+    assert_triton_matches(tiny_models("olmo3"))

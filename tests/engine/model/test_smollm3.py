@@ -19,6 +19,7 @@ from tests.engine.model.family_checks import (
     GREEDY,
     assert_logits_match,
     assert_ngram_spec_matches,
+    assert_triton_matches,
 )
 from tests.engine.model.test_model import prefill_logits
 from tests.reference import assert_greedy_matches_transformers, hf_logits
@@ -79,3 +80,7 @@ def test_greedy_matches_transformers(tiny_models, settings):
 
 def test_ngram_speculative_decoding_matches_transformers(tiny_models):
     assert_ngram_spec_matches(tiny_models("smollm3"))
+
+
+def test_triton_backend_matches_transformers(tiny_models):
+    assert_triton_matches(tiny_models("smollm3"))
