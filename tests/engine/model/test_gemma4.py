@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForImageTextToText, Gemma4Config
 
 from kvbatch.engine import LLM
+from kvbatch.engine.model.gguf import GgufFile, complete_config
 from kvbatch.engine.model.loader import load_model
 from kvbatch.engine.models.gemma4 import Gemma4ForCausalLM, kv_owners
 from tests.engine.core.test_llm import random_prompts, shared_prefix_prompts
@@ -194,3 +195,10 @@ def test_the_text_model_of_a_multimodal_checkpoint(tmp_path, caplog):
     with torch.inference_mode():
         ref = model.eval()(torch.tensor([ids])).logits[0].float()
     torch.testing.assert_close(prefill_logits(loaded.model, ids, 9), ref, atol=ATOL, rtol=0)
+
+
+def test_a_gemma4_gguf_file_is_refused():
+    """transformers' GGUF reader maps few of Gemma 4's keys: the file is refused, not misread."""
+    file = GgufFile("gemma4", {"general.architecture": "gemma4"}, {})
+    with pytest.raises(ValueError, match="Gemma 4 GGUF files are not supported yet"):
+        complete_config(file, gemma4_config(full=False))
