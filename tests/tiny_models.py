@@ -20,16 +20,19 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo3Config,
     Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 LLAMA_KINDS = ("llama-gqa", "llama-mha", "llama3-rope", "qwen2", "mistral", "llama-sharded")
@@ -47,7 +50,18 @@ SLIDING_KINDS = ("mistral-window",)
 GEMMA_KINDS = ("gemma2", "gemma3")
 """Gemma's layer (engine/models/gemma.py), local and global layers alternating."""
 
-KINDS = LLAMA_KINDS + ("qwen3",) + MOE_KINDS + PHI3_KINDS + SLIDING_KINDS + GEMMA_KINDS
+DENSE_2026_KINDS = ("smollm3", "olmo3", "gemma4", "gemma4-dense")
+"""The dense families of 2026, each its own file in engine/models/."""
+
+KINDS = (
+    LLAMA_KINDS
+    + ("qwen3",)
+    + MOE_KINDS
+    + PHI3_KINDS
+    + SLIDING_KINDS
+    + GEMMA_KINDS
+    + DENSE_2026_KINDS
+)
 """Every kind build_tiny_checkpoint knows."""
 
 _SEED_SALT = {
@@ -65,6 +79,10 @@ _SEED_SALT = {
     "mistral-window": 10,
     "gemma2": 11,
     "gemma3": 12,
+    "smollm3": 13,
+    "olmo3": 14,
+    "gemma4": 15,
+    "gemma4-dense": 16,
 }
 
 VOCAB_SIZE = 512
@@ -186,7 +204,71 @@ def tiny_config(kind: str) -> PretrainedConfig:
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
             },
         )
+    if kind == "smollm3":
+        # Layers 1 and 3 are NoPE layers (no_rope_layer_interval 2: no_rope_layers [1, 0, 1,
+        # 0], 1 = uses RoPE); use_sliding_window gives the NoPE layers the window, as
+        # transformers' SmolLM3Config builds layer_types.
+        return SmolLM3Config(
+            **{**_SIZES, "num_hidden_layers": 4, "pad_token_id": 0},
+            no_rope_layer_interval=2,
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW,
+        )
+    if kind == "olmo3":
+        # Three local layers and a global one (transformers' default pattern), the global
+        # layers' RoPE YaRN-scaled past a 64-token pretraining length on a base of their own,
+        # q/k/v/o biases.
+        return Olmo3Config(
+            **{**_SIZES, "num_hidden_layers": 4, "max_position_embeddings": 256},
+            sliding_window=SLIDING_WINDOW,
+            attention_bias=True,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": 500000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            },
+        )
+    if kind in ("gemma4", "gemma4-dense"):
+        return gemma4_config(full=kind == "gemma4")
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+def gemma4_config(full: bool) -> Gemma4TextConfig:
+    """Six layers, local, local, global, twice; the local layers with head_dim 16 and one KV
+    head, the global ones with head_dim 32: caches of two shapes, a slot's blocks strided. Per-layer inputs of 8, a final soft-cap. `full`: the
+    last two layers share the KV of layers 3 and 2 (with double-wide MLPs), the global layers'
+    V is their K (attention_k_eq_v), and every layer has the MoE block beside its MLP."""
+    extra = dict(
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        attention_k_eq_v=True,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    )
+    return Gemma4TextConfig(
+        **{
+            **_SIZES,
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+            "num_hidden_layers": 6,
+            "num_key_value_heads": 1,
+        },
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB_SIZE,
+        final_logit_softcapping=8.0,
+        **(extra if full else {}),
+    )
 
 
 def build_tiny_checkpoint(kind: str, path: Path, seed: int = 0, **config_overrides) -> Path:
@@ -203,6 +285,10 @@ def build_tiny_checkpoint(kind: str, path: Path, seed: int = 0, **config_overrid
     # Kinds with the same tensor names and shapes (llama-gqa, llama3-rope, mistral) would
     # otherwise get the same weights; llama-sharded keeps llama-gqa's on purpose.
     randomize_weights(model, seed * len(KINDS) + _SEED_SALT[kind])
+    with torch.no_grad():  # Gemma 4's per-layer output scale is a buffer, saved with the weights
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.fill_(0.5 + 0.1 * int(name.split(".")[2]))
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
     path = Path(path)
     shard = "100KB" if kind == "llama-sharded" else "1GB"

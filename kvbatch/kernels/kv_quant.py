@@ -43,5 +43,11 @@ def scatter_rows(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots
     k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     if is_fp8(kv_cache):
         kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    if kv_cache.stride(1) != kv_cache[0, 0].numel():  # a slot shared with wider layers
+        block_size = kv_cache.shape[2]  # (engine/kv/layer_tensors.py): blocks are strided
+        blocks, offsets = slots // block_size, slots % block_size
+        kv_cache[0].index_put_((blocks, offsets), k)
+        kv_cache[1].index_put_((blocks, offsets), v)
+        return
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)

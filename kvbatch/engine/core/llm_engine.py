@@ -274,7 +274,10 @@ class LLMEngine:
         """Which layers share a block table (engine/kv/layout.py)."""
         cfg = self.model_config
         windows = [cfg.layer_attention(i).sliding_window for i in range(cfg.num_layers)]
-        return plan_layout(windows, self.config.cache.sliding_window_kv, self.max_model_len)
+        owns_kv = [cfg.kv_owner(i) == i for i in range(cfg.num_layers)]
+        return plan_layout(
+            windows, self.config.cache.sliding_window_kv, self.max_model_len, owns_kv
+        )
 
     def _step_cost_model(self, scheduler_config: SchedulerConfig) -> StepCostModel | None:
         """What times steps to size long prompts' chunks (engine/sched/step_cost.py), when a

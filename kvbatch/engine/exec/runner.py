@@ -28,6 +28,7 @@ from kvbatch.engine.kv.device_tables import (
 )
 from kvbatch.engine.kv.hybrid import HybridKVCacheManager
 from kvbatch.engine.kv.kv_cache import KVCacheManager
+from kvbatch.engine.kv.layer_tensors import kv_block_bytes, layer_kv_tensors
 from kvbatch.engine.kv.layout import KVLayout
 from kvbatch.engine.kv.state_slots import StatefulMeta
 from kvbatch.engine.kv.stateful import StatefulKVManager
@@ -55,10 +56,7 @@ def kv_bytes_per_block(
 ) -> int:
     """One block's K and V over its layers: every layer's, or with window groups the
     layout's slots (engine/kv/layout.py)."""
-    cfg = model.config
-    elem = torch.empty((), dtype=dtype).element_size()
-    layers = cfg.num_kv_layers if layout is None else layout.num_slots
-    return layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return kv_block_bytes(model.config, block_size, dtype, layout)
 
 
 class ModelRunner:
@@ -85,21 +83,10 @@ class ModelRunner:
         # model's dtype or E4M3 (kv_cache_dtype="fp8"). Zeroed, so masked-out padding
         # positions never hold NaN (0 * NaN would poison attention). With window groups
         # (engine/kv/layout.py) one tensor per slot, each layer given its slot's.
+        # Layers of another shape and KV-shared layers: engine/kv/layer_tensors.py.
         layout = kv.layout if isinstance(kv, HybridKVCacheManager) else None
-        slots = [
-            torch.zeros(
-                2,
-                num_blocks,
-                block_size,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                dtype=kv_dtype or dtype,
-                device=device,
-            )
-            for _ in range(cfg.num_kv_layers if layout is None else layout.num_slots)
-        ]
-        self.kv_caches = (
-            slots if layout is None else [slots[layout.slot_of(i)] for i in range(cfg.num_layers)]
+        self.kv_caches = layer_kv_tensors(
+            cfg, layout, num_blocks, block_size, kv_dtype or dtype, device
         )
         # Each group's block tables (one group without window groups), kept on the device;
         # the first is the one cascade attention reads (group 0's when it holds KV).
@@ -108,7 +95,10 @@ class ModelRunner:
         self.layer_group = (
             None
             if layout is None
-            else [layout.group_of(i) - (0 if kv.full_has_kv else 1) for i in range(cfg.num_layers)]
+            else [
+                layout.group_of(cfg.kv_owner(i)) - (0 if kv.full_has_kv else 1)
+                for i in range(cfg.num_layers)
+            ]
         )
         if layout is not None and not kv.full_has_kv:
             self.cascade = False  # every group has a window: no shared prefix stays whole

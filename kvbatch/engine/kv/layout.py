@@ -79,23 +79,29 @@ class KVLayout:
 
 
 def plan_layout(
-    windows: Sequence[int | None], window_groups: bool = True, max_model_len: int = 0
+    windows: Sequence[int | None],
+    window_groups: bool = True,
+    max_model_len: int = 0,
+    owns_kv: Sequence[bool] | None = None,
 ) -> KVLayout:
     """The groups of a model whose layer i has window windows[i] (None: full attention).
     Without windows, or with window_groups off, one group of every layer (window None: its
     blocks are kept whole, and each layer's attention still masks its own window). A window
     no shorter than max_model_len (when given) never lets a block go, so its layers stay with
-    the full ones: a job of short requests on Gemma 3 pays nothing for the groups."""
+    the full ones: a job of short requests on Gemma 3 pays nothing for the groups.
+    Layers with owns_kv[i] False (Gemma 4's KV-shared layers, which read an earlier layer's
+    cache) are in no group: they take no slot and no block."""
     if max_model_len:
         windows = [w if w is not None and w < max_model_len else None for w in windows]
-    every = tuple(range(len(windows)))
-    if not window_groups or all(w is None for w in windows):
-        return KVLayout((KVGroup(None, every),), len(windows))
-    full = tuple(i for i, w in enumerate(windows) if w is None)
+    owners = [i for i in range(len(windows)) if owns_kv is None or owns_kv[i]]
+    every = tuple(owners)
+    if not window_groups or all(windows[i] is None for i in owners):
+        return KVLayout((KVGroup(None, every),), len(every))
+    full = tuple(i for i in owners if windows[i] is None)
     kinds: dict[int, list[int]] = {}
-    for i, w in enumerate(windows):
-        if w is not None:
-            kinds.setdefault(w, []).append(i)
+    for i in owners:
+        if windows[i] is not None:
+            kinds.setdefault(windows[i], []).append(i)
     size = min([len(full)] * bool(full) + [len(layers) for layers in kinds.values()])
     groups = [KVGroup(None, full)]
     for window, layers in sorted(kinds.items()):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbatch.engine.attention.metadata import AttentionMetadata, PrefillSpan
+from kvbatch.engine.kv.layer_tensors import layer_kv_tensors
 
 
 @dataclass
@@ -46,12 +47,7 @@ def largest_step(
     logits for max_num_seqs rows."""
     cfg = model.config
     num_blocks = -(-num_tokens // block_size) + 1
-    caches = [
-        torch.zeros(
-            2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
-        )
-        for _ in range(cfg.num_layers)
-    ]
+    caches = layer_kv_tensors(cfg, None, num_blocks, block_size, dtype, device)
     spans, positions, slots, start, block = [], [], [], 0, 0
     while start < num_tokens:
         n = min(max_model_len - 1, num_tokens - start)

@@ -406,7 +406,19 @@ def _short(value) -> str:
 SCALED_ROPE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
 """llama.cpp's architecture names whose RoPE scaling `_scaled_rope` completes."""
 
+
+def _refuse_gemma4(file: GgufFile, cfg) -> Taken:
+    """Gemma 4 GGUF files are refused: transformers' reader maps few of their keys (no layer
+    types, per-layer shapes, KV-shared layers or per-layer inputs), so a model built from its
+    config would answer wrongly."""
+    raise ValueError(
+        "Gemma 4 GGUF files are not supported yet (their layer types, per-layer head sizes "
+        "and KV-shared layers are not read): load the Hugging Face folder instead"
+    )
+
+
 _COMPLETIONS: dict[str, Completion] = {
+    "gemma4": _refuse_gemma4,
     "phi3": _phi3,
     "gemma2": _gemma2,
     "gemma3": _gemma3,

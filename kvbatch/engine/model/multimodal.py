@@ -29,6 +29,7 @@ TEXT_MODEL_OF = {
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
 }
 """Vision-language architectures whose text model the engine runs, and that model's name."""
 
@@ -44,6 +45,9 @@ _VISION_PREFIXES = (
     "vision_tower.",
     "model.multi_modal_projector.",
     "multi_modal_projector.",
+    "model.audio_tower.",  # Gemma 4: the audio tower and both towers' embedders
+    "model.embed_vision.",
+    "model.embed_audio.",
 )
 
 

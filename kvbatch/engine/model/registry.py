@@ -33,6 +33,15 @@ class Architecture:
     activations: tuple[str, ...] = ("silu",)  # the hidden_act names its MLP runs
     activation_key: str = "hidden_act"  # the config key naming it (Gemma: hidden_activation)
     adapt_checkpoint: CheckpointAdapter | None = None  # renames or splits tensors at load
+    # config.json's switch for `sliding_window` (SmolLM3: use_sliding_window); None: a window
+    # in the config is always used
+    sliding_window_switch: str | None = None
+    # (transformers config, ModelConfig's fields so far) -> the family's own settings, kept in
+    # ModelConfig.family for its model file (SmolLM3's NoPE layers, Gemma 4's shapes)
+    read_family_config: Callable[[object, dict], object] | None = None
+    # config.json's per_layer_config gives some layers another shape (Gemma 4): its global
+    # head_dim and KV heads are then the other layers', and the family config reads the rest
+    per_layer_shapes: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "proportional")
 ROPE_TYPE_ALIASES = {"su": "longrope"}  # the name of Phi-3's first 128k checkpoints
 REFUSED_ROPE_TYPES = {
     "dynamic": (
@@ -116,7 +116,21 @@ def inverse_frequencies(cfg: RopeConfig) -> torch.Tensor:
         return inv_freq / torch.tensor(ext, dtype=torch.float32)
     if cfg.rope_type == "yarn":
         return _yarn_inverse_frequencies(cfg.theta, dim, cfg.scaling)
+    if cfg.rope_type == "proportional":
+        return _proportional_inverse_frequencies(cfg.theta, dim, cfg.scaling)
     return inv_freq
+
+
+def _proportional_inverse_frequencies(base: float, dim: int, s: dict) -> torch.Tensor:
+    """Gemma 4's full layers: the first partial_rotary_factor of the pairs turn at the speeds
+    of a head of `dim` dimensions (not of the rotated part alone, as a partial rotary factor
+    elsewhere), the rest at speed zero (cos 1, sin 0: unrotated), all divided by `factor`;
+    transformers' `_compute_proportional_rope_parameters`."""
+    angles = int(float(s.get("partial_rotary_factor", 1.0)) * dim // 2)
+    exponents = torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / dim
+    rotated = 1.0 / (base**exponents)
+    still = torch.zeros(dim // 2 - angles, dtype=torch.float32)
+    return torch.cat((rotated, still)) / float(s.get("factor", 1.0))
 
 
 def _yarn_attention_factor(s: dict) -> float:
@@ -207,6 +221,8 @@ def rope_config_from_hf(hf_config, head_dim: int, params: dict | None = None) ->
             params["factor"] = max_positions / params["original_max_position_embeddings"]
     skip = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
     scaling = {k: v for k, v in params.items() if k not in skip and v is not None}
+    if rope_type == "proportional":  # every dimension is in the rotation, some at speed 0
+        scaling["partial_rotary_factor"], partial = partial, 1.0
     return RopeConfig(
         head_dim=int(head_dim * partial),
         theta=theta,

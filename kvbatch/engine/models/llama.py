@@ -67,6 +67,8 @@ class ModelConfig:
     has_lm_head: bool = True  # False for a base model (Architecture.base_model): embeds only
     # the linear-attention layers of a hybrid model (engine/models/qwen3_next.py)
     linear: LinearAttentionConfig | None = None
+    # An architecture's own settings (Architecture.read_family_config), read by its model file
+    family: object | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -97,6 +99,23 @@ class ModelConfig:
             return self.gemma.layer_attention(window)
         return LayerAttention(sliding_window=window)
 
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head_dim) of layer `layer`'s cache: the model's, unless its family gives
+        some layers another shape (Gemma 4's full-attention layers)."""
+        shape = getattr(self.family, "kv_shape", None)
+        return shape(layer) if shape is not None else (self.num_kv_heads, self.head_dim)
+
+    def keeps_kv(self, layer: int) -> bool:
+        """Whether layer `layer` attends over the paged KV cache (a hybrid's linear layers keep
+        a recurrent state instead)."""
+        return self.linear is None or layer in self.linear.full_layers
+
+    def kv_owner(self, layer: int) -> int:
+        """The layer whose cache layer `layer` reads: itself, or for a KV-shared layer
+        (Gemma 4) an earlier one; a layer that is not its own owner holds no KV."""
+        owner = getattr(self.family, "kv_owner", None)
+        return owner(layer) if owner is not None else layer
+
     @property
     def attention_break_even_context(self) -> int:
         """The context length at which one token's attention FLOPs (QK and PV: 4 x heads x
@@ -121,6 +140,8 @@ class ModelConfig:
                 f"the text model of {', '.join(TEXT_MODEL_OF)}"
             )
         check_supported_features(entry, hf_config)
+        if entry.per_layer_shapes:  # transformers refuses the global values unless told
+            hf_config.allow_global_per_layer_attribute_access = True
         arch = entry.name
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -129,10 +150,13 @@ class ModelConfig:
         sliding = getattr(hf_config, "sliding_window", None)
         if arch.startswith("Qwen") and not getattr(hf_config, "use_sliding_window", False):
             sliding = None
+        switch = entry.sliding_window_switch
+        if switch is not None and not getattr(hf_config, switch, False):
+            sliding = None
         layer_types = tuple(getattr(hf_config, "layer_types", None) or ())
         if layer_types and "sliding_attention" not in layer_types:
             sliding = None
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
@@ -158,6 +182,9 @@ class ModelConfig:
             has_lm_head=has_lm_head,
             linear=LinearAttentionConfig.from_hf(arch, hf_config),
         )
+        if entry.read_family_config is not None:
+            fields["family"] = entry.read_family_config(hf_config, fields)
+        return cls(**fields)
 
 
 def _has_qkv_bias(architecture: Architecture, hf_config) -> bool:

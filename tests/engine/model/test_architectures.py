@@ -91,7 +91,7 @@ def test_qwen_sliding_window_layers_match_transformers(tiny_models, tmp_path, ki
 
 
 def test_an_unknown_rope_type_is_named(tiny_models, tmp_path):
-    rope = {"rope_type": "proportional", "rope_theta": 10000.0}
+    rope = {"rope_type": "axial", "rope_theta": 10000.0}
     path = with_config(tiny_models("qwen3"), tmp_path / "m", rope_parameters=rope)
-    with pytest.raises(ValueError, match="rope type 'proportional' is not supported; supported"):
+    with pytest.raises(ValueError, match="rope type 'axial' is not supported; supported"):
         load(path)

@@ -7,6 +7,7 @@ import torch
 
 from kvbatch.engine.attention.metadata import AttentionMetadata, PrefillSpan
 from kvbatch.engine.attention.torch_backend import TorchAttentionBackend
+from kvbatch.engine.kv.layer_tensors import layer_kv_tensors
 from kvbatch.engine.model.loader import load_model
 from tests.reference import hf_logits
 
@@ -19,10 +20,8 @@ def prefill_logits(model, token_ids: list[int], chunk: int) -> torch.Tensor:
     blocks are deliberately out of order; return every position's logits."""
     cfg = model.config
     num_blocks = -(-len(token_ids) // BLOCK) + 3
-    caches = [
-        torch.zeros(2, num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-        for _ in range(cfg.num_layers)
-    ]
+    # each layer's own shape, KV-shared layers on their owner's (engine/kv/layer_tensors.py)
+    caches = layer_kv_tensors(cfg, None, num_blocks, BLOCK, torch.float32, torch.device("cpu"))
     table = torch.tensor(list(reversed(range(num_blocks))))[: -(-len(token_ids) // BLOCK)]
     rows = []
     for start in range(0, len(token_ids), chunk):
