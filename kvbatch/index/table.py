@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import lancedb
 import pyarrow as pa
 
+from kvbatch.index.fulltext import refresh_fulltext_index
 from kvbatch.index.identity import RowIdentity
 
 
@@ -112,12 +113,15 @@ def merge_rows(db, name: str, rows: pa.Table, replaced_documents: Iterable[str])
     table = open_table(db, name)
     if table is None:
         created = db.create_table(name, data=rows, schema=rows.schema)
-        return Merged(created.version, rows.num_rows, 0, 0)
+        return Merged(refresh_fulltext_index(created), rows.num_rows, 0, 0)
     replaced = list(replaced_documents)
     merge = table.merge_insert("chunk_id").when_matched_update_all().when_not_matched_insert_all()
     if replaced:
         merge = merge.when_not_matched_by_source_delete(documents_filter(replaced))
     result = merge.execute(rows)
     return Merged(
-        result.version, result.num_inserted_rows, result.num_updated_rows, result.num_deleted_rows
+        refresh_fulltext_index(table),
+        result.num_inserted_rows,
+        result.num_updated_rows,
+        result.num_deleted_rows,
     )
