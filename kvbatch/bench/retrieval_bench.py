@@ -1,13 +1,16 @@
-"""`kvbatch bench index-retrieval [--docs N | --tiny] [--threads N] [--json PATH]`
+"""`kvbatch bench index-retrieval [--docs N | --tiny] [--rerank MODEL | --no-rerank] [--json PATH]`
 
 Retrieval quality of `kvbatch index` on text nobody here wrote, with known answers, offline:
 the Python stdlib's pydoc pages (kvbatch.bench.stdlib_corpus). Each module's one-line summary
 is a query; its own page, with the summary removed, is the one relevant document. The corpus
 is indexed twice, with plain chunks (the context stage off) and with contextual chunks (each
 chunk embedded after the context the generation model wrote for it), and every query is
-searched through kvbatch.index.search.search. A search returns chunks; documents are ranked
-by their best chunk, and recall@5 and MRR are taken over that document ranking (a document
-not among the DEPTH chunks returned counts 0).
+searched through kvbatch.index.search.search in each mode: vector, keyword (BM25 over the
+chunk and its context), hybrid (both fused by reciprocal rank) and hybrid + rerank (the first
+--rerank-top hybrid hits reordered by a reranker; by default SmolLM2-135M-Instruct used as a
+zero-shot yes/no reranker, no trained reranker's weights being at hand). A search returns
+chunks; documents are ranked by their best chunk, and recall@5 and MRR are taken over that
+document ranking (a document not among the DEPTH chunks returned counts 0).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from kvbatch.bench.machine import machine_info
 from kvbatch.bench.retrieval_metrics import RetrievalScores, document_ranking, rank_of, score
 from kvbatch.bench.stdlib_corpus import StdlibCorpus, build_corpus
 from kvbatch.bench.text_table import format_rows
+from kvbatch.bench.zero_shot_reranker import ZERO_SHOT_RERANKER, zero_shot_reranker
 from kvbatch.engine import LLM
 from kvbatch.index.pipeline import run_index
 from kvbatch.index.search import search
@@ -69,25 +73,53 @@ TINY_INDEX_RETRIEVAL = RetrievalWorkload(docs=4, max_chars=600, chunk_size=64, c
 
 
 @dataclass
+class ModeResult:
+    mode: str  # vector, keyword, hybrid, hybrid + rerank
+    scores: RetrievalScores
+    search_seconds: float  # all queries, the models already loaded
+
+
+@dataclass
 class VariantResult:
     name: str  # plain, contextual
     chunks: int
     index_seconds: float
-    scores: RetrievalScores
+    modes: list[ModeResult]
 
 
-def evaluate(corpus: StdlibCorpus, uri: str, embedding_model: str) -> RetrievalScores:
-    """Each document's summary searched for; its rank among the documents returned."""
-    llm = LLM(model=embedding_model)  # loaded once for all queries
-    ranks = []
-    for doc in corpus.documents:
-        hits = search(uri, doc.summary, DEPTH, llm=llm)
-        ranks.append(rank_of(doc.document_id, document_ranking(h.document_id for h in hits)))
-    return score(ranks, K, DEPTH)
+@dataclass(frozen=True)
+class Rerank:
+    llm: LLM  # the reranker, loaded once
+    top: int  # hybrid hits it reorders
+
+
+def evaluate(
+    corpus: StdlibCorpus, uri: str, embedding: LLM, rerank: Rerank | None
+) -> list[ModeResult]:
+    """Each document's summary searched for in each mode; its rank among the documents."""
+    modes: list[tuple[str, dict]] = [("vector", {}), ("keyword", {}), ("hybrid", {})]
+    if rerank is not None:
+        modes.append(("hybrid + rerank", {"reranker": rerank.llm, "rerank_top": rerank.top}))
+    results = []
+    for name, extra in modes:
+        mode = name.split(" ")[0]
+        start = time.perf_counter()
+        ranks = []
+        for doc in corpus.documents:
+            hits = search(uri, doc.summary, DEPTH, mode=mode, llm=embedding, **extra)
+            ranks.append(rank_of(doc.document_id, document_ranking(h.document_id for h in hits)))
+        results.append(ModeResult(name, score(ranks, K, DEPTH), time.perf_counter() - start))
+    return results
 
 
 def run_variant(
-    name: str, corpus: StdlibCorpus, folder: Path, work: Path, models: Models, opts: SpecOptions
+    name: str,
+    corpus: StdlibCorpus,
+    folder: Path,
+    work: Path,
+    models: Models,
+    opts: SpecOptions,
+    rerank: Rerank | None,
 ) -> VariantResult:
     spec = write_spec(work / f"{name}.toml", folder, work / f"{name}.lance", models, opts)
     start = time.perf_counter()
@@ -96,26 +128,29 @@ def run_variant(
     if report.documents_failed:
         first = report.errors[0].message if report.errors else ""
         raise IndexBenchError(f"{name}: {report.documents_failed} documents failed: {first}")
-    return VariantResult(
-        name, report.chunks, seconds, evaluate(corpus, spec.output.uri, models.embedding)
-    )
+    embedding = LLM(model=models.embedding)  # loaded once for all queries
+    modes = evaluate(corpus, spec.output.uri, embedding, rerank)
+    return VariantResult(name, report.chunks, seconds, modes)
 
 
 def format_table(
     workload: RetrievalWorkload, corpus: StdlibCorpus, models: Models, results: list[VariantResult],
-    machine: dict[str, Any], date: str,
+    machine: dict[str, Any], date: str, reranker: str | None,
 ) -> str:  # fmt: skip
     lines = [
         f"index-retrieval: {workload.summary()}",
         f"corpus: {corpus.describe()}",
-        f"models: {models.names()}; {machine['torch_threads']} torch threads, {date}",
+        f"models: {models.names()}; reranker: {reranker or 'none'}; "
+        f"{machine['torch_threads']} torch threads, {date}",
         "",
     ]
-    rows = [("chunks", "queries", "chunk rows", f"recall@{K}", "MRR", "index seconds")]
+    rows = [("chunks", "mode", "queries", "chunk rows", f"recall@{K}", "MRR", "index s",
+             "search s")]  # fmt: skip
     for r in results:
-        s = r.scores
-        rows.append((r.name, str(s.queries), str(r.chunks), f"{s.recall_at_k:.3f}", f"{s.mrr:.3f}",
-                     f"{r.index_seconds:.1f}"))  # fmt: skip
+        for m in r.modes:
+            s = m.scores
+            rows.append((r.name, m.mode, str(s.queries), str(r.chunks), f"{s.recall_at_k:.3f}",
+                         f"{s.mrr:.3f}", f"{r.index_seconds:.1f}", f"{m.search_seconds:.1f}"))  # fmt: skip
     return "\n".join(lines + format_rows(rows))
 
 
@@ -129,6 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="4 short pages (tests, a quick check)")
     add_corpus_flags(p, "documents (default: every usable module)")
     p.add_argument("--plain-only", action="store_true", help="skip the contextual index")
+    p.add_argument(
+        "--rerank",
+        metavar="MODEL",
+        help="the reranker of the hybrid + rerank rows (a cross-encoder or a yes/no decoder "
+        f"reranker); default: {ZERO_SHOT_RERANKER}",
+    )
+    p.add_argument("--no-rerank", action="store_true", help="leave out the rerank rows")
+    p.add_argument(
+        "--rerank-top", type=int, default=10, metavar="N", help="hybrid hits reranked (10)"
+    )
     p.add_argument("--threads", type=int, help="torch threads")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
     p.add_argument(
@@ -155,18 +200,24 @@ def main(argv: list[str] | None = None) -> int:
         with work_folder(args.work, "kvbatch-retrieval-bench-") as work:
             folder = corpus.write(work / "corpus")
             models = bench_models(work)
+            reranker, rerank = None, None
+            if not args.no_rerank:
+                model = args.rerank or str(zero_shot_reranker(work))
+                reranker = args.rerank or ZERO_SHOT_RERANKER
+                rerank = Rerank(LLM(model=model), args.rerank_top)
             results = []
             variants = [("plain", False)] + ([] if args.plain_only else [("contextual", True)])
             for name, context in variants:
                 opts = SpecOptions(w.chunk_size, context, w.context_max_tokens)
-                results.append(run_variant(name, corpus, folder, work, models, opts))
-                progress(f"{name}: {results[-1].scores.to_dict()}")
+                results.append(run_variant(name, corpus, folder, work, models, opts, rerank))
+                for m in results[-1].modes:
+                    progress(f"{name}, {m.mode}: {m.scores.to_dict()}")
     except (IndexBenchError, ValueError) as e:
         print(f"kvbatch bench: error: {e}", file=sys.stderr)
         return 2
     machine = machine_info("cpu")
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    print(format_table(w, corpus, models, results, machine, date))
+    print(format_table(w, corpus, models, results, machine, date, reranker))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {
@@ -174,14 +225,19 @@ def main(argv: list[str] | None = None) -> int:
             "workload": asdict(w),
             "corpus": corpus.to_dict(),
             "models": models.names(),
+            "reranker": reranker,
+            "rerank_top": None if rerank is None else rerank.top,
             "results": [
                 {
                     "name": r.name,
+                    "mode": m.mode,
                     "chunks": r.chunks,
                     "index_seconds": r.index_seconds,
-                    **r.scores.to_dict(),
+                    "search_seconds": m.search_seconds,
+                    **m.scores.to_dict(),
                 }
                 for r in results
+                for m in r.modes
             ],  # fmt: skip
             "machine": machine,
             "date": date,

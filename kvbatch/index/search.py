@@ -101,8 +101,8 @@ def search(
         ((name, keys),) = lists.items()
         ranked = [(key, scores[name][key], {name: i}) for i, key in enumerate(keys, 1)]
     hits = [_hit(rows[key], score, ranks) for key, score, ranks in ranked]
-    if reranking:
-        hits = _reranked(hits[:rerank_top], query, rerank, reranker)
+    if reranking:  # the first rerank_top reordered; the rest follow in the mode's order
+        hits = _reranked(hits[:rerank_top], query, rerank, reranker) + hits[rerank_top:]
     return hits[:k]
 
 
