@@ -167,7 +167,7 @@ def _hit(row: dict, score: float, ranks: dict[str, int]) -> Hit:
 def _keyword_list(tbl, query: str, depth: int) -> list[dict]:
     return (
         tbl.search(query, query_type="fts", fts_columns=list(fulltext_columns(tbl)))
-        .select(_COLUMNS)
+        .select([*_COLUMNS, "_score"])
         .limit(depth)
         .to_list()
     )

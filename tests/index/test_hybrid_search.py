@@ -121,3 +121,66 @@ def test_the_command_prints_each_hits_lists(tmp_path, capsys):
     assert main(["search", uri, "revenue quarter", "--mode", "keyword"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("1. report.txt  score ") and "(keyword #1)" in out
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    from tests.engine.pooling.rerank_checkpoints import build_bert_cross_encoder
+
+    return build_bert_cross_encoder(tmp_path_factory.mktemp("rerank") / "ce")
+
+
+def _three_chunk_table(tmp_path) -> str:
+    uri = str(tmp_path / "index")
+    texts = {
+        "moon.txt": "The Moon pulls the oceans and makes tides.",
+        "sun.txt": "The Sun also pulls the oceans, more weakly than the Moon.",
+        "lava.txt": "Lava flows from volcanoes and oceans cool it.",
+    }
+    rows = [
+        {
+            "chunk_id": f"c{i}",
+            "document_id": doc,
+            "text": text,
+            "context": "Tides." if doc == "moon.txt" else None,
+            "embedding": [1.0, float(i)],
+            "embedding_model": "m",
+            "embedding_revision": "main",
+        }
+        for i, (doc, text) in enumerate(texts.items())
+    ]
+    merge_rows(connect(uri), "chunks", pa.Table.from_pylist(rows, schema=chunk_schema(2)), [])
+    return uri
+
+
+def test_a_reranker_reorders_the_first_hits_by_its_scores(tmp_path, cross_encoder):
+    uri = _three_chunk_table(tmp_path)
+    keyword = search(uri, "oceans", 3, mode="keyword")
+    reranker = LLM(model=str(cross_encoder))
+    reranked = search(uri, "oceans", 3, mode="keyword", reranker=reranker, rerank_top=2)
+    scores = reranker.score("oceans", [h.passage for h in keyword[:2]])
+    moon = next(h for h in keyword if h.document_id == "moon.txt")
+    assert moon.passage == "Tides.\n\nThe Moon pulls the oceans and makes tides."  # as embedded
+    best = max(range(2), key=lambda i: scores[i])
+    assert reranked[0].chunk_id == keyword[best].chunk_id
+    assert reranked[0].score == pytest.approx(scores[best])
+    assert [h.ranks.get("rerank") for h in reranked] == [1, 2, None]  # the third: not reranked
+    assert reranked[2] == keyword[2]
+    assert reranked[0].lists == ("keyword", "rerank")
+
+
+def test_the_command_reranks_and_reads_its_defaults_from_the_spec(
+    tmp_path, cross_encoder, minilm, capsys
+):
+    uri = _three_chunk_table(tmp_path)
+    assert main(["search", uri, "oceans", "--mode", "keyword", "--rerank", str(cross_encoder)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("rerank #") == 3 and "keyword #" in out
+    (tmp_path / "docs").mkdir()
+    spec = tmp_path / "index.toml"
+    spec.write_text(
+        f'[source]\npath = "{tmp_path / "docs"}"\n[models]\nembedding = "{minilm}"\n'
+        f'[stages]\ncontext = false\n[output]\nuri = "{uri}"\n'
+    )
+    assert main(["search", str(spec), "oceans", "--mode", "keyword", "-k", "1"]) == 0
+    assert capsys.readouterr().out.startswith("1. ")
