@@ -1,5 +1,5 @@
 """The encoder engine: LLMEngine's streaming API (add requests, step() until done) for encoder
-checkpoints, embeddings only.
+checkpoints: embeddings, or a cross-encoder's pair scores.
 
 Each step runs one padded batch (batches.py) through the whole model, pools it as the
 checkpoint's sentence-transformers files say (the decoder engine's Pooler, fed each input's
