@@ -5,7 +5,8 @@ the Python stdlib's pydoc pages (kvbatch.bench.stdlib_corpus). Each module's one
 is a query; its own page, with the summary removed, is the one relevant document. The corpus
 is indexed twice, with plain chunks (the context stage off) and with contextual chunks (each
 chunk embedded after the context the generation model wrote for it), and every query is
-searched through kvbatch.index.search.search in each mode: vector, keyword (BM25 over the
+searched through kvbatch.index.search.search in each mode, with two query sets: the summaries,
+and identifiers (a code name only one page holds: bench/identifier_queries.py),: vector, keyword (BM25 over the
 chunk and its context), hybrid (both fused by reciprocal rank) and hybrid + rerank (the first
 --rerank-top hybrid hits reordered by a reranker; by default SmolLM2-135M-Instruct used as a
 zero-shot yes/no reranker, no trained reranker's weights being at hand). A search returns
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from kvbatch.bench.identifier_queries import Query, identifier_queries, summary_queries
 from kvbatch.bench.index_run import (
     IndexBenchError,
     Models,
@@ -74,6 +76,7 @@ TINY_INDEX_RETRIEVAL = RetrievalWorkload(docs=4, max_chars=600, chunk_size=64, c
 
 @dataclass
 class ModeResult:
+    queries: str  # summaries, identifiers
     mode: str  # vector, keyword, hybrid, hybrid + rerank
     scores: RetrievalScores
     search_seconds: float  # all queries, the models already loaded
@@ -93,33 +96,39 @@ class Rerank:
     top: int  # hybrid hits it reorders
 
 
+QUERY_SETS = {"summaries": summary_queries, "identifiers": identifier_queries}
+
+
 def evaluate(
-    corpus: StdlibCorpus, uri: str, embedding: LLM, rerank: Rerank | None
+    query_sets: dict[str, list[Query]], uri: str, embedding: LLM, rerank: Rerank | None
 ) -> list[ModeResult]:
-    """Each document's summary searched for in each mode; its rank among the documents."""
+    """Each query searched for in each mode; its document's rank among the documents."""
     modes: list[tuple[str, dict]] = [("vector", {}), ("keyword", {}), ("hybrid", {})]
     if rerank is not None:
         modes.append(("hybrid + rerank", {"reranker": rerank.llm, "rerank_top": rerank.top}))
     results = []
-    for name, extra in modes:
-        mode = name.split(" ")[0]
-        start = time.perf_counter()
-        ranks = []
-        for doc in corpus.documents:
-            hits = search(uri, doc.summary, DEPTH, mode=mode, llm=embedding, **extra)
-            ranks.append(rank_of(doc.document_id, document_ranking(h.document_id for h in hits)))
-        results.append(ModeResult(name, score(ranks, K, DEPTH), time.perf_counter() - start))
+    for set_name, queries in query_sets.items():
+        for name, extra in modes:
+            mode = name.split(" ")[0]
+            start = time.perf_counter()
+            ranks = []
+            for q in queries:
+                hits = search(uri, q.text, DEPTH, mode=mode, llm=embedding, **extra)
+                found = document_ranking(h.document_id for h in hits)
+                ranks.append(rank_of(q.document_id, found))
+            seconds = time.perf_counter() - start
+            results.append(ModeResult(set_name, name, score(ranks, K, DEPTH), seconds))
     return results
 
 
 def run_variant(
     name: str,
-    corpus: StdlibCorpus,
     folder: Path,
     work: Path,
     models: Models,
     opts: SpecOptions,
     rerank: Rerank | None,
+    query_sets: dict[str, list[Query]],
 ) -> VariantResult:
     spec = write_spec(work / f"{name}.toml", folder, work / f"{name}.lance", models, opts)
     start = time.perf_counter()
@@ -129,7 +138,7 @@ def run_variant(
         first = report.errors[0].message if report.errors else ""
         raise IndexBenchError(f"{name}: {report.documents_failed} documents failed: {first}")
     embedding = LLM(model=models.embedding)  # loaded once for all queries
-    modes = evaluate(corpus, spec.output.uri, embedding, rerank)
+    modes = evaluate(query_sets, spec.output.uri, embedding, rerank)
     return VariantResult(name, report.chunks, seconds, modes)
 
 
@@ -144,13 +153,14 @@ def format_table(
         f"{machine['torch_threads']} torch threads, {date}",
         "",
     ]
-    rows = [("chunks", "mode", "queries", "chunk rows", f"recall@{K}", "MRR", "index s",
+    rows = [("chunks", "queries", "mode", "n", "chunk rows", f"recall@{K}", "MRR", "index s",
              "search s")]  # fmt: skip
     for r in results:
         for m in r.modes:
             s = m.scores
-            rows.append((r.name, m.mode, str(s.queries), str(r.chunks), f"{s.recall_at_k:.3f}",
-                         f"{s.mrr:.3f}", f"{r.index_seconds:.1f}", f"{m.search_seconds:.1f}"))  # fmt: skip
+            rows.append((r.name, m.queries, m.mode, str(s.queries), str(r.chunks),
+                         f"{s.recall_at_k:.3f}", f"{s.mrr:.3f}", f"{r.index_seconds:.1f}",
+                         f"{m.search_seconds:.1f}"))  # fmt: skip
     return "\n".join(lines + format_rows(rows))
 
 
@@ -171,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"reranker); default: {ZERO_SHOT_RERANKER}",
     )
     p.add_argument("--no-rerank", action="store_true", help="leave out the rerank rows")
+    p.add_argument(
+        "--queries",
+        default="summaries,identifiers",
+        help="query sets, comma-separated: summaries (each module's one-line summary), "
+        "identifiers (a code name only its page holds); default both",
+    )
     p.add_argument(
         "--rerank-top", type=int, default=10, metavar="N", help="hybrid hits reranked (10)"
     )
@@ -194,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     progress = lambda m: print(m, file=sys.stderr, flush=True)
+    set_names = [n.strip() for n in args.queries.split(",") if n.strip()]
+    unknown = [n for n in set_names if n not in QUERY_SETS]
+    if unknown or not set_names:
+        print(f"kvbatch bench: error: --queries: choose from {', '.join(QUERY_SETS)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         corpus = build_corpus(limit=w.docs, max_chars=w.max_chars)
         progress(corpus.describe())
@@ -205,13 +227,14 @@ def main(argv: list[str] | None = None) -> int:
                 model = args.rerank or str(zero_shot_reranker(work))
                 reranker = args.rerank or ZERO_SHOT_RERANKER
                 rerank = Rerank(LLM(model=model), args.rerank_top)
+            query_sets = {n: QUERY_SETS[n](corpus) for n in set_names}
             results = []
             variants = [("plain", False)] + ([] if args.plain_only else [("contextual", True)])
             for name, context in variants:
                 opts = SpecOptions(w.chunk_size, context, w.context_max_tokens)
-                results.append(run_variant(name, corpus, folder, work, models, opts, rerank))
+                results.append(run_variant(name, folder, work, models, opts, rerank, query_sets))
                 for m in results[-1].modes:
-                    progress(f"{name}, {m.mode}: {m.scores.to_dict()}")
+                    progress(f"{name}, {m.queries}, {m.mode}: {m.scores.to_dict()}")
     except (IndexBenchError, ValueError) as e:
         print(f"kvbatch bench: error: {e}", file=sys.stderr)
         return 2
@@ -230,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             "results": [
                 {
                     "name": r.name,
+                    "query_set": m.queries,
                     "mode": m.mode,
                     "chunks": r.chunks,
                     "index_seconds": r.index_seconds,
