@@ -10,6 +10,7 @@ import logging
 import re
 import sys
 
+from kvbatch.index.search_flags import add_search_flags, search_target
 from kvbatch.metrics_registry import metrics_port, start_metrics_server
 from kvbatch.redact import redact_url, redact_urls
 from kvbatch.threads import apply_threads
@@ -56,11 +57,16 @@ def add_index_parsers(sub) -> None:
     )
     index.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
     _threads(index)
-    search = sub.add_parser("search", help="the chunks of an index nearest to a query")
-    search.add_argument("uri", help="the index: a LanceDB folder or s3:// URI (output.uri)")
+    search = sub.add_parser("search", help="the chunks of an index that best answer a query")
+    search.add_argument(
+        "uri",
+        help="the index: a LanceDB folder or s3:// URI (output.uri), or the index spec (.toml), "
+        "whose [output] and [search] settings are then used",
+    )
     search.add_argument("query", help="the text to search for")
     search.add_argument("-k", type=int, default=5, help="how many hits (default 5)")
-    search.add_argument("--table", default="chunks", help="the table name (default chunks)")
+    search.add_argument("--table", default=None, help="the table name (default chunks)")
+    add_search_flags(search)
     _threads(search)
 
 
@@ -176,15 +182,26 @@ def _workers(args: argparse.Namespace, spec):
 
 def _search(args: argparse.Namespace) -> int:
     from kvbatch.index.search import SearchError, search
+    from kvbatch.index.spec import SpecError
 
     try:
-        hits = search(args.uri, args.query, args.k, table=args.table)
-    except SearchError as e:
+        target = search_target(args)
+        hits = search(
+            target.uri,
+            args.query,
+            args.k,
+            table=target.table,
+            mode=target.mode,
+            rerank=target.rerank,
+            rerank_top=args.rerank_top,
+        )
+    except (SearchError, SpecError) as e:
         print(f"kvbatch search: {e}", file=sys.stderr)
         return 2
     for i, hit in enumerate(hits, 1):
         text = " ".join(hit.text.split())
-        print(f"{i}. {hit.document_id}  score {hit.score:.3f}\n   {text[:300]}")
+        found = ", ".join(f"{name} #{rank}" for name, rank in hit.ranks.items())
+        print(f"{i}. {hit.document_id}  score {hit.score:.4f}  ({found})\n   {text[:300]}")
     return 0
 
 

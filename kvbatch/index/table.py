@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import lancedb
 import pyarrow as pa
 
+from kvbatch.index.fulltext import refresh_fulltext_index
 from kvbatch.index.identity import RowIdentity
 
 
@@ -207,7 +208,7 @@ def merge_rows(
     table = open_table(db, name)
     if table is None:
         created = db.create_table(name, data=rows, schema=rows.schema)
-        return Merged(created.version, rows.num_rows, 0, 0)
+        return Merged(refresh_fulltext_index(created), rows.num_rows, 0, 0)
     if not has_sources(table):
         table.add_columns({"source": sql_string(source)})
     replaced = list(replaced_documents)
@@ -217,7 +218,10 @@ def merge_rows(
         merge = merge.when_not_matched_by_source_delete(owned)
     result = merge.execute(rows)
     return Merged(
-        result.version, result.num_inserted_rows, result.num_updated_rows, result.num_deleted_rows
+        refresh_fulltext_index(table),
+        result.num_inserted_rows,
+        result.num_updated_rows,
+        result.num_deleted_rows,
     )
 
 

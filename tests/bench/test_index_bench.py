@@ -50,11 +50,19 @@ def test_index_retrieval_tiny_scores_plain_and_contextual_chunks(smollm2_dir, tm
     out = tmp_path / "retrieval.json"
     assert cli.main(["index-retrieval", "--tiny", "--threads", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert [r["name"] for r in report["results"]] == ["plain", "contextual"]
+    modes = ["vector", "keyword", "hybrid", "hybrid + rerank"]
+    sets = ("summaries", "identifiers")
+    assert [(r["name"], r["query_set"], r["mode"]) for r in report["results"]] == [
+        (name, queries, mode) for name in ("plain", "contextual") for queries in sets
+        for mode in modes
+    ]  # fmt: skip
     for r in report["results"]:
-        assert r["queries"] == report["corpus"]["documents"] == 4
-        assert 0 <= r["mrr"] <= r["recall@5"] <= 1 and r["chunks"] >= 4
-    assert "recall@5" in capsys.readouterr().out
+        expected = report["corpus"]["documents"] if r["query_set"] == "summaries" else 3
+        assert r["queries"] == expected and report["corpus"]["documents"] == 4
+        assert 0 < r["mrr"] <= 1 and 0 <= r["recall@5"] <= 1 and r["chunks"] >= 4
+    assert report["reranker"].startswith("SmolLM2-135M-Instruct as a zero-shot")
+    out = capsys.readouterr().out
+    assert "recall@5" in out and "hybrid + rerank" in out
 
 
 def test_the_index_benchmarks_describe_themselves(capsys):

@@ -52,6 +52,19 @@ def table_version(spec: IndexSpec) -> int:
     return connect(spec.output.uri).open_table(spec.output.table).version
 
 
+def row_changes(spec: IndexSpec, since: int) -> int:
+    """How many versions after `since` changed the rows a reader sees. The merge is one; the
+    full-text index's upkeep after it (index/fulltext.py) adds versions with the same rows."""
+    tbl = lancedb.connect(spec.output.uri).open_table(spec.output.table)
+    changes, seen = 0, None
+    for version in range(since, tbl.version + 1):
+        tbl.checkout(version)
+        rows = sorted(map(str, tbl.to_arrow().to_pylist()))
+        changes += seen is not None and rows != seen
+        seen = rows
+    return changes
+
+
 @dataclass
 class WatchedModels:
     """An llm_factory loading the real models; counts the requests each engine was given and

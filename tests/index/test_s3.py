@@ -43,7 +43,7 @@ uri = "s3://{bucket}/index"
     runs = s3.list_objects_v2(Bucket=bucket, Prefix="index.runs/").get("Contents", [])
     assert {k["Key"].rsplit("/", 1)[1] for k in runs} == {"chunks.parquet", "manifest.json"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index.toml"]  # nothing local
-    assert (first.documents_seen, first.errors, first.table_version) == (3, [], 1)
+    assert (first.documents_seen, first.errors) == (3, [])
     hit = search(spec.output.uri, "Fresnel lens", k=1)[0]
     assert hit.document_id == "lighthouses.html"
     assert hit.source_uri == f"s3://{bucket}/docs/lighthouses.html"
@@ -51,7 +51,8 @@ uri = "s3://{bucket}/index"
     s3.put_object(Bucket=bucket, Key="docs/tides.txt", Body=(TIDES + " Neap tides too.").encode())
     s3.delete_object(Bucket=bucket, Key="docs/sub/volcanoes.md")
     second = run_index(spec, llm_factory=WatchedModels())
-    assert (second.documents_parsed, second.documents_deleted, second.table_version) == (1, 1, 2)
+    assert (second.documents_parsed, second.documents_deleted) == (1, 1)
+    assert second.table_version > first.table_version
     found = {h.document_id for h in search(spec.output.uri, "volcano magma", k=10)}
     assert found == {"tides.txt", "lighthouses.html"}
     assert not run_index(spec, llm_factory=WatchedModels()).wrote

@@ -24,6 +24,7 @@ from kvbatch.engine.encoder.engine import EncoderEngine
 from kvbatch.engine.model.loader import is_encoder_checkpoint
 from kvbatch.engine.pooling.inputs import embedding_inputs
 from kvbatch.engine.pooling.matryoshka import check_dimensions, truncate_dimensions
+from kvbatch.engine.pooling.score_pairs import as_pairs, score_pairs
 from kvbatch.hub import resolve_model
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11's; type checkers read this one on 3.10 too
@@ -176,6 +177,20 @@ class LLM:
         stacked = torch.stack([vectors[i] for i in range(len(prompts))])
         normalize = engine.pooling_config.normalize
         return truncate_dimensions(stacked, dimensions, normalize).tolist()
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        truncate: bool = False,
+    ) -> list[float | list[float]]:
+        """Relevance scores of (query, document) pairs, as vLLM's LLM.score pairs them: one
+        text against many, or two lists item by item. The model is a cross-encoder (BERT-family
+        ...ForSequenceClassification: sigmoid of its logit, as sentence-transformers'
+        CrossEncoder) or a decoder reranker (Qwen3-Reranker: sigmoid(logit yes - logit no)
+        after its chat template). A pair longer than the model takes raises ValueError,
+        unless `truncate` (the document is cut). engine/pooling/score_pairs.py."""
+        return score_pairs(self.engine, as_pairs(text_1, text_2), truncate, f"score-{id(self)}")
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -451,12 +451,18 @@ class LLMEngine:
         normalised (engine/pooling/config.py). Read on first use: generation never needs it."""
         return read_pooling_config(self.config.model)
 
-    def add_embedding_request(self, prompt: PromptType, request_id: str | None = None) -> str:
+    def add_embedding_request(
+        self,
+        prompt: PromptType,
+        request_id: str | None = None,
+        pooling: PoolingConfig | None = None,
+    ) -> str:
         """Queue a prefill-only request: its prompt is computed (in chunks, from prefix-cache
         hits where the pooling allows), never sampled, and step() returns an EmbeddingOutput
         with the pooled vector; its blocks are freed at once, full ones kept in the prefix
-        cache. Raises ValueError (naming the problem) for a bad prompt."""
-        pooling = self.pooling_config
+        cache. `pooling` overrides the model's (a reranker's prompt: its last state as it is).
+        Raises ValueError (naming the problem) for a bad prompt."""
+        pooling = pooling or self.pooling_config
         text, token_ids = self._tokenize(prompt)
         check_embedding_input(token_ids, self.max_model_len)
         request_id = str(next(self._ids)) if request_id is None else request_id

@@ -1,5 +1,6 @@
-"""Encoder models (BERT, RoBERTa: engine/model/bert.py) for embeddings, beside the paged
-decoder engine.
+"""Encoder models (BERT, RoBERTa: engine/model/bert.py) for embeddings, and cross-encoders
+(their ...ForSequenceClassification: engine/model/sequence_classifier.py) for pair scores,
+beside the paged decoder engine.
 
 An encoder reads each input whole and bidirectionally: no token's state is final before the
 last token is seen, so there is nothing to cache between requests, nothing to keep after the
@@ -9,6 +10,9 @@ its own small engine with the same streaming API (LLM picks it for an encoder ch
 
     add_embedding_request -> waiting (batches.py) -> step(): one padded batch of requests of
     similar length -> BertModel forward -> pooled (engine/pooling/pooler.py) -> EmbeddingOutput
+
+    add_score_request(query, document) -> the pair as one input of two segments -> step():
+    BertModel forward with token types -> classification head -> activation -> ScoreOutput
 
 batches.py picks each step's batch; engine.py is the engine.
 """

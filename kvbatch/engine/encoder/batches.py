@@ -22,6 +22,7 @@ class EncoderRequest:
     prompt: str | None
     token_ids: list[int]
     arrival: int  # order of arrival: the oldest waiting request anchors the next batch
+    token_types: list[int] | None = None  # a cross-encoder's pair: segment 0, then 1
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,5 +1,5 @@
 """The encoder engine: LLMEngine's streaming API (add requests, step() until done) for encoder
-checkpoints, embeddings only.
+checkpoints: embeddings, or a cross-encoder's pair scores.
 
 Each step runs one padded batch (batches.py) through the whole model, pools it as the
 checkpoint's sentence-transformers files say (the decoder engine's Pooler, fed each input's
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,11 +28,13 @@ from kvbatch.engine.encoder.batches import EncoderRequest, LengthBatcher
 from kvbatch.engine.model.loader import load_encoder
 from kvbatch.engine.pooling.config import (
     PoolingConfig,
+    PoolingMethod,
     read_pooling_config,
     read_st_max_seq_length,
 )
 from kvbatch.engine.pooling.outputs import EmbeddingOutput
 from kvbatch.engine.pooling.pooler import Pooler, PoolingChunk
+from kvbatch.engine.pooling.scores import ScoreOutput, as_scores, score_activation
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,12 @@ class EncoderEngine:
         loaded = load_encoder(config.model, self.dtype, self.device)
         self.model, self.model_config = loaded.model, loaded.config
         self.tokenizer, self.weight_bytes = loaded.tokenizer, loaded.weight_bytes
-        self.pooling_config = _encoder_pooling(config.model, loaded.config.architecture)
+        self.head = loaded.head  # a cross-encoder's classification head: it scores pairs
+        if self.head is None:
+            self.pooling_config = _encoder_pooling(config.model, loaded.config.architecture)
+        else:
+            self.pooling_config = PoolingConfig(PoolingMethod.CLS, normalize=False)
+            self.activation = score_activation(config.model, loaded.config.num_labels)
         self.max_model_len = self._max_model_len()
         sched = config.scheduler
         self.max_num_seqs = sched.max_num_seqs
@@ -58,13 +66,13 @@ class EncoderEngine:
         self._num_requests = self._num_finished = self._num_steps = 0
         self._prompt_tokens = self._computed = 0
         log.info(
-            "encoder %s: %.1f MiB of weights (%s), %s pooling%s, inputs up to %d tokens, "
+            "encoder %s: %.1f MiB of weights (%s), %s%s, inputs up to %d tokens, "
             "batches of up to %d padded tokens; no KV cache",
             self.model_config.architecture,
             self.weight_bytes / (1 << 20),
             str(self.dtype).removeprefix("torch."),
-            self.pooling_config.method.value,
-            ", normalised" if self.pooling_config.normalize else "",
+            "scores pairs" if self.head is not None else self.pooling_config.method.value,
+            " pooling, normalised" if self.pooling_config.normalize else "",
             self.max_model_len,
             self.max_batch_tokens,
         )
@@ -89,14 +97,45 @@ class EncoderEngine:
     def add_embedding_request(self, prompt: PromptType, request_id: str | None = None) -> str:
         """Queue one input to embed. Raises ValueError (naming the problem) for an empty
         input, a bad token id, or more tokens than max_model_len (never truncated)."""
+        if self.head is not None:
+            raise ValueError(
+                f"this checkpoint ({self.model_config.architecture}) is a cross-encoder: it "
+                "scores (query, document) pairs (/v1/score, /v1/rerank, LLM.score) but does not "
+                "embed; use an embedding model for /v1/embeddings"
+            )
         text, token_ids = self._tokenize(prompt)
         check_embedding_input(token_ids, self.max_model_len)
-        request_id = str(next(self._ids)) if request_id is None else request_id
+        return self._queue(EncoderRequest(request_id, text, token_ids, 0))
+
+    def add_score_request(
+        self, query: str, document: str, request_id: str | None = None, truncate: bool = False
+    ) -> str:
+        """Queue one (query, document) pair to score, tokenized as one input of two segments
+        as the cross-encoder was trained. A pair longer than max_model_len raises
+        ContextLengthError unless `truncate` (then the longer text is cut first, as
+        sentence-transformers' CrossEncoder does)."""
+        if self.head is None:
+            raise ValueError(
+                f"this checkpoint ({self.model_config.architecture}) embeds; scoring pairs "
+                "needs a cross-encoder (...ForSequenceClassification) or a reranker"
+            )
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: scoring needs one for the pair")
+        limit = {"truncation": "longest_first", "max_length": self.max_model_len}
+        encoded = self.tokenizer(query, document, **(limit if truncate else {}))
+        token_ids = list(encoded["input_ids"])
+        types = list(encoded.get("token_type_ids") or [0] * len(token_ids))
+        check_embedding_input(token_ids, self.max_model_len)
+        return self._queue(EncoderRequest(request_id, None, token_ids, 0, types))
+
+    def _queue(self, request: EncoderRequest) -> str:
+        request_id = str(next(self._ids)) if request.request_id is None else request.request_id
         if request_id in self.scheduler.waiting:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.scheduler.add(EncoderRequest(request_id, text, token_ids, self._num_requests))
+        request = replace(request, request_id=request_id, arrival=self._num_requests)
+        self.scheduler.add(request)
         self._num_requests += 1
-        self._prompt_tokens += len(token_ids)
+        self._prompt_tokens += len(request.token_ids)
         return request_id
 
     def add_request(self, prompt, params=None, request_id: str | None = None) -> str:
@@ -124,19 +163,35 @@ class EncoderEngine:
 
     # -- stepping ---------------------------------------------------------------------------
 
-    def step(self) -> list[EmbeddingOutput]:
-        """Run one batch; returns an EmbeddingOutput (vector on the host) for each request."""
+    def step(self) -> list[EmbeddingOutput] | list[ScoreOutput]:
+        """Run one batch; returns an EmbeddingOutput (vector on the host) for each request, or
+        a ScoreOutput for each pair of a cross-encoder."""
         batch = self.scheduler.next_batch(self.max_batch_tokens, self.max_num_seqs)
         if not batch:
             return []
-        vectors = self._embed(batch).cpu()
         self._num_steps += 1
         self._num_finished += len(batch)
         self._computed += sum(len(r) for r in batch)
+        if self.head is not None:
+            scores = as_scores(self._classify(batch), self.activation)
+            return [ScoreOutput(r.request_id, s, r.token_ids) for r, s in zip(batch, scores)]
+        vectors = self._embed(batch).cpu()
         return [
             EmbeddingOutput(r.request_id, r.prompt, r.token_ids, v)
             for r, v in zip(batch, vectors.unbind())
         ]
+
+    @torch.inference_mode()
+    def _classify(self, batch: list[EncoderRequest]) -> torch.Tensor:
+        """[len(batch), num_labels] logits of a cross-encoder's head, on the device."""
+        lengths = torch.tensor([len(r) for r in batch], device=self.device)
+        ids = pad_sequence(
+            [torch.tensor(r.token_ids, dtype=torch.long) for r in batch], batch_first=True
+        ).to(self.device)
+        types = pad_sequence(
+            [torch.tensor(r.token_types, dtype=torch.long) for r in batch], batch_first=True
+        ).to(self.device)
+        return self.head(self.model(ids, lengths, types))
 
     @torch.inference_mode()
     def _embed(self, batch: list[EncoderRequest]) -> torch.Tensor:

@@ -13,11 +13,29 @@ from __future__ import annotations
 
 from kvbatch.engine.model.registry import Architecture
 
-ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "RobertaModel")
-"""Bidirectional encoders (engine/model/bert.py), run for embeddings only by the encoder engine
-(engine/encoder/): no KV cache, no generation."""
+CROSS_ENCODER_ARCHITECTURES = (
+    "BertForSequenceClassification",
+    "XLMRobertaForSequenceClassification",
+    "RobertaForSequenceClassification",
+)
+"""Encoders with a sequence-classification head (engine/model/sequence_classifier.py): the
+cross-encoders that score (query, passage) pairs, run by the encoder engine's score path."""
 
-ROBERTA_ARCHITECTURES = ("XLMRobertaModel", "RobertaModel")
+ENCODER_ARCHITECTURES = (
+    "BertModel",
+    "XLMRobertaModel",
+    "RobertaModel",
+    *CROSS_ENCODER_ARCHITECTURES,
+)
+"""Bidirectional encoders (engine/model/bert.py), run by the encoder engine (engine/encoder/):
+embeddings, or scores for the cross-encoders; no KV cache, no generation."""
+
+ROBERTA_ARCHITECTURES = (
+    "XLMRobertaModel",
+    "RobertaModel",
+    "XLMRobertaForSequenceClassification",
+    "RobertaForSequenceClassification",
+)
 """Encoders that number positions as fairseq does (transformers' create_position_ids_from_
 input_ids): from pad_token_id + 1, counting only tokens that are not the pad token, so the
 first pad_token_id + 1 rows of the position table are never an input's (514 rows, pad 1:

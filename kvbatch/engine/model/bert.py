@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbatch.engine.model.architectures import (
+    CROSS_ENCODER_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
     ROBERTA_ARCHITECTURES,
     ROBERTA_DEFAULT_PAD_TOKEN_ID,
@@ -53,6 +54,7 @@ class BertConfig:
     # RoBERTa: the pad token id its positions start after (None: BERT, positions from 0)
     position_padding_idx: int | None = None
     has_lm_head: bool = False  # an encoder embeds; it never generates
+    num_labels: int = 0  # a cross-encoder's scores per input (its head); 0: embeddings only
 
     @property
     def head_dim(self) -> int:
@@ -118,6 +120,7 @@ class BertConfig:
             type_vocab_size=int(hf.get("type_vocab_size", 2)),
             layer_norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
             position_padding_idx=_roberta_padding_idx(architecture, hf),
+            num_labels=_num_labels(architecture, hf),
         )
         if cfg.max_input_length < 1:
             raise ValueError(
@@ -126,6 +129,15 @@ class BertConfig:
                 f"pad_token_id {cfg.position_padding_idx}"
             )
         return cfg
+
+
+def _num_labels(architecture: str, hf: dict) -> int:
+    """A cross-encoder's label count as transformers reads it (id2label, else num_labels, else
+    its default of 2); 0 for an encoder without a head."""
+    if architecture not in CROSS_ENCODER_ARCHITECTURES:
+        return 0
+    labels = hf.get("id2label") or {}
+    return len(labels) or int(hf.get("num_labels", 2))
 
 
 def _roberta_padding_idx(architecture: str, hf: dict) -> int | None:
@@ -150,10 +162,14 @@ class _Embeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # every input is one segment: token type 0 (padding rows are masked as keys)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None
+    ) -> torch.Tensor:
+        # an input of one segment is token type 0; a cross-encoder's pair has 0s, then 1s
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        if token_types is None:
+            return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(x + self.token_type_embeddings(token_types))
 
 
 class _SelfAttention(nn.Module):
@@ -225,13 +241,19 @@ class BertModel(nn.Module):
         self.embeddings = _Embeddings(cfg)
         self.encoder = _Encoder(cfg)
 
-    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        token_types: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids: [batch, seq] (padded past each input's length, with any id);
-        lengths: [batch] on the same device. Returns [batch, seq, hidden]; rows past an
-        input's length are padding (they see the input, the input never sees them)."""
+        lengths: [batch] on the same device; token_types: [batch, seq] segment ids (None: all
+        0). Returns [batch, seq, hidden]; rows past an input's length are padding (they see
+        the input, the input never sees them)."""
         columns = torch.arange(input_ids.shape[1], device=input_ids.device)
         real = columns[None, :] < lengths[:, None]  # [batch, seq]
-        x = self.embeddings(input_ids, self._positions(input_ids, real, columns))
+        x = self.embeddings(input_ids, self._positions(input_ids, real, columns), token_types)
         key_mask = real[:, None, None, :]
         for layer in self.encoder.layer:
             x = layer(x, key_mask)

@@ -17,7 +17,7 @@ import torch
 
 from kvbatch.engine.layers.linear import merge_projections
 from kvbatch.engine.model.architectures import ENCODER_ARCHITECTURES
-from kvbatch.engine.model.bert import BertConfig, BertModel, build_bert
+from kvbatch.engine.model.bert import BASE_MODEL_PREFIXES, BertConfig, BertModel, build_bert
 from kvbatch.engine.model.checkpoint_errors import (
     CONFIG,
     CheckpointError,
@@ -36,6 +36,11 @@ from kvbatch.engine.model.gguf import complete_gguf_config
 from kvbatch.engine.model.moe import CheckpointExperts
 from kvbatch.engine.model.multimodal import language_model_config, language_model_weights
 from kvbatch.engine.model.registry import ARCHITECTURES
+from kvbatch.engine.model.sequence_classifier import (
+    SequenceClassificationHead,
+    build_head,
+    pop_head_tensors,
+)
 from kvbatch.engine.model.tensor_names import some_names
 from kvbatch.engine.models.gemma import GemmaForCausalLM
 from kvbatch.engine.models.llama import LlamaForCausalLM, ModelConfig
@@ -143,6 +148,7 @@ class LoadedEncoder:
     model: BertModel
     tokenizer: object | None
     weight_bytes: int = 0
+    head: SequenceClassificationHead | None = None  # a cross-encoder's
 
 
 def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedEncoder:
@@ -150,8 +156,15 @@ def load_encoder(path: str | Path, dtype: torch.dtype, device: torch.device) -> 
     path = Path(path).expanduser()
     with _as_checkpoint_error(path):
         cfg = BertConfig.from_hf(_config_dict(path) or {})
-        model = build_bert(cfg, _read_weights(path), dtype, device)
-        return LoadedEncoder(cfg, model, _read_tokenizer(path), weight_bytes(model))
+        weights = _read_weights(path)
+        head = None
+        if cfg.num_labels:  # a cross-encoder: its head's tensors apart from the encoder's
+            tensors = pop_head_tensors(weights, BASE_MODEL_PREFIXES)
+            head = build_head(
+                cfg.architecture, cfg.hidden_size, cfg.num_labels, tensors, dtype, device
+            )
+        model = build_bert(cfg, weights, dtype, device)
+        return LoadedEncoder(cfg, model, _read_tokenizer(path), weight_bytes(model), head)
 
 
 def _pop_kv_scales(state_dict: dict) -> dict:

@@ -1,0 +1,78 @@
+"""Decoder rerankers (Qwen3-Reranker and the like): a causal LM asked whether a document
+answers a query, scored by how much more it wants to say "yes" than "no".
+
+The checkpoint's chat template renders the pair as one prompt, from two messages with the
+roles `query` and `document` (sentence-transformers' convention for CrossEncoder on a causal
+LM; Qwen3-Reranker's template writes its fixed instruction around them and ends with the
+assistant's turn opened). The prompt is prefilled like an embedding request, pooled at its last
+token without normalising, and projected on the two vocabulary rows:
+
+    score = sigmoid(logit["yes"] - logit["no"])       = softmax([no, yes])[yes]
+
+which is sentence-transformers' LogitScore followed by CrossEncoder's sigmoid, and the number
+vLLM's /score answers for the same model. The query sits before the document in the prompt, so
+all the pairs of one query share a prefix and the prefix cache computes it once (last-token
+pooling takes prefix hits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbatch.engine.pooling.config import PoolingConfig, PoolingMethod
+
+LAST_STATE = PoolingConfig(PoolingMethod.LAST, normalize=False)
+"""The pooling of a reranker's prompt: the last token's final state, as it is."""
+
+_PROBE = ("\x00query\x00", "\x00document\x00")
+
+
+@dataclass(frozen=True)
+class YesNoReranker:
+    """How a causal LM scores a pair: its chat template and its yes and no token ids."""
+
+    yes_token_id: int
+    no_token_id: int
+
+    @classmethod
+    def of(cls, tokenizer, model: str) -> YesNoReranker:
+        """The reranker reading of `tokenizer`'s model; ValueError naming what it lacks."""
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"{model} has no chat template: a decoder reranker's template renders the "
+                "(query, document) pair (Qwen3-Reranker's, with the roles query and document)"
+            )
+        rendered = _render(tokenizer, *_PROBE)
+        if not all(marker in rendered for marker in _PROBE):
+            raise ValueError(
+                f"the chat template of {model} cannot carry a (query, document) pair: it must "
+                "render a message of role 'query' and one of role 'document', as rerankers' "
+                "templates do; this looks like a chat model, not a reranker"
+            )
+        ids = [_single_token(tokenizer, word, model) for word in ("yes", "no")]
+        return cls(*ids)
+
+    def prompt_token_ids(self, tokenizer, query: str, document: str) -> list[int]:
+        return list(
+            tokenizer(_render(tokenizer, query, document), add_special_tokens=False)["input_ids"]
+        )
+
+    def scores(self, states: torch.Tensor, output_embedding: torch.Tensor) -> list[float]:
+        """states: [n, hidden] last-token states; output_embedding: [vocab, hidden]."""
+        rows = output_embedding[[self.yes_token_id, self.no_token_id]].float()  # [2, hidden]
+        logits = states.to(rows.device).float() @ rows.T  # [n, 2]
+        return torch.sigmoid(logits[:, 0] - logits[:, 1]).cpu().tolist()
+
+
+def _render(tokenizer, query: str, document: str) -> str:
+    messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def _single_token(tokenizer, word: str, model: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(word)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"the tokenizer of {model} has no token {word!r}, which a reranker needs")
+    return int(token_id)
