@@ -55,7 +55,7 @@ def table_version(spec: IndexSpec) -> int:
 def row_changes(spec: IndexSpec, since: int) -> int:
     """How many versions after `since` changed the rows a reader sees. The merge is one; the
     full-text index's upkeep after it (index/fulltext.py) adds versions with the same rows."""
-    tbl = lancedb.connect(spec.output.uri).open_table(spec.output.table)
+    tbl = connect(spec.output.uri).open_table(spec.output.table)
     changes, seen = 0, None
     for version in range(since, tbl.version + 1):
         tbl.checkout(version)

@@ -95,7 +95,8 @@ def _context_table(tmp_path, with_context: bool) -> str:
             "embedding_revision": "main",
         }
     ]
-    merge_rows(connect(uri), "chunks", pa.Table.from_pylist(rows, schema=chunk_schema(2)), [])
+    rows = pa.Table.from_pylist([{**r, "source": "s"} for r in rows], schema=chunk_schema(2))
+    merge_rows(connect(uri), "chunks", rows, [], source="s")
     return uri
 
 
@@ -149,7 +150,8 @@ def _three_chunk_table(tmp_path) -> str:
         }
         for i, (doc, text) in enumerate(texts.items())
     ]
-    merge_rows(connect(uri), "chunks", pa.Table.from_pylist(rows, schema=chunk_schema(2)), [])
+    rows = pa.Table.from_pylist([{**r, "source": "s"} for r in rows], schema=chunk_schema(2))
+    merge_rows(connect(uri), "chunks", rows, [], source="s")
     return uri
 
 
