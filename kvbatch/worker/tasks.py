@@ -97,6 +97,9 @@ MAX_RETRY_COUNTDOWN = 60
 RUNNING_RECHECK = 5
 # Seconds before a shard this worker's model cannot run is offered again (to any worker).
 OTHER_MODEL_RECHECK = 5
+# WorkerModel.llm's default: whatever reasoning parser the loaded engine has.
+_AS_LOADED = object()
+
 # Names this process in the running heartbeat of the shard it runs.
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -111,6 +114,7 @@ class WorkerModel:
     engine: dict = field(default_factory=dict)  # engine.LLM keyword arguments
     _llm: Any = field(default=None, repr=False)
     _longest: int = field(default=0, repr=False)  # the longest_request it was loaded with
+    _parser: str | None = field(default=None, repr=False)  # the reasoning parser named at load
     _fingerprint: ModelFingerprint | None = field(default=None, repr=False)
 
     def fingerprint(self) -> ModelFingerprint:
@@ -120,22 +124,36 @@ class WorkerModel:
             self._fingerprint = fingerprint(self.llm().engine.config.model)
         return self._fingerprint
 
-    def llm(self, longest_request: int = 0):
+    def llm(self, longest_request: int = 0, reasoning_parser: str | None | object = _AS_LOADED):
         """The engine. `longest_request` (a job's, from job.json; 0 = none recorded) is the
         context the job runs at unless the worker's --max-model-len is set: an engine loaded at
         another is dropped and loaded again at the job's, so every shard of a job runs at the
-        same context as `kvbatch run` would, whichever worker takes it."""
+        same context as `kvbatch run` would, whichever worker takes it. `reasoning_parser`
+        (`submit --reasoning-parser`, from job.json; None: the job named none) wins over the
+        worker's own the same way: submit rendered the job's prompts for it. Left out, the
+        engine keeps the parser it has."""
         wanted = 0 if self.engine.get("max_model_len") else longest_request
+        if reasoning_parser is _AS_LOADED:
+            parser = self._parser if self._llm is not None else self.engine.get("reasoning_parser")
+        else:
+            parser = reasoning_parser or self.engine.get("reasoning_parser")
         if self._llm is not None and not runs_at(self._llm.engine, wanted):
             log.info("loading %s again for a job whose longest request is %d tokens",
                      self.path, wanted)  # fmt: skip
             self._llm = None  # the next engine's start frees this one's memory first
+        if self._llm is not None and parser != self._parser:
+            log.info("loading %s again for a job with reasoning parser %s", self.path, parser)
+            self._llm = None
         if self._llm is None:
             from kvbatch.engine import LLM  # torch is imported here, not at kvbatch.worker start-up
 
             log.info("loading %s", self.path)
             self._longest = wanted or self._longest
-            self._llm = LLM(model=self.path, **engine_settings(self.engine, self._longest))
+            settings = engine_settings(self.engine, self._longest)
+            self._parser = parser
+            if parser:
+                settings = {**settings, "reasoning_parser": parser}
+            self._llm = LLM(model=self.path, **settings)
         return self._llm
 
 
@@ -333,7 +351,9 @@ def _claim_and_run(task: ShardTask, msg: ShardMessage, job: Storage, manifest: d
     llm = None
     started = time.monotonic()
     try:
-        llm = task.model.llm(int(manifest.get("longest_request") or 0))
+        llm = task.model.llm(
+            int(manifest.get("longest_request") or 0), manifest.get("reasoning_parser")
+        )
         model_name = manifest.get("model_name") or Path(task.model.path.rstrip("/")).name
         metrics.set_model(model_name)
         with running(job, msg.shard_id, WORKER_ID):

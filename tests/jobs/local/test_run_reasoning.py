@@ -139,3 +139,16 @@ def test_workers_answer_as_kvbatch_run(think_model: Path, tmp_path: Path, answer
         check_line(json.dumps(line))
         ours, theirs = (x["response"]["body"] for x in (line, local[custom_id]))
         assert ours["choices"] == theirs["choices"] and ours["usage"] == theirs["usage"]
+
+
+def test_a_worker_takes_the_parser_submit_named(think_model: Path, tmp_path: Path):
+    """`submit --reasoning-parser none` renders prompts for no parser and records it in
+    job.json: a worker started without the flag (it would detect the think parser) loads its
+    engine with the job's, and the next job that names none gets the worker's own again."""
+    from kvbatch.worker.tasks import WorkerModel
+
+    model = WorkerModel(str(think_model), {"device": "cpu", "kv_cache_bytes": 16 << 20})
+    assert model.llm().engine.reasoning is not None  # detected: <think> ... </think>
+    assert model.llm(0, "none").engine.reasoning is None
+    assert model.llm().engine.reasoning is None  # no job: the engine as loaded
+    assert model.llm(0, None).engine.reasoning is not None  # a job that named none
