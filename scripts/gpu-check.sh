@@ -39,6 +39,11 @@
 #                 with window KV (sliding_window_kv) on and off: sequences at once, KV blocks,
 #                 preemptions, tokens/s, and greedy tokens equal between them (--cpu: its tiny
 #                 size; GEMMA_WINDOW_ARGS replaces the flags; skipped past BUDGET_S)
+#   rag-hybrid    kvbatch bench hybrid-linear --size gpu --device cuda --json rag-hybrid.json: a
+#                 Qwen3.5-shaped hybrid (24 layers, 18 Gated DeltaNet and 6 gated full attention,
+#                 about 2B parameters, random, bfloat16), 32 prompts of 2,048 tokens sharing
+#                 1,536, 64 out, beside transformers' generate, and sequences per GiB against
+#                 full attention (--cpu: its tiny size; skipped past BUDGET_S)
 #   quant-greedy  scripts/quant_greedy_check.py: online FP8, W4A16 (GPTQ, rounded random
 #                 weights) and block-wise FP8 (Qwen3-*-FP8's layout) models on kvbatch.kernels'
 #                 GEMMs against the reference path, float32, on tiny, rag-shape and tiny
@@ -163,6 +168,7 @@ if [ "$CPU" = 1 ]; then
   LONG_PREFILL_DEFAULTS=(--long-prefill-step-ratio 2.5 --long-prefill-token-threshold 1024
                          --freeze-gc)
   GEMMA_WINDOW_SIZE=(--size tiny)
+  HYBRID_SIZE=(--size tiny --device cpu)
 else
   MODE=gpu
   TINY=()
@@ -173,6 +179,8 @@ else
   QUANT_GEMM=()
   LONG_PREFILL_DEFAULTS=()
   GEMMA_WINDOW_SIZE=(--size gpu)
+  HYBRID_SIZE=(--size gpu --device cuda --num-prompts 32 --prompt-tokens 2048 --system-tokens 1536
+               --output-tokens 64)
 fi
 # The required steps' GPU limits add up to 1035 s (first Triton compiles included); the
 # optional steps (caps, quant rows, rag-moe, rag-qwen3, sweep) keep the run inside BUDGET_S.
@@ -196,6 +204,7 @@ MOE_GREEDY_TIMEOUT=${MOE_GREEDY_TIMEOUT:-60}
 RAG_MOE_TIMEOUT=${RAG_MOE_TIMEOUT:-150}  # builds the 3.1 B-parameter model; skipped past BUDGET_S
 RAG_QWEN3_TIMEOUT=${RAG_QWEN3_TIMEOUT:-150}  # builds the 2.8 B-parameter model; as rag-moe
 EMBED_GPU_TIMEOUT=${EMBED_GPU_TIMEOUT:-120}  # builds two random embedding models; as rag-moe
+RAG_HYBRID_TIMEOUT=${RAG_HYBRID_TIMEOUT:-180}  # builds the 2 B-parameter Qwen3.5 shape once
 # builds the 1 B-parameter model, then two engines each run the job; skipped past BUDGET_S
 RAG_GEMMA_TIMEOUT=${RAG_GEMMA_TIMEOUT:-240}
 RAG_TIMEOUT=${RAG_TIMEOUT:-200}
@@ -382,6 +391,14 @@ if ! wanted embed-gpu; then
 elif fits embed-gpu "$EMBED_GPU_TIMEOUT"; then
   step embed-gpu "$EMBED_GPU_TIMEOUT" "$PY" -m kvbatch.cli bench embed-gpu ${TINY[@]+"${TINY[@]}"} \
     --repeat 3 --json "$OUT_DIR/embed-gpu.json"
+fi
+# rag-hybrid: a Qwen3.5-shaped hybrid (3 Gated DeltaNet : 1 full attention, state cache and
+# snapshots) beside transformers' generate, and sequences per GiB against full attention
+if ! wanted rag-hybrid; then
+  skip rag-hybrid "not in --only"
+elif fits rag-hybrid "$RAG_HYBRID_TIMEOUT"; then
+  step rag-hybrid "$RAG_HYBRID_TIMEOUT" "$PY" -m kvbatch.cli bench hybrid-linear \
+    "${HYBRID_SIZE[@]}" --json "$OUT_DIR/rag-hybrid.json"
 fi
 # The same with every mixed step eager (no CUDA graphs for steps with a chunk): what the
 # mixed-step graphs gain; LONG_PREFILL_EAGER=0 skips it

@@ -11,8 +11,12 @@ plus one state slot, against KV in every layer.
 
     kvbatch bench hybrid-linear [--num-prompts N] [--prompt-tokens N] [--system-tokens N]
                                 [--output-tokens N] [--context N] [--json PATH]
+                                [--size tiny|gpu] [--device cpu|cuda] [--dtype D]
 
 The model is random (no download): a Qwen3_5TextConfig written once into `--cache-dir`.
+`--size tiny` (the default) is 8 small layers for the CPU; `--size gpu` is a Qwen3.5-shaped
+model at about 2B parameters (24 layers, 18 DeltaNet and 6 full attention; assumed layer
+sizes, not a published checkpoint's) for the GPU table, in bfloat16 on cuda.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from kvbatch.engine import LLM, SamplingParams
 from kvbatch.engine.kv.stateful import state_shape
 from kvbatch.engine.model.linear_attention import LinearAttentionConfig
 
-SHAPE = dict(
+TINY_SHAPE = dict(
     vocab_size=4096,
     hidden_size=256,
     intermediate_size=512,
@@ -57,27 +61,50 @@ SHAPE = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+GPU_SHAPE = {
+    **TINY_SHAPE,
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "max_position_embeddings": 65536,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 6,
+    "initializer_range": 0.02,
+}
+SHAPES = {"tiny": TINY_SHAPE, "gpu": GPU_SHAPE}
+SHAPE = TINY_SHAPE  # what the module's callers and tests size by default
 
 
-def model_dir(cache_dir: Path) -> Path:
+def model_dir(cache_dir: Path, size: str = "tiny") -> Path:
+    shape = SHAPES[size]
+
     def write(folder: Path) -> None:
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**SHAPE), dtype=torch.float32)
+        dtype = torch.float32 if size == "tiny" else torch.bfloat16  # 2B at 4 GB, not 8
+        model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**shape), dtype=dtype)
         model.save_pretrained(folder)
 
-    return build_once(cache_dir / "qwen3.5-shape", lambda p: (p / "config.json").exists(), write)
+    name = "qwen3.5-shape" if size == "tiny" else f"qwen3.5-shape-{size}"
+    return build_once(cache_dir / name, lambda p: (p / "config.json").exists(), write)
 
 
 def job(args) -> list[list[int]]:
     rng = random.Random(args.seed)
-    vocab = range(3, SHAPE["vocab_size"])
+    vocab = range(3, SHAPES[args.size]["vocab_size"])
     system = rng.choices(vocab, k=args.system_tokens)
     tail = args.prompt_tokens - args.system_tokens
     return [system + rng.choices(vocab, k=tail) for _ in range(args.num_prompts)]
 
 
 def run_kvbatch(path: Path, prompts, args) -> tuple[float, list[list[int]], int]:
-    llm = LLM(str(path), device="cpu", dtype="float32", max_num_seqs=args.num_prompts)
+    llm = LLM(str(path), device=args.device, dtype=args.dtype, max_num_seqs=args.num_prompts)
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -86,12 +113,13 @@ def run_kvbatch(path: Path, prompts, args) -> tuple[float, list[list[int]], int]
 
 
 def run_transformers(path: Path, prompts, args) -> tuple[float, list[list[int]]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
     start, out = time.perf_counter(), []
     for ids in prompts:
         with torch.inference_mode():
             gen = model.generate(
-                torch.tensor([ids]),
+                torch.tensor([ids], device=args.device),
                 max_new_tokens=args.output_tokens,
                 do_sample=False,
                 eos_token_id=None,
@@ -100,15 +128,17 @@ def run_transformers(path: Path, prompts, args) -> tuple[float, list[list[int]]]
     return time.perf_counter() - start, out
 
 
-def sequences_per_gb(context: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+def sequences_per_gb(
+    context: int, dtype: torch.dtype = torch.bfloat16, shape: dict = TINY_SHAPE
+) -> dict[str, float]:
     """Sequences of `context` tokens one GiB holds: the hybrid (KV in its full-attention
     layers, one state slot) and the same shape with KV in every layer."""
-    config = Qwen3_5TextConfig(**SHAPE)
+    config = Qwen3_5TextConfig(**shape)
     linear = LinearAttentionConfig.from_hf("Qwen3_5ForCausalLM", config)
     elem = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * elem * context
+    per_layer = 2 * shape["num_key_value_heads"] * shape["head_dim"] * elem * context
     hybrid = len(linear.full_layers) * per_layer + state_shape(linear).bytes_per_slot(dtype)
-    full = SHAPE["num_hidden_layers"] * per_layer
+    full = shape["num_hidden_layers"] * per_layer
     return {"hybrid": 2**30 / hybrid, "full_attention": 2**30 / full}
 
 
@@ -123,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/kvbatch/bench")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--size", choices=sorted(SHAPES), default="tiny", help="tiny (CPU) or gpu")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default=None, help="default float32 on the CPU, bfloat16 on cuda")
     return p
 
 
@@ -133,13 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.system_tokens < args.prompt_tokens:
         raise SystemExit("--system-tokens must be between 0 and --prompt-tokens")
     torch.set_num_threads(args.threads)
-    path = model_dir(args.cache_dir)
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    path = model_dir(args.cache_dir, args.size)
     prompts = job(args)
     kv_s, kv_tokens, hits = run_kvbatch(path, prompts, args)
     hf_s, hf_tokens = run_transformers(path, prompts, args)
     same = kv_tokens == hf_tokens
     out_tokens = args.num_prompts * args.output_tokens
-    per_gb = sequences_per_gb(args.context)
+    per_gb = sequences_per_gb(args.context, shape=SHAPES[args.size])
     rows = [
         ["engine", "seconds", "output tok/s", "prefix hits"],
         ["kvbatch", f"{kv_s:.2f}", f"{out_tokens / kv_s:.1f}", str(hits)],
@@ -160,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             "bench": "hybrid-linear",
             "command": shlex.join(["kvbatch", "bench", "hybrid-linear", *argv]),
             "date": time.strftime("%Y-%m-%d"),
-            "machine": machine_info("cpu"),
+            "machine": machine_info(args.device),
+            "size": args.size,
+            "dtype": args.dtype,
             "kvbatch_seconds": kv_s,
             "transformers_seconds": hf_s,
             "prefix_hits": hits,

@@ -10,7 +10,7 @@ import logging
 import re
 import sys
 
-from kvbatch.index.search_flags import add_search_flags, search_target
+from kvbatch.index.search_flags import add_search_flags
 from kvbatch.metrics_registry import metrics_port, start_metrics_server
 from kvbatch.redact import redact_url, redact_urls
 from kvbatch.threads import apply_threads
@@ -182,6 +182,7 @@ def _workers(args: argparse.Namespace, spec):
 
 def _search(args: argparse.Namespace) -> int:
     from kvbatch.index.search import SearchError, search
+    from kvbatch.index.search_target import search_target
     from kvbatch.index.spec import SpecError
 
     try:

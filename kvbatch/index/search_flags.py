@@ -2,17 +2,14 @@
 
 `kvbatch search` takes the index either as its URI or as the index spec that writes it: from a
 spec it reads `[output] uri, table` and the `[search]` table (`mode`, `rerank`), so a nightly
-index and its searches share one file. A flag given on the command line wins over the spec.
-Light on purpose: `kvbatch --help` imports this, never torch.
+index and its searches share one file. A flag given on the command line wins over the spec (search_target.py).
+Light on purpose: every `kvbatch` command builds this parser, so it imports neither torch nor
+pydantic (the GPU check's image has no pydantic).
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from pathlib import Path
-
-from kvbatch.index.spec import load_spec
 
 SEARCH_MODES = ("vector", "keyword", "hybrid")
 
@@ -38,27 +35,4 @@ def add_search_flags(p: argparse.ArgumentParser) -> None:
         default=20,
         metavar="N",
         help="how many hits the reranker scores (default 20)",
-    )
-
-
-@dataclass(frozen=True)
-class SearchTarget:
-    uri: str
-    table: str
-    mode: str | None
-    rerank: str | None
-
-
-def search_target(args: argparse.Namespace) -> SearchTarget:
-    """The table, mode and reranker of a `kvbatch search` call: the flags, then the spec's
-    settings when URI names a spec file. Raises SpecError for a spec that does not load."""
-    from_spec = args.uri.endswith(".toml") and Path(args.uri).is_file()
-    if not from_spec:
-        return SearchTarget(args.uri, args.table or "chunks", args.mode, args.rerank)
-    spec = load_spec(args.uri)
-    return SearchTarget(
-        spec.output.uri,
-        args.table or spec.output.table,
-        args.mode or spec.search.mode,
-        args.rerank or spec.search.rerank,
     )
