@@ -54,6 +54,7 @@ from kvbatch.kernels.moe_blocks import (
     store_rows,
     tile_nk,
 )
+from kvbatch.kernels.mxfp4 import Mxfp4Experts
 from kvbatch.kernels.moe_weights import (
     ExpertWeights,
     Fp8BlockExperts,
@@ -200,6 +201,8 @@ class ExpertBiases:
 def _kernel_serves(w: ExpertWeights) -> bool:
     """Whether the grouped GEMMs take these experts: all but block FP8 with blocks the kernel
     does not tile (fewer than 32 columns), which run the reference."""
+    if isinstance(w, Mxfp4Experts):
+        return False
     return not isinstance(w, Fp8BlockExperts) or kernel_serves_block_k(w.block_k)
 
 
