@@ -24,7 +24,8 @@ on its token count, as a CUDA graph needs.
 
 The experts may be quantized, each projection in its own format (kernels/moe_weights.py):
 a float tensor [E, N, K] runs the kernel below; weight-only 4/8-bit experts, FP8/int8 W8A8
-experts and block-scaled FP8 experts run its siblings in kernels/fused_moe_quant.py, which read the same blocks and
+experts and block-scaled FP8 experts run its siblings in kernels/fused_moe_quant.py (MXFP4
+experts: kernels/fused_moe_mxfp4.py), which read the same blocks and
 compute what the format's dense layer computes. fused_moe_ref is the plain-torch answer for
 every format.
 """
@@ -45,6 +46,7 @@ from kvbatch.kernels.fused_moe_quant import (
     w8a8_grouped_gemm,
     wna16_grouped_gemm,
 )
+from kvbatch.kernels.fused_moe_mxfp4 import mxfp4_grouped_gemm
 from kvbatch.kernels.moe_activation import ClampedSwiGLU
 from kvbatch.kernels.moe_blocks import (
     ExpertBlocks,
@@ -201,19 +203,19 @@ class ExpertBiases:
 def _kernel_serves(w: ExpertWeights) -> bool:
     """Whether the grouped GEMMs take these experts: all but block FP8 with blocks the kernel
     does not tile (fewer than 32 columns), which run the reference."""
-    if isinstance(w, Mxfp4Experts):
-        return False
     return not isinstance(w, Fp8BlockExperts) or kernel_serves_block_k(w.block_k)
 
 
 def _project(a, w: ExpertWeights, out, route_w, blocks: ExpertBlocks, a_row_div: int) -> None:
-    """One grouped GEMM in the experts' format (float, weight-only, W8A8 or block FP8)."""
+    """One grouped GEMM in the experts' format (float, weight-only, W8A8, block FP8, MXFP4)."""
     if isinstance(w, WNA16Experts):
         wna16_grouped_gemm(a, w, out, route_w, blocks, a_row_div)
     elif isinstance(w, W8A8Experts):
         w8a8_grouped_gemm(a, w, out, route_w, blocks, a_row_div)
     elif isinstance(w, Fp8BlockExperts):
         fp8_block_grouped_gemm(a, w, out, route_w, blocks, a_row_div)
+    elif isinstance(w, Mxfp4Experts):
+        mxfp4_grouped_gemm(a, w, out, route_w, blocks, a_row_div)
     else:
         _grouped_gemm(a, w, out, route_w, blocks, a_row_div)
 
