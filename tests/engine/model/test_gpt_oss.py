@@ -202,3 +202,19 @@ def test_broken_mxfp4_checkpoints_name_the_tensor(tiny_models, tmp_path, change,
     broken = _edit(tiny_models("gpt-oss-mxfp4"), tmp_path / "m", tensor_change=change)
     with pytest.raises(CheckpointError, match=message):
         load_model(broken, torch.float32, CPU)
+
+
+@pytest.mark.parametrize("kind", ["gpt-oss", pytest.param("gpt-oss-mxfp4", marks=SLOW)])
+def test_triton_backend_matches_transformers(tiny_models, kind):
+    """The Triton kernels under the interpreter: sink attention in prefill, decode and the
+    cascade split, the fused MoE with biases and the clamped SwiGLU (MXFP4: the grouped GEMM
+    that reads the packed bytes)."""
+    path = tiny_models(kind)
+    doc = random_prompts(512, (33,), seed=8)[0]
+    prompts = [doc + t for t in random_prompts(512, (2, 9), seed=9)] + random_prompts(
+        512, (7,), seed=5
+    )
+    llm = LLM(str(path), device="cpu", dtype="float32", attention_backend="triton")
+    got = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert llm.engine.runner.backend.name == "triton"
+    assert got == hf_greedy(path, prompts, GREEDY.max_tokens, ignore_eos=True)
