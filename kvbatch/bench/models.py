@@ -123,7 +123,7 @@ class ModelSpec:
     @property
     def has_qk_norm(self) -> bool:
         """Qwen3, dense or MoE: an RMSNorm weight of head_dim for q and one for k per layer."""
-        return self.is_moe or self.architecture == "qwen3"
+        return (self.is_moe and self.architecture == "llama") or self.architecture == "qwen3"
 
     def config(self):
         """The transformers config of this shape, LlamaConfig, Qwen3Config or (with experts)
@@ -188,10 +188,15 @@ class ModelSpec:
             self.num_hidden_layers,
         )
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        heads = self.num_attention_heads
         mlp = 3 * h * f
         if self.is_moe:
             mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts, router
         per_layer = h * q * 2 + h * kv * 2 + mlp + 2 * h
+        if self.architecture == "gpt-oss":  # biases everywhere, sinks, experts of f
+            e = self.num_experts
+            experts = e * (3 * h * f + 2 * f + h) + e * (h + 1)  # weights, biases, router
+            per_layer = h * q * 2 + h * kv * 2 + (q + h) + 2 * kv + heads + experts + 2 * h
         if self.has_qk_norm:
             per_layer += 2 * self.head_dim
         return v * h * (1 if self.tie_word_embeddings else 2) + n * per_layer + h
