@@ -56,13 +56,7 @@ clamped SwiGLU; "gpt-oss-mxfp4" is the same model with its experts written in MX
 publishes them (transformers reads it back with Mxfp4Config(dequantize=True))."""
 
 KINDS = (
-    LLAMA_KINDS
-    + ("qwen3",)
-    + MOE_KINDS
-    + PHI3_KINDS
-    + SLIDING_KINDS
-    + GEMMA_KINDS
-    + GPT_OSS_KINDS
+    LLAMA_KINDS + ("qwen3",) + MOE_KINDS + PHI3_KINDS + SLIDING_KINDS + GEMMA_KINDS + GPT_OSS_KINDS
 )
 """Every kind build_tiny_checkpoint knows."""
 

@@ -41,12 +41,12 @@ import triton.language as tl
 
 from kvbatch.kernels.activation import silu_and_mul
 from kvbatch.kernels.fp8_block_gemm import kernel_serves_block_k
+from kvbatch.kernels.fused_moe_mxfp4 import mxfp4_grouped_gemm
 from kvbatch.kernels.fused_moe_quant import (
     fp8_block_grouped_gemm,
     w8a8_grouped_gemm,
     wna16_grouped_gemm,
 )
-from kvbatch.kernels.fused_moe_mxfp4 import mxfp4_grouped_gemm
 from kvbatch.kernels.moe_activation import ClampedSwiGLU
 from kvbatch.kernels.moe_blocks import (
     ExpertBlocks,
@@ -56,7 +56,6 @@ from kvbatch.kernels.moe_blocks import (
     store_rows,
     tile_nk,
 )
-from kvbatch.kernels.mxfp4 import Mxfp4Experts
 from kvbatch.kernels.moe_weights import (
     ExpertWeights,
     Fp8BlockExperts,
@@ -65,6 +64,7 @@ from kvbatch.kernels.moe_weights import (
     expert_shape,
     reference_expert_linear,
 )
+from kvbatch.kernels.mxfp4 import Mxfp4Experts
 from kvbatch.kernels.specialize import step_varying
 
 

@@ -17,22 +17,22 @@ from kvbatch.kernels.moe_activation import ClampedSwiGLU
 from kvbatch.kernels.mxfp4 import Mxfp4Experts, dequantize_mxfp4, quantize_mxfp4
 from tests.kernels.conftest import assert_close, generator
 
-E, H, I, TOP_K = 4, 64, 32, 2
+E, H, INTER, TOP_K = 4, 64, 32, 2
 ACTIVATION = ClampedSwiGLU(alpha=1.702, limit=0.8)
 
 
 def gpt_oss_experts(seed: int = 0):
-    """Random experts in transformers' layout (gate_up [E, H, 2I] interleaved, down [E, I, H]),
+    """Random experts in transformers' layout (gate_up [E, H, 2I] interleaved, down [E, INTER, H]),
     packed in MXFP4 as published (out features first): (blocks and scales per projection,
     biases)."""
     g = generator(seed)
-    gate_up = torch.randn(E, H, 2 * I, generator=g) * 0.3
-    down = torch.randn(E, I, H, generator=g) * 0.3
+    gate_up = torch.randn(E, H, 2 * INTER, generator=g) * 0.3
+    down = torch.randn(E, INTER, H, generator=g) * 0.3
     packed = {
         "gate_up": quantize_mxfp4(gate_up.transpose(1, 2)),
         "down": quantize_mxfp4(down.transpose(1, 2)),
     }
-    biases = (torch.randn(E, 2 * I, generator=g) * 0.3, torch.randn(E, H, generator=g) * 0.3)
+    biases = (torch.randn(E, 2 * INTER, generator=g) * 0.3, torch.randn(E, H, generator=g) * 0.3)
     return packed, biases
 
 
@@ -60,11 +60,13 @@ def ours(packed, biases, device, dtype):
 def test_reference_is_transformers_gpt_oss_experts():
     packed, biases = gpt_oss_experts()
     config = GptOssConfig(
-        hidden_size=H, intermediate_size=I, num_local_experts=E, swiglu_limit=ACTIVATION.limit
+        hidden_size=H, intermediate_size=INTER, num_local_experts=E, swiglu_limit=ACTIVATION.limit
     )
     experts = GptOssExperts(config).eval()
     with torch.no_grad():
-        experts.gate_up_proj.copy_(convert_moe_packed_tensors(*packed["gate_up"], dtype=torch.float32))
+        experts.gate_up_proj.copy_(
+            convert_moe_packed_tensors(*packed["gate_up"], dtype=torch.float32)
+        )
         experts.down_proj.copy_(convert_moe_packed_tensors(*packed["down"], dtype=torch.float32))
         experts.gate_up_proj_bias.copy_(biases[0])
         experts.down_proj_bias.copy_(biases[1])

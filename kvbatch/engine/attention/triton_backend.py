@@ -165,9 +165,7 @@ class TritonAttentionBackend:
             return
         # Cascade: private blocks per row (with the sinks), shared blocks once per group,
         # merged exactly.
-        private, lse_p = self._decode(
-            q, kv_cache, tables, lens, return_lse=True, sinks=sinks, **kv
-        )
+        private, lse_p = self._decode(q, kv_cache, tables, lens, return_lse=True, sinks=sinks, **kv)
         s = step.shared
         # Rows outside every group get lse -inf from the kernel: the merge keeps their private
         # part as it is (whatever their unwritten `shared` rows hold).

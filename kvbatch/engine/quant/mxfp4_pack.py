@@ -58,7 +58,9 @@ def pack_mxfp4_checkpoint(src: str | Path, dst: str | Path) -> Path:
         state_dict.update(load_file(f))
     config = json.loads((src / "config.json").read_text())
     if config.get("model_type") != "gpt_oss":
-        raise ValueError(f"{src} is not a gpt-oss checkpoint (model_type {config.get('model_type')!r})")
+        raise ValueError(
+            f"{src} is not a gpt-oss checkpoint (model_type {config.get('model_type')!r})"
+        )
     packed = pack_mxfp4_state_dict(state_dict)
     dst.mkdir(parents=True, exist_ok=True)
     for f in files:
@@ -71,9 +73,14 @@ def pack_mxfp4_checkpoint(src: str | Path, dst: str | Path) -> Path:
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     if src != dst:
         for extra in src.iterdir():
-            if extra.suffix != ".safetensors" and extra.name not in (
-                "config.json",
-                "model.safetensors.index.json",
-            ) and extra.is_file():
+            if (
+                extra.suffix != ".safetensors"
+                and extra.name
+                not in (
+                    "config.json",
+                    "model.safetensors.index.json",
+                )
+                and extra.is_file()
+            ):
                 (dst / extra.name).write_bytes(extra.read_bytes())
     return dst
