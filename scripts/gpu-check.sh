@@ -172,7 +172,8 @@ else
   TINY=()
   GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny,rag)
   QUANT_GREEDY=("$PY" scripts/quant_greedy_check.py --device cuda --models tiny,rag,tiny-moe)
-  MOE_GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny-moe)
+  MOE_GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton
+              --models tiny-moe,tiny-gpt-oss)
   SPLITS=()
   QUANT_GEMM=()
   LONG_PREFILL_DEFAULTS=()

@@ -103,8 +103,10 @@ SLOW = pytest.mark.slow
     [
         ("gpt-oss", dict(enable_prefix_caching=True)),
         ("gpt-oss-mxfp4", dict(enable_prefix_caching=True)),
-        # chunked prefill
-        ("gpt-oss", dict(enable_prefix_caching=True, max_num_batched_tokens=7)),
+        # chunked prefill (the logits test covers chunked attention in the fast tier)
+        pytest.param(
+            "gpt-oss", dict(enable_prefix_caching=True, max_num_batched_tokens=7), marks=SLOW
+        ),
         pytest.param(
             "gpt-oss-mxfp4", dict(enable_prefix_caching=True, max_num_batched_tokens=7),
             marks=SLOW,
