@@ -93,7 +93,7 @@ class SparseMoeBlock(KernelOp):
             self.experts.down_proj,
             weights,
             ids,
-            biases=self.experts.biases,
+            biases=self.experts.biases if self.cfg.expert_bias else None,
             activation=self.cfg.activation,
         )
         if self.cfg.shared_expert_intermediate_size:
