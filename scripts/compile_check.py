@@ -2,7 +2,7 @@
 a GPU: compile errors, shared memory and register spills show up before any GPU time is spent.
 
     python scripts/compile_check.py [--arch 90] [--dtypes bfloat16,float32] [--json FILE]
-                                    [--models llama,moe,gemma,quantized]
+                                    [--models llama,moe,gemma,quantized,gpt-oss]
 
 Triton ships ptxas, so the whole chain (Python -> TTIR -> TTGIR -> LLVM -> PTX -> cubin) runs on
 the CPU once the runtime is told the target instead of asking a driver. This script puts a
@@ -14,8 +14,9 @@ chunked prefill and the padded decode-graph path, so each kernel is compiled wit
 constexprs and argument specialisations the engine gives it. `--models` adds the other GPU
 paths, each one layer of a real shape: `moe` (Qwen3-30B-A3B's expert shapes, 16 of its
 experts: float, W4A16, online FP8 and block-FP8 experts in the fused MoE kernels), `gemma`
-(Gemma 3 1B's shapes on Gemma's layers) and `quantized` (rag's layer with W4A16, online
-FP8 and block-FP8 projections on kvbatch.kernels' GEMMs). Outputs are never computed (the
+(Gemma 3 1B's shapes on Gemma's layers), `quantized` (rag's layer with W4A16, online
+FP8 and block-FP8 projections on kvbatch.kernels' GEMMs) and `gpt-oss` (gpt-oss-20b's shapes:
+sink attention, MXFP4 experts). Outputs are never computed (the
 torch ops between kernels run on the CPU on uninitialised data).
 
 For each compiled kernel: shared memory (from Triton's metadata; must fit the 227 KiB an
@@ -212,11 +213,26 @@ def drive_gemma(dtype: torch.dtype) -> None:
     run_steps(model, dtype, prompts, [3] * len(prompts), max_num_batched_tokens=256)
 
 
+def drive_gpt_oss(dtype: torch.dtype, cache: Path) -> None:
+    """A sliding and a full layer of gpt-oss-20b's shapes (64 query and 8 KV heads of 64, hidden
+    2,880) with 8 of its 32 experts in MXFP4: the sink attention kernels (decode, prefill,
+    cascade) and the MXFP4 grouped GEMM."""
+    import dataclasses
+
+    from kvbatch.bench.models import GPT_OSS_20B_4_LAYERS
+
+    spec = dataclasses.replace(
+        GPT_OSS_20B_4_LAYERS, num_hidden_layers=2, num_experts=8, vocab_size=2048
+    )
+    drive_random_model(spec, "mxfp4", None, dtype, cache)
+
+
 DRIVERS = {
     "llama": lambda dtype, cache: drive_engine(dtype),
     "moe": drive_moe,
     "gemma": lambda dtype, cache: drive_gemma(dtype),
     "quantized": drive_quantized,
+    "gpt-oss": drive_gpt_oss,
 }
 
 

@@ -66,6 +66,10 @@
 #                 the same prompts on Qwen3-8B's layer shapes (dense; q/k RMSNorm), 8 of its 36
 #                 layers, random weights: the dense path at a realistic size (skipped past
 #                 BUDGET_S)
+#   rag-gpt-oss   kvbatch bench rag-gpt-oss --peers hf-static --repeat 1 --json gpt-oss-rag.json:
+#                 the same prompts on gpt-oss-20b's layer shapes, 4 of its 24 layers, random
+#                 MXFP4 experts (sinks, 128-token windows, the MXFP4 MoE kernel) against
+#                 transformers dequantizing the same files to bfloat16 (skipped past BUDGET_S)
 #   long-prefill-eager  the same with --cuda-graph-max-chunk 0 into long-prefill-eager.json:
 #                 every step with a chunk eager, as before mixed-step CUDA graphs (what they
 #                 gain; LONG_PREFILL_EAGER=0 skips it; skipped past BUDGET_S like the caps)
@@ -174,7 +178,8 @@ else
   TINY=()
   GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny,rag)
   QUANT_GREEDY=("$PY" scripts/quant_greedy_check.py --device cuda --models tiny,rag,tiny-moe)
-  MOE_GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton --models tiny-moe)
+  MOE_GREEDY=("$PY" scripts/greedy_check.py --device cuda --backend triton
+              --models tiny-moe,tiny-gpt-oss)
   SPLITS=()
   QUANT_GEMM=()
   LONG_PREFILL_DEFAULTS=()
@@ -203,6 +208,7 @@ QUANT_ROW_TIMEOUT=${QUANT_ROW_TIMEOUT:-90}
 MOE_GREEDY_TIMEOUT=${MOE_GREEDY_TIMEOUT:-60}
 RAG_MOE_TIMEOUT=${RAG_MOE_TIMEOUT:-150}  # builds the 3.1 B-parameter model; skipped past BUDGET_S
 RAG_QWEN3_TIMEOUT=${RAG_QWEN3_TIMEOUT:-150}  # builds the 2.8 B-parameter model; as rag-moe
+RAG_GPT_OSS_TIMEOUT=${RAG_GPT_OSS_TIMEOUT:-180}  # builds 4.2 GB of weights; as rag-moe
 EMBED_GPU_TIMEOUT=${EMBED_GPU_TIMEOUT:-120}  # builds two random embedding models; as rag-moe
 RAG_HYBRID_TIMEOUT=${RAG_HYBRID_TIMEOUT:-180}  # builds the 2 B-parameter Qwen3.5 shape once
 # builds the 1 B-parameter model, then two engines each run the job; skipped past BUDGET_S
@@ -383,6 +389,14 @@ if ! wanted rag-qwen3; then
 elif fits rag-qwen3 "$RAG_QWEN3_TIMEOUT"; then
   step rag-qwen3 "$RAG_QWEN3_TIMEOUT" "$PY" -m kvbatch.cli bench rag-qwen3 \
     ${TINY[@]+"${TINY[@]}"} --peers hf-static --repeat 1 --json "$OUT_DIR/qwen3-rag.json"
+fi
+# rag-gpt-oss: gpt-oss-20b's layer shapes with random MXFP4 experts against transformers'
+# static generate (its own MXFP4 dequantization), if BUDGET_S allows
+if ! wanted rag-gpt-oss; then
+  skip rag-gpt-oss "not in --only"
+elif fits rag-gpt-oss "$RAG_GPT_OSS_TIMEOUT"; then
+  step rag-gpt-oss "$RAG_GPT_OSS_TIMEOUT" "$PY" -m kvbatch.cli bench rag-gpt-oss \
+    ${TINY[@]+"${TINY[@]}"} --peers hf-static --repeat 1 --json "$OUT_DIR/gpt-oss-rag.json"
 fi
 # embed-gpu: LLM.embed on bge-base's and Qwen3-Embedding-0.6B's shapes (random weights, token
 # ids) beside transformers batched as sentence-transformers does, with each model's floor

@@ -31,7 +31,11 @@ RAG_TARGET_S = 1.5  # at most 1.5 s on an H200 (8x transformers' static generate
 RAG_GOAL_S = 1.0
 GAP_TARGET = 3.0  # decode steps
 
-OTHER_MODEL_STEPS = (("rag-moe", "moe-rag.json"), ("rag-qwen3", "qwen3-rag.json"))
+OTHER_MODEL_STEPS = (
+    ("rag-moe", "moe-rag.json"),
+    ("rag-qwen3", "qwen3-rag.json"),
+    ("rag-gpt-oss", "gpt-oss-rag.json"),
+)
 """rag's prompts on another model (a Qwen3-MoE; a dense Qwen3 at 8B's shapes) against
 transformers: a table each, and no verdict (the 1.5 s target is the Llama rag's)."""
 

@@ -5,7 +5,8 @@
 
 For each model (`tiny`: kvbatch.bench.models.TINY_LLAMA; `rag`: Llama-3.2-1B's shape built from
 its config, the `rag` benchmark's model; `tiny-moe`: a tiny Qwen3-MoE, whose experts run in the
-fused MoE kernel) the same prompts run through kvbatch
+fused MoE kernel; `tiny-gpt-oss`: a tiny gpt-oss with MXFP4 experts, sinks and windows, which
+transformers reads dequantized) the same prompts run through kvbatch
 (engine.LLM(attention_backend=...), float32) and through transformers' `generate` (float32,
 one prompt at a time, no padding), and the greedy tokens must be equal. The prompts cover
 what the paged kernels must get right: lengths off block boundaries, a pair sharing a
@@ -35,15 +36,22 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvbatch.bench.hf_peers import mxfp4_dequantized  # noqa: E402
 from kvbatch.bench.models import (  # noqa: E402
     LLAMA_3_2_1B,
+    TINY_GPT_OSS,
     TINY_LLAMA,
     TINY_QWEN3_MOE,
     ModelSpec,
     random_model_dir,
 )
 
-MODELS: dict[str, ModelSpec] = {"tiny": TINY_LLAMA, "rag": LLAMA_3_2_1B, "tiny-moe": TINY_QWEN3_MOE}
+MODELS: dict[str, ModelSpec] = {
+    "tiny": TINY_LLAMA,
+    "rag": LLAMA_3_2_1B,
+    "tiny-moe": TINY_QWEN3_MOE,
+    "tiny-gpt-oss": TINY_GPT_OSS,
+}
 BLOCK_SIZE = 16
 STEP_TOKENS = 64  # tokens per engine step: the 100+ token prompts are prefilled in chunks
 LOGPROB_TOL = 2e-3  # float32 both sides: |logprob difference| of a chosen token
@@ -96,9 +104,16 @@ def kvbatch_tokens(path: Path, prompts, max_tokens: int, device: str, backend: s
 def transformers_tokens(path: Path, prompts, max_tokens: int, device: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="sdpa"
-    )
+    # MXFP4 experts (gpt-oss) read through transformers' own dequantization
+    kw = dict(dtype=torch.float32, attn_implementation="sdpa", **mxfp4_dequantized(path))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+    except ValueError as e:  # gpt-oss (its sinks) has no SDPA path
+        if "does not support an attention implementation" not in str(e):
+            raise
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), **kw | {"attn_implementation": "eager"}
+        )
     model = model.to(device).eval()
     out, logprobs = [], []
     with torch.inference_mode():

@@ -3,16 +3,19 @@
 Everything runs on the CPU in float32 with transformers' SDPA attention (on the tiny
 checkpoints it is as close to a float64 run as "eager" is: both within ~3e-6 on the logits).
 Each prompt is run alone, never padded into a batch, so padding cannot blur the reference.
+An MXFP4 checkpoint (gpt-oss as published) is read through transformers' own MXFP4
+dequantization (Mxfp4Config(dequantize=True)), its reader of those files on the CPU.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, Mxfp4Config, PreTrainedModel
 
 from kvbatch.engine import LLM, SamplingParams
 
@@ -33,6 +36,8 @@ def _load(path: str, kw: tuple[tuple[str, object], ...]) -> PreTrainedModel:
     if p.suffix == ".gguf":
         options["gguf_file"] = p.name
         p = p.parent
+    elif _quant_method(p) == "mxfp4":
+        options.setdefault("quantization_config", Mxfp4Config(dequantize=True))
     try:
         model = AutoModelForCausalLM.from_pretrained(p, **options)
     except ValueError as e:  # Gemma 2 has no SDPA path (its soft-cap): eager is its reference
@@ -42,6 +47,13 @@ def _load(path: str, kw: tuple[tuple[str, object], ...]) -> PreTrainedModel:
             p, **{**options, "attn_implementation": "eager"}
         )
     return model.to("cpu").eval()
+
+
+def _quant_method(folder: Path) -> str | None:
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    return (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method")
 
 
 def hf_greedy(

@@ -22,6 +22,7 @@ from transformers import (
     Gemma3TextConfig,
     Gemma4TextConfig,
     GenerationConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -34,6 +35,8 @@ from transformers import (
     Qwen3MoeConfig,
     SmolLM3Config,
 )
+
+from kvbatch.engine.quant.mxfp4_pack import pack_mxfp4_checkpoint
 
 LLAMA_KINDS = ("llama-gqa", "llama-mha", "llama3-rope", "qwen2", "mistral", "llama-sharded")
 """The dense kinds with Llama's layer (no q/k norm, no experts)."""
@@ -52,6 +55,10 @@ GEMMA_KINDS = ("gemma2", "gemma3")
 
 DENSE_2026_KINDS = ("smollm3", "olmo3", "gemma4", "gemma4-dense")
 """The dense families of 2026, each its own file in engine/models/."""
+GPT_OSS_KINDS = ("gpt-oss", "gpt-oss-mxfp4")
+"""gpt-oss (engine/models/gpt_oss.py): sinks, alternating windows, YaRN, biased experts with the
+clamped SwiGLU; "gpt-oss-mxfp4" is the same model with its experts written in MXFP4 as OpenAI
+publishes them (transformers reads it back with Mxfp4Config(dequantize=True))."""
 
 KINDS = (
     LLAMA_KINDS
@@ -61,6 +68,7 @@ KINDS = (
     + SLIDING_KINDS
     + GEMMA_KINDS
     + DENSE_2026_KINDS
+    + GPT_OSS_KINDS
 )
 """Every kind build_tiny_checkpoint knows."""
 
@@ -83,6 +91,8 @@ _SEED_SALT = {
     "olmo3": 14,
     "gemma4": 15,
     "gemma4-dense": 16,
+    "gpt-oss": 17,
+    "gpt-oss-mxfp4": 17,
 }
 
 VOCAB_SIZE = 512
@@ -234,6 +244,29 @@ def tiny_config(kind: str) -> PretrainedConfig:
         )
     if kind in ("gemma4", "gemma4-dense"):
         return gemma4_config(full=kind == "gemma4")
+    if kind in GPT_OSS_KINDS:
+        # 4 experts (intermediate 32: MXFP4 groups of 32 along both projections), top 2;
+        # sliding and full layers alternating; YaRN over an original 32 positions (prompts go
+        # past it), truncate false as gpt-oss's config; a SwiGLU limit small enough that this
+        # model's gate and up values reach it.
+        return GptOssConfig(
+            **{**_SIZES, "num_hidden_layers": 3, "intermediate_size": 32, "pad_token_id": 0},
+            head_dim=24,  # heads x head_dim (96) is not hidden (64), as in gpt-oss
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            swiglu_limit=0.6,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 16.0,  # max_position_embeddings / original, as transformers expects
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+            },
+        )
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(KINDS)}")
 
 
@@ -289,11 +322,22 @@ def build_tiny_checkpoint(kind: str, path: Path, seed: int = 0, **config_overrid
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):
                 buffer.fill_(0.5 + 0.1 * int(name.split(".")[2]))
+    if kind in GPT_OSS_KINDS:
+        with torch.no_grad():  # sinks large enough to take a real share of the softmax
+            for layer in model.model.layers:
+                layer.self_attn.sinks.mul_(20.0)
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
     path = Path(path)
     shard = "100KB" if kind == "llama-sharded" else "1GB"
     model.save_pretrained(path, max_shard_size=shard)
+    if kind == "gpt-oss-mxfp4":
+        write_mxfp4_experts(path)
     return path
+
+
+def write_mxfp4_experts(path: Path) -> None:
+    """Rewrite a saved gpt-oss folder's experts in MXFP4, as OpenAI publishes them."""
+    pack_mxfp4_checkpoint(path, path)
 
 
 @torch.no_grad()

@@ -431,7 +431,10 @@ def resolve_model(
     if workload.model in RANDOM_MODELS:
         from kvbatch.bench.models import random_model_dir
 
-        return str(random_model_dir(workload.model, weights=weights))
+        # "float" leaves the spec's own format (gpt-oss's is MXFP4, as published)
+        return str(
+            random_model_dir(workload.model, weights=None if weights == "float" else weights)
+        )
     raise BenchError(
         f"workload {workload.name!r} runs on {workload.model!r}, which has no fetcher yet: "
         "pass --model PATH"

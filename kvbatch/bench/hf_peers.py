@@ -8,6 +8,7 @@ kvbatch.bench.peer.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import time
 from pathlib import Path
@@ -38,7 +39,15 @@ class HFStaticPeer(Peer):
             source, kwargs["gguf_file"] = str(path.parent), path.name
         else:
             source = str(path)
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            kwargs.update(mxfp4_dequantized(path))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        except ValueError as e:  # gpt-oss (its sinks) and Gemma 2 have no SDPA path
+            if "does not support an attention implementation" not in str(e):
+                raise
+            model = AutoModelForCausalLM.from_pretrained(
+                source, **{**kwargs, "attn_implementation": "eager"}
+            )
         self.model = model.to(self.options.device).eval()
         pad = model.generation_config.pad_token_id
         if pad is None:
@@ -218,6 +227,21 @@ class _KeptManagerNotice(logging.Filter):
 
 
 _KEPT_MANAGER_NOTICE = _KeptManagerNotice()  # one object: addFilter skips a second add
+
+
+def mxfp4_dequantized(folder: Path) -> dict[str, Any]:
+    """from_pretrained's options for an MXFP4 checkpoint (gpt-oss as published): transformers'
+    own dequantization to the model's dtype, which needs no kernels download (the GPU machine
+    has no network); {} for every other folder."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return {}
+    quant = json.loads(config.read_text()).get("quantization_config") or {}
+    if quant.get("quant_method") != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def _in_input_order(results: Any, n: int) -> list[Any]:

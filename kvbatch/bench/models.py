@@ -1,5 +1,5 @@
 """Random-weight models for the GPU workloads, built from a transformers config (Llama, dense
-Qwen3 or Qwen3-MoE).
+Qwen3, Qwen3-MoE or gpt-oss, whose experts are drawn directly in MXFP4 as published).
 
 No network: the shape is a config, the weights are drawn from a seeded generator, and the
 result is an ordinary Hugging Face folder (config.json + model.safetensors, no tokenizer:
@@ -35,13 +35,30 @@ from kvbatch.bench.fp8_block import (
 )
 from kvbatch.bench.rtn_w4a16 import gptq_quantization_config, quantize_rtn
 from kvbatch.bench.workloads import WEIGHT_FORMATS
+from kvbatch.engine.quant.mxfp4_pack import MXFP4_QUANTIZATION_CONFIG
 
 CACHE_ENV = "KVBATCH_CACHE"
 
 
-ARCHITECTURES = ("llama", "qwen3")
+ARCHITECTURES = ("llama", "qwen3", "gpt-oss")
 """A dense spec's architecture: Llama, or Qwen3 (RMSNorm over each head of q and k before
-RoPE, an explicit head_dim, no q/k/v bias). A spec with experts is Qwen3-MoE."""
+RoPE, an explicit head_dim, no q/k/v bias). A spec with experts is Qwen3-MoE, unless it is
+gpt-oss (sinks, alternating 128-token windows, YaRN, biased experts, `weights="mxfp4"`)."""
+
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+"""gpt-oss-20b's and -120b's RoPE, as their config.json."""
+
+MXFP4_RANDOM_SCALE = 120
+"""E8M0 exponent of the random MXFP4 experts: 2 ** -7 times E2M1 codes (RMS about 2.9) gives
+weights of RMS about 0.023, transformers' initialisation's 0.02."""
 
 
 @dataclass(frozen=True)
@@ -86,9 +103,14 @@ class ModelSpec:
                 f"model {self.name!r}: architecture must be one of {', '.join(ARCHITECTURES)}, "
                 f"got {self.architecture!r}"
             )
-        if self.is_moe and self.architecture != "llama":
+        if self.architecture == "gpt-oss":
+            if not self.is_moe:
+                raise ValueError(f"model {self.name!r}: gpt-oss needs its experts")
+        elif self.is_moe and self.architecture != "llama":
             # the experts alone make a spec Qwen3-MoE; `architecture` is a dense spec's
             raise ValueError(f"model {self.name!r}: a spec with experts is Qwen3-MoE already")
+        if self.weights == "mxfp4" and self.architecture != "gpt-oss":
+            raise ValueError(f"model {self.name!r}: mxfp4 weights are gpt-oss's experts")
 
     @property
     def head_dim(self) -> int:
@@ -101,12 +123,12 @@ class ModelSpec:
     @property
     def has_qk_norm(self) -> bool:
         """Qwen3, dense or MoE: an RMSNorm weight of head_dim for q and one for k per layer."""
-        return self.is_moe or self.architecture == "qwen3"
+        return (self.is_moe and self.architecture == "llama") or self.architecture == "qwen3"
 
     def config(self):
         """The transformers config of this shape, LlamaConfig, Qwen3Config or (with experts)
         Qwen3MoeConfig (no BOS/EOS: prompts are raw token ids)."""
-        from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+        from transformers import GptOssConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
         kwargs: dict[str, Any] = dict(
             vocab_size=self.vocab_size,
@@ -125,6 +147,15 @@ class ModelSpec:
             eos_token_id=None,
             pad_token_id=0,
         )
+        if self.architecture == "gpt-oss":
+            kwargs.pop("hidden_act")
+            return GptOssConfig(
+                **kwargs,
+                num_local_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                sliding_window=128,
+                rope_parameters=dict(GPT_OSS_ROPE),
+            )  # layers alternate sliding and full, as GptOssConfig lays them out
         if self.is_moe:
             return Qwen3MoeConfig(
                 **kwargs,
@@ -157,10 +188,15 @@ class ModelSpec:
             self.num_hidden_layers,
         )
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        heads = self.num_attention_heads
         mlp = 3 * h * f
         if self.is_moe:
             mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts, router
         per_layer = h * q * 2 + h * kv * 2 + mlp + 2 * h
+        if self.architecture == "gpt-oss":  # biases everywhere, sinks, experts of f
+            e = self.num_experts
+            experts = e * (3 * h * f + 2 * f + h) + e * (h + 1)  # weights, biases, router
+            per_layer = h * q * 2 + h * kv * 2 + (q + h) + 2 * kv + heads + experts + 2 * h
         if self.has_qk_norm:
             per_layer += 2 * self.head_dim
         return v * h * (1 if self.tie_word_embeddings else 2) + n * per_layer + h
@@ -316,6 +352,48 @@ TINY_QWEN3 = ModelSpec(
 )
 """Dense Qwen3 shrunk, for `rag-qwen3 --tiny`."""
 
+GPT_OSS_20B_4_LAYERS = ModelSpec(
+    name="gpt-oss-20b-4-layers-random",
+    architecture="gpt-oss",
+    hidden_size=2880,
+    num_hidden_layers=4,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    explicit_head_dim=64,
+    intermediate_size=2880,
+    num_experts=32,
+    num_experts_per_tok=4,
+    vocab_size=201088,
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    rope_theta=150000.0,
+    weights="mxfp4",
+)
+"""gpt-oss-20b's layer shapes (64 query and 8 KV heads of 64, hidden 2,880, 32 experts of
+2,880, top 4, MXFP4 experts as published), 4 of its 24 layers, random weights: `rag-gpt-oss`'s
+model (experts 1.7 GB in MXFP4; transformers dequantizes them to 6.4 GB of bfloat16)."""
+
+TINY_GPT_OSS = ModelSpec(
+    name="gpt-oss-tiny-random",
+    architecture="gpt-oss",
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    explicit_head_dim=16,
+    intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=512,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    rope_theta=150000.0,
+    initializer_range=0.1,
+    dtype="float32",
+    weights="mxfp4",
+)
+"""gpt-oss shrunk (MXFP4 experts), for `rag-gpt-oss --tiny` on the CPU."""
+
 MODEL_SPECS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
@@ -326,6 +404,8 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         TINY_LLAMA,
         TINY_QWEN3_MOE,
         TINY_QWEN3,
+        GPT_OSS_20B_4_LAYERS,
+        TINY_GPT_OSS,
     )
 }
 
@@ -348,6 +428,9 @@ def random_weights(spec: ModelSpec, device: str | torch.device | None = None) ->
     for name, meta in shell.state_dict().items():
         if spec.tie_word_embeddings and name == "lm_head.weight":
             continue  # tied: the checkpoint holds the embedding once, as real Llama 3.2 does
+        if spec.weights == "mxfp4" and name.endswith(MXFP4_PROJECTIONS):
+            weights.update(random_mxfp4(name, meta.shape, gen, device))
+            continue
         if name.endswith("norm.weight"):
             t = torch.ones(meta.shape, dtype=dtype, device=device)
         else:
@@ -356,6 +439,24 @@ def random_weights(spec: ModelSpec, device: str | torch.device | None = None) ->
             t = t.to(dtype)
         weights[name] = t.cpu().contiguous()
     return weights
+
+
+MXFP4_PROJECTIONS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def random_mxfp4(
+    name: str, shape: torch.Size, gen: torch.Generator, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """A stacked expert projection of transformers' shape [E, in, out] drawn directly as
+    published MXFP4 tensors (random E2M1 codes, one exponent for all): no float copy of the
+    experts is ever made, so gpt-oss-sized experts build in seconds."""
+    e, k, n = shape
+    blocks = torch.randint(0, 256, (e, n, k // 32, 16), generator=gen, device=device)
+    scales = torch.full((e, n, k // 32), MXFP4_RANDOM_SCALE, dtype=torch.uint8)
+    return {
+        f"{name}_blocks": blocks.to(torch.uint8).cpu().contiguous(),
+        f"{name}_scales": scales,
+    }
 
 
 def random_model_dir(
@@ -409,6 +510,8 @@ def build_random_model(spec: ModelSpec, folder: str | Path) -> Path:
     if spec.weights == "w4a16":
         config.quantization_config = gptq_quantization_config()
         weights = quantize_rtn(weights)
+    elif spec.weights == "mxfp4":  # the experts were drawn packed (random_weights)
+        config.quantization_config = dict(MXFP4_QUANTIZATION_CONFIG)
     elif spec.weights == "fp8-block":
         dims = [spec.hidden_size, spec.intermediate_size, spec.moe_intermediate_size]
         block = block_size_for([d for d in dims if d] + [spec.head_dim])

@@ -62,9 +62,17 @@ TINY_MOE_RANDOM = "qwen3-moe-tiny-random"
 TINY_QWEN3_RANDOM = "qwen3-tiny-random"
 """Dense Qwen3 shrunk (kvbatch.bench.models.TINY_QWEN3), for `rag-qwen3 --tiny`."""
 
-WEIGHT_FORMATS = ("float", "w4a16", "fp8-block")
-"""A random model's weights: float, rounded to 4 bits (kvbatch.bench.rtn_w4a16), or FP8 with
-block scales (kvbatch.bench.fp8_block)."""
+GPT_OSS_RANDOM = "gpt-oss-20b-4-layers-random"
+"""gpt-oss-20b's layer shapes, 4 of 24 layers, random MXFP4 experts (kvbatch.bench.models),
+for `rag-gpt-oss`."""
+
+TINY_GPT_OSS_RANDOM = "gpt-oss-tiny-random"
+"""gpt-oss shrunk, MXFP4 experts (kvbatch.bench.models.TINY_GPT_OSS), for `rag-gpt-oss --tiny`."""
+
+WEIGHT_FORMATS = ("float", "w4a16", "fp8-block", "mxfp4")
+"""A random model's weights: float, rounded to 4 bits (kvbatch.bench.rtn_w4a16), FP8 with
+block scales (kvbatch.bench.fp8_block), or MXFP4 experts (gpt-oss specs, whose default it is:
+`--weights float` leaves a spec's own format)."""
 
 RANDOM_MODELS = (
     LLAMA_1B_RANDOM,
@@ -74,6 +82,8 @@ RANDOM_MODELS = (
     TINY_RANDOM,
     TINY_MOE_RANDOM,
     TINY_QWEN3_RANDOM,
+    GPT_OSS_RANDOM,
+    TINY_GPT_OSS_RANDOM,
 )
 """The models built from a shape with random weights (kvbatch.bench.models.random_model_dir)."""
 
@@ -301,6 +311,15 @@ _RAG_QWEN3 = dataclasses.replace(
     "(8 of 36): the dense path at a realistic size against transformers' static generate",
 )
 
+_RAG_GPT_OSS = dataclasses.replace(
+    _RAG_MOE,
+    name="rag-gpt-oss",
+    model=GPT_OSS_RANDOM,
+    description="rag's prompts (8 documents x 16 chunks, as rag-moe) on gpt-oss-20b's layers "
+    "(4 of 24) with random MXFP4 experts: sink attention, 128-token windows and the MXFP4 MoE "
+    "kernel against transformers' static generate (its MXFP4 dequantized to bfloat16)",
+)
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -317,6 +336,7 @@ WORKLOADS: dict[str, Workload] = {
         _DECODE_SMALL_BATCH,
         _RAG_MOE,
         _RAG_QWEN3,
+        _RAG_GPT_OSS,
     )
 }
 """Registry by name (`kvbatch bench NAME`)."""
@@ -371,6 +391,12 @@ TINY_WORKLOADS: dict[str, Workload] = {
         name="rag-qwen3-tiny",
         model=TINY_QWEN3_RANDOM,
         description="rag-qwen3's structure on a tiny dense Qwen3, for the CPU",
+    ),
+    "rag-gpt-oss": dataclasses.replace(
+        _TINY_RAG,
+        name="rag-gpt-oss-tiny",
+        model=TINY_GPT_OSS_RANDOM,
+        description="rag-gpt-oss's structure on a tiny gpt-oss with MXFP4 experts, for the CPU",
     ),
     "decode-small-batch": dataclasses.replace(
         _DECODE_SMALL_BATCH,

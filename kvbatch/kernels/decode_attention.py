@@ -23,7 +23,10 @@ so it can be captured in a CUDA graph whose replays change `seq_lens` but not sh
 Layer variants (kvbatch.engine.attention.layer_spec): a sliding window starts each row's keys
 at seq_len - window (the splits before it are empty); a soft-cap bends every score to
 cap * tanh(score / cap) before the softmax (in log2 units: C * tanh(x / C) with C = cap *
-log2(e), the same function); `scale` replaces head_dim ** -0.5.
+log2(e), the same function); `scale` replaces head_dim ** -0.5. Sinks (gpt-oss: one logit per
+head in the denominator, no value) join once a row's whole softmax is known, in the single
+split's epilogue or after the merge (`join_sink`): out * exp(lse - logaddexp(lse, sink)), and
+the returned lse includes the sink, so a later merge (cascade) still counts it once.
 """
 
 from __future__ import annotations
@@ -55,6 +58,15 @@ def soft_cap(x, cap):
     return cap * tl.where(y < 0, -th, th)
 
 
+@triton.jit
+def join_sink(o, lse, sink):
+    """(o [R, D], lse [R]) of a row's keys with the sink logit [R] joined to the denominator
+    (natural-log units): a row with no key (lse -inf) gives zeros and lse = sink."""
+    m = tl.maximum(lse, sink)
+    total = m + tl.log(tl.exp(lse - m) + tl.exp(sink - m))
+    return o * tl.exp(lse - total)[:, None], total
+
+
 @step_varying(
     ints=("stride_tb", "stride_lb", "stride_lh", "tokens_per_split", "max_tokens", "window"),
     pointers=("table_ptr", "seq_lens_ptr"),
@@ -70,6 +82,7 @@ def _decode_split_kernel(
     v_scale,  # 1.0 unless the cache is FP8
     window,  # keys per query in a sliding-window layer; 0: every key
     softcap_log2,  # soft-cap * log2(e), used when SOFTCAP
+    sinks_ptr,  # [H] float32 sink logits, read when SINKS (and FINAL)
     stride_qb,
     stride_qh,
     stride_qd,
@@ -97,6 +110,7 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     FINAL: tl.constexpr,  # one split: write the output and natural-log lse directly
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -157,10 +171,11 @@ def _decode_split_kernel(
     o_mask = g_mask[:, None] & d_mask[None, :]
     o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
     if FINAL:
+        lse = lse2 * 0.6931471805599453
+        if SINKS:
+            o, lse = join_sink(o, lse, tl.load(sinks_ptr + heads, mask=g_mask, other=0.0))
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
-        tl.store(
-            lse_ptr + b * stride_lb + heads * stride_lh, lse2 * 0.6931471805599453, mask=g_mask
-        )
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh, lse, mask=g_mask)
     else:
         tl.store(o_ptrs + split * stride_os, o, mask=live_g[:, None] & d_mask[None, :])
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls, lse2, mask=g_mask)
@@ -172,6 +187,7 @@ def _merge_splits_kernel(
     mid_lse_ptr,  # [B, H, S] float32, log2 units
     out_ptr,  # [B, H, D]
     lse_ptr,  # [B, H] float32, natural log
+    sinks_ptr,  # [H] float32, read when SINKS
     stride_mb,
     stride_mh,
     stride_ms,
@@ -187,6 +203,7 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -202,6 +219,8 @@ def _merge_splits_kernel(
         h_mask,
         mask,
     )
+    if SINKS:
+        o, lse = join_sink(o, lse, tl.load(sinks_ptr + offs_h, mask=h_mask, other=0.0))
     tl.store(
         out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od,
         o.to(out_ptr.dtype.element_ty),
@@ -319,11 +338,13 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     sliding_window: int | None = None,  # keys per query (itself included); None: all
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None,  # [num_heads] sink logits joined to each denominator
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query token per sequence over its paged context.
 
     Returns out [B, num_heads, head_dim] in q's dtype (written into `out` when given), and with
-    `return_lse` also the float32 natural-log log-sum-exp of the scaled scores [B, num_heads].
+    `return_lse` also the float32 natural-log log-sum-exp of the scaled scores [B, num_heads]
+    (with the sinks' terms when `sinks` is given).
     `num_splits` (flash-decoding) is chosen from B and the table width when None.
     """
     check_attention_inputs(q, kv_cache, block_tables.shape[0], "B")
@@ -339,6 +360,7 @@ def paged_decode_attention(
     lse = torch.empty(batch, num_heads, dtype=torch.float32, device=q.device)
     if batch == 0:
         return (out, lse) if return_lse else out
+    sinks_f32 = check_sinks(sinks, num_heads, lse)
 
     block_d = max(16, triton.next_power_of_2(head_dim))
     tiles = decode_tiles(q.dtype, block_d)
@@ -356,13 +378,13 @@ def paged_decode_attention(
     def split_kernel(o: torch.Tensor, o_strides, lse_: torch.Tensor, lse_strides, final: bool):
         _decode_split_kernel[(batch, num_kv_heads, num_splits)](
             q, kv_cache, block_tables, seq_lens, o, lse_, scale * LOG2E * k_scale, v_scale,
-            sliding_window or 0, (softcap or 0.0) * LOG2E,
+            sliding_window or 0, (softcap or 0.0) * LOG2E, sinks_f32,
             *q.stride(), *kv_cache.stride(), block_tables.stride(0), *o_strides, *lse_strides,
             tokens_per_split, max_tokens,
             G=g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK_N=tiles.block_n,
             PRECISION=dot_precision(q.dtype), FINAL=final, SOFTCAP=softcap is not None,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            SINKS=sinks is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
 
     if num_splits == 1:  # no partials: the output and natural-log lse directly
@@ -378,15 +400,36 @@ def paged_decode_attention(
     split_kernel(mid_o, mid_o.stride(), mid_lse, mid_lse.stride(), False)
     block_h = min(16, triton.next_power_of_2(num_heads))
     _merge_splits_kernel[(batch, triton.cdiv(num_heads, block_h))](
-        mid_o, mid_lse, out, lse,
+        mid_o, mid_lse, out, lse, sinks_f32,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         *out.stride(),
         *lse.stride(),
         num_heads, num_splits,
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, SINKS=sinks is not None,
+        num_warps=4,
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int, like: torch.Tensor) -> torch.Tensor:
+    """The sinks as the kernels read them (float32, contiguous); without sinks a stand-in
+    pointer (`like`) that is never read."""
+    if sinks is None:
+        return like
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must be [num_heads] = [{num_heads}], got {tuple(sinks.shape)}")
+    return sinks.float().contiguous()
+
+
+def join_sink_ref(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The references' sink: out [..., H, D] (float32) and lse [..., H] with the sink joined."""
+    if sinks is None:
+        return out, lse
+    total = torch.logaddexp(lse, sinks.float())
+    return out * torch.exp(lse - total)[..., None], total
 
 
 def paged_decode_attention_ref(
@@ -403,6 +446,7 @@ def paged_decode_attention_ref(
     v_scale: float = 1.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch paged decode attention (float32 math), same contract as the kernel."""
     check_attention_inputs(q, kv_cache, block_tables.shape[0], "B")
@@ -428,7 +472,8 @@ def paged_decode_attention_ref(
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H]; -inf where seq_len is 0
     probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
-    result = torch.einsum("bhs,bhsd->bhd", probs, values).to(q.dtype)
+    result, lse = join_sink_ref(torch.einsum("bhs,bhsd->bhd", probs, values), lse, sinks)
+    result = result.to(q.dtype)
     if out is not None:
         out.copy_(result)
         result = out

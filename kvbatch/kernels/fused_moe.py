@@ -24,12 +24,15 @@ on its token count, as a CUDA graph needs.
 
 The experts may be quantized, each projection in its own format (kernels/moe_weights.py):
 a float tensor [E, N, K] runs the kernel below; weight-only 4/8-bit experts, FP8/int8 W8A8
-experts and block-scaled FP8 experts run its siblings in kernels/fused_moe_quant.py, which read the same blocks and
+experts and block-scaled FP8 experts run its siblings in kernels/fused_moe_quant.py (MXFP4
+experts: kernels/fused_moe_mxfp4.py), which read the same blocks and
 compute what the format's dense layer computes. fused_moe_ref is the plain-torch answer for
 every format.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,11 +41,13 @@ import triton.language as tl
 
 from kvbatch.kernels.activation import silu_and_mul
 from kvbatch.kernels.fp8_block_gemm import kernel_serves_block_k
+from kvbatch.kernels.fused_moe_mxfp4 import mxfp4_grouped_gemm
 from kvbatch.kernels.fused_moe_quant import (
     fp8_block_grouped_gemm,
     w8a8_grouped_gemm,
     wna16_grouped_gemm,
 )
+from kvbatch.kernels.moe_activation import ClampedSwiGLU
 from kvbatch.kernels.moe_blocks import (
     ExpertBlocks,
     align_to_blocks,
@@ -59,6 +64,7 @@ from kvbatch.kernels.moe_weights import (
     expert_shape,
     reference_expert_linear,
 )
+from kvbatch.kernels.mxfp4 import Mxfp4Experts
 from kvbatch.kernels.specialize import step_varying
 
 
@@ -148,11 +154,18 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [T, k] expert ids
     *,
     block_m: int | None = None,  # rows per expert block; None: block_m_for
+    biases: ExpertBiases | None = None,  # gpt-oss: per-expert biases of both projections
+    activation: ClampedSwiGLU | None = None,  # None: SiLU-and-mul
 ) -> torch.Tensor:  # [T, H], x's dtype
-    """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]."""
+    """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
+
+    With `biases`, each projection adds its expert's bias (the down bias before the routing
+    weight multiplies, so it is weighted too); `activation` replaces SiLU-and-mul."""
     _check(x, w_gate_up, w_down, topk_weights, topk_ids)
     if not all(_kernel_serves(w) for w in (w_gate_up, w_down)):
-        return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids)
+        return fused_moe_ref(
+            x, w_gate_up, w_down, topk_weights, topk_ids, biases=biases, activation=activation
+        )
     t, top_k = topk_ids.shape
     num_experts, two_i, _ = expert_shape(w_gate_up)
     hidden, inter = expert_shape(w_down)[1], two_i // 2
@@ -163,10 +176,28 @@ def fused_moe(
     route_w = topk_weights.reshape(num_pairs).float().contiguous()
     gate_up = x.new_empty(num_pairs, two_i)  # [P, 2I]
     _project(x, w_gate_up, gate_up, None, blocks, a_row_div=top_k)
-    act = silu_and_mul(gate_up[:, :inter], gate_up[:, inter:], out=gate_up[:, :inter])
+    pair_experts = topk_ids.reshape(num_pairs).long()
+    if biases is not None:
+        gate_up += biases.gate_up[pair_experts]
+    if activation is None:
+        act = silu_and_mul(gate_up[:, :inter], gate_up[:, inter:], out=gate_up[:, :inter])
+    else:
+        act = activation(gate_up[:, :inter], gate_up[:, inter:]).contiguous()
     down = x.new_empty(num_pairs, hidden)  # [P, H], already weighted
-    _project(act, w_down, down, route_w, blocks, a_row_div=1)
+    if biases is None:
+        _project(act, w_down, down, route_w, blocks, a_row_div=1)
+    else:  # the bias before the routing weight
+        _project(act, w_down, down, None, blocks, a_row_div=1)
+        down = (down + biases.down[pair_experts]) * route_w[:, None].to(down.dtype)
     return down.view(t, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class ExpertBiases:
+    """Per-expert biases of the two projections (gpt-oss), in the activations' dtype."""
+
+    gate_up: torch.Tensor  # [E, 2I], gate then up as the weight's rows
+    down: torch.Tensor  # [E, H]
 
 
 def _kernel_serves(w: ExpertWeights) -> bool:
@@ -176,13 +207,15 @@ def _kernel_serves(w: ExpertWeights) -> bool:
 
 
 def _project(a, w: ExpertWeights, out, route_w, blocks: ExpertBlocks, a_row_div: int) -> None:
-    """One grouped GEMM in the experts' format (float, weight-only, W8A8 or block FP8)."""
+    """One grouped GEMM in the experts' format (float, weight-only, W8A8, block FP8, MXFP4)."""
     if isinstance(w, WNA16Experts):
         wna16_grouped_gemm(a, w, out, route_w, blocks, a_row_div)
     elif isinstance(w, W8A8Experts):
         w8a8_grouped_gemm(a, w, out, route_w, blocks, a_row_div)
     elif isinstance(w, Fp8BlockExperts):
         fp8_block_grouped_gemm(a, w, out, route_w, blocks, a_row_div)
+    elif isinstance(w, Mxfp4Experts):
+        mxfp4_grouped_gemm(a, w, out, route_w, blocks, a_row_div)
     else:
         _grouped_gemm(a, w, out, route_w, blocks, a_row_div)
 
@@ -195,11 +228,13 @@ def fused_moe_ref(
     topk_ids: torch.Tensor,
     *,
     block_m: int | None = None,  # accepted for the same signature; the reference has no blocks
+    biases: ExpertBiases | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference: one dense SwiGLU per expert over the rows routed to it, each row
     scaled by its routing weight, then the k rows of a token summed (float32). Quantized
     experts compute as their dense layers do (reference_expert_linear), and only the experts
-    routed to are dequantized."""
+    routed to are dequantized (one expert's weight at a time: MXFP4 experts stay packed)."""
     _check(x, w_gate_up, w_down, topk_weights, topk_ids)
     t, top_k = topk_ids.shape
     inter, hidden = expert_shape(w_gate_up)[1] // 2, expert_shape(w_down)[1]
@@ -209,8 +244,16 @@ def fused_moe_ref(
     for e in flat_ids.unique().tolist():
         pairs = (flat_ids == e).nonzero().squeeze(1)  # [n]
         h = reference_expert_linear(x[pairs // top_k], w_gate_up, e)  # [n, 2I]
-        y = reference_expert_linear(F.silu(h[:, :inter]) * h[:, inter:], w_down, e)  # [n, H]
-        out[pairs] = y.float() * route_w[pairs, None]
+        if biases is not None:
+            h = h + biases.gate_up[e]
+        gate, up = h[:, :inter], h[:, inter:]
+        act = F.silu(gate) * up if activation is None else activation(gate, up)
+        y = reference_expert_linear(act, w_down, e)  # [n, H]
+        if biases is not None:
+            y = (y + biases.down[e]) * route_w[pairs, None].to(y.dtype)
+            out[pairs] = y.float()
+        else:
+            out[pairs] = y.float() * route_w[pairs, None]
     return out.view(t, top_k, hidden).sum(1).to(x.dtype)
 
 

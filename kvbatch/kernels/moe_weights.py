@@ -1,5 +1,5 @@
-"""Stacked expert weights for the fused MoE kernel: float, weight-only 4/8-bit, W8A8, or
-block-scaled FP8.
+"""Stacked expert weights for the fused MoE kernel: float, weight-only 4/8-bit, W8A8,
+block-scaled FP8, or MXFP4 (gpt-oss's published experts: kernels/mxfp4.py).
 
 A MoE layer's experts are one projection each, stacked along a leading expert axis E so that
 the grouped GEMM (kernels/fused_moe.py) finds expert e's weight at a fixed stride. Each
@@ -35,6 +35,7 @@ from kvbatch.kernels.fp8_gemm import (
     quantize_fp8_static_reference,
 )
 from kvbatch.kernels.int8_gemm import quantize_int8_per_token_reference
+from kvbatch.kernels.mxfp4 import Mxfp4Experts
 from kvbatch.kernels.wna16_gemm import SUPPORTED_BITS, dequantize_wna16
 
 W8A8_DTYPES = (FP8_DTYPE, torch.int8)
@@ -249,7 +250,7 @@ class Fp8BlockExperts(_StackedWeight):
         return (q.float() * full).to(rows.dtype)
 
 
-ExpertWeights = torch.Tensor | WNA16Experts | W8A8Experts | Fp8BlockExperts
+ExpertWeights = torch.Tensor | WNA16Experts | W8A8Experts | Fp8BlockExperts | Mxfp4Experts
 
 
 def expert_shape(w: ExpertWeights) -> tuple[int, int, int]:
@@ -266,7 +267,7 @@ def reference_expert_linear(rows: torch.Tensor, w: ExpertWeights, e: int) -> tor
     expert e is dequantized."""
     if isinstance(w, torch.Tensor):
         return F.linear(rows, w[e])
-    if isinstance(w, WNA16Experts):
+    if isinstance(w, (WNA16Experts, Mxfp4Experts)):  # weight-only: activations as they are
         return F.linear(rows, w.dequantize_expert(e, rows.dtype))
     if isinstance(w, Fp8BlockExperts):
         return F.linear(w.fake_quantize_input(rows), w.dequantize_expert(e, rows.dtype))

@@ -39,7 +39,9 @@ masked loop (the rows of a tile see different key ranges), starting at the first
 tile's first row sees. Non-causal with a window (a cascade group's decode rows against their
 shared prefix) needs each row's own query position: `row_offsets[r]` places row r at key
 position context_len - 1 + row_offsets[r] (its private length), and a row whose window ends
-before the shared keys gets lse -inf.
+before the shared keys gets lse -inf. Sinks (gpt-oss) join each row's softmax once it is
+complete, as in the decode kernel (decode_attention.join_sink); a cascade's shared part is
+launched without them, its decode rows' private part carries them.
 """
 
 from __future__ import annotations
@@ -53,7 +55,10 @@ import triton.language as tl
 from kvbatch.kernels.decode_attention import (
     LOG2E,
     check_attention_inputs,
+    check_sinks,
     dot_precision,
+    join_sink,
+    join_sink_ref,
     merge_split_partials,
     num_sms,
     soft_cap,
@@ -157,6 +162,7 @@ def _prefill_kernel(
     window,  # keys per query in a sliding-window layer; 0: every key
     softcap_log2,  # soft-cap * log2(e), used when SOFTCAP
     row_offsets_ptr,  # [T] non-causal windows: row r's query at context_len - 1 + offset
+    sinks_ptr,  # [H] float32 sink logits, read when SINKS (and FINAL)
     num_splits,
     stride_qt,
     stride_qh,
@@ -185,6 +191,7 @@ def _prefill_kernel(
     FINAL: tl.constexpr,  # one split: the output and natural-log lse directly
     SOFTCAP: tl.constexpr,
     ROW_OFFSETS: tl.constexpr,  # non-causal with a window: read row_offsets_ptr
+    SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -278,6 +285,8 @@ def _prefill_kernel(
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     if FINAL:
         lse = lse * 0.6931471805599453
+        if SINKS:
+            o, lse = join_sink(o, lse, tl.load(sinks_ptr + heads, mask=m_mask, other=0.0))
     o_ptrs = out_ptr + split * stride_os + rows[:, None] * stride_ot + heads[:, None] * stride_oh
     tl.store(
         o_ptrs + offs_d[None, :] * stride_od,
@@ -295,6 +304,7 @@ def _merge_prefill_splits_kernel(
     query_lens_ptr,
     out_ptr,  # [T, H, D]
     lse_ptr,  # [T, H] float32, natural log
+    sinks_ptr,  # [H] float32, read when SINKS
     num_splits,
     stride_ps,
     stride_pt,
@@ -311,6 +321,7 @@ def _merge_prefill_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """The split kernel's row tiles again: each merges its rows' partials into `out`."""
     tile = tl.program_id(0)
@@ -335,6 +346,8 @@ def _merge_prefill_splits_kernel(
         m_mask,
         mask,
     )
+    if SINKS:
+        o, lse = join_sink(o, lse, tl.load(sinks_ptr + heads, mask=m_mask, other=0.0))
     tl.store(
         out_ptr
         + rows[:, None] * stride_ot
@@ -399,6 +412,7 @@ def paged_prefill_attention(
     sliding_window: int | None = None,  # keys per query (itself included); None: all
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
     row_offsets: torch.Tensor | None = None,  # [T] non-causal windows (see the module doc)
+    sinks: torch.Tensor | None = None,  # [num_heads] sink logits joined to each denominator
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Varlen paged attention of several sequences' query chunks (causal or not).
 
@@ -436,6 +450,7 @@ def paged_prefill_attention(
     lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
     if num_seqs == 0 or max_query_len <= 0 or num_tokens == 0:
         return (out, lse) if return_lse else out
+    sinks_f32 = check_sinks(sinks, num_heads, lse)
 
     block_d = max(16, triton.next_power_of_2(head_dim))
     tiles = prefill_tiles(q.dtype, block_d)
@@ -455,12 +470,12 @@ def paged_prefill_attention(
         _prefill_kernel[(row_tiles * num_splits, num_seqs, num_kv_heads)](
             q, kv_cache, block_tables, query_start, query_lens, context_lens, o, lse_,
             scale * LOG2E * k_scale, v_scale, sliding_window or 0, (softcap or 0.0) * LOG2E,
-            query_lens if row_offsets is None else row_offsets.contiguous(), num_splits,
+            query_lens if row_offsets is None else row_offsets.contiguous(), sinks_f32, num_splits,
             *q.stride(), *kv_cache.stride(), block_tables.stride(0), *o_strides, *lse_strides,
             *split_strides, G=g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n, BLOCK_D=block_d, CAUSAL=causal,
             PRECISION=dot_precision(q.dtype), FINAL=final, SOFTCAP=softcap is not None,
-            ROW_OFFSETS=row_offsets is not None and not causal,
+            ROW_OFFSETS=row_offsets is not None and not causal, SINKS=sinks is not None,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
 
@@ -472,9 +487,10 @@ def paged_prefill_attention(
     part_lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
     split_kernel(part_o, part_lse, False)
     _merge_prefill_splits_kernel[grid](
-        part_o, part_lse, query_start, query_lens, out, lse, num_splits,
+        part_o, part_lse, query_start, query_lens, out, lse, sinks_f32, num_splits,
         *part_o.stride()[:3], *part_lse.stride(), *out.stride(), *lse.stride(),
-        G=g, HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=block_d, num_warps=4,
+        G=g, HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_D=block_d,
+        SINKS=sinks is not None, num_warps=4,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -499,6 +515,7 @@ def paged_prefill_attention_ref(
     sliding_window: int | None = None,
     softcap: float | None = None,
     row_offsets: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch varlen paged prefill attention (float32 math, one sequence at a time)."""
     check_attention_inputs(q, kv_cache, q.shape[0], "T")
@@ -537,6 +554,9 @@ def paged_prefill_attention_ref(
         scores = scores.masked_fill(~visible, float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # [heads, qlen]
         probs = torch.exp(scores - row_lse.nan_to_num(neginf=0.0)[..., None])
-        out[start : start + qlen] = torch.matmul(probs, values).transpose(0, 1).to(out.dtype)
-        lse[start : start + qlen] = row_lse.transpose(0, 1)
+        rows_out, rows_lse = join_sink_ref(
+            torch.matmul(probs, values).transpose(0, 1), row_lse.transpose(0, 1), sinks
+        )
+        out[start : start + qlen] = rows_out.to(out.dtype)
+        lse[start : start + qlen] = rows_lse
     return (out, lse) if return_lse else out

@@ -8,13 +8,16 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from kvbatch.bench.models import (
+    GPT_OSS_20B_4_LAYERS,
     LLAMA_3_1_8B_8_LAYERS,
     LLAMA_3_2_1B,
     MODEL_SPECS,
     QWEN3_8B_8_LAYERS,
     QWEN3_30B_A3B_4_LAYERS,
+    TINY_GPT_OSS,
     TINY_LLAMA,
     TINY_QWEN3,
     TINY_QWEN3_MOE,
@@ -81,7 +84,24 @@ def test_cached_folder_is_reused_and_a_changed_spec_gets_its_own(tiny_dir):
         "qwen3-moe-tiny-random",
         "qwen3-8b-8-layers-random",
         "qwen3-tiny-random",
+        "gpt-oss-20b-4-layers-random",
+        "gpt-oss-tiny-random",
     }
+
+
+def test_gpt_oss_spec_draws_its_experts_packed(tmp_path):
+    """The gpt-oss specs' experts are MXFP4 as published (never a float copy), with the
+    mxfp4 quantization_config, and the engine loads them 4-bit."""
+    assert GPT_OSS_20B_4_LAYERS.config().layer_types[:2] == ["sliding_attention", "full_attention"]
+    folder = random_model_dir(TINY_GPT_OSS, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    weights = load_file(str(folder / "model.safetensors"))
+    blocks = weights["model.layers.0.mlp.experts.gate_up_proj_blocks"]
+    assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == (8, 128, 2, 16)
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in weights
+    loaded = load_model(folder, torch.float32, torch.device("cpu"))
+    assert loaded.quantization_method == "mxfp4"
 
 
 def test_weights_are_seeded():

@@ -28,7 +28,7 @@ KERNELS = {
     "_merge_prefill_splits_kernel",  # a mixed step's graph splits keys for the longest context
     "_merge_kernel",
 }
-# --models moe,gemma,quantized: the fused MoE kernels (float, W4A16, FP8 and block-FP8
+# --models moe,gemma,quantized,gpt-oss: the fused MoE kernels (float, W4A16, FP8 and block-FP8
 # experts), the quantized GEMMs and their activation quantizers; Gemma's kernels are the
 # Llama ones with other constexprs (GELU, (1 + w) norms, head dim 256)
 OTHER_PATHS = {
@@ -41,6 +41,7 @@ OTHER_PATHS = {
     "_quantize_fp8_kernel",
     "_block_scaled_mm_kernel",
     "_quantize_groups_kernel",
+    "_mxfp4_grouped_gemm_kernel",  # gpt-oss's MXFP4 experts
 }
 
 
@@ -57,7 +58,7 @@ def test_every_kernel_the_engine_launches_compiles_for_sm90(tmp_path):
             "--json",
             str(out),
             "--models",
-            "llama,moe,gemma,quantized",
+            "llama,moe,gemma,quantized,gpt-oss",
         ],
         cwd=ROOT,
         env=env,

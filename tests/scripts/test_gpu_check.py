@@ -113,6 +113,7 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
         "long-prefill-gc": "skipped",  # and no token cap's step: LONG_PREFILL_CAPS is empty
         "rag-hf-cb": "ok",
         "rag-qwen3": "ok",
+        "rag-gpt-oss": "skipped",
         "rag-sweep": "skipped",
         "embed-gpu": "skipped",
         "rag-hybrid": "skipped",

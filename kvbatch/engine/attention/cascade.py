@@ -25,7 +25,12 @@ import numpy as np
 import torch
 
 from kvbatch.engine.attention.kv_scales import UNIT_KV_SCALES, KVScales
-from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention, soft_capped_scores
+from kvbatch.engine.attention.layer_spec import (
+    FULL_ATTENTION,
+    LayerAttention,
+    join_sink,
+    soft_capped_scores,
+)
 from kvbatch.kernels.kv_quant import dequantize_kv, is_fp8
 
 
@@ -90,17 +95,22 @@ def attention_with_lse(
     v: torch.Tensor,  # [B, kv_heads, S, head_dim]
     valid: torch.Tensor | None,  # [B, S] or [B, 1, q_per_kv, S] bool; None: every key valid
     layer: LayerAttention = FULL_ATTENTION,
+    sinks: torch.Tensor | None = None,  # [kvh, g] joined to this part's denominator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention that also returns log-sum-exp: ([B, kvh, g, d], [B, kvh, g]).
     A row with no valid key (a window that ends before a shared prefix does) gets output 0
-    and log-sum-exp -inf, so that merging it adds nothing."""
+    and log-sum-exp -inf, so that merging it adds nothing. `sinks` (the layer's, passed for
+    exactly one of the parts that are merged) join the denominator and the lse."""
     scores = soft_capped_scores(q, k, layer)  # [B, kvh, g, S]
     if valid is not None:
         valid = valid[:, None, None, :] if valid.dim() == 2 else valid
         scores = scores.masked_fill(~valid, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, kvh, g]
     probs = torch.exp(scores - lse.clamp_min(torch.finfo(lse.dtype).min)[..., None])
-    return torch.matmul(probs, v), lse
+    out = torch.matmul(probs, v)
+    if sinks is not None:
+        out, lse = join_sink(out, lse, sinks)
+    return out, lse
 
 
 def cascade_decode(
@@ -132,9 +142,10 @@ def cascade_decode(
     # Row b's query sits at private position private_lens[b] - 1 (after its shared prefix).
     private_pos = torch.arange(width, device=q.device)
     valid = layer.visible(private_lens - 1, private_pos)  # [B, width]
+    sinks = None if layer.sinks is None else layer.sinks.view(num_kv_heads, g)
     out, lse = attention_with_lse(
-        qg, gather(0, private_tables), gather(1, private_tables), valid, layer
-    )
+        qg, gather(0, private_tables), gather(1, private_tables), valid, layer, sinks
+    )  # the sinks join here, once
 
     # Shared part: each group's queries together against its prefix, read once.
     for grp in groups:

@@ -10,7 +10,9 @@ Per layer it runs at most four launches, whatever the number of sequences:
 
 An FP8 cache passes the layer's k_scale and v_scale to every launch: the write quantizes, the
 attention kernels dequantize in registers. The layer's variant (sliding window, scale,
-soft-cap: engine/attention/layer_spec.py) goes to every attention launch too.
+soft-cap: engine/attention/layer_spec.py) goes to every attention launch too; its sinks
+(gpt-oss) to the decode and causal prefill launches only, so that a cascade's merge of private
+and shared parts counts them once.
 
 The step's packed tensors (prefill tables and lengths, cascade groups) are built once per step
 on first use and reused by every layer (`StepTensors`), so a layer pays for launches only.
@@ -136,7 +138,7 @@ class TritonAttentionBackend:
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            self._decode_rows(q[:nd], kv_cache, meta, step, out[:nd], kv)
+            self._decode_rows(q[:nd], kv_cache, meta, step, out[:nd], kv, layer.sinks)
         if step.prefill is not None:
             p = step.prefill
             self._prefill(
@@ -150,18 +152,20 @@ class TritonAttentionBackend:
                 causal=True,
                 out=out,
                 max_context_len=p.max_context_len,
+                sinks=layer.sinks,
                 **kv,
             )
         return out
 
-    def _decode_rows(self, q, kv_cache, meta, step: StepTensors, out, kv: dict) -> None:
+    def _decode_rows(self, q, kv_cache, meta, step: StepTensors, out, kv: dict, sinks) -> None:
         """`kv`: the cache's k_scale and v_scale, passed to every kernel."""
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         if step.shared is None:
-            self._decode(q, kv_cache, tables, lens, out=out, **kv)
+            self._decode(q, kv_cache, tables, lens, out=out, sinks=sinks, **kv)
             return
-        # Cascade: private blocks per row, shared blocks once per group, merged exactly.
-        private, lse_p = self._decode(q, kv_cache, tables, lens, return_lse=True, **kv)
+        # Cascade: private blocks per row (with the sinks), shared blocks once per group,
+        # merged exactly.
+        private, lse_p = self._decode(q, kv_cache, tables, lens, return_lse=True, sinks=sinks, **kv)
         s = step.shared
         # Rows outside every group get lse -inf from the kernel: the merge keeps their private
         # part as it is (whatever their unwritten `shared` rows hold).

@@ -6,8 +6,9 @@
     out = backend.forward(...)         the engine's attention backend (engine/attention/)
     return o_proj(out)
 
-The layer's variant (sliding window, score scale, soft-cap: engine/attention/layer_spec.py)
-and its FP8 KV-cache scales reach the backend with the call."""
+The layer's variant (sliding window, score scale, soft-cap: engine/attention/layer_spec.py),
+its sink logits where the model has them (gpt-oss: `sinks`, one per head) and its FP8 KV-cache
+scales reach the backend with the call."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class SelfAttention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         head_norm: Callable[[int], nn.Module] | None = None,  # builds q_norm and k_norm
+        sinks: bool = False,  # a learned sink logit per head (gpt-oss)
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -49,6 +51,7 @@ class SelfAttention(nn.Module):
         self.kv_scales: KVScales = UNIT_KV_SCALES
         if head_norm is not None:
             self.q_norm, self.k_norm = head_norm(head_dim), head_norm(head_dim)
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
 
     def forward(
         self,
@@ -67,5 +70,6 @@ class SelfAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotation(q, k)
-        out = backend.forward(q, k, v, kv_cache, meta, self.kv_scales, self.variant)
+        variant = self.variant.with_sinks(self.sinks)
+        out = backend.forward(q, k, v, kv_cache, meta, self.kv_scales, variant)
         return self.o_proj(out.reshape(t, q_size))

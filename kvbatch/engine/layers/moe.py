@@ -1,4 +1,4 @@
-"""The mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE, Qwen2-MoE) as a layer.
+"""The mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE, Qwen2-MoE, gpt-oss) as a layer.
 
 A router scores every expert per token, the top k run, and their outputs are summed with the
 routing weights. The experts' weights are stacked at load, as the fused kernel wants them:
@@ -23,7 +23,7 @@ from torch import nn
 from kvbatch.engine.layers.kernel_op import KernelOp
 from kvbatch.engine.layers.mlp import GatedMLP
 from kvbatch.engine.model.moe import MoeConfig
-from kvbatch.kernels.fused_moe import fused_moe, fused_moe_ref
+from kvbatch.kernels.fused_moe import ExpertBiases, fused_moe, fused_moe_ref
 
 ExpertsFn = Callable[..., torch.Tensor]
 """fused_moe's signature: (x, w_gate_up, w_down, topk_weights, topk_ids) -> [T, H]."""
@@ -43,12 +43,23 @@ def route(
 class StackedExperts(nn.Module):
     """Every expert's SwiGLU weights in two stacked tensors (names as transformers 5's)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False
+    ) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        if bias:  # gpt-oss
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    @property
+    def biases(self) -> ExpertBiases | None:
+        if not hasattr(self, "down_proj_bias"):
+            return None
+        return ExpertBiases(self.gate_up_proj_bias, self.down_proj_bias)
 
 
 class SparseMoeBlock(KernelOp):
@@ -59,8 +70,10 @@ class SparseMoeBlock(KernelOp):
     def __init__(self, hidden_size: int, cfg: MoeConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.gate = nn.Linear(hidden_size, cfg.num_experts, bias=False)  # the router
-        self.experts = StackedExperts(cfg.num_experts, hidden_size, cfg.intermediate_size)
+        self.gate = nn.Linear(hidden_size, cfg.num_experts, bias=cfg.router_bias)  # the router
+        self.experts = StackedExperts(
+            cfg.num_experts, hidden_size, cfg.intermediate_size, bias=cfg.expert_bias
+        )
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, cfg.shared_expert_intermediate_size, "silu")
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
@@ -74,7 +87,15 @@ class SparseMoeBlock(KernelOp):
     def run(self, x: torch.Tensor, experts_fn: ExpertsFn) -> torch.Tensor:  # [T, H] -> [T, H]
         """The block's output with `experts_fn` (fused_moe or its reference) for the experts."""
         weights, ids = route(self.gate(x), self.cfg.top_k, self.cfg.renormalize)
-        out = experts_fn(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        out = experts_fn(
+            x,
+            self.experts.gate_up_proj,
+            self.experts.down_proj,
+            weights,
+            ids,
+            biases=self.experts.biases if self.cfg.expert_bias else None,
+            activation=self.cfg.activation,
+        )
         if self.cfg.shared_expert_intermediate_size:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

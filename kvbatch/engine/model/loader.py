@@ -46,6 +46,7 @@ from kvbatch.engine.models.gemma import GemmaForCausalLM
 from kvbatch.engine.models.llama import LlamaForCausalLM, ModelConfig
 from kvbatch.engine.quant.apply import quantize_linears, reject_quantized_leftovers, weight_bytes
 from kvbatch.engine.quant.detect import detect_quantization
+from kvbatch.engine.quant.mxfp4 import install_mxfp4_experts
 from kvbatch.engine.quant.scheme import QuantConfig
 
 log = logging.getLogger(__name__)
@@ -204,6 +205,7 @@ def _build(
             model, quantized_experts, cfg.moe.num_experts if cfg.moe else 0, quant, dtype, device
         )
         quantize_experts_online(model, state_dict, quant, device)
+        install_mxfp4_experts(model, state_dict, quant, device)
     reject_quantized_leftovers(state_dict, quant)  # before "missing": it names the cause
     owned = model.state_dict()
     _reject_unused_tensors(state_dict, owned)

@@ -6,6 +6,8 @@ Routers differ by model, as their configs say:
 - Mixtral: softmax over the experts, top k, the k weights renormalised to sum to one.
 - Qwen3-MoE and Qwen2-MoE: the same, renormalised only when `norm_topk_prob` is set.
 - Qwen2-MoE adds a shared expert (a dense SwiGLU MLP every token runs) scaled by a sigmoid gate.
+- gpt-oss: a router with a bias, the top k logits softmaxed (the same weights as the softmax
+  over all experts renormalised over the top k); experts with biases and a clamped SwiGLU.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbatch.engine.model.tensor_names import some_names
+from kvbatch.kernels.moe_activation import ClampedSwiGLU
 
 MOE_ARCHITECTURES = (
     "MixtralForCausalLM",
@@ -23,6 +26,7 @@ MOE_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM",
     "Qwen3_5MoeForCausalLM",
+    "GptOssForCausalLM",
 )
 
 
@@ -37,6 +41,9 @@ class MoeConfig:
     sparse_step: int = 1  # layer i has experts when (i + 1) % sparse_step == 0 ...
     dense_layers: frozenset[int] = field(default_factory=frozenset)  # ... and i is not here
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
+    router_bias: bool = False  # gpt-oss: the router has a bias
+    expert_bias: bool = False  # gpt-oss: both projections of every expert have biases
+    activation: ClampedSwiGLU | None = None  # gpt-oss's clamped SwiGLU; None: SiLU-and-mul
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -86,6 +93,18 @@ class MoeConfig:
                 intermediate_size=hf_config.moe_intermediate_size,
                 renormalize=True,
                 shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
+            )
+        if architecture == "GptOssForCausalLM":
+            return cls(
+                num_experts=hf_config.num_local_experts,
+                top_k=hf_config.num_experts_per_tok,
+                intermediate_size=hf_config.intermediate_size,
+                renormalize=True,  # softmax over the top k logits
+                router_bias=True,
+                expert_bias=True,
+                activation=ClampedSwiGLU(
+                    float(hf_config.swiglu_alpha), float(hf_config.swiglu_limit)
+                ),
             )
         return None
 

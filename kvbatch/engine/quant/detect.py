@@ -19,8 +19,9 @@ Supported, as their writers name them:
   optimum's modules_in_block_to_quantize). Refused: 2/3 bits, Marlin or other repacked
   checkpoint formats, a quantized lm_head, pack_dtype other than int32, per-module overrides;
 - `awq` (4 bits, the GEMM layout, with zero points). Refused: GEMV, GEMV-fast, Marlin and
-  ExLlama versions, no zero points.
-Every other quant_method (bitsandbytes, hqq, eetq, mxfp4, torchao, quark, exl2/exl3, marlin,
+  ExLlama versions, no zero points;
+- `mxfp4` (gpt-oss's experts as published: mxfp4.py; every other layer float).
+Every other quant_method (bitsandbytes, hqq, eetq, torchao, quark, exl2/exl3, marlin,
 aqlm, vptq, higgs, fbgemm_fp8, modelopt, ...) is refused by name.
 `quantization="fp8"` on an unquantized checkpoint quantizes it at load (online FP8).
 """
@@ -31,6 +32,7 @@ import re
 from collections.abc import Mapping
 
 from kvbatch.engine.quant.ct_config import block_size, read_compressed_tensors
+from kvbatch.engine.quant.mxfp4 import MXFP4_METHOD, read_mxfp4_config
 from kvbatch.engine.quant.scheme import (
     WNA16,
     Fp8BlockW8A8,
@@ -45,7 +47,8 @@ __all__ = ["SUPPORTED", "UnsupportedQuantization", "detect_quantization"]
 SUPPORTED = (
     "compressed-tensors (float-quantized FP8 incl. block-wise, int-quantized INT8 W8A8, "
     "pack-quantized 4/8-bit weight-only; FP8 per-tensor kv_cache_scheme), fp8 (incl. "
-    "weight_block_size), gptq (4/8-bit, gptq/gptq_v2 format), awq (4-bit GEMM)"
+    "weight_block_size), gptq (4/8-bit, gptq/gptq_v2 format), awq (4-bit GEMM), mxfp4 "
+    "(gpt-oss experts)"
 )
 ONLINE_METHODS = ("fp8",)
 _DEFAULT_IGNORE = ("lm_head",)  # never quantized by our loader unless a rule names it
@@ -67,6 +70,7 @@ def detect_quantization(
         "fp8": _fp8,
         "gptq": _gptq,
         "awq": _awq,
+        MXFP4_METHOD: read_mxfp4_config,
     }
     if method not in readers:
         raise UnsupportedQuantization(

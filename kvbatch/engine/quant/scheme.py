@@ -67,7 +67,7 @@ class WNA16:
 LinearScheme = Fp8W8A8 | Fp8BlockW8A8 | Int8W8A8 | WNA16
 
 # The file layouts a scheme's tensors may come in (each has its converter).
-FORMATS = ("compressed-tensors", "fp8", "gptq", "gptq_v2", "awq", "online-fp8")
+FORMATS = ("compressed-tensors", "fp8", "gptq", "gptq_v2", "awq", "online-fp8", "mxfp4")
 
 
 @dataclass(frozen=True)

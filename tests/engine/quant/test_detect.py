@@ -11,6 +11,7 @@ from kvbatch.engine.quant.detect import (
     UnsupportedQuantization,
     detect_quantization,
 )
+from kvbatch.engine.quant.mxfp4 import experts_kept_in_float
 from kvbatch.engine.quant.scheme import WNA16, Fp8BlockW8A8, Fp8W8A8, Int8W8A8
 from kvbatch.engine_args import QUANTIZATION_CHOICES
 
@@ -166,14 +167,14 @@ def test_the_command_line_offers_the_engines_online_methods():
     assert QUANTIZATION_CHOICES == ONLINE_METHODS
 
 
-OWN_READERS = {"compressed-tensors", "fp8", "gptq", "awq"}
+OWN_READERS = {"compressed-tensors", "fp8", "gptq", "awq", "mxfp4"}
 
 
 @pytest.mark.parametrize(
     "method", sorted(m.value for m in QuantizationMethod if m.value not in OWN_READERS)
 )
 def test_every_other_method_transformers_knows_is_refused_by_name(method):
-    """bitsandbytes 4/8-bit, hqq, eetq, mxfp4 (gpt-oss), torchao, quark, aqlm, vptq, higgs,
+    """bitsandbytes 4/8-bit, hqq, eetq, torchao, quark, aqlm, vptq, higgs,
     fbgemm_fp8, ... each as transformers names it in quant_method."""
     config = {"quantization_config": {"quant_method": method, "bits": 4, "load_in_4bit": True}}
     with pytest.raises(UnsupportedQuantization, match=f"method {method!r} is not supported"):
@@ -250,3 +251,21 @@ def test_awq_modules_to_not_convert_stay_in_float():
     )
     assert quant.scheme_for("model.layers.0.mlp.gate") is None
     assert quant.scheme_for("model.layers.0.mlp.gate_proj") == WNA16(4, 128, symmetric=False)
+
+
+def test_mxfp4_reads_modules_to_not_convert():
+    """gpt-oss's config: experts in MXFP4, the listed modules (and every Linear) in float."""
+    keep = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "lm_head"]
+    quant = detect_quantization(
+        {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": keep}}
+    )
+    assert (quant.method, quant.format, quant.rules) == ("mxfp4", "mxfp4", ())
+    assert quant.scheme_for("model.layers.0.self_attn.q_proj") is None
+    assert experts_kept_in_float(quant, "model.layers.0.mlp.experts") is False
+    assert experts_kept_in_float(
+        detect_quantization(
+            {"quantization_config": {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.mlp.experts"]}}
+        ),
+        "model.layers.3.mlp.experts",
+    )  # fmt: skip
