@@ -261,7 +261,7 @@ def test_bias_tensors_the_config_does_not_announce_are_refused(variant, tmp_path
 
 
 @pytest.mark.parametrize(
-    "arch", ["Phi3SmallForCausalLM", "Qwen3NextForCausalLM", "DeepseekV3ForCausalLM"]
+    "arch", ["Phi3SmallForCausalLM", "Mistral4ForCausalLM", "DeepseekV3ForCausalLM"]
 )
 def test_an_architecture_outside_the_list_names_the_supported_ones(arch):
     hf = SimpleNamespace(architectures=[arch], model_type="x")
