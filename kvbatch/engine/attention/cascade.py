@@ -14,7 +14,9 @@ results are merged exactly with their log-sum-exps:
     lse = logaddexp(lse_S, lse_A);  out = out_S * exp(lse_S - lse) + out_A * exp(lse_A - lse)
 
 This is the two-level form of FlashInfer's cascade / Hydragen's shared-prefix attention.
-An FP8 cache's blocks are dequantized as they are gathered (kernels/kv_quant.py).
+An FP8 cache's blocks are dequantized as they are gathered (kernels/kv_quant.py). The private
+parts are batched by length (engine/attention/decode_rows.py), never padded to the longest
+row, and a group's gathered prefix is kept across steps (engine/attention/prefix_memo.py).
 """
 
 from __future__ import annotations
@@ -24,9 +26,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvbatch.engine.attention.decode_rows import (
+    attention_with_lse,
+    join_sinks,
+    merge_partial,
+    rows_attention,
+)
 from kvbatch.engine.attention.kv_scales import UNIT_KV_SCALES, KVScales
-from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention, soft_capped_scores
-from kvbatch.kernels.kv_quant import dequantize_kv, is_fp8
+from kvbatch.engine.attention.kv_view import KVView
+from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention
+from kvbatch.engine.attention.prefix_memo import GatheredPrefixes
 
 
 @dataclass
@@ -84,25 +93,6 @@ def find_shared_prefixes(
     return order, groups
 
 
-def attention_with_lse(
-    q: torch.Tensor,  # [B, kv_heads, q_per_kv, head_dim]
-    k: torch.Tensor,  # [B, kv_heads, S, head_dim]
-    v: torch.Tensor,  # [B, kv_heads, S, head_dim]
-    valid: torch.Tensor | None,  # [B, S] or [B, 1, q_per_kv, S] bool; None: every key valid
-    layer: LayerAttention = FULL_ATTENTION,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention that also returns log-sum-exp: ([B, kvh, g, d], [B, kvh, g]).
-    A row with no valid key (a window that ends before a shared prefix does) gets output 0
-    and log-sum-exp -inf, so that merging it adds nothing."""
-    scores = soft_capped_scores(q, k, layer)  # [B, kvh, g, S]
-    if valid is not None:
-        valid = valid[:, None, None, :] if valid.dim() == 2 else valid
-        scores = scores.masked_fill(~valid, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, kvh, g]
-    probs = torch.exp(scores - lse.clamp_min(torch.finfo(lse.dtype).min)[..., None])
-    return torch.matmul(probs, v), lse
-
-
 def cascade_decode(
     q: torch.Tensor,  # [B, heads, head_dim], rows ordered so each group is contiguous
     kv_cache: torch.Tensor,  # [2, blocks, block_size, kv_heads, head_dim]
@@ -111,36 +101,33 @@ def cascade_decode(
     groups: list[DecodeGroup],
     scales: KVScales = UNIT_KV_SCALES,  # an FP8 cache's (ignored by a float cache)
     layer: LayerAttention = FULL_ATTENTION,
+    sinks: torch.Tensor | None = None,  # [heads] float32: gpt-oss's per-head sink logits
+    prefixes: GatheredPrefixes | None = None,  # shared prefixes kept from earlier steps
+    written_slots: torch.Tensor | None = None,  # [T] this step's writes (with `prefixes`)
 ) -> torch.Tensor:  # [B, heads, head_dim]
-    """A sliding window may end inside a group's shared prefix: the shared part is then
-    masked per row (each row's query sits at its own position), still read once per group;
-    rows whose window has left the prefix entirely take nothing from it."""
+    """Decode attention by parts: each row against its own blocks (rows_attention: batched by
+    length octave, so a row with no group, holding a whole document, pads no other row), each
+    group's queries against its shared prefix at once, read once per group (and, with
+    `prefixes`, gathered once for as many steps as its blocks stay unwritten), then the sinks.
+
+    A sliding window may end inside a group's shared prefix: the shared part is then masked
+    per row (each row's query sits at its own position), still read once per group; rows whose
+    window has left the prefix entirely take nothing from it."""
     num_seqs, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    view = KVView(kv_cache, scales, q.dtype)
+    num_kv_heads, block_size = view.num_kv_heads, view.block_size
     g = num_heads // num_kv_heads
     qg = q.view(num_seqs, num_kv_heads, g, head_dim)
 
-    # Private part: every row against its own blocks, padded to the longest.
-    width = private_tables.shape[1] * block_size
-
-    def gather(which: int, table: torch.Tensor) -> torch.Tensor:
-        flat = torch.index_select(kv_cache[which], 0, table.reshape(-1))
-        if is_fp8(kv_cache):
-            flat = dequantize_kv(flat, (scales.k, scales.v)[which], q.dtype)
-        return flat.view(table.shape[0], -1, num_kv_heads, head_dim).transpose(1, 2)
-
     # Row b's query sits at private position private_lens[b] - 1 (after its shared prefix).
-    private_pos = torch.arange(width, device=q.device)
-    valid = layer.visible(private_lens - 1, private_pos)  # [B, width]
-    out, lse = attention_with_lse(
-        qg, gather(0, private_tables), gather(1, private_tables), valid, layer
-    )
+    out, lse = rows_attention(qg, view, private_tables, private_lens, layer)
 
-    # Shared part: each group's queries together against its prefix, read once.
-    for grp in groups:
+    if prefixes is not None and written_slots is not None:
+        shared = prefixes.read(view, [grp.block_ids for grp in groups], written_slots)
+    else:
+        shared = [_prefix(view, grp.block_ids) for grp in groups]
+    for grp, (keys, values) in zip(groups, shared):  # [1, kvh, S, d] each
         n = grp.end - grp.start
-        keys = gather(0, grp.block_ids[None])  # [1, kvh, S, d]
-        values = gather(1, grp.block_ids[None])
         # [n, kvh, g, d] -> [1, kvh, n * g, d]: the group's queries become one batch
         qs = qg[grp.start : grp.end].transpose(0, 1).reshape(1, num_kv_heads, n * g, head_dim)
         shared_mask = None
@@ -155,9 +142,13 @@ def cascade_decode(
         out_s = out_s.view(num_kv_heads, n, g, head_dim).transpose(0, 1)
         lse_s = lse_s.view(num_kv_heads, n, g).transpose(0, 1)
         rows = slice(grp.start, grp.end)
-        total = torch.logaddexp(lse[rows], lse_s)
-        out[rows] = (
-            out[rows] * torch.exp(lse[rows] - total)[..., None]
-            + out_s * torch.exp(lse_s - total)[..., None]
-        )
+        out[rows], lse[rows] = merge_partial(out[rows], lse[rows], out_s, lse_s)
+    if sinks is not None:
+        out = join_sinks(out, lse, sinks)
     return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _prefix(view: KVView, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shared prefix's K and V as [1, kv_heads, S, head_dim], gathered now."""
+    keys, values = view.gather(block_ids)
+    return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
