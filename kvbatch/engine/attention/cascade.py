@@ -58,34 +58,51 @@ def find_shared_prefixes(
 
     Returns (row order, [(start, end, num_shared_blocks)] in that order); with `rows`, the
     order indexes `rows` (the runner passes the KV manager's whole table array and the
-    step's rows in it, so that no column past a group's is ever gathered). Rows are grouped
-    by their first physical block; a group's shared prefix is the longest common run of block
-    ids, capped so that every member keeps at least its newest token private. Vectorised over
-    all rows at once: this runs every decode step.
+    step's rows in it, so that no column past a group's is ever gathered). Each row may share
+    its blocks before the one holding its newest token (that one stays private).
 
-    Only the columns a group could share are compared: up to the largest cap of a group of
-    `min_group` or more. One long row (a 32k prompt decoding: 2,048 blocks) widens the step's
-    tables, but alone in its group it adds no columns (comparing them all would double this
-    function's time, and it runs on the host every decode step).
+    Rows are sorted by their block tables, so that rows sharing long runs are adjacent, and
+    the sorted list is cut where two neighbours share less than half of what a neighbouring
+    pair shares: rows of two documents under one system prompt become two groups, each
+    sharing its document, not one group sharing the system prompt's block with every
+    document in its members' private parts (which made every decode row read its whole
+    document per step). A group's shared prefix is the shortest run its neighbours share.
+    Vectorised over all rows at once: this runs every decode step.
+
+    Only the columns two rows could share are compared: up to the second largest cap among
+    rows of one first block. One long row (a 32k prompt decoding: 2,048 blocks) widens the
+    step's tables, but it adds no columns (comparing them all would double this function's
+    time, and it runs on the host every decode step).
     """
     rows = np.arange(len(tables)) if rows is None else rows
     n = len(rows)
-    order = np.argsort(tables[rows, 0], kind="stable")
-    first = tables[rows[order], 0]
-    starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])  # each group's first row
+    caps = (context_lens - 1) // block_size  # every member keeps its newest token private
+    first = tables[rows, 0]
+    by_first = np.lexsort((caps, first))  # each first block's rows, by cap
+    f = first[by_first]
+    starts = np.flatnonzero(np.r_[True, f[1:] != f[:-1]])
     sizes = np.diff(np.r_[starts, n])
-    # every member keeps its newest token private
-    caps = np.minimum.reduceat((context_lens[order] - 1) // block_size, starts)
-    candidates = (sizes >= min_group) & (caps > 0)
+    candidates = sizes >= min_group
     if not candidates.any():
-        return order, []
-    width = int(caps[candidates].max())
-    ordered = tables[rows[order], :width]
-    # A group's common prefix is the shortest run any member shares with the group's first.
-    same = ordered == ordered[np.repeat(starts, sizes)]  # [n, width]
-    run = np.where(same.all(axis=1), width, same.argmin(axis=1))
-    shared = np.minimum(np.minimum.reduceat(run, starts), caps)
-    keep = candidates & (shared > 0)
+        return np.argsort(first, kind="stable"), []
+    # a run two rows share is at most the smaller one's cap: its first block's second largest
+    width = int(caps[by_first][(starts + sizes - 2)[candidates]].max())
+    if width <= 0:
+        return np.argsort(first, kind="stable"), []
+    cols = np.arange(width)[None, :]
+    # blocks past a row's cap become a value of its own (from its table row, so that the
+    # grouping does not depend on the order the rows come in): no run goes through them
+    masked = np.where(cols < caps[:, None], tables[rows, :width], -1 - rows[:, None])
+    order = np.lexsort(masked[:, ::-1].T)  # by column 0, then 1, ...: stable
+    ordered = masked[order]
+    same = ordered[1:] == ordered[:-1]  # [n - 1, width]
+    lcp = np.where(same.all(axis=1), width, same.argmin(axis=1))  # neighbours' common run
+    neighbour = np.maximum(np.r_[0, lcp[:-1]], np.r_[lcp[1:], 0])
+    cut = (lcp == 0) | (2 * lcp < neighbour)
+    starts = np.flatnonzero(np.r_[True, cut])
+    sizes = np.diff(np.r_[starts, n])
+    shared = np.minimum.reduceat(np.r_[np.where(cut, width, lcp), width], starts)
+    keep = (sizes >= min_group) & (shared > 0)
     groups = [
         (s, s + size, k)
         for s, size, k in zip(starts[keep].tolist(), sizes[keep].tolist(), shared[keep].tolist())
@@ -119,6 +136,10 @@ def cascade_decode(
     g = num_heads // num_kv_heads
     qg = q.view(num_seqs, num_kv_heads, g, head_dim)
 
+    if prefixes is not None and written_slots is not None and layer.sliding_window is None:
+        groups, private_tables, private_lens = with_solo_prefixes(
+            groups, private_tables, private_lens, block_size
+        )
     # Row b's query sits at private position private_lens[b] - 1 (after its shared prefix).
     out, lse = rows_attention(qg, view, private_tables, private_lens, layer)
 
@@ -146,6 +167,39 @@ def cascade_decode(
     if sinks is not None:
         out = join_sinks(out, lse, sinks)
     return out.reshape(num_seqs, num_heads, head_dim)
+
+
+# A row with no group whose own context is at least this long (a document's last chunk
+# decoding alone) reads its full blocks as a "group of one" through the kept prefixes: they do
+# not change from step to step either, and gathering them is most of such a row's cost.
+SOLO_PREFIX_MIN_TOKENS = 512
+
+
+def with_solo_prefixes(
+    groups: list[DecodeGroup],
+    private_tables: torch.Tensor,  # [B, P]
+    private_lens: torch.Tensor,  # [B]
+    block_size: int,
+) -> tuple[list[DecodeGroup], torch.Tensor, torch.Tensor]:
+    """The groups, plus a group of one for each long row outside them (its full blocks before
+    the one holding its newest token), and the private tables and lengths cut after them."""
+    lens = private_lens.tolist()
+    grouped = [False] * len(lens)
+    for grp in groups:
+        grouped[grp.start : grp.end] = [True] * (grp.end - grp.start)
+    skip = [
+        (n - 1) // block_size if not g and n >= SOLO_PREFIX_MIN_TOKENS else 0
+        for n, g in zip(lens, grouped)
+    ]
+    if not any(skip):
+        return groups, private_tables, private_lens
+    solo = [DecodeGroup(row, row + 1, private_tables[row, :k]) for row, k in enumerate(skip) if k]
+    skip_t = torch.tensor(skip, device=private_lens.device)
+    width = max(-(-n // block_size) - k for n, k in zip(lens, skip))
+    columns = (skip_t[:, None] + torch.arange(width, device=skip_t.device)).clamp_max(
+        private_tables.shape[1] - 1
+    )  # past a row's last block: masked, beyond its length
+    return groups + solo, private_tables.gather(1, columns), private_lens - skip_t * block_size
 
 
 def _prefix(view: KVView, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,7 +63,7 @@ def attention_with_lse(
     q: torch.Tensor,  # [B, kv_heads, q_per_kv, head_dim]
     k: torch.Tensor,  # [B, kv_heads, S, head_dim]
     v: torch.Tensor,  # [B, kv_heads, S, head_dim]
-    valid: torch.Tensor | None,  # [B, S] or [B, 1, q_per_kv, S] bool; None: every key valid
+    valid: torch.Tensor | None,  # [B, S] or 4-D, broadcast to the scores; None: every key valid
     layer: LayerAttention = FULL_ATTENTION,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention that also returns log-sum-exp: ([B, kvh, g, d], [B, kvh, g]).
@@ -130,7 +130,10 @@ def rows_attention(
 def _padded_rows(
     q: torch.Tensor, view: KVView, tables: torch.Tensor, lens: torch.Tensor, layer: LayerAttention
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batched call: keys padded to the table's width, masked past each row's length."""
-    keys, values = view.gather_rows(tables)  # [B, kvh, S, d]
+    """One batched call: keys padded to the table's width, masked past each row's length.
+    Computed heads first ([kv_heads, B, ...]), the layout the gather gives without a copy."""
+    keys, values = view.gather_heads_first(tables)  # [kvh, B, S, d]
     positions = torch.arange(keys.shape[2], device=q.device)
-    return attention_with_lse(q, keys, values, layer.visible(lens - 1, positions), layer)
+    valid = layer.visible(lens - 1, positions)[None, :, None, :]  # [1, B, 1, S]
+    out, lse = attention_with_lse(q.transpose(0, 1), keys, values, valid, layer)
+    return out.transpose(0, 1), lse.transpose(0, 1)

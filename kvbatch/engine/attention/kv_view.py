@@ -29,11 +29,18 @@ class KVView:
             values = dequantize_kv(values, self.scales.v, self.dtype)
         return keys, values
 
-    def gather_rows(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, kv_heads, blocks * block_size, head_dim] K and V of each row's table [B, blocks]."""
-        keys, values = self.gather(tables)
-        shape = (tables.shape[0], -1, self.num_kv_heads, self.head_dim)
-        return keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
+    def gather_heads_first(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of each row's table [B, blocks] as contiguous [kv_heads, B,
+        blocks * block_size, head_dim]: the layout a batched matmul over (kv_heads, B) reads as
+        it is. Made by an explicit copy after the gather, which on the CPU costs a third of the
+        copy a matmul makes of a strided [B, kv_heads, S, d] view."""
+        rows = tables.shape[0]
+        keys, values = self.gather(tables)  # [B * S, kvh, d]
+        shape = (rows, -1, self.num_kv_heads, self.head_dim)
+        return (
+            keys.view(shape).permute(2, 0, 1, 3).contiguous(),
+            values.view(shape).permute(2, 0, 1, 3).contiguous(),
+        )
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ every write of a layer's cache is the backend's `write_kv` at the step's `slot_m
 before that layer's attention reads. A kept prefix is dropped at the first step that writes
 any slot of its blocks (a block freed and reused for other tokens is written before anyone
 reads it again), and a prefix that no group of the step reads is dropped as well, so memory
-holds one copy of the current step's shared prefixes and no more.
+holds one copy of the current step's shared prefixes and no more, and at most KEEP_FRACTION of
+the layer's own pool: prefixes past that are gathered every step as before.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 from kvbatch.engine.attention.kv_view import KVView
 
 Prefix = tuple[torch.Tensor, torch.Tensor]  # K, V: [1, kv_heads, S, head_dim] each
+
+KEEP_FRACTION = 0.25  # of a layer's KV pool bytes: the most its kept prefixes take
 
 
 class GatheredPrefixes:
@@ -46,6 +49,7 @@ class GatheredPrefixes:
             kept = {ids: kv for ids, kv in kept.items() if written.isdisjoint(ids)}
         now: dict[tuple[int, ...], Prefix] = {}
         out = []
+        room = KEEP_FRACTION * view.cache.numel() * view.cache.element_size()
         for table in block_ids:
             ids = tuple(table.tolist())
             kv = now.get(ids) or kept.get(ids)
@@ -58,7 +62,10 @@ class GatheredPrefixes:
                 )
             else:
                 self.hits += 1
-            now[ids] = kv
+            size = 2 * kv[0].numel() * kv[0].element_size()
+            if size <= room:
+                now[ids] = kv
+                room -= size
             out.append(kv)
         if now:
             self._kept[layer] = now

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvbatch.engine.attention.cascade import cascade_decode
+from kvbatch.engine.attention.cascade import SOLO_PREFIX_MIN_TOKENS, cascade_decode
 from kvbatch.engine.attention.decode_rows import length_buckets, window_tail
 from kvbatch.engine.attention.kv_view import KVView
 from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention, attend
@@ -72,7 +72,13 @@ class TorchAttentionBackend:
         plain rows in one SDPA call per length bucket (length_buckets), each padded to its
         longest: one 2k-token row among 60-token ones would otherwise make every row gather
         and mask 2k keys, ten times the work of the short rows alone."""
-        if meta.decode_groups or sinks is not None:
+        lens = meta.decode_seq_lens
+        solo = (  # a long row reads its full blocks through the kept prefixes (cascade.py)
+            prefixes is not None
+            and layer.sliding_window is None
+            and bool(lens.max() >= SOLO_PREFIX_MIN_TOKENS)
+        )
+        if meta.decode_groups or sinks is not None or solo:
             return cascade_decode(
                 q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.decode_groups,
                 scales, layer, sinks, prefixes, meta.slot_mapping,
@@ -80,7 +86,7 @@ class TorchAttentionBackend:
         view = KVView(kv_cache, scales, q.dtype)
         if prefixes is not None:  # no group reads a kept prefix this step: let them go
             prefixes.read(view, [], meta.slot_mapping)
-        lens, tables = meta.decode_seq_lens, meta.decode_block_tables
+        tables = meta.decode_block_tables
         if layer.sliding_window is not None:  # read only the blocks inside the window
             tables, lens = window_tail(tables, lens, layer.sliding_window, view.block_size)
         buckets = length_buckets(lens)
