@@ -66,6 +66,8 @@ TOOLS: dict[str, Callable[[list[str] | None], int]] = {
     "index-retrieval": partial(_lazy_main, "retrieval_bench"),
     # a Gemma 3 shape with window KV on and off: sequences at once, throughput, same tokens
     "gemma-window": partial(_lazy_main, "gemma_window"),
+    # decode ms per step: one document's rows, a mixed batch, several documents (index shape)
+    "mixed-decode": partial(_lazy_main, "mixed_decode"),
 }
 """Benchmarks with their own options: `kvbatch bench NAME ...` hands them the rest of argv."""
 

@@ -15,12 +15,14 @@ length) and with 48 output tokens:
     several docs   3 documents x 12 rows through LLM.generate with a KV pool that holds about
                    one document group: decode ms per step and prefill tokens against the ideal
 
-each for kvbatch as it is ("kvbatch"), kvbatch with the padded decode it replaced
-("kvbatch-padded": private parts padded to the longest row, the shared prefix gathered every
-step) and, for the first two, transformers `generate` on the same 12 prompts in one static
-batch. Everything runs in this one process, one torch thread unless --threads says more.
+each for kvbatch as it is ("kvbatch") and as it was ("kvbatch before", `as_before`: rows
+grouped by first block, private parts padded to the longest row, shared prefixes gathered
+every step, the next group's rows admitted one at a time; fewer output tokens, as its mixed
+steps are slow) and, for the first two, transformers `generate` on the same 12 prompts in one
+static batch. Everything runs in this one process, one torch thread unless --threads says
+more.
 
-    kvbatch bench mixed-decode [--model PATH] [--rows 12] [--max-tokens 48] [--json PATH]
+    kvbatch bench mixed-decode [--model PATH] [--rows 12] [--max-tokens 48] [--before-tokens 8]
 """
 
 from __future__ import annotations
@@ -34,17 +36,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import kvbatch.engine.attention.decode_rows as decode_rows
+import kvbatch.engine.exec.runner as runner
 from kvbatch.engine import LLM, SamplingParams
+from kvbatch.index.prompts import CONTEXT_PROMPT
 
-DOC_MODULES = ("json", "csv", "heapq", "textwrap", "difflib", "bisect")
-INSTRUCTION = (
-    "\n\nHere is a chunk of the document above:\n{chunk}\n\nGive a short context that situates "
-    "this chunk within the document, to improve search retrieval of the chunk. Answer only "
-    "with the context."
-)
+DOC_MODULES = ("json", "csv", "heapq")
 
 
 @dataclass(frozen=True)
@@ -63,30 +63,66 @@ def page_tokens(tokenizer, module: str, length: int) -> list[int]:
 
 
 def make_document(tokenizer, module: str, length: int, rows: int, chunk: int = 180) -> Document:
-    """A document of `length` tokens and `rows` chunk prompts over it (chunks of `chunk`
-    tokens, evenly spread)."""
+    """A document of about `length` tokens and `rows` chunk prompts over it as the index job's
+    context stage writes them: its prompt (kvbatch.index.prompts) in the model's chat
+    template, so every prompt starts with the template's system prompt, then the document."""
     doc = page_tokens(tokenizer, module, length)
+    text = tokenizer.decode(doc)
     prompts = []
     for i in range(rows):
         start = (length - chunk) * i // max(rows - 1, 1)
-        text = tokenizer.decode(doc[start : start + chunk])
-        tail = tokenizer.encode(INSTRUCTION.format(chunk=text), add_special_tokens=False)
-        prompts.append(doc + tail)
+        content = CONTEXT_PROMPT.format(
+            document=text, chunk=tokenizer.decode(doc[start : start + chunk])
+        )
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+        prompts.append(tokenizer.encode(chat, add_special_tokens=False))
     return Document(doc, prompts)
 
 
+def first_block_groups(tables, context_lens, block_size, min_group=2, rows=None):
+    """The decode grouping this replaced: rows grouped by their first block only, sharing the
+    run common to all of them (under a chat template's system prompt: one group of every
+    row, sharing the system prompt's block, each document in its rows' private parts)."""
+    rows = np.arange(len(tables)) if rows is None else rows
+    n = len(rows)
+    order = np.argsort(tables[rows, 0], kind="stable")
+    first = tables[rows[order], 0]
+    starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])
+    sizes = np.diff(np.r_[starts, n])
+    caps = np.minimum.reduceat((context_lens[order] - 1) // block_size, starts)
+    candidates = (sizes >= min_group) & (caps > 0)
+    if not candidates.any():
+        return order, []
+    width = int(caps[candidates].max())
+    ordered = tables[rows[order], :width]
+    same = ordered == ordered[np.repeat(starts, sizes)]
+    run = np.where(same.all(axis=1), width, same.argmin(axis=1))
+    shared = np.minimum(np.minimum.reduceat(run, starts), caps)
+    keep = candidates & (shared > 0)
+    return order, [
+        (s, s + size, k)
+        for s, size, k in zip(starts[keep].tolist(), sizes[keep].tolist(), shared[keep].tolist())
+    ]
+
+
 @contextlib.contextmanager
-def padded_decode(llm: LLM) -> Iterator[None]:
-    """kvbatch's decode attention as it was: every row's private part padded to the longest
-    row's (one batched call, no length buckets) and each group's shared prefix gathered at
-    every step (no kept prefixes)."""
+def as_before(llm: LLM) -> Iterator[None]:
+    """kvbatch's decode as it was: rows grouped by first block only, every row's private part
+    padded to the longest row's (no length buckets), each shared prefix gathered at every
+    step (no kept prefixes, no group of one for a long row), and admission that lets the next
+    group's rows in one at a time."""
     backend = llm.engine.runner.backend
-    kept, buckets = backend.prefixes, decode_rows.length_buckets
+    saved = (backend.prefixes, decode_rows.length_buckets, runner.find_shared_prefixes)
     backend.prefixes, decode_rows.length_buckets = None, lambda lens: None
+    runner.find_shared_prefixes = first_block_groups
+    llm.engine.scheduler._may_open_group = lambda *a: True
     try:
         yield
     finally:
-        backend.prefixes, decode_rows.length_buckets = kept, buckets
+        backend.prefixes, decode_rows.length_buckets, runner.find_shared_prefixes = saved
+        del llm.engine.scheduler._may_open_group
 
 
 @dataclass
@@ -196,8 +232,11 @@ class Row:
     ideal_prefill: int = 0
 
 
-def measure(model_path: str, rows: int, max_tokens: int, block_size: int = 16) -> list[Row]:
-    """The three cases, kvbatch padded and not (and transformers for the first two)."""
+def measure(
+    model_path: str, rows: int, max_tokens: int, before_tokens: int, block_size: int = 16
+) -> list[Row]:
+    """The three cases, kvbatch as it was ("before", `before_tokens` output tokens: its mixed
+    steps are slow) and as it is, and transformers for the first two."""
     llm = LLM(model=model_path, device="cpu", dtype="float32", block_size=block_size)
     tok = llm.tokenizer
     doc_a = make_document(tok, DOC_MODULES[0], 1500, rows)
@@ -207,15 +246,15 @@ def measure(model_path: str, rows: int, max_tokens: int, block_size: int = 16) -
         f"mixed {rows - 1} + 1": doc_a.prompts[: rows - 1] + doc_b.prompts[:1],
     }
     out: list[Row] = []
-    greedy: dict[str, list[list[int]]] = {}
     for case, prompts in cases.items():
-        for name in ("kvbatch-padded", "kvbatch"):
-            with padded_decode(llm) if name.endswith("padded") else contextlib.nullcontext():
-                run = run_kvbatch(llm, prompts, max_tokens)
-            greedy.setdefault(case, run.tokens)
-            if run.tokens != greedy[case]:
-                raise RuntimeError(f"{case}: {name} gave other greedy tokens than kvbatch-padded")
-            out.append(Row(case, name, run.decode_ms, run.decode_steps, run.seconds))
+        before = _run(llm, prompts, before_tokens, as_before(llm))
+        after = _run(llm, prompts, max_tokens, contextlib.nullcontext())
+        if [t[:before_tokens] for t in after.tokens] != before.tokens:
+            raise RuntimeError(f"{case}: kvbatch gave other greedy tokens than before")
+        out.append(
+            Row(case, "kvbatch before", before.decode_ms, before.decode_steps, before.seconds)
+        )
+        out.append(Row(case, "kvbatch", after.decode_ms, after.decode_steps, after.seconds))
     del llm
     from transformers import AutoModelForCausalLM
 
@@ -226,28 +265,29 @@ def measure(model_path: str, rows: int, max_tokens: int, block_size: int = 16) -
     del hf
 
     # several documents through one pool that holds about one document group
-    docs = [doc_a, doc_b, make_document(tok, DOC_MODULES[2], 2500, rows)]
+    docs = [doc_a, doc_b, make_document(tok, DOC_MODULES[2], 1000, rows)]
     prompts = [p for d in docs for p in d.prompts]
     longest = max(map(len, prompts)) + max_tokens
     group_blocks = max(
-        -(-len(d.tokens) // block_size) + rows * (-(-(longest - len(d.tokens)) // block_size) + 1)
+        -(-len(d.prompts[0]) // block_size) + rows * (-(-(max_tokens + 200) // block_size) + 1)
         for d in docs
     )
-    for name in ("kvbatch-padded", "kvbatch"):
+    for name, tokens in (("kvbatch before", before_tokens), ("kvbatch", max_tokens)):
         llm = LLM(
             model=model_path,
             device="cpu",
             dtype="float32",
             block_size=block_size,
-            num_kv_blocks=group_blocks + 8,
+            num_kv_blocks=group_blocks,
             max_model_len=longest,
             max_num_seqs=2 * rows,
         )
-        with padded_decode(llm) if name.endswith("padded") else contextlib.nullcontext():
-            run = run_kvbatch(llm, prompts, max_tokens)
+        then = as_before(llm) if name.endswith("before") else contextlib.nullcontext()
+        run = _run(llm, prompts, tokens, then)
+        case = f"{len(docs)} documents, pool ~1 group"
         out.append(
             Row(
-                f"{len(docs)} documents, pool ~1 group",
+                case,
                 name,
                 run.decode_ms,
                 run.decode_steps,
@@ -258,6 +298,11 @@ def measure(model_path: str, rows: int, max_tokens: int, block_size: int = 16) -
         )
         del llm
     return out
+
+
+def _run(llm: LLM, prompts, max_tokens: int, mode) -> DecodeRun:
+    with mode:
+        return run_kvbatch(llm, prompts, max_tokens)
 
 
 def table(rows: Sequence[Row]) -> str:
@@ -282,6 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", help="a Llama-family HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--rows", type=int, default=12, help="chunk prompts per document (12)")
     p.add_argument("--max-tokens", type=int, default=48, help="output tokens per row (48)")
+    p.add_argument(
+        "--before-tokens", type=int, default=8, help="output tokens per row, kvbatch before (8)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (1)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = p.parse_args(argv)
@@ -290,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvbatch.fetch import smollm2_dir
 
         args.model = str(smollm2_dir())
-    rows = measure(args.model, args.rows, args.max_tokens)
+    rows = measure(args.model, args.rows, args.max_tokens, args.before_tokens)
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))

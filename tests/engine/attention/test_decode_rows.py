@@ -224,3 +224,30 @@ def test_a_step_without_groups_lets_the_kept_prefixes_go():
         meta,
     )
     assert not backend.prefixes._kept
+
+
+def test_engine_greedy_tokens_match_transformers_on_a_mixed_batch(tiny_models, monkeypatch):
+    """A system prompt, two documents' chunk prompts and a long row of a third document in one
+    batch (two groups by longest run, one row read as a group of one) on the tiny Llama:
+    transformers' greedy tokens, with the kept prefixes hit across steps."""
+    import kvbatch.engine.attention.cascade as cascade
+    import kvbatch.engine.attention.torch_backend as torch_backend
+    from kvbatch.engine import LLM, SamplingParams
+    from tests.reference import hf_greedy
+
+    monkeypatch.setattr(cascade, "SOLO_PREFIX_MIN_TOKENS", 40)
+    monkeypatch.setattr(torch_backend, "SOLO_PREFIX_MIN_TOKENS", 40)
+    g = torch.Generator().manual_seed(3)
+
+    def tokens(n):
+        return torch.randint(3, 512, (n,), generator=g).tolist()
+
+    system, doc_a, doc_b, doc_c = tokens(20), tokens(40), tokens(30), tokens(60)
+    prompts = [system + doc_a + tokens(n) for n in (3, 9, 14)]
+    prompts += [system + doc_b + tokens(n) for n in (5, 11)] + [system + doc_c + tokens(4)]
+    path = tiny_models("llama-mha")
+    llm = LLM(model=str(path), device="cpu", num_kv_blocks=96, max_model_len=160)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == hf_greedy(path, prompts, 10, ignore_eos=True)
+    assert llm.engine.runner.backend.prefixes.hits > 0
