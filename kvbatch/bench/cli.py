@@ -70,6 +70,8 @@ TOOLS: dict[str, Callable[[list[str] | None], int]] = {
     "hybrid-linear": partial(_lazy_main, "hybrid_linear"),
     # `kvbatch submit` of 10k, 100k, 1M generated chat lines: time a line and peak memory
     "submit-lines": partial(_lazy_main, "submit_bench"),
+    # decode ms per step: one document's rows, a mixed batch, several documents (index shape)
+    "mixed-decode": partial(_lazy_main, "mixed_decode"),
 }
 """Benchmarks with their own options: `kvbatch bench NAME ...` hands them the rest of argv."""
 

@@ -14,7 +14,9 @@ results are merged exactly with their log-sum-exps:
     lse = logaddexp(lse_S, lse_A);  out = out_S * exp(lse_S - lse) + out_A * exp(lse_A - lse)
 
 This is the two-level form of FlashInfer's cascade / Hydragen's shared-prefix attention.
-An FP8 cache's blocks are dequantized as they are gathered (kernels/kv_quant.py).
+An FP8 cache's blocks are dequantized as they are gathered (kernels/kv_quant.py). The private
+parts are batched by length (engine/attention/decode_rows.py), never padded to the longest
+row, and a group's gathered prefix is kept across steps (engine/attention/prefix_memo.py).
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvbatch.engine.attention.kv_scales import UNIT_KV_SCALES, KVScales
-from kvbatch.engine.attention.layer_spec import (
-    FULL_ATTENTION,
-    LayerAttention,
-    join_sink,
-    soft_capped_scores,
+from kvbatch.engine.attention.decode_rows import (
+    attention_with_lse,
+    join_sinks,
+    merge_partial,
+    rows_attention,
 )
-from kvbatch.kernels.kv_quant import dequantize_kv, is_fp8
+from kvbatch.engine.attention.kv_scales import UNIT_KV_SCALES, KVScales
+from kvbatch.engine.attention.kv_view import KVView
+from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention
+from kvbatch.engine.attention.prefix_memo import GatheredPrefixes
 
 
 @dataclass
@@ -54,63 +58,56 @@ def find_shared_prefixes(
 
     Returns (row order, [(start, end, num_shared_blocks)] in that order); with `rows`, the
     order indexes `rows` (the runner passes the KV manager's whole table array and the
-    step's rows in it, so that no column past a group's is ever gathered). Rows are grouped
-    by their first physical block; a group's shared prefix is the longest common run of block
-    ids, capped so that every member keeps at least its newest token private. Vectorised over
-    all rows at once: this runs every decode step.
+    step's rows in it, so that no column past a group's is ever gathered). Each row may share
+    its blocks before the one holding its newest token (that one stays private).
 
-    Only the columns a group could share are compared: up to the largest cap of a group of
-    `min_group` or more. One long row (a 32k prompt decoding: 2,048 blocks) widens the step's
-    tables, but alone in its group it adds no columns (comparing them all would double this
-    function's time, and it runs on the host every decode step).
+    Rows are sorted by their block tables, so that rows sharing long runs are adjacent, and
+    the sorted list is cut where two neighbours share less than half of what a neighbouring
+    pair shares: rows of two documents under one system prompt become two groups, each
+    sharing its document, not one group sharing the system prompt's block with every
+    document in its members' private parts (which made every decode row read its whole
+    document per step). A group's shared prefix is the shortest run its neighbours share.
+    Vectorised over all rows at once: this runs every decode step.
+
+    Only the columns two rows could share are compared: up to the second largest cap among
+    rows of one first block. One long row (a 32k prompt decoding: 2,048 blocks) widens the
+    step's tables, but it adds no columns (comparing them all would double this function's
+    time, and it runs on the host every decode step).
     """
     rows = np.arange(len(tables)) if rows is None else rows
     n = len(rows)
-    order = np.argsort(tables[rows, 0], kind="stable")
-    first = tables[rows[order], 0]
-    starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])  # each group's first row
+    caps = (context_lens - 1) // block_size  # every member keeps its newest token private
+    first = tables[rows, 0]
+    by_first = np.lexsort((caps, first))  # each first block's rows, by cap
+    f = first[by_first]
+    starts = np.flatnonzero(np.r_[True, f[1:] != f[:-1]])
     sizes = np.diff(np.r_[starts, n])
-    # every member keeps its newest token private
-    caps = np.minimum.reduceat((context_lens[order] - 1) // block_size, starts)
-    candidates = (sizes >= min_group) & (caps > 0)
+    candidates = sizes >= min_group
     if not candidates.any():
-        return order, []
-    width = int(caps[candidates].max())
-    ordered = tables[rows[order], :width]
-    # A group's common prefix is the shortest run any member shares with the group's first.
-    same = ordered == ordered[np.repeat(starts, sizes)]  # [n, width]
-    run = np.where(same.all(axis=1), width, same.argmin(axis=1))
-    shared = np.minimum(np.minimum.reduceat(run, starts), caps)
-    keep = candidates & (shared > 0)
+        return np.argsort(first, kind="stable"), []
+    # a run two rows share is at most the smaller one's cap: its first block's second largest
+    width = int(caps[by_first][(starts + sizes - 2)[candidates]].max())
+    if width <= 0:
+        return np.argsort(first, kind="stable"), []
+    cols = np.arange(width)[None, :]
+    # blocks past a row's cap become a value of its own (from its table row, so that the
+    # grouping does not depend on the order the rows come in): no run goes through them
+    masked = np.where(cols < caps[:, None], tables[rows, :width], -1 - rows[:, None])
+    order = np.lexsort(masked[:, ::-1].T)  # by column 0, then 1, ...: stable
+    ordered = masked[order]
+    same = ordered[1:] == ordered[:-1]  # [n - 1, width]
+    lcp = np.where(same.all(axis=1), width, same.argmin(axis=1))  # neighbours' common run
+    neighbour = np.maximum(np.r_[0, lcp[:-1]], np.r_[lcp[1:], 0])
+    cut = (lcp == 0) | (2 * lcp < neighbour)
+    starts = np.flatnonzero(np.r_[True, cut])
+    sizes = np.diff(np.r_[starts, n])
+    shared = np.minimum.reduceat(np.r_[np.where(cut, width, lcp), width], starts)
+    keep = (sizes >= min_group) & (shared > 0)
     groups = [
         (s, s + size, k)
         for s, size, k in zip(starts[keep].tolist(), sizes[keep].tolist(), shared[keep].tolist())
     ]
     return order, groups
-
-
-def attention_with_lse(
-    q: torch.Tensor,  # [B, kv_heads, q_per_kv, head_dim]
-    k: torch.Tensor,  # [B, kv_heads, S, head_dim]
-    v: torch.Tensor,  # [B, kv_heads, S, head_dim]
-    valid: torch.Tensor | None,  # [B, S] or [B, 1, q_per_kv, S] bool; None: every key valid
-    layer: LayerAttention = FULL_ATTENTION,
-    sinks: torch.Tensor | None = None,  # [kvh, g] joined to this part's denominator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention that also returns log-sum-exp: ([B, kvh, g, d], [B, kvh, g]).
-    A row with no valid key (a window that ends before a shared prefix does) gets output 0
-    and log-sum-exp -inf, so that merging it adds nothing. `sinks` (the layer's, passed for
-    exactly one of the parts that are merged) join the denominator and the lse."""
-    scores = soft_capped_scores(q, k, layer)  # [B, kvh, g, S]
-    if valid is not None:
-        valid = valid[:, None, None, :] if valid.dim() == 2 else valid
-        scores = scores.masked_fill(~valid, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, kvh, g]
-    probs = torch.exp(scores - lse.clamp_min(torch.finfo(lse.dtype).min)[..., None])
-    out = torch.matmul(probs, v)
-    if sinks is not None:
-        out, lse = join_sink(out, lse, sinks)
-    return out, lse
 
 
 def cascade_decode(
@@ -121,37 +118,37 @@ def cascade_decode(
     groups: list[DecodeGroup],
     scales: KVScales = UNIT_KV_SCALES,  # an FP8 cache's (ignored by a float cache)
     layer: LayerAttention = FULL_ATTENTION,
+    sinks: torch.Tensor | None = None,  # [heads] float32: gpt-oss's per-head sink logits
+    prefixes: GatheredPrefixes | None = None,  # shared prefixes kept from earlier steps
+    written_slots: torch.Tensor | None = None,  # [T] this step's writes (with `prefixes`)
 ) -> torch.Tensor:  # [B, heads, head_dim]
-    """A sliding window may end inside a group's shared prefix: the shared part is then
-    masked per row (each row's query sits at its own position), still read once per group;
-    rows whose window has left the prefix entirely take nothing from it."""
+    """Decode attention by parts: each row against its own blocks (rows_attention: batched by
+    length octave, so a row with no group, holding a whole document, pads no other row), each
+    group's queries against its shared prefix at once, read once per group (and, with
+    `prefixes`, gathered once for as many steps as its blocks stay unwritten), then the sinks.
+
+    A sliding window may end inside a group's shared prefix: the shared part is then masked
+    per row (each row's query sits at its own position), still read once per group; rows whose
+    window has left the prefix entirely take nothing from it."""
     num_seqs, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    view = KVView(kv_cache, scales, q.dtype)
+    num_kv_heads, block_size = view.num_kv_heads, view.block_size
     g = num_heads // num_kv_heads
     qg = q.view(num_seqs, num_kv_heads, g, head_dim)
 
-    # Private part: every row against its own blocks, padded to the longest.
-    width = private_tables.shape[1] * block_size
-
-    def gather(which: int, table: torch.Tensor) -> torch.Tensor:
-        flat = torch.index_select(kv_cache[which], 0, table.reshape(-1))
-        if is_fp8(kv_cache):
-            flat = dequantize_kv(flat, (scales.k, scales.v)[which], q.dtype)
-        return flat.view(table.shape[0], -1, num_kv_heads, head_dim).transpose(1, 2)
-
+    if prefixes is not None and written_slots is not None and layer.sliding_window is None:
+        groups, private_tables, private_lens = with_solo_prefixes(
+            groups, private_tables, private_lens, block_size
+        )
     # Row b's query sits at private position private_lens[b] - 1 (after its shared prefix).
-    private_pos = torch.arange(width, device=q.device)
-    valid = layer.visible(private_lens - 1, private_pos)  # [B, width]
-    sinks = None if layer.sinks is None else layer.sinks.view(num_kv_heads, g)
-    out, lse = attention_with_lse(
-        qg, gather(0, private_tables), gather(1, private_tables), valid, layer, sinks
-    )  # the sinks join here, once
+    out, lse = rows_attention(qg, view, private_tables, private_lens, layer)
 
-    # Shared part: each group's queries together against its prefix, read once.
-    for grp in groups:
+    if prefixes is not None and written_slots is not None:
+        shared = prefixes.read(view, [grp.block_ids for grp in groups], written_slots)
+    else:
+        shared = [_prefix(view, grp.block_ids) for grp in groups]
+    for grp, (keys, values) in zip(groups, shared):  # [1, kvh, S, d] each
         n = grp.end - grp.start
-        keys = gather(0, grp.block_ids[None])  # [1, kvh, S, d]
-        values = gather(1, grp.block_ids[None])
         # [n, kvh, g, d] -> [1, kvh, n * g, d]: the group's queries become one batch
         qs = qg[grp.start : grp.end].transpose(0, 1).reshape(1, num_kv_heads, n * g, head_dim)
         shared_mask = None
@@ -166,9 +163,46 @@ def cascade_decode(
         out_s = out_s.view(num_kv_heads, n, g, head_dim).transpose(0, 1)
         lse_s = lse_s.view(num_kv_heads, n, g).transpose(0, 1)
         rows = slice(grp.start, grp.end)
-        total = torch.logaddexp(lse[rows], lse_s)
-        out[rows] = (
-            out[rows] * torch.exp(lse[rows] - total)[..., None]
-            + out_s * torch.exp(lse_s - total)[..., None]
-        )
+        out[rows], lse[rows] = merge_partial(out[rows], lse[rows], out_s, lse_s)
+    if sinks is not None:
+        out = join_sinks(out, lse, sinks)
     return out.reshape(num_seqs, num_heads, head_dim)
+
+
+# A row with no group whose own context is at least this long (a document's last chunk
+# decoding alone) reads its full blocks as a "group of one" through the kept prefixes: they do
+# not change from step to step either, and gathering them is most of such a row's cost.
+SOLO_PREFIX_MIN_TOKENS = 512
+
+
+def with_solo_prefixes(
+    groups: list[DecodeGroup],
+    private_tables: torch.Tensor,  # [B, P]
+    private_lens: torch.Tensor,  # [B]
+    block_size: int,
+) -> tuple[list[DecodeGroup], torch.Tensor, torch.Tensor]:
+    """The groups, plus a group of one for each long row outside them (its full blocks before
+    the one holding its newest token), and the private tables and lengths cut after them."""
+    lens = private_lens.tolist()
+    grouped = [False] * len(lens)
+    for grp in groups:
+        grouped[grp.start : grp.end] = [True] * (grp.end - grp.start)
+    skip = [
+        (n - 1) // block_size if not g and n >= SOLO_PREFIX_MIN_TOKENS else 0
+        for n, g in zip(lens, grouped)
+    ]
+    if not any(skip):
+        return groups, private_tables, private_lens
+    solo = [DecodeGroup(row, row + 1, private_tables[row, :k]) for row, k in enumerate(skip) if k]
+    skip_t = torch.tensor(skip, device=private_lens.device)
+    width = max(-(-n // block_size) - k for n, k in zip(lens, skip))
+    columns = (skip_t[:, None] + torch.arange(width, device=skip_t.device)).clamp_max(
+        private_tables.shape[1] - 1
+    )  # past a row's last block: masked, beyond its length
+    return groups + solo, private_tables.gather(1, columns), private_lens - skip_t * block_size
+
+
+def _prefix(view: KVView, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shared prefix's K and V as [1, kv_heads, S, head_dim], gathered now."""
+    keys, values = view.gather(block_ids)
+    return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvbatch.engine.attention.cascade import cascade_decode
+from kvbatch.engine.attention.cascade import SOLO_PREFIX_MIN_TOKENS, cascade_decode
+from kvbatch.engine.attention.decode_rows import length_buckets, window_tail
+from kvbatch.engine.attention.kv_view import KVView
 from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention, attend
 from kvbatch.engine.attention.metadata import (
     UNIT_KV_SCALES,
@@ -18,13 +20,20 @@ from kvbatch.engine.attention.metadata import (
     KVScales,
     PrefillSpan,
 )
-from kvbatch.kernels.kv_quant import dequantize_kv, is_fp8, quantize_kv, round_trip_kv, scatter_rows
+from kvbatch.engine.attention.prefix_memo import GatheredPrefixes
+from kvbatch.kernels.kv_quant import is_fp8, quantize_kv, round_trip_kv, scatter_rows
+
+__all__ = ["TorchAttentionBackend", "length_buckets", "write_kv"]
 
 
 class TorchAttentionBackend:
     """Reference backend: gathers a sequence's blocks and calls SDPA. CPU and CUDA."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        # shared prefixes' gathered K/V, kept across decode steps (engine/attention/prefix_memo.py)
+        self.prefixes = GatheredPrefixes()
 
     def forward(
         self,
@@ -42,7 +51,9 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta, scales, layer)
+            out[:nd] = self._decode(
+                q[:nd], kv_cache, meta, scales, layer, layer.sinks, self.prefixes
+            )
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, span, scales, layer)
@@ -55,17 +66,29 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scales: KVScales = UNIT_KV_SCALES,
         layer: LayerAttention = FULL_ATTENTION,
+        sinks: torch.Tensor | None = None,  # [heads] float32: per-head sink logits (gpt-oss)
+        prefixes: GatheredPrefixes | None = None,
     ) -> torch.Tensor:
-        """Decodes in one SDPA call per length bucket (length_buckets), each padded to its
+        """Decode rows, each against about its own length: shared-prefix groups and sinks
+        through cascade_decode (private parts by length octave, prefixes kept across steps);
+        plain rows in one SDPA call per length bucket (length_buckets), each padded to its
         longest: one 2k-token row among 60-token ones would otherwise make every row gather
         and mask 2k keys, ten times the work of the short rows alone."""
-        if meta.decode_groups:
+        lens = meta.decode_seq_lens
+        solo = (  # a long row reads its full blocks through the kept prefixes (cascade.py)
+            prefixes is not None
+            and layer.sliding_window is None
+            and bool(lens.max() >= SOLO_PREFIX_MIN_TOKENS)
+        )
+        if meta.decode_groups or sinks is not None or solo:
             return cascade_decode(
                 q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.decode_groups,
-                scales, layer,
+                scales, layer, sinks, prefixes, meta.slot_mapping,
             )  # fmt: skip
         view = KVView(kv_cache, scales, q.dtype)
-        lens, tables = meta.decode_seq_lens, meta.decode_block_tables
+        if prefixes is not None:  # no group reads a kept prefix this step: let them go
+            prefixes.read(view, [], meta.slot_mapping)
+        tables = meta.decode_block_tables
         if layer.sliding_window is not None:  # read only the blocks inside the window
             tables, lens = window_tail(tables, lens, layer.sliding_window, view.block_size)
         buckets = length_buckets(lens)
@@ -119,65 +142,6 @@ class TorchAttentionBackend:
         return out[0].transpose(0, 1)
 
 
-# Splitting decode rows into length buckets costs an SDPA call per bucket (a fixed cost per
-# call, whatever its size): worth it only when it saves at least this many padded keys per head
-# and a quarter of the padded work.
-MIN_PADDED_KEYS_SAVED = 4096
-
-
-def length_buckets(lens: torch.Tensor) -> list[torch.Tensor] | None:
-    """Decode rows grouped by length octave (floor(log2)), so that no row is padded to more
-    than twice its own length; None when one call over all rows costs about as much (the
-    longest within 2x of the shortest, or little padding saved). A few tensor ops per
-    octave: no Python loop over the step's rows, once per layer."""
-    if lens.numel() < 2 or bool(lens.max() <= 2 * lens.min()):
-        return None
-    octave = torch.log2(lens.double()).floor().long()
-    buckets = [torch.nonzero(octave == o).flatten() for o in torch.unique(octave).tolist()]
-    padded_once = lens.numel() * int(lens.max())
-    padded_apart = sum(len(rows) * int(lens[rows].max()) for rows in buckets)
-    saved = padded_once - padded_apart
-    if saved < MIN_PADDED_KEYS_SAVED or 4 * saved < padded_once:
-        return None
-    return buckets
-
-
-class KVView:
-    """One layer's cache as attention reads it: gathered blocks in the queries' dtype,
-    dequantized with `scales` when the cache is FP8 (a float cache is returned as it is)."""
-
-    def __init__(self, kv_cache: torch.Tensor, scales: KVScales, dtype: torch.dtype) -> None:
-        self.cache, self.scales, self.dtype = kv_cache, scales, dtype
-        _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
-        self.fp8 = is_fp8(kv_cache)
-
-    def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the listed blocks in order: [blocks * block_size, kv_heads, head_dim]
-        each (a 2-D table gives its rows one after another)."""
-        shape = (-1, self.num_kv_heads, self.head_dim)
-        keys = gather_blocks(self.cache[0], block_ids).view(shape)
-        values = gather_blocks(self.cache[1], block_ids).view(shape)
-        if self.fp8:
-            keys = dequantize_kv(keys, self.scales.k, self.dtype)
-            values = dequantize_kv(values, self.scales.v, self.dtype)
-        return keys, values
-
-
-def window_tail(
-    tables: torch.Tensor, lens: torch.Tensor, window: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode rows' tables and lengths cut to the blocks that hold their last `window` keys:
-    row b keeps the blocks from the one holding key lens[b] - window on (at most
-    window // block_size + 2 of them), and its length counts from that block's start, so
-    positions stay relative to it and the window mask is unchanged."""
-    width = min(tables.shape[1], window // block_size + 2)
-    first = (lens - window).clamp_min(0) // block_size  # [B] first block inside the window
-    columns = (first[:, None] + torch.arange(width, device=lens.device)).clamp_max(
-        tables.shape[1] - 1
-    )  # columns past a row's last block are masked: they lie beyond its length
-    return tables.gather(1, columns), lens - first * block_size
-
-
 def _padded_decode(
     q: torch.Tensor,
     view: KVView,
@@ -197,15 +161,6 @@ def _padded_decode(
     mask = layer.visible(seq_lens[:, None] - 1, positions)[:, None]  # [B, 1, 1, S]
     out = attend(q[:, :, None, :], keys, values, mask, layer)  # [B, heads, 1, head_dim]
     return out[:, :, 0, :]
-
-
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Copy the listed blocks out of one layer's K or V pool, in table order.
-
-    index_select on a flat list of block ids is one contiguous gather; advanced indexing with
-    a 2-D table is several times slower on the CPU.
-    """
-    return torch.index_select(cache, 0, block_ids.reshape(-1))
 
 
 def write_kv(

@@ -25,6 +25,7 @@ accepted drafts' KV and releases the slots of the rejected ones.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -192,6 +193,8 @@ class Scheduler:
                 if seq.takes_prefix_hits
                 else ComputedBlocks([], 0)
             )
+            if not self._may_open_group(seq, computed, len(self.running) - ending):
+                break  # its group waits to start whole, when the running ones have finished
             n = min(seq.num_tokens - computed.num_tokens, budget)
             n = self._cap_long_prefill(seq, n, computed.num_tokens, chosen)
             if not self.kv.allocate_slots(id(seq), seq.token_ids, n, computed):
@@ -207,6 +210,38 @@ class Scheduler:
             chosen[seq] = n
             budget -= n
         return budget
+
+    def _may_open_group(self, seq: Sequence, computed: ComputedBlocks, running: int) -> bool:
+        """Admission that keeps prefix groups whole. The head of the queue and the waiting
+        sequences behind it that share its prefix (a document's chunk prompts) form a group;
+        if no running sequence shares that prefix, admitting the head would start the group
+        beside another group's rows, and with a pool that holds about one group its other
+        members would follow one at a time as the running rows finish: each decoding beside a
+        batch whose prefix it does not share, its document read alone. So the head opens its
+        group only when nothing else runs, or when the whole group fits now (places and KV
+        blocks); it waits otherwise. The queue's order is unchanged (the prefill ideal of the
+        job's depth-first order holds), and a sequence joining a running group, a group of one
+        or a recompute of a preempted sequence whose group runs is admitted as before."""
+        if running == 0 or len(self.waiting) < 2:
+            return True
+        bs = self.kv.block_size
+        shared = _common_blocks(seq.token_ids, self.waiting[1].token_ids, bs)
+        if shared == 0:
+            return True  # a group of one
+        prefix = seq.token_ids[: shared * bs]
+        last = prefix[-bs:]
+        for other in reversed(self.running):  # joins a running group (the newest, mostly)
+            ids = other.token_ids
+            if ids[(shared - 1) * bs : shared * bs] == last and ids[: shared * bs] == prefix:
+                return True
+        members = 1
+        blocks = -(-seq.num_tokens // bs) - len(computed.block_ids)
+        for other in itertools.islice(self.waiting, 1, None):
+            if other.token_ids[: shared * bs] != prefix:
+                break
+            members += 1
+            blocks += -(-other.num_tokens // bs) - shared
+        return running + members <= self.max_running and blocks <= self.kv.num_free_blocks
 
     def _cap_long_prefill(
         self, seq: Sequence, n: int, context: int, chosen: dict[Sequence, int]
@@ -293,3 +328,16 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED
         elif seq.status is SequenceStatus.RUNNING:
             self.finish([seq])
+
+
+def _common_blocks(a: list[int], b: list[int], block_size: int) -> int:
+    """Full blocks two token lists share from their start, each keeping its last token out
+    (the last prompt token is always computed)."""
+    limit = (min(len(a), len(b)) - 1) // block_size
+    n = 0
+    while (
+        n < limit
+        and a[n * block_size : (n + 1) * block_size] == b[n * block_size : (n + 1) * block_size]
+    ):
+        n += 1
+    return n

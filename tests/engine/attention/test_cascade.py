@@ -18,13 +18,13 @@ def padded(tables: list[list[int]]) -> np.ndarray:
     return np.array([t + [0] * (width - len(t)) for t in tables])
 
 
-def test_groups_by_first_block_and_longest_common_run():
+def test_groups_by_longest_common_run():
     tables = [[7, 8, 9, 1], [3, 4], [7, 8, 9, 2], [7, 8, 5], [3, 4, 6]]
     ctx = np.array([60, 20, 64, 40, 40])
     order, groups = find_shared_prefixes(padded(tables), ctx, block_size=16)
     order = order.tolist()
     assert sorted(order) == list(range(5))
-    by_rows = {tuple(order[s:e]): n for s, e, n in groups}
+    by_rows = {tuple(sorted(order[s:e])): n for s, e, n in groups}
     assert by_rows[(0, 2, 3)] == 2  # 7, 8 shared by all three
     # [3, 4] with 20 tokens keeps its newest token private: only block 3 may be shared.
     assert by_rows[(1, 4)] == 1
@@ -42,24 +42,50 @@ def test_a_group_whose_members_differ_from_the_second_block_shares_one():
 
 
 def shared_prefixes_by_loops(tables, ctx, block_size):
-    """Reference: group rows by first block, then walk each group's common run in Python."""
-    order = sorted(range(len(tables)), key=lambda i: tables[i][0])
+    """Reference: rows sorted by their shareable blocks (those before the newest token's),
+    neighbours' common runs walked in Python, cut where a pair shares less than half of
+    what a neighbouring pair shares (or nothing)."""
+    caps = [(c - 1) // block_size for c in ctx]
+    keys = [
+        tuple(t[j] if j < cap else -1 - i for j in range(len(t)))
+        for i, (t, cap) in enumerate(zip(tables, caps))
+    ]
+    order = sorted(range(len(tables)), key=lambda i: keys[i])
+
+    def common(a, b):
+        n = 0
+        while n < min(caps[a], caps[b]) and tables[a][n] == tables[b][n]:
+            n += 1
+        return n
+
+    lcp = [common(a, b) for a, b in zip(order, order[1:])]
     groups, start = [], 0
-    while start < len(order):
-        end = start + 1
-        while end < len(order) and tables[order[end]][0] == tables[order[start]][0]:
-            end += 1
-        members = order[start:end]
-        shared = min((ctx[i] - 1) // block_size for i in members)
-        for i in members[1:]:
-            n = 0
-            while n < shared and tables[i][n] == tables[members[0]][n]:
-                n += 1
-            shared = n
-        if end - start >= 2 and shared:
-            groups.append((start, end, shared))
-        start = end
+    for i in range(len(order)):
+        near = max(lcp[i - 1] if i > 0 else 0, lcp[i + 1] if i + 1 < len(lcp) else 0)
+        if i == len(lcp) or lcp[i] == 0 or 2 * lcp[i] < near:  # the segment ends at row i
+            if i > start:
+                groups.append((start, i + 1, min(lcp[start:i])))
+            start = i + 1
     return order, groups
+
+
+def members(order, groups) -> list[tuple[tuple[int, ...], int]]:
+    """Each group's rows (as a sorted tuple) and shared blocks; the order is a permutation."""
+    order = list(np.asarray(order).tolist())
+    assert sorted(order) == list(range(len(order)))
+    return sorted((tuple(sorted(order[s:e])), n) for s, e, n in groups)
+
+
+def test_rows_of_two_documents_under_one_system_prompt_make_two_groups():
+    """One shared system-prompt block, then two documents: each document's rows share it and
+    their document, and a lone row of a third document shares nothing."""
+    system, doc_a, doc_b, doc_c = [1], [10, 11, 12, 13], [20, 21, 22], [30, 31, 32, 33]
+    tables = [system + doc_a + [100 + i] for i in range(3)]
+    tables += [system + doc_b + [200 + i] for i in range(2)] + [system + doc_c + [300]]
+    ctx = np.array([len(t) * 16 - 3 for t in tables])
+    order, groups = find_shared_prefixes(padded(tables), ctx, block_size=16)
+    found = {tuple(sorted(order[s:e].tolist())): n for s, e, n in groups}
+    assert found == {(0, 1, 2): 5, (3, 4): 4}
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -74,20 +100,18 @@ def test_vectorised_grouping_equals_the_loops(seed):
             t = [int(rng.integers(0, 6))]
         tables.append(t)
         ctx.append(int(rng.integers((len(t) - 1) * 4 + 1, len(t) * 4 + 1)))
-    order, groups = find_shared_prefixes(padded(tables), np.array(ctx), block_size=4)
-    want_order, want_groups = shared_prefixes_by_loops(tables, ctx, 4)
-    assert order.tolist() == want_order and groups == want_groups
+    want = members(*shared_prefixes_by_loops(tables, ctx, 4))
+    assert members(*find_shared_prefixes(padded(tables), np.array(ctx), block_size=4)) == want
     # columns of zeros past every row (a long prompt's table widens the step's) change nothing,
     # so the runner passes the decodes' own width
     wide = np.pad(padded(tables), ((0, 0), (0, 50)))
-    order, groups = find_shared_prefixes(wide, np.array(ctx), block_size=4)
-    assert order.tolist() == want_order and groups == want_groups
+    assert members(*find_shared_prefixes(wide, np.array(ctx), block_size=4)) == want
     # nor do other rows around them: the runner passes the KV manager's whole table array and
     # the step's rows in it, here in reverse order after five rows of other sequences
     array = np.concatenate([rng.integers(0, 6, size=(5, wide.shape[1])), wide[::-1]])
     rows = 5 + np.arange(len(tables))[::-1]
     order, groups = find_shared_prefixes(array, np.array(ctx), block_size=4, rows=rows)
-    assert order.tolist() == want_order and groups == want_groups
+    assert members(order, groups) == want
 
 
 def test_a_long_row_alone_in_its_group_leaves_the_groups_as_they_were():
@@ -99,8 +123,7 @@ def test_a_long_row_alone_in_its_group_leaves_the_groups_as_they_were():
     tables.insert(2, rng.integers(40_000, 50_000, 2049).tolist())
     ctx = [len(t) * 16 - 5 for t in tables]
     order, groups = find_shared_prefixes(padded(tables), np.array(ctx), block_size=16)
-    want_order, want_groups = shared_prefixes_by_loops(tables, ctx, 16)
-    assert order.tolist() == want_order and groups == want_groups
+    assert members(order, groups) == members(*shared_prefixes_by_loops(tables, ctx, 16))
     assert sorted(n for _, _, n in groups) == [8, 8]
 
 

@@ -308,3 +308,41 @@ def test_preemption_passes_over_a_request_ending_with_its_pending_token():
     assert b.status is SequenceStatus.RUNNING  # not "preempted": it holds nothing
     assert land_token(sched, b)
     sched.kv.check_integrity()
+
+
+def document_rows(doc: str, base: int, max_tokens: list[int]) -> list[Sequence]:
+    """Chunk prompts of one document: its 16 tokens (4 blocks of 4), then 3 of their own."""
+    document = list(range(base, base + 16))
+    return [
+        Sequence(f"{doc}{i}", document + [base + 100 + 3 * i + j for j in range(3)],
+                 SamplingParams(max_tokens=m))
+        for i, m in enumerate(max_tokens)
+    ]  # fmt: skip
+
+
+def documents_per_step(seats: int) -> list[set[str]]:
+    """Two documents' rows (the first's rows end at different steps) through a scheduler with
+    `seats` places: the rows each step's chunks belong to."""
+    sched = scheduler(blocks=32, block_size=4, seqs=seats, budget=64)
+    rows = document_rows("a", 1000, [1, 3, 6]) + document_rows("b", 2000, [6, 6, 6])
+    for seq in rows:
+        sched.add(seq)
+    steps = []
+    while sched.has_unfinished():
+        steps.append({c.seq.request_id for c in run_step(sched).chunks})
+    assert all(seq.num_output_tokens == seq.params.max_tokens for seq in rows)
+    return steps
+
+
+def test_a_group_waits_to_start_whole_rather_than_trickle_in():
+    """Four places for two documents of three rows: the second document's rows are not
+    admitted one by one as the first's finish (b0 in the first step, beside a's three), but
+    together once three places are free."""
+    steps = documents_per_step(seats=4)
+    first_b = next(i for i, rows in enumerate(steps) if any(r[0] == "b" for r in rows))
+    assert first_b > 0 and {"b0", "b1", "b2"} <= steps[first_b]
+
+
+def test_a_group_that_fits_whole_starts_beside_the_running_one():
+    steps = documents_per_step(seats=8)
+    assert steps[0] == {"a0", "a1", "a2", "b0", "b1", "b2"}  # both fit at once: nothing waits
