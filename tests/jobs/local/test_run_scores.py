@@ -1,0 +1,137 @@
+"""`/v1/score` and `/v1/rerank` lines through `kvbatch run`, on a tiny BERT cross-encoder and a
+tiny Qwen3 yes/no reranker, against sentence-transformers' CrossEncoder on the same folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbatch.engine import LLM
+from kvbatch.jobs.local.run import RunOptions, run_job
+from tests.engine.pooling.rerank_checkpoints import build_bert_cross_encoder, build_qwen3_reranker
+
+QUERY = "how do tides form"
+DOCS = [
+    "Tides are caused by the gravitational pull of the Moon and the Sun.",
+    "Volcanoes erupt when magma rises through the crust.",
+    "A lighthouse guides ships at night.",
+]
+
+
+def cross_encoder_scores(path, pairs):
+    from sentence_transformers import CrossEncoder
+
+    return CrossEncoder(str(path), device="cpu").predict(pairs, batch_size=3).tolist()
+
+
+def line(custom_id: str, url: str, body: dict) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def job_lines() -> list[dict]:
+    return [
+        line("score-one", "/v1/score", {"text_1": QUERY, "text_2": DOCS}),
+        line("score-zip", "/v1/score", {"text_1": [QUERY, DOCS[1]], "text_2": DOCS[:2]}),
+        line("rerank", "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 2}),
+        line("rerank-all", "/v1/rerank", {"query": DOCS[2], "documents": DOCS}),
+        line("no-query", "/v1/rerank", {"documents": DOCS}),
+        line("no-docs", "/v1/rerank", {"query": QUERY, "documents": []}),
+        line("top-zero", "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 0}),
+        line("uneven", "/v1/score", {"text_1": [QUERY, QUERY], "text_2": DOCS}),
+        line("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ]
+
+
+def run(tmp_path: Path, llm, lines: list[dict]) -> tuple[dict, dict]:
+    tmp_path.mkdir(exist_ok=True)
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run_job(RunOptions(model=llm.engine.config.model, input=str(path), model_name="rr"), llm=llm)
+
+    def read(name: str) -> dict:
+        file = tmp_path / name
+        rows = [json.loads(x) for x in file.read_text().splitlines()] if file.exists() else []
+        return {r["custom_id"]: r for r in rows}
+
+    return read("in.output.jsonl"), read("in.output.errors.jsonl")
+
+
+def check_job(tmp_path: Path, llm, checkpoint: Path) -> None:
+    out, errors = run(tmp_path, llm, job_lines())
+    want = cross_encoder_scores(checkpoint, [(QUERY, d) for d in DOCS])
+    assert llm.score(QUERY, DOCS) == pytest.approx(want, abs=1e-5)
+
+    body = out["score-one"]["response"]["body"]
+    assert body["object"] == "list" and body["model"] == "rr" and body["id"].startswith("score-")
+    assert [d["index"] for d in body["data"]] == [0, 1, 2]
+    assert {d["object"] for d in body["data"]} == {"score"}
+    assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-5)
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
+
+    zipped = out["score-zip"]["response"]["body"]["data"]
+    pairs = [(QUERY, DOCS[0]), (DOCS[1], DOCS[1])]
+    assert [d["score"] for d in zipped] == pytest.approx(
+        cross_encoder_scores(checkpoint, pairs), abs=1e-5
+    )
+
+    ranked = out["rerank"]["response"]["body"]
+    best = sorted(range(3), key=lambda i: -want[i])[:2]
+    assert [r["index"] for r in ranked["results"]] == best
+    assert [r["document"]["text"] for r in ranked["results"]] == [DOCS[i] for i in best]
+    assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx(
+        [want[i] for i in best], abs=1e-5
+    )
+    everything = out["rerank-all"]["response"]["body"]["results"]
+    scores = [r["relevance_score"] for r in everything]
+    assert len(everything) == 3 and scores == sorted(scores, reverse=True)
+    assert scores == pytest.approx(
+        sorted(cross_encoder_scores(checkpoint, [(DOCS[2], d) for d in DOCS]), reverse=True),
+        abs=1e-5,
+    )
+
+    codes = {k: (e["error"]["code"], e["error"]["line"]) for k, e in errors.items()}
+    assert codes == {
+        "no-query": ("invalid_parameter", 5) if codes["no-query"][0] != "missing_prompt"
+        else codes["no-query"],
+        "no-docs": codes["no-docs"],
+        "top-zero": codes["top-zero"],
+        "uneven": ("invalid_parameter", 8),
+        "chat": ("invalid_url", 9),
+    }
+    assert [codes[k][1] for k in ("no-query", "no-docs", "top-zero")] == [5, 6, 7]
+    messages = {k: e["error"]["message"] for k, e in errors.items()}
+    assert "query" in messages["no-query"]
+    assert "documents" in messages["no-docs"]
+    assert "top_n" in messages["top-zero"]
+    assert "same length" in messages["uneven"]
+    assert "scoring" in messages["chat"]
+
+
+def test_a_bert_cross_encoder_job(tmp_path: Path):
+    checkpoint = build_bert_cross_encoder(tmp_path / "ce")
+    llm = LLM(model=str(checkpoint), max_num_batched_tokens=64)
+    check_job(tmp_path / "job", llm, checkpoint)
+
+
+def test_a_qwen3_reranker_job(tmp_path: Path, smollm2_dir):
+    checkpoint = build_qwen3_reranker(tmp_path / "rr", smollm2_dir)
+    llm = LLM(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=128)
+    check_job(tmp_path / "job", llm, checkpoint)
+
+
+def test_score_lines_on_a_chat_model_are_errors(tmp_path: Path, make_llm):
+    """A generation-only model answers no score line: each is an error record naming why."""
+    lines = [
+        line("s", "/v1/score", {"text_1": QUERY, "text_2": DOCS}),
+        line("r", "/v1/rerank", {"query": QUERY, "documents": DOCS}),
+    ]
+    out, errors = run(tmp_path, make_llm(), lines)
+    assert out == {}
+    assert {k: (e["error"]["code"], e["error"]["line"]) for k, e in errors.items()} == {
+        "s": ("invalid_url", 1),
+        "r": ("invalid_url", 2),
+    }
+    assert all("score pairs" in e["error"]["message"] or "reranker" in e["error"]["message"]
+               for e in errors.values())
