@@ -11,6 +11,7 @@ import pytest
 from kvbatch.engine import LLM
 from kvbatch.jobs.local.run import RunOptions, run_job
 from tests.engine.pooling.rerank_checkpoints import build_bert_cross_encoder, build_qwen3_reranker
+from tests.engine.pooling.st_checkpoints import build_bert_checkpoint
 
 QUERY = "how do tides form"
 DOCS = [
@@ -93,14 +94,12 @@ def check_job(tmp_path: Path, llm, checkpoint: Path) -> None:
 
     codes = {k: (e["error"]["code"], e["error"]["line"]) for k, e in errors.items()}
     assert codes == {
-        "no-query": ("invalid_parameter", 5) if codes["no-query"][0] != "missing_prompt"
-        else codes["no-query"],
-        "no-docs": codes["no-docs"],
-        "top-zero": codes["top-zero"],
+        "no-query": ("missing_prompt", 5),
+        "no-docs": ("invalid_parameter", 6),
+        "top-zero": ("invalid_parameter", 7),
         "uneven": ("invalid_parameter", 8),
         "chat": ("invalid_url", 9),
     }
-    assert [codes[k][1] for k in ("no-query", "no-docs", "top-zero")] == [5, 6, 7]
     messages = {k: e["error"]["message"] for k, e in errors.items()}
     assert "query" in messages["no-query"]
     assert "documents" in messages["no-docs"]
@@ -121,17 +120,19 @@ def test_a_qwen3_reranker_job(tmp_path: Path, smollm2_dir):
     check_job(tmp_path / "job", llm, checkpoint)
 
 
-def test_score_lines_on_a_chat_model_are_errors(tmp_path: Path, make_llm):
-    """A generation-only model answers no score line: each is an error record naming why."""
+def test_score_lines_on_an_embedding_model_are_errors(tmp_path: Path):
+    """A model that cannot score pairs (an embedding BERT) answers no score line: each is an
+    error record saying why."""
     lines = [
         line("s", "/v1/score", {"text_1": QUERY, "text_2": DOCS}),
         line("r", "/v1/rerank", {"query": QUERY, "documents": DOCS}),
     ]
-    out, errors = run(tmp_path, make_llm(), lines)
+    llm = LLM(model=str(build_bert_checkpoint(tmp_path / "embedder")))
+    out, errors = run(tmp_path / "job", llm, lines)
     assert out == {}
     assert {k: (e["error"]["code"], e["error"]["line"]) for k, e in errors.items()} == {
-        "s": ("invalid_url", 1),
-        "r": ("invalid_url", 2),
+        "s": ("invalid_prompt", 1),
+        "r": ("invalid_prompt", 2),
     }
-    assert all("score pairs" in e["error"]["message"] or "reranker" in e["error"]["message"]
+    assert all("scoring pairs needs a cross-encoder" in e["error"]["message"]
                for e in errors.values())
