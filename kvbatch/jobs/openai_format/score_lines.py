@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvbatch.engine.pooling.yes_no import LAST_STATE, YesNoReranker
+from kvbatch.engine import LAST_STATE, YesNoReranker
 from kvbatch.jobs.openai_format.responses import embedding_line, error_line, response_key
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError
 

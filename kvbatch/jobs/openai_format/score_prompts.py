@@ -13,8 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from kvbatch.engine.pooling.score_pairs import reranker_prompt
-from kvbatch.engine.pooling.yes_no import YesNoReranker
+from kvbatch.engine import YesNoReranker, reranker_prompt
 from kvbatch.jobs.openai_format.prompts import PromptError
 from kvbatch.jobs.openai_format.validate import JobRequest
 

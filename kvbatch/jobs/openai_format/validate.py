@@ -45,8 +45,7 @@ from typing import Any, BinaryIO
 
 from pydantic import BaseModel, ValidationError
 
-from kvbatch.engine import SamplingParams
-from kvbatch.engine.pooling.score_pairs import as_pairs
+from kvbatch.engine import SamplingParams, as_pairs
 from kvbatch.jobs.openai_format.schemas import (
     BODIES,
     CHAT_URL,

@@ -9,9 +9,13 @@ from pathlib import Path
 import pytest
 
 from kvbatch.engine import LLM
+from kvbatch.jobs.distributed.finalize import try_finalize
+from kvbatch.jobs.distributed.shards import job_dir
+from kvbatch.jobs.distributed.submit import prepare_job
 from kvbatch.jobs.local.run import RunOptions, run_job
 from tests.engine.pooling.rerank_checkpoints import build_bert_cross_encoder, build_qwen3_reranker
 from tests.engine.pooling.st_checkpoints import build_bert_checkpoint
+from tests.jobs.distributed.test_finalize import run_shards
 
 QUERY = "how do tides form"
 DOCS = [
@@ -108,16 +112,65 @@ def check_job(tmp_path: Path, llm, checkpoint: Path) -> None:
     assert "scoring" in messages["chat"]
 
 
-def test_a_bert_cross_encoder_job(tmp_path: Path):
-    checkpoint = build_bert_cross_encoder(tmp_path / "ce")
-    llm = LLM(model=str(checkpoint), max_num_batched_tokens=64)
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> tuple[Path, LLM]:
+    checkpoint = build_bert_cross_encoder(tmp_path_factory.mktemp("ce") / "m")
+    return checkpoint, LLM(model=str(checkpoint), max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, smollm2_dir) -> tuple[Path, LLM]:
+    checkpoint = build_qwen3_reranker(tmp_path_factory.mktemp("rr") / "m", smollm2_dir)
+    llm = LLM(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=128, block_size=4)
+    return checkpoint, llm
+
+
+@pytest.mark.parametrize("model", ["bert", "qwen3"])
+def test_a_scoring_job_matches_sentence_transformers(tmp_path: Path, request, model):
+    checkpoint, llm = request.getfixturevalue(model)
     check_job(tmp_path / "job", llm, checkpoint)
 
 
-def test_a_qwen3_reranker_job(tmp_path: Path, smollm2_dir):
-    checkpoint = build_qwen3_reranker(tmp_path / "rr", smollm2_dir)
-    llm = LLM(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=128)
-    check_job(tmp_path / "job", llm, checkpoint)
+@pytest.mark.parametrize("model", ["bert", "qwen3"])
+def test_workers_answer_as_kvbatch_run(tmp_path: Path, request, model):
+    """prepare_job cuts the job into shards (a line's pairs stay in one shard), run_shard
+    answers them, try_finalize merges: the same lines as `kvbatch run` writes."""
+    checkpoint, llm = request.getfixturevalue(model)
+    lines = job_lines()[:-1]  # the chat line is refused by the endpoint rule alike
+    lines += [
+        line(f"rr-{i}", "/v1/rerank", {"query": DOCS[i % 3], "documents": DOCS, "top_n": 1})
+        for i in range(4)
+    ]
+    local_out, local_errors = run(tmp_path / "local", llm, lines)
+
+    sub = prepare_job(
+        str(tmp_path / "local" / "in.jsonl"),
+        str(tmp_path / "jobs"),
+        llm.engine.config.model,
+        model_name="rr",
+        shard_tokens=150,
+        block_size=4,
+    )
+    assert len(sub.messages) > 1
+    job = job_dir(str(tmp_path / "jobs"), sub.job_id)
+    run_shards(llm, job, sub.messages)
+    record = try_finalize(job)
+    assert record is not None and record.endpoint == "/v1/score"
+    out = [json.loads(x) for x in (Path(job.uri) / "output.jsonl").read_text().splitlines()]
+    assert [x["custom_id"] for x in out] == [x for x in local_out]
+    for got in out:
+        body, want = got["response"]["body"], local_out[got["custom_id"]]["response"]["body"]
+        assert set(body) == set(want) and body["usage"] == want["usage"]
+        if "results" in body:
+            assert [r["index"] for r in body["results"]] == [r["index"] for r in want["results"]]
+            got_scores = [r["relevance_score"] for r in body["results"]]
+            want_scores = [r["relevance_score"] for r in want["results"]]
+            assert got_scores == pytest.approx(want_scores, abs=1e-5)  # batched otherwise
+        else:
+            got_scores = [d["score"] for d in body["data"]]
+            assert got_scores == pytest.approx([d["score"] for d in want["data"]], abs=1e-5)
+    errors = [json.loads(x) for x in (Path(job.uri) / "errors.jsonl").read_text().splitlines()]
+    assert sorted(e["custom_id"] for e in errors) == sorted(local_errors)
 
 
 def test_score_lines_on_an_embedding_model_are_errors(tmp_path: Path):
@@ -134,5 +187,6 @@ def test_score_lines_on_an_embedding_model_are_errors(tmp_path: Path):
         "s": ("invalid_prompt", 1),
         "r": ("invalid_prompt", 2),
     }
-    assert all("scoring pairs needs a cross-encoder" in e["error"]["message"]
-               for e in errors.values())
+    assert all(
+        "scoring pairs needs a cross-encoder" in e["error"]["message"] for e in errors.values()
+    )
