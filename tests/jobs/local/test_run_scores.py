@@ -190,3 +190,27 @@ def test_score_lines_on_an_embedding_model_are_errors(tmp_path: Path):
     assert all(
         "scoring pairs needs a cross-encoder" in e["error"]["message"] for e in errors.values()
     )
+
+
+def test_truncate_prompt_tokens_cuts_as_sentence_transformers(tmp_path: Path, bert):
+    """truncate_prompt_tokens cuts the pair longest-first, as CrossEncoder(max_length=...)
+    does; without it a pair longer than the model takes is an error record."""
+    from sentence_transformers import CrossEncoder
+
+    checkpoint, llm = bert
+    long_doc = " ".join(DOCS * 40)
+    lines = [
+        line("cut", "/v1/score", {"text_1": QUERY, "text_2": [long_doc, DOCS[0]],
+                                  "truncate_prompt_tokens": 12}),
+        line("long", "/v1/rerank", {"query": QUERY, "documents": [DOCS[0], long_doc]}),
+    ]  # fmt: skip
+    out, errors = run(tmp_path, llm, lines)
+    want = CrossEncoder(str(checkpoint), device="cpu", max_length=12).predict(
+        [(QUERY, long_doc), (QUERY, DOCS[0])]
+    )
+    got = [d["score"] for d in out["cut"]["response"]["body"]["data"]]
+    assert got == pytest.approx(want.tolist(), abs=1e-5)
+    assert out["cut"]["response"]["body"]["usage"]["prompt_tokens"] == 24
+    error = errors["long"]["error"]
+    assert (error["code"], error["line"]) == ("context_length_exceeded", 2)
+    assert "pair 1" in error["message"] and "truncate_prompt_tokens" in error["message"]
