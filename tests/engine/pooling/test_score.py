@@ -123,3 +123,15 @@ def test_a_pair_given_as_ids_scores_as_its_text(tmp_path, build):
     by_ids = [got[f"ids-{i}"] for i in range(len(pairs))]
     by_text = llm.score([q for q, _ in pairs], [d for _, d in pairs])
     assert by_ids == pytest.approx(by_text, abs=1e-6)
+
+
+def test_a_chat_models_template_is_not_a_reranker(smollm2_dir, qwen3_reranker):
+    """SmolLM2's chat template renders any role, query and document included: it writes every
+    message, where a reranker's template picks its two, so it is refused by name."""
+    from transformers import AutoTokenizer
+
+    from kvbatch.engine import YesNoReranker
+
+    with pytest.raises(ValueError, match="not a reranker"):
+        YesNoReranker.of(AutoTokenizer.from_pretrained(smollm2_dir), "SmolLM2")
+    assert YesNoReranker.of(AutoTokenizer.from_pretrained(qwen3_reranker), "rr") is not None

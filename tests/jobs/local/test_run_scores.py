@@ -192,6 +192,23 @@ def test_score_lines_on_an_embedding_model_are_errors(tmp_path: Path):
     )
 
 
+def test_score_lines_on_a_chat_model_are_errors(tmp_path: Path, tiny_chat_model: Path):
+    """A generation-only model (SmolLM2's chat template renders any role) scores no pair:
+    each score line is an error record saying it needs a reranker."""
+    lines = [
+        line("s", "/v1/score", {"text_1": QUERY, "text_2": DOCS}),
+        line("r", "/v1/rerank", {"query": QUERY, "documents": DOCS}),
+    ]
+    llm = LLM(model=str(tiny_chat_model), max_model_len=256, block_size=4)
+    out, errors = run(tmp_path, llm, lines)
+    assert out == {}
+    assert {k: (e["error"]["code"], e["error"]["line"]) for k, e in errors.items()} == {
+        "s": ("invalid_url", 1),
+        "r": ("invalid_url", 2),
+    }
+    assert all("not a reranker" in e["error"]["message"] for e in errors.values())
+
+
 def test_truncate_prompt_tokens_cuts_as_sentence_transformers(tmp_path: Path, bert):
     """truncate_prompt_tokens cuts the pair longest-first, as CrossEncoder(max_length=...)
     does; without it a pair longer than the model takes is an error record."""
