@@ -88,6 +88,7 @@ class ScoreLines:
             return self._error(req, "invalid_prompt", which + refused.error)
         scores = self._scores(outputs)
         tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        cached = sum(getattr(o, "num_cached_tokens", 0) for o in outputs)  # decoder rerankers
         key = response_key(self.batch_id, req.line, req.custom_id)
         if req.is_rerank:
             multi = next((s for s in scores if isinstance(s, list)), None)
@@ -99,6 +100,7 @@ class ScoreLines:
             body = rerank_body(key, self.model, req.documents or [], scores, req.top_n, tokens)
         else:
             body = score_body(key, self.model, self.created, scores, tokens)
+        body["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
         return embedding_line(req, body, batch_id=self.batch_id)
 
     def _scores(self, outputs: list) -> list[float | list[float]]:
