@@ -42,6 +42,10 @@ if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getatt
     from kvbatch.engine.pooling.inputs import embedding_inputs as embedding_inputs
     from kvbatch.engine.pooling.matryoshka import truncate_dimensions as truncate_dimensions
     from kvbatch.engine.pooling.outputs import EmbeddingOutput as EmbeddingOutput
+    from kvbatch.engine.pooling.score_pairs import as_pairs as as_pairs
+    from kvbatch.engine.pooling.score_pairs import reranker_prompt as reranker_prompt
+    from kvbatch.engine.pooling.yes_no import LAST_STATE as LAST_STATE
+    from kvbatch.engine.pooling.yes_no import YesNoReranker as YesNoReranker
     from kvbatch.engine.reasoning.harmony_prompt import (
         render_harmony_prompt as render_harmony_prompt,
     )
@@ -85,6 +89,12 @@ _EXPORTS = {
     "embedding_inputs": "kvbatch.engine.pooling.inputs",
     "truncate_dimensions": "kvbatch.engine.pooling.matryoshka",
     "EmbeddingOutput": "kvbatch.engine.pooling.outputs",
+    # scoring pairs (score and rerank lines): vLLM's pairing, and decoder rerankers' prompts,
+    # pooling and yes/no projection
+    "as_pairs": "kvbatch.engine.pooling.score_pairs",
+    "reranker_prompt": "kvbatch.engine.pooling.score_pairs",
+    "LAST_STATE": "kvbatch.engine.pooling.yes_no",
+    "YesNoReranker": "kvbatch.engine.pooling.yes_no",
     # reasoning models: the parser's split of an answer, the parser a model calls for, and
     # gpt-oss's prompts (openai-harmony renders them)
     "ReasoningParser": "kvbatch.engine.reasoning.parser",

@@ -4,6 +4,7 @@ in prefix order, and turn each finished output into its OpenAI batch line.
     EngineRequest(key, input, token ids, params)  --feed_in_order-->  engine outputs
       --"<key>:<input>" back to the line-->  success_line (chat, completions, tool calls,
       refusals) | EmbeddingLines (an embeddings line once all its inputs have a vector)
+      | ScoreLines (a score or rerank line once all its pairs have a score)
       -->  Finished(key, input, output, line)
 
 A line is named by the caller's `key` (the local run: its first entry in the token store; a
@@ -24,12 +25,14 @@ from kvbatch.jobs.grouping import feed_in_order
 from kvbatch.jobs.job_context import fit_default_cap
 from kvbatch.jobs.openai_format.embedding_lines import EmbeddingLines
 from kvbatch.jobs.openai_format.responses import success_line
+from kvbatch.jobs.openai_format.score_lines import ScoreLines, pair_params
 from kvbatch.jobs.openai_format.validate import JobRequest
 
 
 @dataclass(frozen=True)
 class EngineRequest:
-    """One request for the engine: a line's prompt, or one input of an embeddings line."""
+    """One request for the engine: a line's prompt, or one input of an embeddings line, or
+    one pair of a score or rerank line."""
 
     key: int  # the line, as the caller names it
     input: int  # 0, or which input of an embeddings line
@@ -60,10 +63,12 @@ def parse_request_id(rid: str) -> tuple[int, int] | None:
     return int(key), int(part)
 
 
-def _fitted(r: EngineRequest, request_of, max_model_len: int) -> SamplingParams | None:
+def _fitted(r: EngineRequest, request_of, max_model_len: int, pairs) -> SamplingParams | None:
     req = request_of(r.key)
     if req is None:
         return r.params
+    if req.is_score:
+        return pairs  # how this engine runs a pair (score_lines.pair_params)
     return fit_default_cap(r.params, req, len(r.token_ids), max_model_len)
 
 
@@ -95,11 +100,17 @@ def answer(
     was not yielded.
     """
     window = window or 4 * engine.config.scheduler.max_num_seqs
+    pairs = pair_params(engine)
     feed = (
-        (request_id(r.key, r.input), r.token_ids, _fitted(r, request_of, engine.max_model_len))
+        (
+            request_id(r.key, r.input),
+            r.token_ids,
+            _fitted(r, request_of, engine.max_model_len, pairs),
+        )
         for r in requests
     )
     vectors = EmbeddingLines(context.model_name, engine, context.batch_id)
+    scores = ScoreLines(context.model_name, engine, context.batch_id, context.created)
     for out in feed_in_order(engine, feed, window, should_stop):
         parsed = parse_request_id(out.request_id)
         req = None if parsed is None else request_of(parsed[0])
@@ -108,6 +119,8 @@ def answer(
         key, input_index = parsed
         if req.is_embedding:
             line = vectors.add(req, input_index, out)
+        elif req.is_score:
+            line = scores.add(req, input_index, out)
         else:
             line = success_line(
                 req,

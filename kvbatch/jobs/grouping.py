@@ -65,6 +65,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from kvbatch.engine import (
     CompletionOutput,
@@ -200,15 +201,23 @@ def group_boundaries(g: GroupedOrder) -> list[int]:
     return [i for i, grp in enumerate(g.group_of) if i == 0 or grp != g.group_of[i - 1]]
 
 
+@runtime_checkable
+class EngineAdd(Protocol):
+    """A request kind that knows its engine call (a score line's pair: the cross-encoder's
+    add_score_request_ids, or a reranker's last-state prefill); raises ValueError to refuse."""
+
+    def add_to(self, engine, token_ids: list[int], request_id: str) -> str: ...
+
+
 def feed_in_order(
     engine,
-    requests: Iterable[tuple[str, list[int], SamplingParams | None]],
+    requests: Iterable[tuple[str, list[int], SamplingParams | EngineAdd | None]],
     window: int,
     should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[RequestOutput]:
     """Run `requests` through `engine` (an LLMEngine) in the order given; yield outputs as
     requests finish. A request whose params are None is an embedding (prefill only: the
-    engine yields an EmbeddingOutput for it).
+    engine yields an EmbeddingOutput for it); one whose params are an EngineAdd adds itself.
 
     At most `window` of these requests are inside the engine at once, so a job of millions of
     lines holds only `window` prompts in memory, and the scheduler admits them in the job's
@@ -237,6 +246,8 @@ def feed_in_order(
             try:
                 if params is None:
                     added = engine.add_embedding_request(token_ids, request_id=request_id)
+                elif isinstance(params, EngineAdd):
+                    added = params.add_to(engine, token_ids, request_id)
                 else:
                     added = engine.add_request(token_ids, params, request_id=request_id)
                 inside.add(added)

@@ -128,6 +128,23 @@ class EncoderEngine:
         check_embedding_input(token_ids, self.max_model_len)
         return self._queue(EncoderRequest(request_id, None, token_ids, 0, types))
 
+    def add_score_request_ids(self, token_ids: list[int], request_id: str | None = None) -> str:
+        """Queue a pair tokenized already as `tokenizer(query, document)` tokenizes it (a job's
+        score line, its ids kept on disk between the passes). The token types are rebuilt as
+        BERT's tokenizer sets them, 0 through the first separator and 1 after it; a model
+        whose tokenizer sets none (RoBERTa) gets zeros, as add_score_request gives it."""
+        if self.head is None:
+            return self.add_score_request("", "", request_id)  # raises: this model embeds
+        token_ids = list(token_ids)
+        check_embedding_input(token_ids, self.max_model_len)
+        types = [0] * len(token_ids)
+        sep = getattr(self.tokenizer, "sep_token_id", None)
+        uses_types = "token_type_ids" in getattr(self.tokenizer, "model_input_names", ())
+        if uses_types and sep in token_ids:
+            first = token_ids.index(sep) + 1
+            types[first:] = [1] * (len(token_ids) - first)
+        return self._queue(EncoderRequest(request_id, None, token_ids, 0, types))
+
     def _queue(self, request: EncoderRequest) -> str:
         request_id = str(next(self._ids)) if request.request_id is None else request.request_id
         if request_id in self.scheduler.waiting:

@@ -51,6 +51,12 @@ class YesNoReranker:
                 "render a message of role 'query' and one of role 'document', as rerankers' "
                 "templates do; this looks like a chat model, not a reranker"
             )
+        if _renders_any_message(tokenizer):
+            raise ValueError(
+                f"the chat template of {model} renders every message whatever its role, as a "
+                "chat model's does: a reranker's template picks the 'query' and 'document' "
+                "messages into its fixed prompt; this looks like a chat model, not a reranker"
+            )
         ids = [_single_token(tokenizer, word, model) for word in ("yes", "no")]
         return cls(*ids)
 
@@ -69,6 +75,22 @@ class YesNoReranker:
 def _render(tokenizer, query: str, document: str) -> str:
     messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
     return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def _renders_any_message(tokenizer) -> bool:
+    """Whether the template writes out a message of a role it does not know (a chat model's
+    template writes every message; a reranker's selects its two roles, so an extra message
+    leaves no trace). A template that refuses the extra message is a chat template too."""
+    extra = "\x00other\x00"
+    messages = [
+        {"role": "query", "content": _PROBE[0]},
+        {"role": "document", "content": _PROBE[1]},
+        {"role": extra, "content": extra},
+    ]
+    try:
+        return extra in tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # jinja's TemplateError, raise_exception(...) of a strict chat template
+        return True
 
 
 def _single_token(tokenizer, word: str, model: str) -> int:

@@ -205,5 +205,7 @@ def read_request(
     item = dataclasses.replace(item, line=table.line[unit])
     if item.is_embedding:
         return dataclasses.replace(item, inputs=None)
+    if item.is_score:  # the documents stay: a rerank answer shows them
+        return dataclasses.replace(item, pairs=None)
     params = sampling_params_for(item, table.tokens[unit], max_model_len)
     return dataclasses.replace(item, messages=None, prompt=None, tools=None, params=params)

@@ -82,6 +82,20 @@ class EmbeddingSpec:
 
 
 @dataclass(frozen=True)
+class ScoreSpec:
+    """What a score or rerank line carries in a shard: every pair's prompt (one engine request
+    each, run in the same shard so the line is answered whole), the documents a rerank answer
+    shows, and how many it keeps."""
+
+    inputs: list[list[int]]
+    documents: list[str] | None
+    top_n: int | None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class ShardRequest:
     """One line of a shard payload: a validated, tokenized request, without its text."""
 
@@ -98,6 +112,7 @@ class ShardRequest:
     # ToolCalling as a dict: how a chat answer is read for tool calls (the submit's
     # --tool-call-parser travels in it, so every worker reads answers alike)
     tool_calling: dict | None = None
+    score: dict | None = None  # ScoreSpec.to_dict() of a score or rerank line
 
     def to_dict(self) -> dict:
         """The fields as they are (the params and specs are dicts already): asdict would copy
@@ -113,7 +128,11 @@ class ShardRequest:
 
     def engine_requests(self) -> list[EngineRequest]:
         """What the answer loop runs for this line (keyed by its index in the job): one
-        request, or one per embeddings input (params None)."""
+        request, or one per embeddings input or scored pair (params None: the answer loop
+        gives a pair its engine's kind)."""
+        if self.score is not None:
+            pairs = self.score["inputs"]
+            return [EngineRequest(self.index, i, ids, None) for i, ids in enumerate(pairs)]
         spec = self.embedding_spec()
         if spec is None:
             return [EngineRequest(self.index, 0, self.prompt_token_ids, self.sampling_params())]
@@ -145,6 +164,13 @@ class ShardRequest:
         )
 
     def _embedding_fields(self) -> dict:
+        if self.score is not None:
+            spec = ScoreSpec(**self.score)
+            return {
+                "num_inputs": len(spec.inputs),
+                "documents": spec.documents,
+                "top_n": spec.top_n,
+            }
         spec = self.embedding_spec()
         if spec is None:
             return {}

@@ -41,6 +41,7 @@ from kvbatch.jobs.distributed.job_lines import (
 )
 from kvbatch.jobs.distributed.shards import (
     EmbeddingSpec,
+    ScoreSpec,
     ShardMessage,
     ShardRequest,
     job_dir,
@@ -350,6 +351,9 @@ def _shard_request(unit: int, f, table: LineTable, store: TokenStore, opts: RunO
             dimensions=req.dimensions,
             encoding_format=req.encoding_format,
         ).to_dict()
+    score = None
+    if req.is_score:
+        score = ScoreSpec(inputs=prompts, documents=req.documents, top_n=req.top_n).to_dict()
     return ShardRequest(
         index=unit,
         line=req.line,
@@ -361,5 +365,6 @@ def _shard_request(unit: int, f, table: LineTable, store: TokenStore, opts: RunO
         max_tokens=req.max_tokens,
         model=req.model,
         embedding=embedding,
+        score=score,
         tool_calling=None if req.tool_calling is None else dataclasses.asdict(req.tool_calling),
     )

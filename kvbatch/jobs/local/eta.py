@@ -75,7 +75,7 @@ class _Params(Protocol):
 class _Request(Protocol):
     """A job request as far as its work goes (kvbatch.jobs.openai_format.validate.JobRequest)."""
 
-    is_embedding: bool
+    is_pooled: bool  # embeddings and scores: nothing generated
     params: _Params | None
 
 
@@ -94,7 +94,7 @@ class JobWork:
     def of(cls, requests: Iterable[_Request], prompt_tokens: int, cached_tokens: int) -> JobWork:
         caps, choices = array("q"), array("q")
         for r in requests:
-            generates = not r.is_embedding and r.params is not None
+            generates = not r.is_pooled and r.params is not None
             caps.append(r.params.max_tokens if generates else 0)
             choices.append(r.params.n if generates else 0)
         return cls(prompt_tokens, cached_tokens, caps, choices)

@@ -22,13 +22,14 @@ from kvbatch.jobs.openai_format.prompts import (
     prompt_token_ids,
     sampling_params_for,
 )
+from kvbatch.jobs.openai_format.score_prompts import pair_token_ids
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError, read_lines, validate_lines
 from kvbatch.jobs.storage import StorageError
 
 
 def engine_params(req: JobRequest):
     """What feed_in_order hands the engine: the sampling params, or None to embed."""
-    return None if req.is_embedding else req.params
+    return None if req.is_pooled else req.params
 
 
 @dataclass
@@ -190,7 +191,7 @@ def scan_lines(
                     continue
                 traits.longest = max(
                     traits.longest,
-                    *(request_tokens(len(ids), None if request.is_embedding else request.params)
+                    *(request_tokens(len(ids), None if request.is_pooled else request.params)
                       for ids in inputs),
                 )  # fmt: skip
                 yield PreparedLine(request, inputs, lines.offset, lines.size, digest)
@@ -208,6 +209,10 @@ def tokenized(
     if item.is_embedding:
         inputs = embedding_token_ids(item, model.tokenizer, model.max_model_len)
         return dataclasses.replace(item, inputs=None), inputs
+    if item.is_score:
+        model_name = item.model or "the model"
+        inputs = pair_token_ids(item, model.tokenizer, model.max_model_len, model_name)
+        return dataclasses.replace(item, pairs=None), inputs
     ids = prompt_token_ids(item, model.tokenizer, model.max_model_len, reasoning)
     params = sampling_params_for(item, len(ids), model.max_model_len)
     if params_seen is not None:

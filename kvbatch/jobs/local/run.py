@@ -58,7 +58,7 @@ from kvbatch.jobs.local.progress import Progress
 from kvbatch.jobs.local.token_store import TokenStore
 from kvbatch.jobs.openai_format.batch_record import MAX_BATCH_ERRORS, BatchRecord
 from kvbatch.jobs.openai_format.responses import error_line
-from kvbatch.jobs.openai_format.schemas import EMBEDDINGS_URL
+from kvbatch.jobs.openai_format.schemas import EMBEDDINGS_URL, SCORING_URLS
 from kvbatch.jobs.storage import StorageError, open_storage
 
 log = logging.getLogger("kvbatch.run")
@@ -216,8 +216,9 @@ def _fresh_private_folder(folder: Path) -> None:
 
 def _answer(opts: RunOptions, engine, store: TokenStore, job: PreparedJob, partial, record):
     order = group_by_prefix((store[i] for i in range(len(store))), engine.config.cache.block_size)
-    if job.endpoint == EMBEDDINGS_URL:
-        log.info("%d inputs to embed, %d invalid lines", len(store), len(job.errors))
+    pooled = job.endpoint in (EMBEDDINGS_URL, *SCORING_URLS)  # nothing generated
+    if pooled:
+        log.info("%d inputs to embed or score, %d invalid lines", len(store), len(job.errors))
     else:
         log.info(
             "%d requests to run, %d invalid lines; prefix grouping: %d of %d prompt tokens "
@@ -238,7 +239,7 @@ def _answer(opts: RunOptions, engine, store: TokenStore, job: PreparedJob, parti
         for i in order.order
     )
     work = JobWork.of(job.requests, order.prompt_tokens, order.ideal_cached_tokens)
-    progress = Progress(engine, work, embeddings=job.endpoint == EMBEDDINGS_URL)
+    progress = Progress(engine, work, embeddings=pooled)
     context = LineContext(job.model_name, record.id, record.created_at)
     monitor = opts.monitor
     watch = None if monitor is None else lambda: monitor.step(engine) or False

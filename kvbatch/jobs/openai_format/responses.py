@@ -231,7 +231,8 @@ def _tool_call(key: str, choice: int, i: int, name: str, arguments: str) -> dict
 
 
 def embedding_line(req: JobRequest, body: dict[str, Any], *, batch_id: str) -> dict[str, Any]:
-    """The output line of an embeddings request: `body` is its CreateEmbeddingResponse."""
+    """The output line of an embeddings request: `body` is its CreateEmbeddingResponse (and
+    of a score or rerank line, whose `body` is its ScoreResponse or RerankResponse)."""
     key = _key(batch_id, req.line, req.custom_id)
     return {
         "id": "batch_req_" + key,
@@ -261,6 +262,12 @@ def placeholder_custom_id(line: int) -> str:
     """The custom_id of the error record of input line `line` when the line gave none usable:
     the same on every run, and named after the line so it is easy to find."""
     return f"kvbatch-line-{line}"
+
+
+def response_key(batch_id: str, line: int, custom_id: str | None) -> str:
+    """The key of a line's ids (batch_req_<key>, req_<key>, score-<key>): the same however
+    the job was split between workers."""
+    return _key(batch_id, line, custom_id)
 
 
 def _key(batch_id: str, line: int, custom_id: str | None) -> str:

@@ -66,7 +66,12 @@ from kvbatch.jobs.openai_format.tools import (
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 EMBEDDINGS_URL = "/v1/embeddings"
-URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
+SCORE_URL = "/v1/score"
+RERANK_URL = "/v1/rerank"
+URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, SCORE_URL, RERANK_URL)
+SCORING_URLS = (SCORE_URL, RERANK_URL)
+"""Endpoints answered by scoring (query, document) pairs: vLLM's run-batch takes both, and
+one job may mix them (the same engine path answers both)."""
 GENERATION_URLS = (CHAT_URL, COMPLETIONS_URL)
 """Endpoints one job may mix: both generate text with the same engine. An embeddings job's
 lines are all embeddings (as an OpenAI batch has one endpoint)."""
@@ -100,8 +105,11 @@ class BatchLine(BaseModel):
         description=f"a non-empty string of at most {MAX_CUSTOM_ID_LEN} characters, unique in the file",
     )
     method: Literal["POST"] = Field(description='"POST"')
-    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"] = Field(
-        description=f'"{CHAT_URL}", "{COMPLETIONS_URL}" or "{EMBEDDINGS_URL}"'
+    url: Literal[
+        "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank"
+    ] = Field(
+        description=f'"{CHAT_URL}", "{COMPLETIONS_URL}", "{EMBEDDINGS_URL}", "{SCORE_URL}" '
+        f'or "{RERANK_URL}"'
     )
     body: dict[str, Any] = Field(description="an object (the request body)")
 
@@ -556,9 +564,43 @@ class EmbeddingBody(BaseModel):
     user: Any = None  # ignored
 
 
+_ScoreText = _NonEmptyStr | Annotated[list[_NonEmptyStr], Field(min_length=1)]
+
+
+class ScoreBody(BaseModel):
+    """The body of a `/v1/score` line (vLLM's ScoreRequest): text_1 against text_2, one text
+    against many (either side) or two lists of the same length item by item."""
+
+    model_config = _STRICT
+
+    model: str | None = Field(None, description="a string (the model's name)")
+    text_1: _ScoreText = Field(description="a non-empty string or a non-empty list of them")
+    text_2: _ScoreText = Field(description="a non-empty string or a non-empty list of them")
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="an integer >= 1")
+    user: Any = None  # ignored
+
+
+class RerankBody(BaseModel):
+    """The body of a `/v1/rerank` line (vLLM's RerankRequest): documents ranked by their
+    relevance to the query, the `top_n` best kept (all without it)."""
+
+    model_config = _STRICT
+
+    model: str | None = Field(None, description="a string (the model's name)")
+    query: _NonEmptyStr = Field(description="a non-empty string")
+    documents: Annotated[list[_NonEmptyStr], Field(min_length=1)] = Field(
+        description="a non-empty list of non-empty strings"
+    )
+    top_n: int | None = Field(None, ge=1, description="an integer >= 1")
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="an integer >= 1")
+    user: Any = None  # ignored
+
+
 BODIES: dict[str, type[BaseModel]] = {
     CHAT_URL: ChatCompletionBody,
     COMPLETIONS_URL: CompletionBody,
     EMBEDDINGS_URL: EmbeddingBody,
+    SCORE_URL: ScoreBody,
+    RERANK_URL: RerankBody,
 }
 """The body model of each url."""

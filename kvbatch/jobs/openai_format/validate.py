@@ -45,18 +45,22 @@ from typing import Any, BinaryIO
 
 from pydantic import BaseModel, ValidationError
 
-from kvbatch.engine import SamplingParams
+from kvbatch.engine import SamplingParams, as_pairs
 from kvbatch.jobs.openai_format.schemas import (
     BODIES,
     CHAT_URL,
     EMBEDDINGS_URL,
     MAX_CUSTOM_ID_LEN,
     PARAMETER_RULE,
+    RERANK_URL,
+    SCORING_URLS,
     URLS,
     BatchLine,
     ChatCompletionBody,
     CompletionBody,
     EmbeddingBody,
+    RerankBody,
+    ScoreBody,
 )
 from kvbatch.jobs.openai_format.shown import shown
 from kvbatch.jobs.openai_format.tools import ToolCalling
@@ -127,6 +131,13 @@ class JobRequest:
     # default), and keywords for the chat template (vLLM's chat_template_kwargs)
     reasoning_effort: str | None = None
     chat_template_kwargs: dict | None = None
+    # score and rerank: the (query, document) pairs to score (dropped once tokenized), the
+    # documents a rerank answer shows, how many of them it keeps, and the token limit a pair is
+    # cut to (None: a pair too long for the model is an error)
+    pairs: list[tuple[str, str]] | None = None
+    documents: list[str] | None = None
+    top_n: int | None = None
+    truncate_prompt_tokens: int | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -135,6 +146,20 @@ class JobRequest:
     @property
     def is_embedding(self) -> bool:
         return self.url == EMBEDDINGS_URL
+
+    @property
+    def is_score(self) -> bool:
+        """A /v1/score or /v1/rerank line: each pair one pooled engine request."""
+        return self.url in SCORING_URLS
+
+    @property
+    def is_rerank(self) -> bool:
+        return self.url == RERANK_URL
+
+    @property
+    def is_pooled(self) -> bool:
+        """Answered by prefill alone (embeddings, scores): nothing is sampled."""
+        return self.is_embedding or self.is_score
 
 
 @dataclass(frozen=True)
@@ -338,6 +363,8 @@ def _check_line(
             encoding_format=body_model.encoding_format or "float",
             num_inputs=len(body_model.input),
         )
+    if isinstance(body_model, (ScoreBody, RerankBody)):
+        return _score_request(number, problems.custom_id, url, body_model, fail)
     try:
         params = body_model.sampling_params(default_max)
     except ValueError as exc:
@@ -361,6 +388,35 @@ def _check_line(
         tool_calling=calling,
         reasoning_effort=body_model.reasoning_effort if chat else None,
         chat_template_kwargs=body_model.chat_template_kwargs if chat else None,
+    )
+
+
+def _score_request(
+    number: int, custom_id: str, url: str, body: ScoreBody | RerankBody, fail
+) -> JobRequest | LineError:
+    """A score or rerank line as its pairs: a rerank line's query against each document; a
+    score line's texts paired as vLLM pairs them (engine/pooling/score_pairs.as_pairs)."""
+    if isinstance(body, RerankBody):
+        pairs, documents = [(body.query, d) for d in body.documents], body.documents
+    else:
+        try:
+            pairs, documents = as_pairs(body.text_1, body.text_2), None
+        except ValueError as exc:
+            return fail("invalid_parameter", str(exc))
+    return JobRequest(
+        line=number,
+        custom_id=custom_id,
+        url=url,
+        messages=None,
+        prompt=None,
+        params=EMBEDDING_PARAMS,
+        logprobs=None,
+        model=body.model,
+        num_inputs=len(pairs),
+        pairs=pairs,
+        documents=documents,
+        top_n=getattr(body, "top_n", None),
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
     )
 
 

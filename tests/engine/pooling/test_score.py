@@ -106,3 +106,32 @@ def test_a_chat_model_is_not_taken_for_a_reranker(tiny_chat_model, tmp_path):
     )
     with pytest.raises(ValueError, match="cannot carry a \\(query, document\\) pair"):
         LLM(model=str(chat)).score(QUERY, DOCS)
+
+
+@pytest.mark.parametrize("build", [build_bert_cross_encoder, build_roberta_cross_encoder])
+def test_a_pair_given_as_ids_scores_as_its_text(tmp_path, build):
+    """A job's pair reaches the engine as the ids tokenizer(query, document) gave (token types
+    rebuilt from the first separator): the same scores as the texts, swapped pairs included."""
+    llm = LLM(model=str(build(tmp_path / "ce")))
+    engine, pairs = llm.engine, [(QUERY, DOCS[0]), (DOCS[0], QUERY), (QUERY, DOCS[3])]
+    for i, (query, document) in enumerate(pairs):
+        ids = engine.tokenizer(query, document)["input_ids"]
+        engine.add_score_request_ids(ids, request_id=f"ids-{i}")
+    got = {}
+    while engine.has_unfinished():
+        got.update({out.request_id: out.score for out in engine.step()})
+    by_ids = [got[f"ids-{i}"] for i in range(len(pairs))]
+    by_text = llm.score([q for q, _ in pairs], [d for _, d in pairs])
+    assert by_ids == pytest.approx(by_text, abs=1e-6)
+
+
+def test_a_chat_models_template_is_not_a_reranker(smollm2_dir, qwen3_reranker):
+    """SmolLM2's chat template renders any role, query and document included: it writes every
+    message, where a reranker's template picks its two, so it is refused by name."""
+    from transformers import AutoTokenizer
+
+    from kvbatch.engine import YesNoReranker
+
+    with pytest.raises(ValueError, match="not a reranker"):
+        YesNoReranker.of(AutoTokenizer.from_pretrained(smollm2_dir), "SmolLM2")
+    assert YesNoReranker.of(AutoTokenizer.from_pretrained(qwen3_reranker), "rr") is not None

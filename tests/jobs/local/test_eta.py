@@ -161,8 +161,8 @@ def test_job_work_of_requests():
             self.max_tokens, self.n = max_tokens, n
 
     class Request:
-        def __init__(self, params, is_embedding=False):
-            self.params, self.is_embedding = params, is_embedding
+        def __init__(self, params, is_pooled=False):
+            self.params, self.is_pooled = params, is_pooled
 
     work = JobWork.of([Request(Params(16, 1)), Request(None, True), Request(Params(5, 3))], 9, 2)
     assert list(work.max_tokens) == [16, 0, 5] and list(work.choices) == [1, 0, 3]
