@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getatt
     from kvbatch.engine.pooling.score_pairs import reranker_prompt as reranker_prompt
     from kvbatch.engine.pooling.yes_no import LAST_STATE as LAST_STATE
     from kvbatch.engine.pooling.yes_no import YesNoReranker as YesNoReranker
+    from kvbatch.engine.reasoning.byte_level import bytes_to_unicode as bytes_to_unicode
     from kvbatch.engine.reasoning.harmony_prompt import (
         render_harmony_prompt as render_harmony_prompt,
     )
@@ -98,6 +99,7 @@ _EXPORTS = {
     # reasoning models: the parser's split of an answer, the parser a model calls for, and
     # gpt-oss's prompts (openai-harmony renders them)
     "ReasoningParser": "kvbatch.engine.reasoning.parser",
+    "bytes_to_unicode": "kvbatch.engine.reasoning.byte_level",
     "ReasoningSplit": "kvbatch.engine.reasoning.parser",
     "detect_reasoning_parser": "kvbatch.engine.reasoning.registry",
     "HARMONY_PARSER": "kvbatch.engine.reasoning.registry",

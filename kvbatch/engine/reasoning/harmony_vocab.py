@@ -26,6 +26,7 @@ from pathlib import Path
 from openai_harmony import HarmonyEncoding, HarmonyEncodingName, load_harmony_encoding
 
 from kvbatch.cache_dir import resolve_cache_dir
+from kvbatch.engine.reasoning.byte_level import bytes_to_unicode
 
 O200K_BASE_FILE = "o200k_base.tiktoken"
 O200K_BASE_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
@@ -50,7 +51,7 @@ def o200k_base_from_bpe_openai() -> bytes:
 def o200k_base_from_tokenizer(tokenizer) -> bytes:
     """The file's bytes from a byte-level BPE tokenizer of o200k (gpt-oss's): the token of
     rank r is the vocabulary's piece with id r, its characters GPT-2's byte alphabet."""
-    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
     pieces = tokenizer.convert_ids_to_tokens(list(range(O200K_BASE_RANKS)))
     try:
         values = [bytes(byte_of[c] for c in piece) for piece in pieces]
@@ -116,17 +117,3 @@ def _good_file(path: Path) -> bool:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level BPE alphabet: each byte as a printable character."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping

@@ -42,7 +42,13 @@ import re
 import weakref
 from typing import Any
 
-from kvbatch.engine import ReasoningParser, ReasoningSplit, RequestOutput, TokenLogprobs
+from kvbatch.engine import (
+    ReasoningParser,
+    ReasoningSplit,
+    RequestOutput,
+    TokenLogprobs,
+    bytes_to_unicode,
+)
 from kvbatch.jobs.openai_format.answer_schema import ANSWERS
 from kvbatch.jobs.openai_format.tools import read_answer
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError
@@ -381,18 +387,4 @@ class _TokenTexts:
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level BPE alphabet: each byte as a printable character."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
-_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+_UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
