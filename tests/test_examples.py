@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvbatch import fetch
-from kvbatch.worker.schedule import load_schedule
+from kvbatch.index.spec import load_spec
+from kvbatch.worker.schedule import IndexEntry, load_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = "models"  # `make model` links the fetched model here (kvbatch.fetch --link models)
@@ -24,16 +25,24 @@ def _made_by_make_model(path: str) -> bool:
     return Path(path) == Path(MODELS) / fetch.SMOLLM2_DIR_NAME
 
 
+def _made_by_make(path: str) -> bool:
+    """`make model` (SmolLM2) or `make index-example` (all-MiniLM-L6-v2) makes it."""
+    return _made_by_make_model(path) or Path(path) == Path(MODELS) / "all-MiniLM-L6-v2"
+
+
 def test_schedule_example_paths_resolve():
+    """The example schedule's index entry names the example spec, whose documents are there,
+    whose models `make model` / `make index-example` put in place, and whose output stays
+    under the clone."""
     schedule = load_schedule(ROOT / "examples" / "schedule.toml")
     for job in schedule.jobs:
-        assert (ROOT / job.model).is_dir() or _made_by_make_model(job.model), job.model
-        if job.documents is not None:
-            docs = ROOT / job.documents.prefix
-            assert any(docs.glob("*.txt")), f"{job.name}: no documents in {docs}"
-        if job.input is not None:
-            assert (ROOT / job.input).is_file(), job.input
-        assert not Path(job.output).is_absolute(), "a relative output, under the clone"
+        assert isinstance(job, IndexEntry), job.name
+        spec = load_spec(job.index)
+        assert any(Path(spec.source.uri).glob("*.txt")), f"{job.name}: no documents"
+        for model in (spec.models.generation, spec.models.embedding):
+            rel = Path(model).relative_to(ROOT)
+            assert (ROOT / rel).is_dir() or _made_by_make(str(rel)), model
+        assert Path(spec.output.uri).is_relative_to(ROOT), "an output under the clone"
 
 
 def test_every_example_file_the_docs_name_exists():

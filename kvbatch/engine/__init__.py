@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # what editors and type checkers follow; at run time __getatt
     from kvbatch.engine.pooling.inputs import embedding_inputs as embedding_inputs
     from kvbatch.engine.pooling.matryoshka import truncate_dimensions as truncate_dimensions
     from kvbatch.engine.pooling.outputs import EmbeddingOutput as EmbeddingOutput
-    from kvbatch.engine.pooling.score_pairs import as_pairs as as_pairs
+    from kvbatch.engine.pooling.pairs import as_pairs as as_pairs
     from kvbatch.engine.pooling.score_pairs import reranker_prompt as reranker_prompt
     from kvbatch.engine.pooling.yes_no import LAST_STATE as LAST_STATE
     from kvbatch.engine.pooling.yes_no import YesNoReranker as YesNoReranker
@@ -92,7 +92,7 @@ _EXPORTS = {
     "EmbeddingOutput": "kvbatch.engine.pooling.outputs",
     # scoring pairs (score and rerank lines): vLLM's pairing, and decoder rerankers' prompts,
     # pooling and yes/no projection
-    "as_pairs": "kvbatch.engine.pooling.score_pairs",
+    "as_pairs": "kvbatch.engine.pooling.pairs",
     "reranker_prompt": "kvbatch.engine.pooling.score_pairs",
     "LAST_STATE": "kvbatch.engine.pooling.yes_no",
     "YesNoReranker": "kvbatch.engine.pooling.yes_no",

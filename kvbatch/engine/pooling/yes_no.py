@@ -17,9 +17,13 @@ pooling takes prefix hits).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # no torch at import: job validation reads this module (kvbatch status)
+    import torch
 
 from kvbatch.engine.pooling.config import PoolingConfig, PoolingMethod
 
@@ -65,11 +69,25 @@ class YesNoReranker:
             tokenizer(_render(tokenizer, query, document), add_special_tokens=False)["input_ids"]
         )
 
-    def scores(self, states: torch.Tensor, output_embedding: torch.Tensor) -> list[float]:
-        """states: [n, hidden] last-token states; output_embedding: [vocab, hidden]."""
+    def scores(
+        self, states: torch.Tensor | Sequence[torch.Tensor], output_embedding: torch.Tensor
+    ) -> list[float]:
+        """states: [n, hidden] last-token states (or n [hidden] ones); output_embedding:
+        [vocab, hidden]. sigmoid(logit yes - logit no) per state."""
         rows = output_embedding[[self.yes_token_id, self.no_token_id]].float()  # [2, hidden]
-        logits = states.to(rows.device).float() @ rows.T  # [n, 2]
-        return torch.sigmoid(logits[:, 0] - logits[:, 1]).cpu().tolist()
+        out = []
+        for state in states:  # a [n, hidden] tensor iterates by row
+            yes, no = (state.to(rows.device).float() @ rows.T).tolist()
+            out.append(_sigmoid(yes - no))
+        return out
+
+
+def _sigmoid(x: float) -> float:
+    """1 / (1 + e^-x) without overflow for either sign."""
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
 
 
 def _render(tokenizer, query: str, document: str) -> str:

@@ -17,8 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from kvbatch.engine import LAST_STATE, YesNoReranker
 from kvbatch.jobs.openai_format.responses import embedding_line, error_line, response_key
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError
@@ -108,7 +106,7 @@ class ScoreLines:
             return [o.score for o in outputs]
         if self._reranker is None:
             self._reranker = YesNoReranker.of(self.engine.tokenizer, self.engine.config.model)
-        states = torch.stack([o.embedding for o in outputs])
+        states = [o.embedding for o in outputs]
         return self._reranker.scores(states, self.engine.model.output_embedding)
 
     def _error(self, req: JobRequest, code: str, message: str) -> dict:
