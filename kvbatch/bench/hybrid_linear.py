@@ -79,7 +79,6 @@ GPU_SHAPE = {
     "initializer_range": 0.02,
 }
 SHAPES = {"tiny": TINY_SHAPE, "gpu": GPU_SHAPE}
-SHAPE = TINY_SHAPE  # what the module's callers and tests size by default
 
 
 def model_dir(cache_dir: Path, size: str = "tiny") -> Path:

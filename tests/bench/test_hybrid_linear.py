@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvbatch.bench.hybrid_linear import SHAPE, sequences_per_gb
+from kvbatch.bench.hybrid_linear import TINY_SHAPE, sequences_per_gb
 
 
 def test_a_long_context_holds_about_four_times_the_sequences():
     per_gb = sequences_per_gb(32768)
     ratio = per_gb["hybrid"] / per_gb["full_attention"]
-    layers = SHAPE["num_hidden_layers"]
+    layers = TINY_SHAPE["num_hidden_layers"]
     assert ratio == pytest.approx(4.0, rel=0.02)  # the state slot is small beside 32k of KV
     assert ratio < layers / 2  # ... but not free
 

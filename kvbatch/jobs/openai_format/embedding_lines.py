@@ -8,8 +8,7 @@ refuses makes the whole line an error record, as OpenAI answers a request all or
 
 from __future__ import annotations
 
-from typing import Any
-
+from kvbatch.jobs.openai_format.pooled_inputs import PooledInputs, refusal
 from kvbatch.jobs.openai_format.responses import embedding_line, error_line
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError
 
@@ -21,21 +20,17 @@ class EmbeddingLines:
         self.model = model
         self.engine = engine
         self.batch_id = batch_id
-        self._waiting: dict[str, dict[int, Any]] = {}  # custom_id -> {input index: output}
+        self._inputs = PooledInputs()
 
     def add(self, req: JobRequest, input_index: int, out) -> dict | None:
         """Record input `input_index`'s output; the line's output (or error) line once all of
         `req.num_inputs` inputs are in, else None."""
-        got = self._waiting.setdefault(req.custom_id, {})
-        got[input_index] = out
-        if len(got) < req.num_inputs:
+        outputs = self._inputs.add(req, input_index, out)
+        if outputs is None:
             return None
-        del self._waiting[req.custom_id]
-        outputs = [got[i] for i in range(req.num_inputs)]
-        refused = next((o for o in outputs if getattr(o, "error", None) is not None), None)
+        refused = refusal(outputs, "input")
         if refused is not None:
-            which = f"input {outputs.index(refused)}: " if req.num_inputs > 1 else ""
-            return self._error(req, "invalid_prompt", which + refused.error)
+            return self._error(req, "invalid_prompt", refused)
         # Imported here, not with the module: the body stacks vectors with torch, and the
         # commands that read shards without answering them (status, finalize) never load it.
         from kvbatch.jobs.openai_format.embedding_body import embedding_response

@@ -15,9 +15,9 @@ rows (engine/pooling/yes_no.py). One pair the engine refuses makes the line an e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from kvbatch.engine import LAST_STATE, YesNoReranker
+from kvbatch.jobs.openai_format.pooled_inputs import PooledInputs, refusal
 from kvbatch.jobs.openai_format.responses import embedding_line, error_line, response_key
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError
 
@@ -68,22 +68,18 @@ class ScoreLines:
         self.engine = engine
         self.batch_id = batch_id
         self.created = created
-        self._waiting: dict[str, dict[int, Any]] = {}  # custom_id -> {pair index: output}
+        self._inputs = PooledInputs()
         self._reranker: YesNoReranker | None = None
 
     def add(self, req: JobRequest, pair: int, out) -> dict | None:
         """Record pair `pair`'s output; the line's output (or error) line once every pair is
         in, else None."""
-        got = self._waiting.setdefault(req.custom_id, {})
-        got[pair] = out
-        if len(got) < req.num_inputs:
+        outputs = self._inputs.add(req, pair, out)
+        if outputs is None:
             return None
-        del self._waiting[req.custom_id]
-        outputs = [got[i] for i in range(req.num_inputs)]
-        refused = next((o for o in outputs if getattr(o, "error", None) is not None), None)
+        refused = refusal(outputs, "pair")
         if refused is not None:
-            which = f"pair {outputs.index(refused)}: " if req.num_inputs > 1 else ""
-            return self._error(req, "invalid_prompt", which + refused.error)
+            return self._error(req, "invalid_prompt", refused)
         scores = self._scores(outputs)
         tokens = sum(len(o.prompt_token_ids) for o in outputs)
         cached = sum(getattr(o, "num_cached_tokens", 0) for o in outputs)  # decoder rerankers
