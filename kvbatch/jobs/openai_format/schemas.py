@@ -53,6 +53,7 @@ from kvbatch.engine import (
     embedding_inputs,
 )
 from kvbatch.jobs.openai_format.response_format import PARAMETER_RULE, SHAPES, read_response_format
+from kvbatch.jobs.openai_format.score_schemas import RerankBody, ScoreBody
 from kvbatch.jobs.openai_format.tools import (
     CHOICES,
     ToolCalling,
@@ -561,38 +562,6 @@ class EmbeddingBody(BaseModel):
     encoding_format: Literal["float", "base64"] | None = Field(
         None, description='"float" or "base64"'
     )
-    user: Any = None  # ignored
-
-
-_ScoreText = _NonEmptyStr | Annotated[list[_NonEmptyStr], Field(min_length=1)]
-
-
-class ScoreBody(BaseModel):
-    """The body of a `/v1/score` line (vLLM's ScoreRequest): text_1 against text_2, one text
-    against many (either side) or two lists of the same length item by item."""
-
-    model_config = _STRICT
-
-    model: str | None = Field(None, description="a string (the model's name)")
-    text_1: _ScoreText = Field(description="a non-empty string or a non-empty list of them")
-    text_2: _ScoreText = Field(description="a non-empty string or a non-empty list of them")
-    truncate_prompt_tokens: int | None = Field(None, ge=1, description="an integer >= 1")
-    user: Any = None  # ignored
-
-
-class RerankBody(BaseModel):
-    """The body of a `/v1/rerank` line (vLLM's RerankRequest): documents ranked by their
-    relevance to the query, the `top_n` best kept (all without it)."""
-
-    model_config = _STRICT
-
-    model: str | None = Field(None, description="a string (the model's name)")
-    query: _NonEmptyStr = Field(description="a non-empty string")
-    documents: Annotated[list[_NonEmptyStr], Field(min_length=1)] = Field(
-        description="a non-empty list of non-empty strings"
-    )
-    top_n: int | None = Field(None, ge=1, description="an integer >= 1")
-    truncate_prompt_tokens: int | None = Field(None, ge=1, description="an integer >= 1")
     user: Any = None  # ignored
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kvbatch.engine import YesNoReranker, reranker_prompt
 from kvbatch.jobs.openai_format.prompts import PromptError
+from kvbatch.jobs.openai_format.score_schemas import MODEL_MAX
 from kvbatch.jobs.openai_format.validate import JobRequest
 
 
@@ -35,7 +36,10 @@ def pair_token_ids(req: JobRequest, tokenizer, max_model_len: int, model: str) -
     except ValueError as e:
         raise PromptError("invalid_url", f"url {req.url!r} needs a reranker: {e}") from e
     truncate = req.truncate_prompt_tokens is not None
-    limit = min(req.truncate_prompt_tokens or max_model_len, max_model_len)
+    if req.truncate_prompt_tokens in (None, MODEL_MAX):
+        limit = max_model_len
+    else:
+        limit = min(req.truncate_prompt_tokens, max_model_len)
     out = []
     for i, (query, document) in enumerate(req.pairs or ()):
         try:

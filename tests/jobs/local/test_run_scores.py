@@ -43,7 +43,7 @@ def job_lines() -> list[dict]:
         line("rerank-all", "/v1/rerank", {"query": DOCS[2], "documents": DOCS}),
         line("no-query", "/v1/rerank", {"documents": DOCS}),
         line("no-docs", "/v1/rerank", {"query": QUERY, "documents": []}),
-        line("top-zero", "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 0}),
+        line("top-minus", "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}),
         line("uneven", "/v1/score", {"text_1": [QUERY, QUERY], "text_2": DOCS}),
         line("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
     ]
@@ -100,14 +100,14 @@ def check_job(tmp_path: Path, llm, checkpoint: Path) -> dict:
     assert codes == {
         "no-query": ("missing_prompt", 5),
         "no-docs": ("invalid_parameter", 6),
-        "top-zero": ("invalid_parameter", 7),
+        "top-minus": ("invalid_parameter", 7),
         "uneven": ("invalid_parameter", 8),
         "chat": ("invalid_url", 9),
     }
     messages = {k: e["error"]["message"] for k, e in errors.items()}
     assert "query" in messages["no-query"]
     assert "documents" in messages["no-docs"]
-    assert "top_n" in messages["top-zero"]
+    assert "top_n" in messages["top-minus"]
     assert "same length" in messages["uneven"]
     assert "scoring" in messages["chat"]
     return out
@@ -238,3 +238,32 @@ def test_truncate_prompt_tokens_cuts_as_sentence_transformers(tmp_path: Path, be
     error = errors["long"]["error"]
     assert (error["code"], error["line"]) == ("context_length_exceeded", 2)
     assert "pair 1" in error["message"] and "truncate_prompt_tokens" in error["message"]
+
+
+def test_vllm_no_limit_values_top_n_zero_and_truncate_minus_one(tmp_path: Path, bert):
+    """A body written for vLLM runs unchanged: top_n 0 (vLLM's default) ranks every document,
+    truncate_prompt_tokens -1 cuts at the model's maximum length; 0 and -2 are refused."""
+    from sentence_transformers import CrossEncoder
+
+    checkpoint, llm = bert
+    limit = llm.engine.max_model_len
+    long_doc = " ".join(DOCS * 80)
+    lines = [
+        line("all", "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 0}),
+        line("max", "/v1/score", {"text_1": QUERY, "text_2": long_doc,
+                                  "truncate_prompt_tokens": -1}),
+        line("zero", "/v1/score", {"text_1": QUERY, "text_2": DOCS[0],
+                                   "truncate_prompt_tokens": 0}),
+        line("minus", "/v1/rerank", {"query": QUERY, "documents": DOCS,
+                                     "truncate_prompt_tokens": -2}),
+    ]  # fmt: skip
+    out, errors = run(tmp_path, llm, lines)
+    ranked = [r["relevance_score"] for r in out["all"]["response"]["body"]["results"]]
+    assert ranked == pytest.approx(sorted(llm.score(QUERY, DOCS), reverse=True), abs=1e-5)
+    cut = CrossEncoder(str(checkpoint), device="cpu", max_length=limit).predict([(QUERY, long_doc)])
+    body = out["max"]["response"]["body"]
+    assert body["data"][0]["score"] == pytest.approx(float(cut[0]), abs=1e-5)
+    assert body["usage"]["prompt_tokens"] == limit
+    for key in ("zero", "minus"):
+        assert errors[key]["error"]["code"] == "invalid_parameter"
+        assert "-1 for the model's maximum length" in errors[key]["error"]["message"]
