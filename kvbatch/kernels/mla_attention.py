@@ -170,7 +170,7 @@ def _mla_decode_split_kernel(
         )
 
 
-@step_varying(ints=("num_splits",))
+@step_varying(ints=("stride_lmb", "stride_lmh", "num_splits"))
 def _mla_merge_splits_kernel(
     mid_o_ptr,  # [B, H, S, R] float32
     mid_lse_ptr,  # [B, H, S] float32, log2 units
@@ -224,10 +224,12 @@ class MLATiles(NamedTuple):
 def mla_tiles(dtype: torch.dtype, block_r: int, block_p: int) -> MLATiles:
     """Tile and launch settings: the pipelined latent tiles (block_n x (R + P), num_stages of
     them) must fit in shared memory beside the [BLOCK_H, R] float32 accumulator's registers,
-    so float32 (tests only) and wide latents get fewer tokens a tile."""
+    so float32 (tests only) and wide latents get fewer tokens a tile; a wide accumulator
+    takes 8 warps, or float32 at R = 256 spills (checked with ptxas for sm_90)."""
     width_bytes = (block_r + block_p) * dtype.itemsize
     block_n = 32 if width_bytes <= 1280 else 16  # DeepSeek-V3 bf16: 1152 bytes a token
-    return MLATiles(block_n=block_n, num_warps=4 if block_r <= 256 else 8, num_stages=2)
+    num_warps = 4 if block_r * dtype.itemsize <= 512 else 8  # Mistral 4 bf16: 4
+    return MLATiles(block_n=block_n, num_warps=num_warps, num_stages=2)
 
 
 def check_mla_inputs(
