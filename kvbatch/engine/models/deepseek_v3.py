@@ -103,7 +103,7 @@ class MlaForCausalLM(nn.Module):
         if not attention.query_scale_beta:
             return None
         steps = torch.floor(positions.float() / attention.query_scale_original)
-        return (1 + attention.query_scale_beta * torch.log1p(steps)).to(dtype)
+        return (1 + attention.query_scale_beta * torch.log(1 + steps)).to(dtype)
 
     @torch.inference_mode()
     def forward(
