@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, Mxfp4Config, PreTrainedModel
 
 from kvbatch.engine import LLM, SamplingParams
@@ -39,14 +40,28 @@ def _load(path: str, kw: tuple[tuple[str, object], ...]) -> PreTrainedModel:
     elif _quant_method(p) == "mxfp4":
         options.setdefault("quantization_config", Mxfp4Config(dequantize=True))
     try:
-        model = AutoModelForCausalLM.from_pretrained(p, **options)
+        model = _causal_lm_class(p).from_pretrained(p, **options)
     except ValueError as e:  # Gemma 2 has no SDPA path (its soft-cap): eager is its reference
         if "does not support an attention implementation" not in str(e):
             raise
-        model = AutoModelForCausalLM.from_pretrained(
+        model = _causal_lm_class(p).from_pretrained(
             p, **{**options, "attn_implementation": "eager"}
         )
     return model.to("cpu").eval()
+
+
+NOT_AUTO_MAPPED = {"Mistral4ForCausalLM": transformers.Mistral4ForCausalLM}
+"""Causal LMs that transformers' AutoModelForCausalLM does not map (Mistral 4's model type)."""
+
+
+def _causal_lm_class(folder: Path):
+    config = folder / "config.json"
+    if folder.is_dir() and config.is_file():
+        archs = json.loads(config.read_text()).get("architectures") or []
+        for arch in archs:
+            if arch in NOT_AUTO_MAPPED:
+                return NOT_AUTO_MAPPED[arch]
+    return AutoModelForCausalLM
 
 
 def _quant_method(folder: Path) -> str | None:

@@ -16,14 +16,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     Gemma4TextConfig,
     GenerationConfig,
     GptOssConfig,
     LlamaConfig,
+    Mistral4Config,
+    Mistral4ForCausalLM,
     MistralConfig,
     MixtralConfig,
     Olmo3Config,
@@ -56,6 +60,12 @@ GEMMA_KINDS = ("gemma2", "gemma3")
 DENSE_2026_KINDS = ("smollm3", "olmo3", "gemma4", "gemma4-dense")
 """The dense families of 2026, each its own file in engine/models/."""
 GPT_OSS_KINDS = ("gpt-oss", "gpt-oss-mxfp4")
+MLA_KINDS = ("deepseek-v3", "deepseek-v3-no-qlora", "mistral4")
+"""Multi-head latent attention (engine/models/deepseek_v3.py, mistral4.py): "deepseek-v3" with
+q_lora, a dense first layer, grouped sigmoid routing with a correction bias, a shared expert,
+interleaved YaRN RoPE with mscale and an MTP layer in the file; "deepseek-v3-no-qlora" with
+q_proj, every layer sparse, two shared experts, plain rotate-half RoPE; "mistral4" with softmax
+routing and queries scaled by position past an original 32 positions."""
 """gpt-oss (engine/models/gpt_oss.py): sinks, alternating windows, YaRN, biased experts with the
 clamped SwiGLU; "gpt-oss-mxfp4" is the same model with its experts written in MXFP4 as OpenAI
 publishes them (transformers reads it back with Mxfp4Config(dequantize=True))."""
@@ -69,6 +79,7 @@ KINDS = (
     + GEMMA_KINDS
     + DENSE_2026_KINDS
     + GPT_OSS_KINDS
+    + MLA_KINDS
 )
 """Every kind build_tiny_checkpoint knows."""
 
@@ -93,6 +104,9 @@ _SEED_SALT = {
     "gemma4-dense": 16,
     "gpt-oss": 17,
     "gpt-oss-mxfp4": 17,
+    "deepseek-v3": 18,
+    "deepseek-v3-no-qlora": 19,
+    "mistral4": 20,
 }
 
 VOCAB_SIZE = 512
@@ -267,7 +281,78 @@ def tiny_config(kind: str) -> PretrainedConfig:
                 "original_max_position_embeddings": 32,
             },
         )
+    if kind in MLA_KINDS:
+        return mla_config(kind)
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+_MLA_SIZES = dict(
+    **{**_SIZES, "num_key_value_heads": 4, "intermediate_size": 96},
+    moe_intermediate_size=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=24,
+    num_experts_per_tok=2,
+)
+
+
+def mla_config(kind: str) -> PretrainedConfig:
+    """The tiny MLA kinds (MLA_KINDS says what each switches on)."""
+    if kind == "deepseek-v3":
+        return DeepseekV3Config(
+            **{**_MLA_SIZES, "num_hidden_layers": 3},
+            q_lora_rank=48,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            rope_interleave=True,
+            num_nextn_predict_layers=1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 0.8,
+                "mscale_all_dim": 1.0,
+            },
+        )
+    if kind == "deepseek-v3-no-qlora":
+        return DeepseekV3Config(
+            **_MLA_SIZES,
+            q_lora_rank=None,
+            n_routed_experts=4,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=2,
+            first_k_dense_replace=0,
+            rope_interleave=False,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=False,
+            num_nextn_predict_layers=0,
+        )
+    return Mistral4Config(
+        **{**_MLA_SIZES, "pad_token_id": 0},
+        q_lora_rank=48,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1,
+            "partial_rotary_factor": 8 / 24,
+        },
+    )
 
 
 def gemma4_config(full: bool) -> Gemma4TextConfig:
@@ -314,7 +399,10 @@ def build_tiny_checkpoint(kind: str, path: Path, seed: int = 0, **config_overrid
     config = tiny_config(kind)
     for name, value in config_overrides.items():
         setattr(config, name, value)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if kind == "mistral4":  # transformers' AutoModelForCausalLM does not map mistral4
+        model = Mistral4ForCausalLM(config).to(torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Kinds with the same tensor names and shapes (llama-gqa, llama3-rope, mistral) would
     # otherwise get the same weights; llama-sharded keeps llama-gqa's on purpose.
     randomize_weights(model, seed * len(KINDS) + _SEED_SALT[kind])
@@ -326,13 +414,41 @@ def build_tiny_checkpoint(kind: str, path: Path, seed: int = 0, **config_overrid
         with torch.no_grad():  # sinks large enough to take a real share of the softmax
             for layer in model.model.layers:
                 layer.self_attn.sinks.mul_(20.0)
+    if kind in MLA_KINDS:
+        with torch.no_grad():  # a bias large enough to change which experts are chosen
+            g = torch.Generator().manual_seed(seed)
+            for name, buffer in sorted(model.named_buffers()):
+                if name.endswith("e_score_correction_bias"):
+                    buffer.copy_(0.3 * torch.randn(buffer.shape, generator=g))
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS)
     path = Path(path)
     shard = "100KB" if kind == "llama-sharded" else "1GB"
     model.save_pretrained(path, max_shard_size=shard)
     if kind == "gpt-oss-mxfp4":
         write_mxfp4_experts(path)
+    if getattr(config, "num_nextn_predict_layers", 0):
+        write_mtp_layer(path, config.num_hidden_layers)
     return path
+
+
+def write_mtp_layer(path: Path, index: int) -> None:
+    """Add a multi-token-prediction layer `model.layers.{index}.*` to a saved DeepSeek-V3
+    folder, as DeepSeek publishes it (a decoder layer plus its eh_proj, enorm, hnorm and
+    shared_head): transformers ignores it, and so must the engine."""
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    last = f"model.layers.{index - 1}."
+    for name in [k for k in tensors if k.startswith(last)]:
+        tensors[f"model.layers.{index}." + name[len(last) :]] = tensors[name].clone()
+    hidden = tensors["model.norm.weight"].shape[0]
+    for extra, shape in (
+        ("eh_proj.weight", (hidden, 2 * hidden)),
+        ("enorm.weight", (hidden,)),
+        ("hnorm.weight", (hidden,)),
+        ("shared_head.norm.weight", (hidden,)),
+    ):
+        tensors[f"model.layers.{index}.{extra}"] = torch.ones(shape)
+    save_file(tensors, file, metadata={"format": "pt"})
 
 
 def write_mxfp4_experts(path: Path) -> None:

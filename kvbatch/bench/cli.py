@@ -68,6 +68,8 @@ TOOLS: dict[str, Callable[[list[str] | None], int]] = {
     "gemma-window": partial(_lazy_main, "gemma_window"),
     # a Qwen3.5 shape (linear + full attention) beside transformers, and sequences per GiB
     "hybrid-linear": partial(_lazy_main, "hybrid_linear"),
+    # a DeepSeek-V3 shape (MLA + grouped experts) beside transformers, and KV bytes per token
+    "mla": partial(_lazy_main, "mla"),
     # `kvbatch submit` of 10k, 100k, 1M generated chat lines: time a line and peak memory
     "submit-lines": partial(_lazy_main, "submit_bench"),
     # decode ms per step: one document's rows, a mixed batch, several documents (index shape)

@@ -10,7 +10,8 @@ offset`) before any attention of that layer runs, so a chunk sees its cached pre
 and even blocks that another sequence of the same step fills (prefix hits on a block being
 computed in this very step are therefore safe).
 
-The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V),
+The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V; an
+MLA layer's is one latent plane, `[1, num_blocks, block_size, 1, R + P]`: engine/attention/latent.py),
 in the model's dtype, or in `torch.float8_e4m3fn` with kv_cache_dtype="fp8": then it holds
 k / k_scale and v / v_scale (`KVScales`, one pair per layer) and attention multiplies them back.
 """
@@ -88,6 +89,16 @@ class AttentionBackend(Protocol):
         scales: KVScales = UNIT_KV_SCALES,
         layer: LayerAttention = FULL_ATTENTION,  # the layer's window, scale and soft-cap
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
+
+    def latent_decode(
+        self,
+        q_latent: torch.Tensor,  # [B, H, R] MLA queries already multiplied by W_UK
+        q_rope: torch.Tensor,  # [B, H, P] their rotated rope part
+        latent_cache: torch.Tensor,  # [num_blocks, block_size, R + P]
+        block_tables: torch.Tensor,  # [B, max_blocks]
+        seq_lens: torch.Tensor,  # [B] keys each row reads, its own included
+        scale: float,
+    ) -> torch.Tensor: ...  # [B, H, R]: softmax(q.k) @ latent[:R] (engine/attention/latent.py)
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from kvbatch.engine.attention.cascade import SOLO_PREFIX_MIN_TOKENS, cascade_decode
 from kvbatch.engine.attention.decode_rows import length_buckets, window_tail
 from kvbatch.engine.attention.kv_view import KVView
+from kvbatch.engine.attention.latent import latent_decode_attention
 from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention, attend
 from kvbatch.engine.attention.metadata import (
     UNIT_KV_SCALES,
@@ -58,6 +59,20 @@ class TorchAttentionBackend:
             rows = slice(span.query_start, span.query_start + span.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, span, scales, layer)
         return out
+
+    @staticmethod
+    def latent_decode(
+        q_latent: torch.Tensor,  # [B, H, R] absorbed queries
+        q_rope: torch.Tensor,  # [B, H, P]
+        latent_cache: torch.Tensor,  # [num_blocks, block_size, R + P]
+        block_tables: torch.Tensor,  # [B, max_blocks]
+        seq_lens: torch.Tensor,  # [B]
+        scale: float,
+    ) -> torch.Tensor:  # [B, H, R]
+        """MLA decode rows in the latent space (engine/attention/latent.py)."""
+        return latent_decode_attention(
+            q_latent, q_rope, latent_cache, block_tables, seq_lens, scale
+        )
 
     @staticmethod
     def _decode(

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbatch.engine.attention.latent import latent_decode_attention
 from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention
 from kvbatch.engine.attention.metadata import UNIT_KV_SCALES, AttentionMetadata, KVScales
 from kvbatch.kernels.kv_quant import is_fp8
@@ -94,12 +95,38 @@ class TritonAttentionBackend:
         from kvbatch.kernels.merge_states import merge_attention_states
         from kvbatch.kernels.prefill_attention import paged_prefill_attention
 
+        try:  # MLA's absorbed decode: its kernel, where this branch has it
+            from kvbatch.kernels.mla_attention import mla_decode_attention
+        except ModuleNotFoundError:  # until then the torch reference (same signature) runs
+            mla_decode_attention = latent_decode_attention
+
+        self._mla_decode = mla_decode_attention
         self._decode = paged_decode_attention
         self._prefill = paged_prefill_attention
         self._merge = merge_attention_states
         self._write = write_kv_cache
         self._step_meta: AttentionMetadata | None = None
         self._step: StepTensors | None = None
+
+    def latent_decode(
+        self,
+        q_latent: torch.Tensor,  # [B, H, R] absorbed queries
+        q_rope: torch.Tensor,  # [B, H, P]
+        latent_cache: torch.Tensor,  # [num_blocks, block_size, R + P]
+        block_tables: torch.Tensor,  # [B, max_blocks]
+        seq_lens: torch.Tensor,  # [B]
+        scale: float,
+    ) -> torch.Tensor:  # [B, H, R]
+        """MLA decode rows in the latent space (engine/attention/latent.py):
+        kernels/mla_attention.py's `mla_decode_attention`."""
+        return self._mla_decode(
+            q_latent,
+            q_rope,
+            latent_cache,
+            block_tables.to(torch.int32),
+            seq_lens.to(torch.int32),
+            scale,
+        )
 
     def step_tensors(self, meta: AttentionMetadata) -> StepTensors:
         """Packed once per step (keyed by the metadata object), reused by every layer."""

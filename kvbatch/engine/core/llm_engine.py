@@ -89,6 +89,11 @@ class LLMEngine:
         self.kv_dtype = config.cache.kv_torch_dtype(self.dtype)  # kv_cache_dtype
         loaded = load_model(config.model, self.dtype, self.device, config.quantization)
         self.model, self.model_config = loaded.model, loaded.config
+        if self.model_config.is_latent and config.cache.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"kv_cache_dtype='fp8' is not supported for {self.model_config.architecture}: "
+                "its latent (MLA) cache has no FP8 path yet; use kv_cache_dtype='auto'"
+            )
         apply_kv_cache_scales(
             self.model, loaded.kv_cache_scales, loaded.quantization, self.kv_dtype
         )
@@ -171,6 +176,10 @@ class LLMEngine:
         self._num_finished = 0
         self._in_flight: LaunchedStep | None = None  # async scheduling: not yet finished
         self._capture_decode_graphs(backend, scheduler_config)
+        # what one token of one sequence costs in the pool, every KV layer together
+        self.kv_bytes_per_token = (
+            kv_bytes_per_block(self.model, cache.block_size, self.kv_dtype) // cache.block_size
+        )
         log_kv_pool(
             num_blocks,
             cache.block_size,
@@ -180,6 +189,7 @@ class LLMEngine:
             self.max_model_len_why,
             layout=self.kv_layout,
             max_chunk=scheduler_config.max_num_batched_tokens,
+            bytes_per_token=self.kv_bytes_per_token,
         )
         self.frozen_gc_objects = 0  # objects the startup freeze took out of GC passes
         if self._freeze_gc():
@@ -297,6 +307,8 @@ class LLMEngine:
     def _capture_decode_graphs(self, backend, scheduler_config: SchedulerConfig) -> None:
         """On CUDA with the triton backend, decode steps replay graphs from now on."""
         if self.runner.states is not None:  # hybrid models' steps run eagerly
+            return
+        if self.model_config.is_latent:  # MLA prefill chunks run torch code sized per step
             return
         if self.config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
             self.runner.capture_step_graphs(

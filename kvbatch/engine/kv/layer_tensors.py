@@ -11,7 +11,9 @@ things break that, both in Gemma 4:
   block as its own shape (a strided view: the block stride stays the slot's);
 - KV-shared layers: a layer that reads an earlier layer's cache (ModelConfig.kv_owner) gets
   that layer's tensor and owns none.
-A hybrid model's linear-attention layers keep no KV (ModelConfig.keeps_kv): the list holds the
+A latent (MLA) layer caches one vector per token, not K and V (ModelConfig.kv_planes 1): its
+tensor is [1, blocks, block_size, 1, R + P], and a block costs half what a K/V layer of the
+same width would. A hybrid model's linear-attention layers keep no KV (ModelConfig.keeps_kv): the list holds the
 layers that do, in layer order, which the model file indexes by its attention layers' count.
 
 Blocks are zeroed, so masked-out padding positions never hold NaN (0 * NaN would poison
@@ -40,11 +42,22 @@ def _token_elems(cfg, layer: int) -> int:
     return heads * head_dim
 
 
+def _planes(cfg, layers: list[int]) -> int:
+    """K and V (2), or a latent's one plane, for the layers of one pool tensor."""
+    planes = {cfg.kv_planes(i) for i in layers}
+    if len(planes) != 1:
+        raise ValueError("layers sharing a KV slot must all cache K and V, or all a latent")
+    return planes.pop()
+
+
 def kv_block_bytes(cfg, block_size: int, dtype: torch.dtype, layout: KVLayout | None) -> int:
-    """One block's K and V over every pool tensor, each as wide as its widest layer."""
+    """One block's K and V (or latents) over every pool tensor, each as wide as its widest
+    layer."""
     elem = torch.empty((), dtype=dtype).element_size()
-    widest = [max(_token_elems(cfg, i) for i in layers) for layers in kv_slot_layers(cfg, layout)]
-    return sum(2 * block_size * w * elem for w in widest)
+    return sum(
+        _planes(cfg, layers) * block_size * max(_token_elems(cfg, i) for i in layers) * elem
+        for layers in kv_slot_layers(cfg, layout)
+    )
 
 
 def layer_kv_tensors(
@@ -55,22 +68,23 @@ def layer_kv_tensors(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """Each KV layer's [2, num_blocks, block_size, kv_heads, head_dim] cache, in layer order:
-    views of the pool tensors (the owner's for a KV-shared layer)."""
+    """Each KV layer's [2, num_blocks, block_size, kv_heads, head_dim] cache (a latent layer's
+    [1, ...]), in layer order: views of the pool tensors (the owner's for a KV-shared layer)."""
     own: dict[int, torch.Tensor] = {}
     for layers in kv_slot_layers(cfg, layout):
         shapes = {cfg.kv_shape(i) for i in layers}
+        planes = _planes(cfg, layers)
         if len(shapes) == 1:  # one shape: a plain tensor, as every model had before
             heads, head_dim = shapes.pop()
             pool = torch.zeros(
-                2, num_blocks, block_size, heads, head_dim, dtype=dtype, device=device
+                planes, num_blocks, block_size, heads, head_dim, dtype=dtype, device=device
             )
             own.update((i, pool) for i in layers)
             continue
         widest = max(_token_elems(cfg, i) for i in layers)
-        pool = torch.zeros(2, num_blocks, block_size * widest, dtype=dtype, device=device)
+        pool = torch.zeros(planes, num_blocks, block_size * widest, dtype=dtype, device=device)
         for i in layers:
             heads, head_dim = cfg.kv_shape(i)
             used = pool[:, :, : block_size * heads * head_dim]
-            own[i] = used.view(2, num_blocks, block_size, heads, head_dim)
+            own[i] = used.view(planes, num_blocks, block_size, heads, head_dim)
     return [own[cfg.kv_owner(i)] for i in range(cfg.num_layers) if cfg.keeps_kv(i)]

@@ -182,9 +182,11 @@ def log_kv_pool(
     why: str = "",
     layout: KVLayout | None = None,
     max_chunk: int = 0,
+    bytes_per_token: int = 0,
 ) -> None:
-    """The startup line: how much the pool holds, the context length and `why` it is that,
-    and what that means for requests at once; with window groups, a line per group first."""
+    """The startup line: how much the pool holds, at how many bytes per token (every KV
+    layer's K and V, or an MLA layer's latent), the context length and `why` it is that, and
+    what that means for requests at once; with window groups, a line per group first."""
     kv_tokens = num_blocks * block_size
     at_once = requests_at_once(kv_tokens, max_model_len, max_num_seqs)
     if layout is not None and layout.is_hybrid:
@@ -197,13 +199,14 @@ def log_kv_pool(
             num_blocks=num_blocks,
         )
     log.info(
-        "KV cache (%s): %d tokens (%d blocks of %d), max_model_len=%d%s; shared by the requests "
-        "running at once: prompt + answer tokens of all of them must fit, so %s; requests "
-        "beyond that wait their turn (shared prefixes are stored once)",
+        "KV cache (%s): %d tokens (%d blocks of %d)%s, max_model_len=%d%s; shared by the "
+        "requests running at once: prompt + answer tokens of all of them must fit, so %s; "
+        "requests beyond that wait their turn (shared prefixes are stored once)",
         str(kv_dtype).removeprefix("torch."),
         kv_tokens,
         num_blocks,
         block_size,
+        f", {bytes_per_token:,} bytes per token" if bytes_per_token else "",
         max_model_len,
         f" ({why})" if why else "",
         at_once,

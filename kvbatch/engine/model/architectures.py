@@ -13,6 +13,27 @@ from __future__ import annotations
 
 from kvbatch.engine.model.registry import Architecture
 
+REFUSED_ARCHITECTURES = {
+    "DeepseekV32ForCausalLM": (
+        "DeepSeek-V3.2's sparse attention (its lightning indexer picks the keys each query "
+        "reads) is not supported; kvbatch runs DeepSeek-V3's dense MLA "
+        "(DeepseekV3ForCausalLM)"
+    ),
+    "GlmMoeDsaForCausalLM": (
+        "its DeepSeek sparse attention (an indexer picking the keys each query reads) is not "
+        "supported; kvbatch runs dense MLA (DeepseekV3ForCausalLM, Mistral4ForCausalLM)"
+    ),
+    "KimiLinearForCausalLM": (
+        "Kimi Linear's KDA linear-attention layers are not supported (its MLA layers would "
+        "be, but not the model without the others)"
+    ),
+    "DeepseekV2ForCausalLM": (
+        "DeepSeek-V2's routers (greedy and group-limited softmax top-k) are not implemented; "
+        "its MLA is DeepSeek-V3's, so DeepSeek-V3-family checkpoints run"
+    ),
+}
+"""Architectures close to a supported one, refused with what they have that kvbatch lacks."""
+
 CROSS_ENCODER_ARCHITECTURES = (
     "BertForSequenceClassification",
     "XLMRobertaForSequenceClassification",

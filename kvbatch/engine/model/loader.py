@@ -215,12 +215,21 @@ def _build(
         shown = some_names(missing, 5)
         raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
     check_shapes(state_dict, {k: owned[k] for k in expected}, cfg)
-    weights = {k: state_dict[k].to(device=device, dtype=dtype) for k in expected}
+    weights = {k: state_dict[k].to(device=device, dtype=_dtype_of(k, dtype)) for k in expected}
     weights.update((k, v) for k, v in owned.items() if k not in expected)
     model.load_state_dict(weights, assign=True, strict=True)
     model.rebuild_rotary(device)  # its buffers were built on meta
     merge_projections(model)  # q/k/v and gate/up as one GEMM each (engine/layers/linear.py)
     return model.eval()
+
+
+FLOAT32_TENSOR_SUFFIXES = ("e_score_correction_bias",)
+"""Tensors kept in float32 whatever the model's dtype, as transformers keeps them: DeepSeek-V3's
+router correction bias, whose small differences between experts pick the experts."""
+
+
+def _dtype_of(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith(FLOAT32_TENSOR_SUFFIXES) else dtype
 
 
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -6,6 +6,9 @@ Routers differ by model, as their configs say:
 - Mixtral: softmax over the experts, top k, the k weights renormalised to sum to one.
 - Qwen3-MoE and Qwen2-MoE: the same, renormalised only when `norm_topk_prob` is set.
 - Qwen2-MoE adds a shared expert (a dense SwiGLU MLP every token runs) scaled by a sigmoid gate.
+- DeepSeek-V3 and Mistral 4: a grouped top-k router (sigmoid or softmax scores, a correction
+  bias that changes the choice only, a scaling factor), shared experts, and dense first layers
+  (engine/layers/grouped_moe.py; the routing rule is engine/model/latent_attention.py's).
 - gpt-oss: a router with a bias, the top k logits softmaxed (the same weights as the softmax
   over all experts renormalised over the top k); experts with biases and a clamped SwiGLU.
 """
@@ -27,6 +30,8 @@ MOE_ARCHITECTURES = (
     "Qwen3NextForCausalLM",
     "Qwen3_5MoeForCausalLM",
     "GptOssForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Mistral4ForCausalLM",
 )
 
 
@@ -93,6 +98,17 @@ class MoeConfig:
                 intermediate_size=hf_config.moe_intermediate_size,
                 renormalize=True,
                 shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
+            )
+        if architecture in ("DeepseekV3ForCausalLM", "Mistral4ForCausalLM"):
+            dense = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
+            return cls(
+                num_experts=hf_config.n_routed_experts,
+                top_k=hf_config.num_experts_per_tok,
+                intermediate_size=hf_config.moe_intermediate_size,
+                renormalize=bool(hf_config.norm_topk_prob),
+                dense_layers=frozenset(range(dense)),
+                shared_expert_intermediate_size=hf_config.moe_intermediate_size
+                * int(getattr(hf_config, "n_shared_experts", 0) or 0),
             )
         if architecture == "GptOssForCausalLM":
             return cls(

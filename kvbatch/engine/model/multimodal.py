@@ -33,6 +33,10 @@ TEXT_MODEL_OF = {
 }
 """Vision-language architectures whose text model the engine runs, and that model's name."""
 
+TEXT_MODEL_OF_TYPE = {"mistral4": "Mistral4ForCausalLM"}
+"""Text configs whose model type names another text model than the wrapper's usual one:
+Mistral Small 4 is a Mistral3ForConditionalGeneration around a Mistral 4 (MLA) text model."""
+
 # (checkpoint prefix, engine prefix), first match wins
 _TEXT_PREFIXES = (
     ("model.language_model.", "model."),
@@ -59,7 +63,8 @@ def language_model_config(hf_config):
     if wrapper is None:
         return hf_config, False
     text = copy.deepcopy(hf_config.get_text_config())
-    text.architectures = [TEXT_MODEL_OF[wrapper]]
+    text_model = TEXT_MODEL_OF_TYPE.get(getattr(text, "model_type", ""), TEXT_MODEL_OF[wrapper])
+    text.architectures = [text_model]
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         if getattr(text, key, None) is None and getattr(hf_config, key, None) is not None:
             setattr(text, key, getattr(hf_config, key))
@@ -69,7 +74,7 @@ def language_model_config(hf_config):
         "%s: loading its text model (%s) for text prompts; the vision tower is not loaded "
         "and image inputs are refused",
         wrapper,
-        TEXT_MODEL_OF[wrapper],
+        text_model,
     )
     return text, True
 

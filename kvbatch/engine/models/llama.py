@@ -23,7 +23,7 @@ from kvbatch.engine.layers.mlp import GatedMLP
 from kvbatch.engine.layers.moe import SparseMoeBlock
 from kvbatch.engine.layers.norm import RMSNorm
 from kvbatch.engine.layers.rotary import RotaryEmbedding
-from kvbatch.engine.model.architectures import check_supported_features
+from kvbatch.engine.model.architectures import REFUSED_ARCHITECTURES, check_supported_features
 from kvbatch.engine.model.linear_attention import LinearAttentionConfig
 from kvbatch.engine.model.moe import MoeConfig
 from kvbatch.engine.model.multimodal import TEXT_MODEL_OF
@@ -105,6 +105,16 @@ class ModelConfig:
         shape = getattr(self.family, "kv_shape", None)
         return shape(layer) if shape is not None else (self.num_kv_heads, self.head_dim)
 
+    def kv_planes(self, layer: int) -> int:
+        """Tensors per token in layer `layer`'s cache: 2 (K and V), or 1 for a latent (MLA)
+        layer, whose one vector stands for both (engine/model/latent_attention.py)."""
+        return getattr(self.family, "kv_planes", 2)
+
+    @property
+    def is_latent(self) -> bool:
+        """Whether the layers cache MLA latents rather than per-head K and V."""
+        return self.kv_planes(0) == 1
+
     def keeps_kv(self, layer: int) -> bool:
         """Whether layer `layer` attends over the paged KV cache (a hybrid's linear layers keep
         a recurrent state instead)."""
@@ -132,6 +142,11 @@ class ModelConfig:
         archs = list(getattr(hf_config, "architectures", None) or [])
         model_type = getattr(hf_config, "model_type", "")
         entry, has_lm_head = architecture_named(archs, model_type)
+        refused = next((a for a in archs if a in REFUSED_ARCHITECTURES), None)
+        if entry is None and refused is not None:
+            raise ValueError(
+                f"architecture {refused} is not supported: {REFUSED_ARCHITECTURES[refused]}"
+            )
         if entry is None:
             found = ", ".join(archs) or model_type or "unknown"
             raise ValueError(

@@ -138,3 +138,31 @@ def test_other_vision_language_models_are_still_refused(tmp_path):
         match="Qwen2VLForConditionalGeneration is not supported.*the text model of Gemma3ForConditionalGeneration",
     ):
         load_model(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_mistral_small_4_runs_its_mla_text_model(tmp_path):
+    """Mistral Small 4 (Mistral3ForConditionalGeneration around a Mistral 4 text model): the
+    MLA text model is loaded, and answers as the whole model on text."""
+    mla = dict(
+        TEXT, num_key_value_heads=4, head_dim=24, intermediate_size=96, moe_intermediate_size=32,
+        kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+        n_routed_experts=4, num_experts_per_tok=2, model_type="mistral4",
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
+                         "original_max_position_embeddings": 32, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1,
+                         "partial_rotary_factor": 8 / 24},
+    )  # fmt: skip
+    config = Mistral3Config(
+        text_config=mla,
+        vision_config={**VISION, "model_type": "pixtral", "image_size": 28, "patch_size": 14},
+        tie_word_embeddings=False,
+    )
+    model = Mistral3ForConditionalGeneration(config)
+    randomize_weights(model, seed=4)
+    model.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    assert loaded.config.architecture == "Mistral4ForCausalLM" and loaded.config.is_latent
+    ids = random_prompts(512, (45,), seed=4)[0]  # past the original 32 positions
+    with torch.no_grad():
+        want = reference(tmp_path)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill_logits(loaded.model, ids, 7), want, atol=1e-4, rtol=0)

@@ -1,0 +1,188 @@
+"""`kvbatch bench mla`: a multi-head latent attention model (DeepSeek-V3's layer: MLA with
+q_lora, a dense first layer, grouped routing, shared experts) in kvbatch beside transformers,
+and the KV bytes per token of its latent cache against a GQA model of the same layers.
+
+One seeded job (a shared system prompt, then a unique tail per prompt; greedy answers) runs
+through kvbatch (continuous batching, prefix caching, expanded prefill, absorbed decode over
+the latent cache) and through transformers' generate one prompt at a time; the greedy tokens
+must be identical. Then the KV bytes per token: kvbatch's own figure (the engine's startup
+line: (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes) against K and V of
+`--gqa-kv-heads` heads of qk_nope + qk_rope dims in every layer, and the same two for
+DeepSeek-V3's published shape (computed from its config, not run).
+
+    kvbatch bench mla [--num-prompts N] [--prompt-tokens N] [--system-tokens N]
+                      [--output-tokens N] [--gqa-kv-heads N] [--json PATH]
+                      [--device cpu|cuda] [--dtype D] [--threads N]
+
+The model is random (no download): a DeepseekV3Config written once into `--cache-dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+from kvbatch.bench.machine import machine_info
+from kvbatch.bench.models import build_once
+from kvbatch.bench.text_table import format_rows
+from kvbatch.engine import LLM, SamplingParams
+
+TINY_SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    max_position_embeddings=4096,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def model_dir(cache_dir: Path) -> Path:
+    def write(folder: Path) -> None:
+        torch.manual_seed(0)
+        config = DeepseekV3Config(**TINY_SHAPE)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+
+    return build_once(
+        cache_dir / "deepseek-v3-shape", lambda p: (p / "config.json").exists(), write
+    )
+
+
+def kv_bytes_per_token(config, gqa_kv_heads: int, elem: int = 2) -> dict[str, int]:
+    """Bytes one token's cache costs over all layers: the MLA latent, and K and V of
+    `gqa_kv_heads` heads of qk_nope + qk_rope dims (a GQA model of the same layers)."""
+    layers = config.num_hidden_layers
+    latent = (config.kv_lora_rank + config.qk_rope_head_dim) * layers * elem
+    head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    return {"mla": latent, "gqa": 2 * gqa_kv_heads * head_dim * layers * elem}
+
+
+def job(args) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    vocab = range(3, TINY_SHAPE["vocab_size"])
+    system = rng.choices(vocab, k=args.system_tokens)
+    tail = args.prompt_tokens - args.system_tokens
+    return [system + rng.choices(vocab, k=tail) for _ in range(args.num_prompts)]
+
+
+def run_kvbatch(path: Path, prompts, args) -> tuple[float, list[list[int]], int, int]:
+    llm = LLM(str(path), device=args.device, dtype=args.dtype, max_num_seqs=args.num_prompts)
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = [o.outputs[0].token_ids for o in outs]
+    return seconds, tokens, llm.stats().prefix_hits, llm.engine.kv_bytes_per_token
+
+
+def run_transformers(path: Path, prompts, args) -> tuple[float, list[list[int]]]:
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    start, out = time.perf_counter(), []
+    for ids in prompts:
+        with torch.inference_mode():
+            gen = model.generate(
+                torch.tensor([ids], device=args.device),
+                max_new_tokens=args.output_tokens,
+                do_sample=False,
+                eos_token_id=None,
+            )
+        out.append(gen[0, len(ids) :].tolist())
+    return time.perf_counter() - start, out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvbatch bench mla", description=__doc__)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=192)
+    p.add_argument("--system-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--gqa-kv-heads", type=int, default=8, help="KV heads of the GQA figure")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/kvbatch/bench")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default=None, help="default float32 on the CPU, bfloat16 on cuda")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Returns 0, or 1 when kvbatch's greedy tokens differ from transformers'."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if not 0 < args.system_tokens < args.prompt_tokens:
+        raise SystemExit("--system-tokens must be between 0 and --prompt-tokens")
+    torch.set_num_threads(args.threads)
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    path = model_dir(args.cache_dir)
+    prompts = job(args)
+    kv_s, kv_tokens, hits, measured = run_kvbatch(path, prompts, args)
+    hf_s, hf_tokens = run_transformers(path, prompts, args)
+    same = kv_tokens == hf_tokens
+    out_tokens = args.num_prompts * args.output_tokens
+    elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    tiny = kv_bytes_per_token(DeepseekV3Config(**TINY_SHAPE), args.gqa_kv_heads, elem)
+    v3 = kv_bytes_per_token(DeepseekV3Config(), args.gqa_kv_heads)
+    rows = [
+        ["engine", "seconds", "output tok/s", "prefix hits"],
+        ["kvbatch", f"{kv_s:.2f}", f"{out_tokens / kv_s:.1f}", str(hits)],
+        ["transformers", f"{hf_s:.2f}", f"{out_tokens / hf_s:.1f}", "-"],
+    ]
+    print("\n".join(format_rows(rows)))
+    print(
+        f"kvbatch / transformers: {hf_s / kv_s:.2f}x; greedy tokens "
+        f"{'identical' if same else 'DIFFER'}"
+    )
+    print(
+        f"KV bytes per token ({args.dtype}): MLA {measured:,} (engine; formula {tiny['mla']:,}), "
+        f"GQA with {args.gqa_kv_heads} KV heads {tiny['gqa']:,} ({tiny['gqa'] / measured:.1f}x); "
+        f"DeepSeek-V3's shape in bfloat16: MLA {v3['mla']:,}, GQA {v3['gqa']:,} "
+        f"({v3['gqa'] / v3['mla']:.1f}x)"
+    )
+    if args.json is not None:
+        result = {
+            "bench": "mla",
+            "command": shlex.join(["kvbatch", "bench", "mla", *argv]),
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": machine_info(args.device),
+            "dtype": args.dtype,
+            "kvbatch_seconds": kv_s,
+            "transformers_seconds": hf_s,
+            "prefix_hits": hits,
+            "same_tokens": same,
+            "kv_bytes_per_token": {"engine": measured, **tiny},
+            "deepseek_v3_kv_bytes_per_token": v3,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
