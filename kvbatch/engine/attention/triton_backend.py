@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbatch.engine.attention.latent import latent_decode_attention
 from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention
 from kvbatch.engine.attention.metadata import UNIT_KV_SCALES, AttentionMetadata, KVScales
 from kvbatch.kernels.kv_quant import is_fp8
@@ -93,12 +92,8 @@ class TritonAttentionBackend:
         from kvbatch.kernels.decode_attention import paged_decode_attention
         from kvbatch.kernels.kv_write import write_kv_cache
         from kvbatch.kernels.merge_states import merge_attention_states
+        from kvbatch.kernels.mla_attention import mla_decode_attention
         from kvbatch.kernels.prefill_attention import paged_prefill_attention
-
-        try:  # MLA's absorbed decode: its kernel, where this branch has it
-            from kvbatch.kernels.mla_attention import mla_decode_attention
-        except ModuleNotFoundError:  # until then the torch reference (same signature) runs
-            mla_decode_attention = latent_decode_attention
 
         self._mla_decode = mla_decode_attention
         self._decode = paged_decode_attention
