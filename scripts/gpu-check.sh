@@ -44,6 +44,11 @@
 #                 about 2B parameters, random, bfloat16), 32 prompts of 2,048 tokens sharing
 #                 1,536, 64 out, beside transformers' generate, and sequences per GiB against
 #                 full attention (--cpu: its tiny size; skipped past BUDGET_S)
+#   rag-mla       kvbatch bench mla --size gpu --device cuda --dtype float32 --json rag-mla.json:
+#                 DeepSeek-V3's attention widths (128 heads, latent 512 + rope 64) on 4 layers
+#                 with 16 grouped-routed experts, random; 32 prompts of 1,024 tokens sharing 768,
+#                 32 out, beside transformers' generate (greedy tokens must be equal), and KV
+#                 bytes per token against GQA (--cpu: its tiny size; skipped past BUDGET_S)
 #   quant-greedy  scripts/quant_greedy_check.py: online FP8, W4A16 (GPTQ, rounded random
 #                 weights) and block-wise FP8 (Qwen3-*-FP8's layout) models on kvbatch.kernels'
 #                 GEMMs against the reference path, float32, on tiny, rag-shape and tiny
@@ -173,6 +178,7 @@ if [ "$CPU" = 1 ]; then
                          --freeze-gc)
   GEMMA_WINDOW_SIZE=(--size tiny)
   HYBRID_SIZE=(--size tiny --device cpu)
+  MLA_SIZE=(--size tiny --device cpu)
 else
   MODE=gpu
   TINY=()
@@ -184,6 +190,9 @@ else
   QUANT_GEMM=()
   LONG_PREFILL_DEFAULTS=()
   GEMMA_WINDOW_SIZE=(--size gpu)
+  # float32: the greedy tokens must equal transformers' (the latent decode kernel's check)
+  MLA_SIZE=(--size gpu --device cuda --dtype float32 --num-prompts 32 --prompt-tokens 1024
+            --system-tokens 768 --output-tokens 32)
   HYBRID_SIZE=(--size gpu --device cuda --num-prompts 32 --prompt-tokens 2048 --system-tokens 1536
                --output-tokens 64)
 fi
@@ -211,6 +220,7 @@ RAG_QWEN3_TIMEOUT=${RAG_QWEN3_TIMEOUT:-150}  # builds the 2.8 B-parameter model;
 RAG_GPT_OSS_TIMEOUT=${RAG_GPT_OSS_TIMEOUT:-180}  # builds 4.2 GB of weights; as rag-moe
 EMBED_GPU_TIMEOUT=${EMBED_GPU_TIMEOUT:-120}  # builds two random embedding models; as rag-moe
 RAG_HYBRID_TIMEOUT=${RAG_HYBRID_TIMEOUT:-180}  # builds the 2 B-parameter Qwen3.5 shape once
+RAG_MLA_TIMEOUT=${RAG_MLA_TIMEOUT:-180}  # builds the 0.8 B-parameter DeepSeek-V3 shape once
 # builds the 1 B-parameter model, then two engines each run the job; skipped past BUDGET_S
 RAG_GEMMA_TIMEOUT=${RAG_GEMMA_TIMEOUT:-240}
 RAG_TIMEOUT=${RAG_TIMEOUT:-200}
@@ -413,6 +423,15 @@ if ! wanted rag-hybrid; then
 elif fits rag-hybrid "$RAG_HYBRID_TIMEOUT"; then
   step rag-hybrid "$RAG_HYBRID_TIMEOUT" "$PY" -m kvbatch.cli bench hybrid-linear \
     "${HYBRID_SIZE[@]}" --json "$OUT_DIR/rag-hybrid.json"
+fi
+# rag-mla: a DeepSeek-V3-shaped model (multi-head latent attention: the latent cache, expanded
+# prefill, absorbed decode in kernels/mla_attention.py; grouped routing) beside transformers'
+# generate, and KV bytes per token against GQA
+if ! wanted rag-mla; then
+  skip rag-mla "not in --only"
+elif fits rag-mla "$RAG_MLA_TIMEOUT"; then
+  step rag-mla "$RAG_MLA_TIMEOUT" "$PY" -m kvbatch.cli bench mla \
+    "${MLA_SIZE[@]}" --json "$OUT_DIR/rag-mla.json"
 fi
 # The same with every mixed step eager (no CUDA graphs for steps with a chunk): what the
 # mixed-step graphs gain; LONG_PREFILL_EAGER=0 skips it

@@ -12,9 +12,12 @@ DeepSeek-V3's published shape (computed from its config, not run).
 
     kvbatch bench mla [--num-prompts N] [--prompt-tokens N] [--system-tokens N]
                       [--output-tokens N] [--gqa-kv-heads N] [--json PATH]
-                      [--device cpu|cuda] [--dtype D] [--threads N]
+                      [--size tiny|gpu] [--device cpu|cuda] [--dtype D] [--threads N]
 
 The model is random (no download): a DeepseekV3Config written once into `--cache-dir`.
+`--size tiny` (the default) is 4 small layers for the CPU; `--size gpu` has DeepSeek-V3's
+attention widths (128 heads, kv_lora_rank 512, rope 64, q_lora_rank 1536: the kernels' real
+tiles) on a narrower residual stream and 16 experts, 4 layers, for the GPU table.
 """
 
 from __future__ import annotations
@@ -60,17 +63,37 @@ TINY_SHAPE = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+GPU_SHAPE = dict(
+    TINY_SHAPE,
+    vocab_size=32768,
+    hidden_size=2048,
+    intermediate_size=4096,
+    moe_intermediate_size=1024,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    initializer_range=0.02,
+)
+SHAPES = {"tiny": TINY_SHAPE, "gpu": GPU_SHAPE}
 
 
-def model_dir(cache_dir: Path) -> Path:
+def model_dir(cache_dir: Path, size: str = "tiny") -> Path:
     def write(folder: Path) -> None:
         torch.manual_seed(0)
-        config = DeepseekV3Config(**TINY_SHAPE)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+        config = DeepseekV3Config(**SHAPES[size])
+        dtype = torch.float32 if size == "tiny" else torch.bfloat16  # 1.6 GB, not 3.2
+        AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(folder)
 
-    return build_once(
-        cache_dir / "deepseek-v3-shape", lambda p: (p / "config.json").exists(), write
-    )
+    name = "deepseek-v3-shape" if size == "tiny" else f"deepseek-v3-shape-{size}"
+    return build_once(cache_dir / name, lambda p: (p / "config.json").exists(), write)
 
 
 def kv_bytes_per_token(config, gqa_kv_heads: int, elem: int = 2) -> dict[str, int]:
@@ -84,7 +107,7 @@ def kv_bytes_per_token(config, gqa_kv_heads: int, elem: int = 2) -> dict[str, in
 
 def job(args) -> list[list[int]]:
     rng = random.Random(args.seed)
-    vocab = range(3, TINY_SHAPE["vocab_size"])
+    vocab = range(3, SHAPES[args.size]["vocab_size"])
     system = rng.choices(vocab, k=args.system_tokens)
     tail = args.prompt_tokens - args.system_tokens
     return [system + rng.choices(vocab, k=tail) for _ in range(args.num_prompts)]
@@ -127,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/kvbatch/bench")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--size", choices=sorted(SHAPES), default="tiny", help="tiny (CPU) or gpu")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, help="default float32 on the CPU, bfloat16 on cuda")
     return p
@@ -140,14 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--system-tokens must be between 0 and --prompt-tokens")
     torch.set_num_threads(args.threads)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    path = model_dir(args.cache_dir)
+    path = model_dir(args.cache_dir, args.size)
     prompts = job(args)
     kv_s, kv_tokens, hits, measured = run_kvbatch(path, prompts, args)
     hf_s, hf_tokens = run_transformers(path, prompts, args)
     same = kv_tokens == hf_tokens
     out_tokens = args.num_prompts * args.output_tokens
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    tiny = kv_bytes_per_token(DeepseekV3Config(**TINY_SHAPE), args.gqa_kv_heads, elem)
+    ours = kv_bytes_per_token(DeepseekV3Config(**SHAPES[args.size]), args.gqa_kv_heads, elem)
     v3 = kv_bytes_per_token(DeepseekV3Config(), args.gqa_kv_heads)
     rows = [
         ["engine", "seconds", "output tok/s", "prefix hits"],
@@ -160,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{'identical' if same else 'DIFFER'}"
     )
     print(
-        f"KV bytes per token ({args.dtype}): MLA {measured:,} (engine; formula {tiny['mla']:,}), "
-        f"GQA with {args.gqa_kv_heads} KV heads {tiny['gqa']:,} ({tiny['gqa'] / measured:.1f}x); "
+        f"KV bytes per token ({args.dtype}): MLA {measured:,} (engine; formula {ours['mla']:,}), "
+        f"GQA with {args.gqa_kv_heads} KV heads {ours['gqa']:,} ({ours['gqa'] / measured:.1f}x); "
         f"DeepSeek-V3's shape in bfloat16: MLA {v3['mla']:,}, GQA {v3['gqa']:,} "
         f"({v3['gqa'] / v3['mla']:.1f}x)"
     )
@@ -171,12 +195,13 @@ def main(argv: list[str] | None = None) -> int:
             "command": shlex.join(["kvbatch", "bench", "mla", *argv]),
             "date": time.strftime("%Y-%m-%d"),
             "machine": machine_info(args.device),
+            "size": args.size,
             "dtype": args.dtype,
             "kvbatch_seconds": kv_s,
             "transformers_seconds": hf_s,
             "prefix_hits": hits,
             "same_tokens": same,
-            "kv_bytes_per_token": {"engine": measured, **tiny},
+            "kv_bytes_per_token": {"engine": measured, **ours},
             "deepseek_v3_kv_bytes_per_token": v3,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)

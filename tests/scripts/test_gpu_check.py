@@ -117,6 +117,7 @@ def test_the_script_runs_a_chosen_step_and_sums_it_up(tmp_path: Path):
         "rag-sweep": "skipped",
         "embed-gpu": "skipped",
         "rag-hybrid": "skipped",
+        "rag-mla": "skipped",
         "index-gpu": "skipped",
         "summary": "ok",
     }
@@ -157,16 +158,21 @@ def test_the_gemma_window_step_runs_both_modes_and_is_summed_up(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_the_hybrid_step_runs_at_its_tiny_size(tmp_path: Path):
-    """rag-hybrid (--cpu: the tiny Qwen3.5 shape) with the H200 image's packages only:
-    kvbatch's greedy tokens equal transformers', and the JSON names the size and dtype."""
+def test_the_hybrid_and_mla_steps_run_at_their_tiny_size(tmp_path: Path):
+    """rag-hybrid (--cpu: the tiny Qwen3.5 shape) and rag-mla (the tiny DeepSeek-V3 shape)
+    with the H200 image's packages only: kvbatch's greedy tokens equal transformers', and the
+    JSON names the size and dtype."""
     out = tmp_path / "out"
-    _, rows = run_steps(out, "rag-hybrid", VERSIONS_TIMEOUT="120")
-    assert rows["rag-hybrid"][1] == "ok", rows
+    _, rows = run_steps(out, "rag-hybrid,rag-mla", VERSIONS_TIMEOUT="120")
+    assert rows["rag-hybrid"][1] == rows["rag-mla"][1] == "ok", rows
     result = json.loads((out / "rag-hybrid.json").read_text())
     assert result["same_tokens"] and (result["size"], result["dtype"]) == ("tiny", "float32")
     per_gib = result["sequences_per_gib"]
     assert per_gib["hybrid"] > per_gib["full_attention"]
+    mla = json.loads((out / "rag-mla.json").read_text())
+    assert mla["same_tokens"] and (mla["size"], mla["dtype"]) == ("tiny", "float32")
+    kv = mla["kv_bytes_per_token"]
+    assert kv["engine"] == kv["mla"] < kv["gqa"]
 
 
 def test_the_index_step_is_skipped_with_what_the_image_lacks(tmp_path: Path):
