@@ -23,6 +23,8 @@ attention; `gather_latents` reads them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvbatch.engine.attention.cascade import DecodeGroup
@@ -75,6 +77,12 @@ def latent_attention_lse(
     return out, lse
 
 
+LatentAttend = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""(q_latent, q_rope, latent, block_tables, seq_lens, scale) -> (out [B, H, R], lse [B, H]):
+`latent_attention_lse`'s signature, which a backend's latent decode with its log-sum-exp
+shares."""
+
+
 def latent_decode_attention(
     q_latent: torch.Tensor,  # [B, H, R] queries already multiplied by W_UK
     q_rope: torch.Tensor,  # [B, H, P] rotated rope part of the queries
@@ -97,19 +105,20 @@ def latent_cascade_decode(
     private_lens: torch.Tensor,  # [B]
     groups: list[DecodeGroup],
     scale: float,
+    attend: LatentAttend = latent_attention_lse,
 ) -> torch.Tensor:  # [B, H, R]
     """Decode rows of shared-prefix groups (engine/attention/cascade.py): each group's queries
-    against its shared blocks once, merged with each row's private part by log-sum-exp."""
-    out, lse = latent_attention_lse(q_latent, q_rope, latent, private_tables, private_lens, scale)
+    against its shared blocks once, merged with each row's private part by log-sum-exp.
+    `attend` computes each part with its log-sum-exp: this reference, or a backend's kernel
+    (the Triton backend's `latent_decode_lse`)."""
+    out, lse = attend(q_latent, q_rope, latent, private_tables, private_lens, scale)
     block_size = latent.shape[1]
     for g in groups:
         rows = slice(g.start, g.end)
         n = g.end - g.start
         tables = g.block_ids[None, :].expand(n, -1)
         shared = torch.full((n,), g.block_ids.numel() * block_size, device=q_latent.device)
-        s_out, s_lse = latent_attention_lse(
-            q_latent[rows], q_rope[rows], latent, tables, shared, scale
-        )
+        s_out, s_lse = attend(q_latent[rows], q_rope[rows], latent, tables, shared, scale)
         total = torch.logaddexp(lse[rows], s_lse)
         out[rows] = out[rows] * torch.exp(lse[rows] - total)[..., None].to(
             out.dtype

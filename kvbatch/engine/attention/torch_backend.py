@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kvbatch.engine.attention.cascade import SOLO_PREFIX_MIN_TOKENS, cascade_decode
 from kvbatch.engine.attention.decode_rows import length_buckets, window_tail
 from kvbatch.engine.attention.kv_view import KVView
-from kvbatch.engine.attention.latent import latent_decode_attention
+from kvbatch.engine.attention.latent import latent_attention_lse, latent_decode_attention
 from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention, attend
 from kvbatch.engine.attention.metadata import (
     UNIT_KV_SCALES,
@@ -73,6 +73,9 @@ class TorchAttentionBackend:
         return latent_decode_attention(
             q_latent, q_rope, latent_cache, block_tables, seq_lens, scale
         )
+
+    latent_decode_lse = staticmethod(latent_attention_lse)
+    """The same with each row's log-sum-exp, for a shared-prefix group's merge."""
 
     @staticmethod
     def _decode(

@@ -123,6 +123,27 @@ class TritonAttentionBackend:
             scale,
         )
 
+    def latent_decode_lse(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, H, R], lse [B, H] float32
+        """The same with each row's log-sum-exp, for a shared-prefix group's merge
+        (engine/attention/latent.py's `latent_cascade_decode`)."""
+        return self._mla_decode(
+            q_latent,
+            q_rope,
+            latent_cache,
+            block_tables.to(torch.int32),
+            seq_lens.to(torch.int32),
+            scale,
+            return_lse=True,
+        )
+
     def step_tensors(self, meta: AttentionMetadata) -> StepTensors:
         """Packed once per step (keyed by the metadata object), reused by every layer."""
         if self._step_meta is not meta:

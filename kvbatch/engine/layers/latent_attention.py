@@ -143,8 +143,9 @@ class LatentAttention(nn.Module):
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         if meta.decode_groups:  # shared prefixes read once per group, merged exactly
             out_latent = latent_cascade_decode(
-                q_latent, q_rope, latent, tables, lens, meta.decode_groups, self.cfg.scale
-            )
+                q_latent, q_rope, latent, tables, lens, meta.decode_groups, self.cfg.scale,
+                attend=backend.latent_decode_lse,
+            )  # fmt: skip
         else:
             out_latent = backend.latent_decode(
                 q_latent, q_rope, latent, tables, lens, self.cfg.scale

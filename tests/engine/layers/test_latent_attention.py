@@ -19,6 +19,7 @@ from kvbatch.engine.attention.latent import (
 )
 from kvbatch.engine.attention.metadata import AttentionMetadata, PrefillSpan
 from kvbatch.engine.attention.torch_backend import TorchAttentionBackend
+from kvbatch.engine.attention.triton_backend import TritonAttentionBackend
 from kvbatch.engine.layers.latent_attention import LatentAttention
 from kvbatch.engine.layers.rotary import RotaryEmbedding
 from kvbatch.engine.model.latent_attention import LatentAttentionConfig
@@ -105,3 +106,32 @@ def test_latent_decode_reference_and_shared_groups():
     group = DecodeGroup(1, 3, torch.tensor([7, 4]))
     grouped = latent_cascade_decode(q_latent, q_rope, latent, private, private_lens, [group], 0.25)
     torch.testing.assert_close(grouped, want, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "backend", [TorchAttentionBackend(), TritonAttentionBackend()], ids=["torch", "triton"]
+)
+def test_shared_groups_merge_through_each_backends_attention(backend):
+    """latent_cascade_decode with a backend's `latent_decode_lse` (the Triton kernel's
+    log-sum-exp under the interpreter) gives the rows' plain decode."""
+    g = torch.Generator().manual_seed(5)
+    cache = torch.zeros(1, 12, BLOCK, 1, R + P)
+    tables = torch.tensor([[7, 4, 1, 10], [7, 4, 3, 11], [7, 4, 2, 0]])
+    used = torch.unique(tables)
+    write_latent(
+        cache,
+        torch.randn(len(used) * BLOCK, R + P, generator=g),
+        (used[:, None] * BLOCK + torch.arange(BLOCK)).flatten(),
+    )
+    latent = latent_view(cache)
+    q_latent, q_rope = torch.randn(3, H, R, generator=g), torch.randn(3, H, P, generator=g)
+    lens = torch.tensor([13, 16, 9], dtype=torch.int32)
+    want = latent_decode_attention(q_latent, q_rope, latent, tables.int(), lens, 0.25)
+    private = tables[:, 2:]
+    private_lens = lens - 2 * BLOCK
+    group = DecodeGroup(0, 3, torch.tensor([7, 4]))
+    got = latent_cascade_decode(
+        q_latent, q_rope, latent, private, private_lens, [group], 0.25,
+        attend=backend.latent_decode_lse,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -153,7 +153,9 @@ def test_shared_prefix_decodes_match_transformers(tiny_models, monkeypatch):
     calls = []
     real = latent_layer.latent_cascade_decode
     monkeypatch.setattr(
-        latent_layer, "latent_cascade_decode", lambda *a: calls.append(len(a[5])) or real(*a)
+        latent_layer,
+        "latent_cascade_decode",
+        lambda *a, **k: calls.append(len(a[5])) or real(*a, **k),
     )
     path = tiny_models("deepseek-v3")
     g = torch.Generator().manual_seed(4)
