@@ -111,38 +111,19 @@ class TritonAttentionBackend:
         block_tables: torch.Tensor,  # [B, max_blocks]
         seq_lens: torch.Tensor,  # [B]
         scale: float,
-    ) -> torch.Tensor:  # [B, H, R]
+        return_lse: bool = False,
+    ) -> torch.Tensor:  # [B, H, R] (and lse [B, H] float32 with return_lse)
         """MLA decode rows in the latent space (engine/attention/latent.py):
         kernels/mla_attention.py's `mla_decode_attention`."""
+        tables, lens = block_tables.to(torch.int32), seq_lens.to(torch.int32)
         return self._mla_decode(
-            q_latent,
-            q_rope,
-            latent_cache,
-            block_tables.to(torch.int32),
-            seq_lens.to(torch.int32),
-            scale,
+            q_latent, q_rope, latent_cache, tables, lens, scale, return_lse=return_lse
         )
 
-    def latent_decode_lse(
-        self,
-        q_latent: torch.Tensor,
-        q_rope: torch.Tensor,
-        latent_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, H, R], lse [B, H] float32
-        """The same with each row's log-sum-exp, for a shared-prefix group's merge
+    def latent_decode_lse(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        """`latent_decode` with each row's log-sum-exp, for a shared-prefix group's merge
         (engine/attention/latent.py's `latent_cascade_decode`)."""
-        return self._mla_decode(
-            q_latent,
-            q_rope,
-            latent_cache,
-            block_tables.to(torch.int32),
-            seq_lens.to(torch.int32),
-            scale,
-            return_lse=True,
-        )
+        return self.latent_decode(*args, return_lse=True)
 
     def step_tensors(self, meta: AttentionMetadata) -> StepTensors:
         """Packed once per step (keyed by the metadata object), reused by every layer."""
