@@ -3,9 +3,11 @@
 The indexing job end to end (read, parse, chunk, context, embed, LanceDB write) on real
 documents (the Python stdlib's pydoc pages, kvbatch.bench.stdlib_corpus), by `kvbatch index`
 (kvbatch.index.pipeline.run_index) and by the pipeline a user would write today
-(kvbatch.bench.index_peer: transformers `generate` per chunk + sentence-transformers `encode`
-+ LanceDB `add`), one after the other in one process on the same torch threads, each into a
-fresh table and each timed whole (model loads included: both load the same two models).
+(kvbatch.bench.index_peer: transformers `generate` in static batches of 8 (--user-batch) +
+sentence-transformers `encode` + LanceDB `add`), one after the other in one process on the
+same torch threads, each into a fresh table and each timed whole (model loads included: both
+load the same two models). `--long-docs` takes documents of about 1,000 to 2,500 tokens, a
+dozen chunks each, where decoding a document's chunks together is most of the job.
 
 Both tables are then compared row by row: the same chunk ids and texts, and, for every chunk
 whose embedded text (context and chunk) is the same on both sides, vectors with cosine
@@ -16,6 +18,7 @@ are greedy on both sides; the table says on how many chunks they are equal.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import shlex
@@ -58,16 +61,25 @@ class IndexWorkload:
     max_chars: int  # each page cut to this many characters
     chunk_size: int
     context_max_tokens: int
+    min_chars: int = 0  # shorter pages are left out
+    user_batch: int = 8  # the hand-written pipeline's `generate` batch
 
     def summary(self) -> str:
+        pages = f"pages of {self.min_chars} to" if self.min_chars else "pages cut to"
         return (
-            f"{self.docs} stdlib pydoc pages cut to {self.max_chars} characters, chunks of "
-            f"{self.chunk_size} tokens, contexts of at most {self.context_max_tokens} tokens"
+            f"{self.docs} stdlib pydoc {pages} {self.max_chars} characters, chunks of "
+            f"{self.chunk_size} tokens, contexts of at most {self.context_max_tokens} tokens; "
+            f"the user's generate in batches of {self.user_batch}"
         )
 
 
 INDEX_CPU = IndexWorkload(docs=200, max_chars=1500, chunk_size=200, context_max_tokens=48)
 TINY_INDEX_CPU = IndexWorkload(docs=2, max_chars=400, chunk_size=64, context_max_tokens=4)
+# documents of about 1,000 to 2,500 generation tokens (pydoc text: ~3.6 characters a token),
+# about a dozen chunks of 180 embedding tokens each, 48-token contexts
+LONG_DOCS = IndexWorkload(
+    docs=6, max_chars=9000, chunk_size=180, context_max_tokens=48, min_chars=4000
+)
 
 
 @dataclass
@@ -155,7 +167,8 @@ class IndexBenchReport:
              f"{n / self.kvbatch_seconds:.2f}", f"{p.computed}", "1.00")
         )  # fmt: skip
         rows.append(
-            ("user: generate + encode + add", f"{self.user_seconds:.1f}",
+            (f"user: generate (batch {self.workload.user_batch}) + encode + add",
+             f"{self.user_seconds:.1f}",
              f"{docs / self.user_seconds:.2f}", f"{n / self.user_seconds:.2f}",
              f"{self.user.prompt_tokens}", f"{self.user_seconds / self.kvbatch_seconds:.2f}")
         )  # fmt: skip
@@ -196,7 +209,9 @@ def run_index_bench(
         if threads < 1:
             raise IndexBenchError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-    corpus = build_corpus(limit=workload.docs, max_chars=workload.max_chars)
+    corpus = build_corpus(
+        limit=workload.docs, max_chars=workload.max_chars, min_chars=workload.min_chars
+    )
     if len(corpus.documents) < workload.docs:
         raise IndexBenchError(
             f"--docs {workload.docs}: the stdlib gives {len(corpus.documents)} documents here"
@@ -218,6 +233,7 @@ def run_index_bench(
         prompt=spec.stages.context.prompt,
         device=device,
         source=spec.source.owner,
+        generate_batch_size=workload.user_batch,
     )
     start = time.perf_counter()
     user_run = user.run(folder, str(work / "user.lance"))
@@ -245,10 +261,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvbatch bench index-cpu",
         description=__doc__.split("\n\n", 1)[1]
-        + f"\ndefault: {INDEX_CPU.summary()}\n--tiny: {TINY_INDEX_CPU.summary()}",
+        + f"\ndefault: {INDEX_CPU.summary()}\n--tiny: {TINY_INDEX_CPU.summary()}"
+        + f"\n--long-docs: {LONG_DOCS.summary()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--tiny", action="store_true", help="2 short pages (tests, a quick check)")
+    p.add_argument(
+        "--long-docs",
+        action="store_true",
+        help="6 pages of 1,000 to 2,500 tokens, a dozen chunks each",
+    )
+    p.add_argument("--min-chars", type=int, help="leave out pages shorter than this")
+    p.add_argument("--user-batch", type=int, help="the user's generate batch size (8)")
     add_corpus_flags(p, f"documents (default {INDEX_CPU.docs})")
     p.add_argument("--threads", type=int, help="torch threads for both pipelines")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda: both pipelines")
@@ -267,8 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status 0, 1 when the two tables disagree, 2 for bad arguments."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    w = TINY_INDEX_CPU if args.tiny else INDEX_CPU
+    w = TINY_INDEX_CPU if args.tiny else LONG_DOCS if args.long_docs else INDEX_CPU
     w = with_corpus_flags(w, args)
+    if args.min_chars is not None:
+        w = dataclasses.replace(w, min_chars=args.min_chars)
+    if args.user_batch is not None:
+        w = dataclasses.replace(w, user_batch=args.user_batch)
     if w.docs < 1:
         print(f"kvbatch bench: error: --docs must be >= 1, got {w.docs}", file=sys.stderr)
         return 2

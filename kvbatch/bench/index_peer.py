@@ -1,12 +1,12 @@
 """The indexing pipeline a user would write today, as the peer of `kvbatch index`:
-transformers `generate` per chunk for its context, sentence-transformers `encode` over the
-chunks, LanceDB `add` of the rows.
+transformers `generate` over the chunks' prompts in static batches (8 by default, in chunk
+order, left-padded; 1: one call per chunk), sentence-transformers `encode` over the chunks,
+LanceDB `add` of the rows.
 
 It is given what kvbatch is given (the corpus folder, the same models, the same context
 prompt and token budget) and reads, parses and chunks with kvbatch's own parser and chunker,
 so both sides hold the same chunk texts and send the same prompts: what differs is how the
-prompts are generated (one `generate` call per chunk, each prefilling its whole document
-again), embedded and written.
+prompts are generated (each prompt prefilling its whole document again), embedded and written.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class UserRun:
 
     rows: int = 0
     prompt_tokens: int = 0  # every prompt prefilled in full: no sharing
+    padded_prompt_tokens: int = 0  # what the batches prefilled, left padding included
     output_tokens: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # load, chunk, generate, embed, write
 
@@ -48,6 +49,7 @@ class UserPipeline:
     prompt: str = CONTEXT_PROMPT
     device: str = "cpu"
     encode_batch_size: int = 32
+    generate_batch_size: int = 8
     source: str = ""  # the index spec's source name: chunk ids are of it (compared by id)
 
     def run(self, corpus: Path, uri: str, table: str = "chunks") -> UserRun:
@@ -70,13 +72,20 @@ class UserPipeline:
                     rows.append({"chunk_id": chunk.chunk_id, "document_id": doc_id,
                                  "text": chunk.text, "document": text})  # fmt: skip
         with clock("generate"):
-            for row in rows:
-                document = row.pop("document")
-                if self.generation_model is None:
+            documents = [row.pop("document") for row in rows]
+            if self.generation_model is None:
+                for row in rows:
                     row["context"] = None
-                    continue
-                prompt = self.prompt.format(document=document, chunk=row["text"])
-                row["context"] = self._generate(model, tokenizer, prompt, run)
+            else:
+                prompts = [
+                    self.prompt.format(document=document, chunk=row["text"])
+                    for row, document in zip(rows, documents)
+                ]
+                size = self.generate_batch_size
+                for first in range(0, len(rows), size):
+                    contexts = self._generate(model, tokenizer, prompts[first : first + size], run)
+                    for row, context in zip(rows[first : first + size], contexts):
+                        row["context"] = context
         with clock("embed"):
             # the same inputs kvbatch embeds (a context cut to fit, never the chunk), so the
             # vectors compare; sentence-transformers alone would cut the chunk's end instead
@@ -101,19 +110,34 @@ class UserPipeline:
         run.rows = len(rows)
         return run
 
-    def _generate(self, model, tokenizer, prompt: str, run: UserRun) -> str:
-        inputs = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
-        ).to(self.device)
+    def _generate(self, model, tokenizer, prompts: list[str], run: UserRun) -> list[str]:
+        """One static batch: chat-templated, left-padded, greedy."""
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+            )
+            for p in prompts
+        ]
+        tokenizer.padding_side = "left"
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(
+            self.device
+        )
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=self.context_max_tokens, do_sample=False)
-        new = out[0, inputs["input_ids"].shape[1] :]
-        run.prompt_tokens += int(inputs["input_ids"].shape[1])
-        run.output_tokens += int(new.shape[0])
-        return tokenizer.decode(new, skip_special_tokens=True).strip()
+            out = model.generate(
+                **inputs,
+                max_new_tokens=self.context_max_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        width = inputs["input_ids"].shape[1]
+        run.prompt_tokens += int(inputs["attention_mask"].sum())
+        run.padded_prompt_tokens += int(inputs["input_ids"].numel())
+        contexts = []
+        for row in out[:, width:]:
+            run.output_tokens += int((row != pad).sum())
+            contexts.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+        return contexts
 
 
 class _Clock:

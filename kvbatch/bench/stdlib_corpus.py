@@ -69,7 +69,9 @@ class StdlibCorpus:
     no_summary: list[str] = field(default_factory=list)
     summary_kept: list[str] = field(default_factory=list)
     summary_taken: list[str] = field(default_factory=list)  # an earlier module has that summary
+    too_short: list[str] = field(default_factory=list)  # pages under min_chars
     max_chars: int = 0
+    min_chars: int = 0
 
     @property
     def fingerprint(self) -> str:
@@ -82,10 +84,14 @@ class StdlibCorpus:
     def describe(self) -> str:
         return (
             f"Python {self.python} stdlib pydoc pages: {len(self.documents)} modules "
-            f"(cut to {self.max_chars} characters; skipped: {len(self.failed_import)} failed "
+            f"(cut to {self.max_chars} characters"
+            + (f", pages of at least {self.min_chars}" if self.min_chars else "")
+            + f"; skipped: {len(self.failed_import)} failed "
             f"to import, {len(self.no_summary)} without a one-line summary, "
             f"{len(self.summary_kept)} whose summary is not one line of the page, "
-            f"{len(self.summary_taken)} whose summary an earlier module has), "
+            f"{len(self.summary_taken)} whose summary an earlier module has"
+            + (f", {len(self.too_short)} shorter" if self.min_chars else "")
+            + "), "
             f"fingerprint {self.fingerprint}"
         )
 
@@ -101,6 +107,8 @@ class StdlibCorpus:
             "python": self.python,
             "documents": len(self.documents),
             "max_chars": self.max_chars,
+            "min_chars": self.min_chars,
+            "too_short": len(self.too_short),
             "fingerprint": self.fingerprint,
             "failed_import": self.failed_import,
             "no_summary": len(self.no_summary),
@@ -132,12 +140,17 @@ def _ignore(_name: str) -> None:
     """walk_packages' onerror: a subpackage that fails to import is not walked."""
 
 
-def build_corpus(limit: int | None = None, max_chars: int = 4000) -> StdlibCorpus:
+def build_corpus(
+    limit: int | None = None, max_chars: int = 4000, min_chars: int = 0
+) -> StdlibCorpus:
     """The first `limit` usable modules (all with None) in sorted order, pages cut to
-    `max_chars` characters."""
+    `max_chars` characters; pages shorter than `min_chars` are skipped (a corpus of long
+    documents only)."""
     if max_chars < 200:
         raise ValueError(f"max_chars must be >= 200, got {max_chars}")
-    corpus = StdlibCorpus(documents=[], max_chars=max_chars)
+    if min_chars > max_chars:
+        raise ValueError(f"min_chars ({min_chars}) must not exceed max_chars ({max_chars})")
+    corpus = StdlibCorpus(documents=[], max_chars=max_chars, min_chars=min_chars)
     summaries: set[str] = set()
     with _quiet():
         names = stdlib_modules()
@@ -159,6 +172,9 @@ def build_corpus(limit: int | None = None, max_chars: int = 4000) -> StdlibCorpu
         text = page_without(summary, _page(module))
         if text is None:
             corpus.summary_kept.append(name)
+            continue
+        if len(text) < min_chars:
+            corpus.too_short.append(name)
             continue
         summaries.add(summary)
         corpus.documents.append(StdlibDocument(name, summary, cut(text, max_chars)))

@@ -72,6 +72,8 @@ def test_the_index_benchmarks_describe_themselves(capsys):
         assert e.value.code == 0
         out = capsys.readouterr().out
         assert "--tiny" in out and "--docs" in out and "--threads" in out
+        if name == "index-cpu":  # documents of 1,000 to 2,500 tokens; the user's batch size
+            assert "--long-docs" in out and "--user-batch" in out
 
 
 def test_a_work_folder_in_use_is_refused(tmp_path, capsys):

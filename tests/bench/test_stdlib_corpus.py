@@ -59,3 +59,16 @@ def test_a_wrapped_summary_is_refused_and_cut_keeps_whole_lines():
     assert cut("short", 100) == "short"
     with pytest.raises(ValueError, match="max_chars"):
         build_corpus(limit=1, max_chars=10)
+
+
+def test_min_chars_keeps_long_pages_only_and_counts_the_rest():
+    long = build_corpus(limit=4, max_chars=9000, min_chars=6000)
+    assert len(long.documents) == 4 and long.too_short
+    assert all(6000 <= len(d.text) <= 9000 for d in long.documents)
+    used = {d.module for d in long.documents}
+    skipped = long.no_summary + long.failed_import + long.summary_kept + long.summary_taken
+    considered = [m for m in stdlib_modules() if m <= max(used)]
+    assert sorted(used | set(skipped) | set(long.too_short)) == considered
+    assert "pages of at least 6000" in long.describe() and long.to_dict()["min_chars"] == 6000
+    with pytest.raises(ValueError, match="min_chars"):
+        build_corpus(limit=1, max_chars=1000, min_chars=2000)

@@ -21,11 +21,16 @@ row, and a group's gathered prefix is kept across steps (engine/attention/prefix
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from kvbatch.engine.attention.decode_plan import (
+    SOLO_PREFIX_MIN_TOKENS,
+    DecodeGroup,
+    DecodePlan,
+    plan_decode,
+    with_solo_prefixes,
+)
 from kvbatch.engine.attention.decode_rows import (
     attention_with_lse,
     join_sinks,
@@ -37,14 +42,13 @@ from kvbatch.engine.attention.kv_view import KVView
 from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention
 from kvbatch.engine.attention.prefix_memo import GatheredPrefixes
 
-
-@dataclass
-class DecodeGroup:
-    """Decode rows [start, end) share the blocks `block_ids` at the start of their contexts."""
-
-    start: int
-    end: int
-    block_ids: torch.Tensor  # [num_shared_blocks] int64
+__all__ = [
+    "SOLO_PREFIX_MIN_TOKENS",
+    "DecodeGroup",
+    "cascade_decode",
+    "find_shared_prefixes",
+    "with_solo_prefixes",
+]
 
 
 def find_shared_prefixes(
@@ -121,6 +125,7 @@ def cascade_decode(
     sinks: torch.Tensor | None = None,  # [heads] float32: gpt-oss's per-head sink logits
     prefixes: GatheredPrefixes | None = None,  # shared prefixes kept from earlier steps
     written_slots: torch.Tensor | None = None,  # [T] this step's writes (with `prefixes`)
+    plan: DecodePlan | None = None,  # the step's plan for this layer kind (decode_plan.py)
 ) -> torch.Tensor:  # [B, heads, head_dim]
     """Decode attention by parts: each row against its own blocks (rows_attention: batched by
     length octave, so a row with no group, holding a whole document, pads no other row), each
@@ -129,22 +134,26 @@ def cascade_decode(
 
     A sliding window may end inside a group's shared prefix: the shared part is then masked
     per row (each row's query sits at its own position), still read once per group; rows whose
-    window has left the prefix entirely take nothing from it."""
+    window has left the prefix entirely take nothing from it. Without `plan`, the plan is
+    worked out here from the other arguments (the backend passes one made once per step)."""
     num_seqs, num_heads, head_dim = q.shape
     view = KVView(kv_cache, scales, q.dtype)
     num_kv_heads, block_size = view.num_kv_heads, view.block_size
     g = num_heads // num_kv_heads
     qg = q.view(num_seqs, num_kv_heads, g, head_dim)
 
-    if prefixes is not None and written_slots is not None and layer.sliding_window is None:
-        groups, private_tables, private_lens = with_solo_prefixes(
-            groups, private_tables, private_lens, block_size
-        )
+    if plan is None:
+        solo = prefixes is not None and written_slots is not None
+        plan = plan_decode(
+            private_tables, private_lens, groups, written_slots, block_size,
+            layer.sliding_window, solo,
+        )  # fmt: skip
+    groups = plan.groups
     # Row b's query sits at private position private_lens[b] - 1 (after its shared prefix).
-    out, lse = rows_attention(qg, view, private_tables, private_lens, layer)
+    out, lse = rows_attention(qg, view, plan.tables, plan.lens, layer, plan.buckets)
 
     if prefixes is not None and written_slots is not None:
-        shared = prefixes.read(view, [grp.block_ids for grp in groups], written_slots)
+        shared = prefixes.read(view, [grp.block_ids for grp in groups], plan)
     else:
         shared = [_prefix(view, grp.block_ids) for grp in groups]
     for grp, (keys, values) in zip(groups, shared):  # [1, kvh, S, d] each
@@ -167,39 +176,6 @@ def cascade_decode(
     if sinks is not None:
         out = join_sinks(out, lse, sinks)
     return out.reshape(num_seqs, num_heads, head_dim)
-
-
-# A row with no group whose own context is at least this long (a document's last chunk
-# decoding alone) reads its full blocks as a "group of one" through the kept prefixes: they do
-# not change from step to step either, and gathering them is most of such a row's cost.
-SOLO_PREFIX_MIN_TOKENS = 512
-
-
-def with_solo_prefixes(
-    groups: list[DecodeGroup],
-    private_tables: torch.Tensor,  # [B, P]
-    private_lens: torch.Tensor,  # [B]
-    block_size: int,
-) -> tuple[list[DecodeGroup], torch.Tensor, torch.Tensor]:
-    """The groups, plus a group of one for each long row outside them (its full blocks before
-    the one holding its newest token), and the private tables and lengths cut after them."""
-    lens = private_lens.tolist()
-    grouped = [False] * len(lens)
-    for grp in groups:
-        grouped[grp.start : grp.end] = [True] * (grp.end - grp.start)
-    skip = [
-        (n - 1) // block_size if not g and n >= SOLO_PREFIX_MIN_TOKENS else 0
-        for n, g in zip(lens, grouped)
-    ]
-    if not any(skip):
-        return groups, private_tables, private_lens
-    solo = [DecodeGroup(row, row + 1, private_tables[row, :k]) for row, k in enumerate(skip) if k]
-    skip_t = torch.tensor(skip, device=private_lens.device)
-    width = max(-(-n // block_size) - k for n, k in zip(lens, skip))
-    columns = (skip_t[:, None] + torch.arange(width, device=skip_t.device)).clamp_max(
-        private_tables.shape[1] - 1
-    )  # past a row's last block: masked, beyond its length
-    return groups + solo, private_tables.gather(1, columns), private_lens - skip_t * block_size
 
 
 def _prefix(view: KVView, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,12 @@ from __future__ import annotations
 import torch
 
 from kvbatch.engine.attention.kv_view import KVView
-from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention, soft_capped_scores
+from kvbatch.engine.attention.layer_spec import (
+    FULL_ATTENTION,
+    LayerAttention,
+    score_scale,
+    soft_capped_scores,
+)
 
 # Splitting decode rows into length buckets costs a call per bucket (a fixed cost per call,
 # whatever its size): worth it only when it saves at least this many padded keys per head and
@@ -68,14 +73,25 @@ def attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention that also returns log-sum-exp: ([B, kvh, g, d], [B, kvh, g]).
     A row with no valid key (a window that ends before a shared prefix does) gets output 0
-    and log-sum-exp -inf, so that merging it adds nothing."""
-    scores = soft_capped_scores(q, k, layer)  # [B, kvh, g, S]
+    and log-sum-exp -inf, so that merging it adds nothing.
+
+    The scores are exponentiated once, in place, against each row's peak, and the output is
+    normalised after the value matmul (on [.., d], not [.., S]): on the CPU the score tensor
+    is the largest one a decode step makes per layer, and each pass over it (logsumexp and
+    then exp(scores - lse) made three) costs as much as a small matmul."""
+    if layer.softcap is None:  # the scale on q ([.., g, d]) costs less than on the scores
+        scores = torch.matmul(q * score_scale(q, layer), k.transpose(-1, -2))  # [B, kvh, g, S]
+    else:
+        scores = soft_capped_scores(q, k, layer)
     if valid is not None:
         valid = valid[:, None, None, :] if valid.dim() == 2 else valid
-        scores = scores.masked_fill(~valid, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, kvh, g]
-    probs = torch.exp(scores - lse.clamp_min(torch.finfo(lse.dtype).min)[..., None])
-    return torch.matmul(probs, v), lse
+        scores.masked_fill_(~valid, float("-inf"))
+    # a row with no valid key has peak -inf: the floor keeps scores - peak at -inf, not nan
+    peak = scores.amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(scores.dtype).min)
+    probs = scores.sub_(peak).exp_()
+    total = probs.sum(dim=-1)  # [B, kvh, g]; 0 for a row with no valid key
+    out = torch.matmul(probs, v) / total.clamp_min(torch.finfo(total.dtype).tiny)[..., None]
+    return out, peak[..., 0] + torch.log(total)
 
 
 def merge_partial(
@@ -108,21 +124,19 @@ def join_sinks(
 def rows_attention(
     q: torch.Tensor,  # [B, kv_heads, q_per_kv, head_dim]
     view: KVView,
-    tables: torch.Tensor,  # [B, blocks] each row's blocks, zero-padded
+    tables: torch.Tensor,  # [B, blocks] each row's blocks (a windowed layer's: window_tail's)
     lens: torch.Tensor,  # [B] keys in each row's blocks, the query's own included (>= 1)
     layer: LayerAttention = FULL_ATTENTION,
+    buckets: list[tuple[torch.Tensor, int]] | None = None,  # (rows, blocks) per length octave
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, kvh, g, d], [B, kvh, g])
-    """Each row's query (the newest token, at position lens - 1) against its blocks, rows
-    batched by length octave; a windowed layer reads only the blocks inside its window."""
-    if layer.sliding_window is not None:
-        tables, lens = window_tail(tables, lens, layer.sliding_window, view.block_size)
-    buckets = length_buckets(lens)
+    """Each row's query (the newest token, at position lens - 1) against its blocks, one
+    batched call per length octave (`buckets`, from decode_plan.plan_decode; None: one call
+    over all rows)."""
     if buckets is None:
         return _padded_rows(q, view, tables, lens, layer)
     out = q.new_empty(q.shape)
     lse = q.new_empty(q.shape[:-1])
-    for rows in buckets:
-        width = -(-int(lens[rows].max()) // view.block_size)
+    for rows, width in buckets:
         out[rows], lse[rows] = _padded_rows(q[rows], view, tables[rows, :width], lens[rows], layer)
     return out, lse
 

@@ -107,10 +107,14 @@ def join_sink(
     return out * torch.exp(lse - total)[..., None].to(out.dtype), total
 
 
+def score_scale(q: torch.Tensor, layer: LayerAttention) -> float:
+    """The factor on q.k: the layer's scale, or head_dim ** -0.5."""
+    return q.shape[-1] ** -0.5 if layer.scale is None else layer.scale
+
+
 def soft_capped_scores(q: torch.Tensor, k: torch.Tensor, layer: LayerAttention) -> torch.Tensor:
     """q k^T times the layer's scale, then cap * tanh(scores / cap) when it has a cap."""
-    scale = q.shape[-1] ** -0.5 if layer.scale is None else layer.scale
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * score_scale(q, layer)
     if layer.softcap is not None:
         scores = torch.tanh(scores / layer.softcap) * layer.softcap
     return scores

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from kvbatch.engine.attention.decode_plan import DecodePlan
 from kvbatch.engine.attention.kv_view import KVView
 
 Prefix = tuple[torch.Tensor, torch.Tensor]  # K, V: [1, kv_heads, S, head_dim] each
@@ -38,20 +39,18 @@ class GatheredPrefixes:
         self,
         view: KVView,
         block_ids: list[torch.Tensor],  # each group's shared blocks
-        written_slots: torch.Tensor,  # [T] the slots this step wrote (negative: none)
+        plan: DecodePlan,  # the step's plan: the groups' keys and the blocks the step writes
     ) -> list[Prefix]:
         """Each group's prefix K and V, gathered only where no kept copy is still valid."""
-        layer = (view.cache.data_ptr(), tuple(view.cache.shape), view.scales, view.dtype)
+        layer = _layer_key(view)
         kept = self._kept.pop(layer, {})
         if kept and block_ids:
-            blocks = torch.unique(written_slots[written_slots >= 0] // view.block_size)
-            written = set(blocks.tolist())
+            written = plan.written_blocks
             kept = {ids: kv for ids, kv in kept.items() if written.isdisjoint(ids)}
         now: dict[tuple[int, ...], Prefix] = {}
         out = []
         room = KEEP_FRACTION * view.cache.numel() * view.cache.element_size()
-        for table in block_ids:
-            ids = tuple(table.tolist())
+        for table, ids in zip(block_ids, plan.prefix_keys):
             kv = now.get(ids) or kept.get(ids)
             if kv is None:
                 self.gathers += 1
@@ -71,5 +70,13 @@ class GatheredPrefixes:
             self._kept[layer] = now
         return out
 
+    def release(self, view: KVView) -> None:
+        """A step in which no group reads this layer's kept prefixes: let them go."""
+        self._kept.pop(_layer_key(view), None)
+
     def clear(self) -> None:
         self._kept.clear()
+
+
+def _layer_key(view: KVView) -> tuple:
+    return (view.cache.data_ptr(), tuple(view.cache.shape), view.scales, view.dtype)

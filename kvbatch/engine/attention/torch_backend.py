@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvbatch.engine.attention.cascade import SOLO_PREFIX_MIN_TOKENS, cascade_decode
-from kvbatch.engine.attention.decode_rows import length_buckets, window_tail
+from kvbatch.engine.attention.cascade import cascade_decode
+from kvbatch.engine.attention.decode_plan import DecodePlan, plan_decode
+from kvbatch.engine.attention.decode_rows import length_buckets
 from kvbatch.engine.attention.kv_view import KVView
 from kvbatch.engine.attention.latent import latent_attention_lse, latent_decode_attention
 from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention, attend
@@ -26,6 +27,8 @@ from kvbatch.kernels.kv_quant import is_fp8, quantize_kv, round_trip_kv, scatter
 
 __all__ = ["TorchAttentionBackend", "length_buckets", "write_kv"]
 
+MAX_PLANS = 16  # decode plans kept: one per KV group and window size of the current step
+
 
 class TorchAttentionBackend:
     """Reference backend: gathers a sequence's blocks and calls SDPA. CPU and CUDA."""
@@ -35,6 +38,8 @@ class TorchAttentionBackend:
     def __init__(self) -> None:
         # shared prefixes' gathered K/V, kept across decode steps (engine/attention/prefix_memo.py)
         self.prefixes = GatheredPrefixes()
+        # decode plans of the step's metadata, per window size (engine/attention/decode_plan.py)
+        self._plans: dict[tuple, tuple[AttentionMetadata, DecodePlan]] = {}
 
     def forward(
         self,
@@ -52,13 +57,33 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
+            plan = self._plan(meta, layer, kv_cache.shape[2])
             out[:nd] = self._decode(
-                q[:nd], kv_cache, meta, scales, layer, layer.sinks, self.prefixes
+                q[:nd], kv_cache, meta, scales, layer, layer.sinks, self.prefixes, plan
             )
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, span, scales, layer)
         return out
+
+    def _plan(self, meta: AttentionMetadata, layer: LayerAttention, block_size: int) -> DecodePlan:
+        """The step's decode plan for this layer kind, made by the first layer that reads it.
+        A plan holds its metadata, so the metadata's id is not reused while the plan is kept;
+        plans of earlier steps go when more than a step's worth (one per KV group and window
+        size) have piled up."""
+        solo = self.prefixes is not None  # groups of one read through the kept prefixes
+        key = (id(meta), layer.sliding_window, block_size, solo)
+        held = self._plans.get(key)
+        if held is not None and held[0] is meta:
+            return held[1]
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.clear()
+        plan = plan_decode(
+            meta.decode_block_tables, meta.decode_seq_lens, meta.decode_groups,
+            meta.slot_mapping, block_size, layer.sliding_window, solo,
+        )  # fmt: skip
+        self._plans[key] = (meta, plan)
+        return plan
 
     @staticmethod
     def latent_decode(
@@ -86,35 +111,33 @@ class TorchAttentionBackend:
         layer: LayerAttention = FULL_ATTENTION,
         sinks: torch.Tensor | None = None,  # [heads] float32: per-head sink logits (gpt-oss)
         prefixes: GatheredPrefixes | None = None,
+        plan: DecodePlan | None = None,  # the step's (made here from `meta` when not given)
     ) -> torch.Tensor:
         """Decode rows, each against about its own length: shared-prefix groups and sinks
         through cascade_decode (private parts by length octave, prefixes kept across steps);
         plain rows in one SDPA call per length bucket (length_buckets), each padded to its
         longest: one 2k-token row among 60-token ones would otherwise make every row gather
-        and mask 2k keys, ten times the work of the short rows alone."""
-        lens = meta.decode_seq_lens
-        solo = (  # a long row reads its full blocks through the kept prefixes (cascade.py)
-            prefixes is not None
-            and layer.sliding_window is None
-            and bool(lens.max() >= SOLO_PREFIX_MIN_TOKENS)
-        )
-        if meta.decode_groups or sinks is not None or solo:
+        and mask 2k keys, ten times the work of the short rows alone. A long row with no group
+        reads its full blocks as a group of one through the kept prefixes (decode_plan.py)."""
+        block_size = kv_cache.shape[2]
+        if plan is None:
+            plan = plan_decode(
+                meta.decode_block_tables, meta.decode_seq_lens, meta.decode_groups,
+                meta.slot_mapping, block_size, layer.sliding_window, solo=prefixes is not None,
+            )  # fmt: skip
+        if plan.groups or sinks is not None:
             return cascade_decode(
                 q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.decode_groups,
-                scales, layer, sinks, prefixes, meta.slot_mapping,
+                scales, layer, sinks, prefixes, meta.slot_mapping, plan,
             )  # fmt: skip
         view = KVView(kv_cache, scales, q.dtype)
         if prefixes is not None:  # no group reads a kept prefix this step: let them go
-            prefixes.read(view, [], meta.slot_mapping)
-        tables = meta.decode_block_tables
-        if layer.sliding_window is not None:  # read only the blocks inside the window
-            tables, lens = window_tail(tables, lens, layer.sliding_window, view.block_size)
-        buckets = length_buckets(lens)
-        if buckets is None:
+            prefixes.release(view)
+        tables, lens = plan.tables, plan.lens  # a windowed layer's: the blocks in its window
+        if plan.buckets is None:
             return _padded_decode(q, view, tables, lens, layer)
         out = torch.empty_like(q)
-        for rows in buckets:
-            width = -(-int(lens[rows].max()) // view.block_size)
+        for rows, width in plan.buckets:
             out[rows] = _padded_decode(q[rows], view, tables[rows, :width], lens[rows], layer)
         return out
 

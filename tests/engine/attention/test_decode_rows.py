@@ -1,15 +1,18 @@
 """Decode attention by parts (engine/attention/decode_rows.py, cascade.py, prefix_memo.py)
 against attention written out from its definition, one row at a time in float64: mixed
 batches of grouped rows and ungrouped rows (one holding a whole document), sliding windows,
-scales and soft-caps, an FP8 cache, gpt-oss sinks; and shared prefixes kept across steps that
-are dropped when a step writes their blocks."""
+scales and soft-caps, an FP8 cache, gpt-oss sinks; shared prefixes kept across steps that
+are dropped when a step writes their blocks; and a step's plan (decode_plan.py) made once for
+all its layers, a long ungrouped row read as a group of one."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import kvbatch.engine.attention.decode_plan as decode_plan
 import kvbatch.engine.attention.decode_rows as decode_rows
+import kvbatch.engine.attention.torch_backend as torch_backend
 from kvbatch.engine.attention.cascade import DecodeGroup, cascade_decode
 from kvbatch.engine.attention.kv_scales import UNIT_KV_SCALES, KVScales
 from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention
@@ -230,13 +233,10 @@ def test_engine_greedy_tokens_match_transformers_on_a_mixed_batch(tiny_models, m
     """A system prompt, two documents' chunk prompts and a long row of a third document in one
     batch (two groups by longest run, one row read as a group of one) on the tiny Llama:
     transformers' greedy tokens, with the kept prefixes hit across steps."""
-    import kvbatch.engine.attention.cascade as cascade
-    import kvbatch.engine.attention.torch_backend as torch_backend
     from kvbatch.engine import LLM, SamplingParams
     from tests.reference import hf_greedy
 
-    monkeypatch.setattr(cascade, "SOLO_PREFIX_MIN_TOKENS", 40)
-    monkeypatch.setattr(torch_backend, "SOLO_PREFIX_MIN_TOKENS", 40)
+    monkeypatch.setattr(decode_plan, "SOLO_PREFIX_MIN_TOKENS", 40)
     g = torch.Generator().manual_seed(3)
 
     def tokens(n):
@@ -251,3 +251,33 @@ def test_engine_greedy_tokens_match_transformers_on_a_mixed_batch(tiny_models, m
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == hf_greedy(path, prompts, 10, ignore_eos=True)
     assert llm.engine.runner.backend.prefixes.hits > 0
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+def test_a_mixed_step_is_planned_once_for_all_layers(fp8, monkeypatch):
+    """Layers of one step (full and windowed, each its own cache) share the step's plan:
+    one plan per window size, the long ungrouped row read as a group of one in the full
+    layers only, and every layer's rows equal to attention by definition. The next step's
+    metadata gets new plans."""
+    monkeypatch.setattr(decode_plan, "SOLO_PREFIX_MIN_TOKENS", 40)  # the 61-key row: solo
+    made = []
+    real = torch_backend.plan_decode
+    monkeypatch.setattr(torch_backend, "plan_decode", lambda *a: made.append(a[5]) or real(*a))
+    scales = KVScales(0.5, 2.0) if fp8 else UNIT_KV_SCALES
+    layers = [FULL_ATTENTION, LayerAttention(sliding_window=5), FULL_ATTENTION]
+    caches = [make_cache(fp8, scales, seed) for seed in range(len(layers))]
+    backend = TorchAttentionBackend()
+    for step in range(2):
+        q = torch.randn(len(PRIVATE), HEADS, D)
+        meta = AttentionMetadata(
+            torch.zeros(0, dtype=torch.long), len(q), padded(PRIVATE),
+            torch.tensor(PRIVATE_LENS), [], decode_groups=groups(),
+        )  # fmt: skip
+        for layer, cache in zip(layers, caches):
+            k, v = torch.zeros(0, KV_HEADS, D), torch.zeros(0, KV_HEADS, D)
+            got = backend.forward(q, k, v, cache, meta, scales, layer)
+            torch.testing.assert_close(got, expected(cache, q, scales, layer), atol=2e-5, rtol=2e-5)
+        assert made == [None, 5] * (step + 1)  # one plan per window size and step
+        plans = {key[1]: plan for key, (_, plan) in backend._plans.items() if _ is meta}
+        assert [len(plans[None].groups), len(plans[5].groups)] == [3, 2]
+        assert plans[None].groups[-1].end - plans[None].groups[-1].start == 1
