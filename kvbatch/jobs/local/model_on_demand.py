@@ -74,6 +74,15 @@ class ModelOnDemand:
         files = self._model_files()
         return self.engine.max_model_len if files is None else files.max_model_len
 
+    def given(self) -> GivenModel | None:
+        """The tokenizer and context as they are known now, without loading anything: None
+        while no line has needed them."""
+        if self.job_first:
+            return self._files
+        if self._llm is None:
+            return None
+        return GivenModel(self._llm.engine.tokenizer, self._llm.engine.max_model_len)
+
     def _model_files(self) -> GivenModel | None:
         """job_first: the tokenizer and the model's own context, read once without the
         weights (a Hub id's configs and tokenizer are fetched, as `kvbatch submit` does). A
@@ -100,3 +109,6 @@ class GivenModel:
 
     def __init__(self, tokenizer, max_model_len: int) -> None:
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
+
+    def given(self) -> GivenModel:
+        return self
