@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from multiprocessing import get_all_start_methods, get_context
 from typing import BinaryIO
 
+from kvbatch.env_settings import env_number
 from kvbatch.jobs.local.line_chunks import ChunkJudge, JudgedLine
 from kvbatch.jobs.local.model_on_demand import GivenModel
 from kvbatch.jobs.local.token_store import INT32
@@ -39,17 +40,13 @@ WORKERS_ENV = "KVBATCH_TOKENIZE_WORKERS"
 
 
 def default_workers() -> int:
-    """KVBATCH_TOKENIZE_WORKERS, else the cores this process may use (1: no pool)."""
-    named = os.environ.get(WORKERS_ENV, "").strip()
-    if named:
-        try:
-            return max(1, int(named))
-        except ValueError:
-            log.warning("%s=%r is not a number: using every core", WORKERS_ENV, named)
+    """KVBATCH_TOKENIZE_WORKERS, else the cores this process may use (1: no pool). Raises
+    SettingError (naming the variable) for a value that is not a whole number of at least 1."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return int(env_number(WORKERS_ENV, cores, minimum=1, unit="processes"))
 
 
 @dataclass

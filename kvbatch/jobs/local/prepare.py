@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbatch.env_settings import SettingError
 from kvbatch.jobs.job_context import request_tokens
 from kvbatch.jobs.local.line_chunks import ChunkJudge, LineRules, line_digest, tokenized
 from kvbatch.jobs.local.line_pool import JudgedLines, default_workers
@@ -167,7 +168,10 @@ def scan_lines(
     if done:  # an earlier run's answers: their lines need no tokens
         digests = set(done.values())
         skip = lambda number, raw: line_digest(raw) in digests  # noqa: E731
-    workers = opts.tokenize_workers or default_workers()
+    try:
+        workers = opts.tokenize_workers or default_workers()
+    except SettingError as e:
+        raise JobError(str(e)) from e
     try:
         with source.open_read() as f:
             for judged, raw, offset, size in JudgedLines(f, judge, workers, skip):

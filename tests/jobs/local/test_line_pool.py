@@ -17,7 +17,7 @@ from kvbatch.jobs.distributed.submit import prepare_job
 from kvbatch.jobs.local import line_pool
 from kvbatch.jobs.local.line_chunks import line_digest, tokenized
 from kvbatch.jobs.local.model_on_demand import GivenModel
-from kvbatch.jobs.local.options import RunOptions
+from kvbatch.jobs.local.options import JobError, RunOptions
 from kvbatch.jobs.local.prepare import JobTraits, PreparedLine, scan_lines
 from kvbatch.jobs.openai_format.prompts import PromptError
 from kvbatch.jobs.openai_format.validate import LineError, validate_lines
@@ -184,3 +184,11 @@ def test_submit_writes_the_same_shards_with_and_without_a_pool(
         shards.append(([m.sha256 for m in job.messages], errors, job.num_requests))
     assert shards[0] == shards[1]
     assert len(shards[0][0]) > 3 and shards[0][2] > 300
+
+
+def test_a_bad_number_of_processes_is_named(tmp_path: Path, model, monkeypatch):
+    path = _mixed_job(tmp_path / "in.jsonl", 5)
+    monkeypatch.setenv(line_pool.WORKERS_ENV, "many")
+    opts = RunOptions(input=str(path), model="m")
+    with pytest.raises(JobError, match="KVBATCH_TOKENIZE_WORKERS='many'"):
+        _scanned(path, opts, model, {})
