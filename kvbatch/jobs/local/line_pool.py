@@ -1,7 +1,7 @@
 """The input's lines, judged in chunks (kvbatch.jobs.local.line_chunks) by a pool of processes
 once the job proves long, and handed back in input order.
 
-Validating, rendering and encoding a line takes about a millisecond of Python and Rust and
+Validating, rendering and encoding a line takes most of a millisecond of Python and Rust and
 needs no other line, so a job of a million lines spreads it over the machine's cores: chunks
 of CHUNK_LINES lines go to `workers` processes (forked, on Linux), at most two a process in
 flight, and come back in order. The first POOL_AFTER_LINES lines are judged in this process (a
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import sys
 from array import array
 from collections import deque
@@ -124,9 +125,10 @@ class JudgedLines:
             try:
                 judged = chunk.future.result()
             except Exception as e:  # a process died (out of memory) or could not be reached
-                log.warning("judging lines in a pool of processes failed (%s): the rest of the "
-                            "job is judged in this process", e)  # fmt: skip
-                self._stop_pool()
+                if self.pool is not None:  # said once; the chunks still pending were cancelled
+                    log.warning("judging lines in a pool of processes failed (%s): the rest "
+                                "of the job is judged in this process", e)  # fmt: skip
+                    self._stop_pool()
                 judged = self.judge.judge(chunk.first, chunk.raws, chunk.skip)
         for j, raw, offset in zip(judged, chunk.raws, chunk.offsets):
             if j is not None:
@@ -167,6 +169,9 @@ _JUDGE: ChunkJudge | None = None  # a pool process's own
 def _start_worker(judge: ChunkJudge) -> None:
     global _JUDGE
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a process: the pool is enough
+    # Ctrl-C reaches the whole process group: the submitting process stops the pool, and a
+    # process of it ends with its chunk instead of printing a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _JUDGE = judge
 
 
