@@ -6,8 +6,9 @@ needs no other line, so a job of a million lines spreads it over the machine's c
 of CHUNK_LINES lines go to `workers` processes (forked, on Linux), at most two a process in
 flight, and come back in order. The first POOL_AFTER_LINES lines are judged in this process (a
 small job never pays for the processes), and so is every line while the model is not known
-(`kvbatch run` loads it when a line first needs it), and every line where fork is not the
-way to start processes. A chunk whose process fails is judged here instead, with the rest of
+(`kvbatch run` reads it when a line first needs it), when the process holds the engine (a
+`kvbatch run` with --max-model-len, which loads it first), and where fork is not the way to
+start processes. A chunk whose process fails is judged here instead, with the rest of
 the job: the records are the same either way.
 """
 
@@ -170,8 +171,10 @@ def _start_worker(judge: ChunkJudge) -> None:
     global _JUDGE
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a process: the pool is enough
     # Ctrl-C reaches the whole process group: the submitting process stops the pool, and a
-    # process of it ends with its chunk instead of printing a traceback.
+    # process of it ends with its chunk instead of printing a traceback. A handler the parent
+    # installed for SIGTERM (a Celery worker's warm shutdown) is not this process's.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _JUDGE = judge
 
 

@@ -75,13 +75,10 @@ class ModelOnDemand:
         return self.engine.max_model_len if files is None else files.max_model_len
 
     def given(self) -> GivenModel | None:
-        """The tokenizer and context as they are known now, without loading anything: None
-        while no line has needed them."""
-        if self.job_first:
-            return self._files
-        if self._llm is None:
-            return None
-        return GivenModel(self._llm.engine.tokenizer, self._llm.engine.max_model_len)
+        """The tokenizer and context read without the weights, once a line has needed them
+        (job_first); else None: a process holding the engine (maybe a GPU's context) is not
+        one to fork a pool of tokenizing processes from (kvbatch.jobs.local.line_pool)."""
+        return self._files if self.job_first else None
 
     def _model_files(self) -> GivenModel | None:
         """job_first: the tokenizer and the model's own context, read once without the

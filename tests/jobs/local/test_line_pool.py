@@ -16,9 +16,10 @@ import pytest
 from kvbatch.jobs.distributed.submit import prepare_job
 from kvbatch.jobs.local import line_pool
 from kvbatch.jobs.local.line_chunks import line_digest, tokenized
-from kvbatch.jobs.local.model_on_demand import GivenModel
+from kvbatch.jobs.local.model_on_demand import GivenModel, ModelOnDemand
 from kvbatch.jobs.local.options import JobError, RunOptions
-from kvbatch.jobs.local.prepare import JobTraits, PreparedLine, scan_lines
+from kvbatch.jobs.local.prepare import JobTraits, PreparedLine, prepare_lines, scan_lines
+from kvbatch.jobs.local.token_store import TokenStore
 from kvbatch.jobs.openai_format.prompts import PromptError
 from kvbatch.jobs.openai_format.validate import LineError, validate_lines
 from kvbatch.jobs.storage import LocalStorage
@@ -192,3 +193,30 @@ def test_a_bad_number_of_processes_is_named(tmp_path: Path, model, monkeypatch):
     opts = RunOptions(input=str(path), model="m")
     with pytest.raises(JobError, match="KVBATCH_TOKENIZE_WORKERS='many'"):
         _scanned(path, opts, model, {})
+
+
+def test_kvbatch_runs_pass_uses_the_pool_once_it_has_read_the_model(
+    tmp_path: Path, tiny_chat_model: Path, pool_from_the_start, monkeypatch
+):
+    """kvbatch run reads the tokenizer when a line first needs it (ModelOnDemand): the pool
+    starts with the next chunk, and the prepared job is the one of a pass without it."""
+    path = _mixed_job(tmp_path / "in.jsonl", 800, seed=7)
+    started = []
+    start = line_pool.JudgedLines._maybe_start_pool
+
+    def noting_the_pool(self, lines_done):
+        start(self, lines_done)
+        if self.pool is not None and not started:
+            started.append(lines_done)
+
+    monkeypatch.setattr(line_pool.JudgedLines, "_maybe_start_pool", noting_the_pool)
+    jobs = []
+    for workers in (1, 2):
+        opts = RunOptions(input=str(path), model=str(tiny_chat_model), tokenize_workers=workers)
+        with TokenStore(tmp_path) as store:
+            job = prepare_lines(LocalStorage(str(path)), opts, ModelOnDemand(opts), store, {})
+            tokens = [store[i] for i in range(len(store))]
+        jobs.append((job.requests, job.errors, job.line_of, job.digest_of, tokens))
+    assert started == [line_pool.CHUNK_LINES]  # the first chunk read the model
+    assert jobs[0] == jobs[1]
+    assert len(jobs[0][0]) > 300
