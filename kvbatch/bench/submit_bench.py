@@ -4,8 +4,10 @@ For each size, a chat job of documents x questions (about 1.7 KB a line,
 kvbatch.bench.submit_workload) is written once into --workdir, then submitted
 (kvbatch.jobs.distributed.submit.prepare_job: validate, tokenize, group, write the shards; no
 broker, which only carries a pointer per shard) in a fresh process each, so every row's peak
-resident memory is its own. The table gives seconds, seconds of CPU, microseconds a line and
-the peak RSS; the targets are a flat time a line and a peak RSS that does not grow with the
+resident memory is its own. The table gives seconds, milliseconds a line and their ratio to the
+first row's, seconds of CPU (the pool's processes included), the peak RSS of the submitting
+process and of the largest pool process (kvbatch.jobs.local.line_pool; KVBATCH_TOKENIZE_WORKERS
+sets how many); the targets are a flat time a line and a peak RSS that does not grow with the
 job beyond a few integers and the trie's hashes a line.
 
 `--bad-line N` replaces line N of every job that long with a malformed line: it must come back
@@ -91,18 +93,19 @@ def _input(args, n: int) -> Path:
 def _submit_one(args, model: str, n: int) -> dict:
     from kvbatch.jobs.distributed.job_lines import ScanProgress
     from kvbatch.jobs.distributed.submit import prepare_job
+    from kvbatch.jobs.local.line_pool import default_workers
     from kvbatch.jobs.model_info import load_tokenizer
 
     load_tokenizer(model)  # imports transformers: not the job's cost
     src = _input(args, n)
     out = args.workdir / f"out-{n}"
     shutil.rmtree(out, ignore_errors=True)
-    wall, cpu = time.perf_counter(), time.process_time()
+    wall, cpu = time.perf_counter(), _cpu_seconds()
     job = prepare_job(
         str(src), str(out), model, shard_tokens=args.shard_tokens, job_id="bench",
         progress=ScanProgress(None),
     )  # fmt: skip
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    wall, cpu = time.perf_counter() - wall, _cpu_seconds() - cpu
     errors = [json.loads(x) for x in (out / "bench" / "validation_errors.jsonl").open("rb")]
     shutil.rmtree(out, ignore_errors=True)
     return {
@@ -113,6 +116,9 @@ def _submit_one(args, model: str, n: int) -> dict:
         "us_per_line": round(1e6 * wall / n),
         "cpu_us_per_line": round(1e6 * cpu / n),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        # the pool's processes (kvbatch.jobs.local.line_pool), the largest one; 0: no pool
+        "worker_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
+        "workers": default_workers(),
         "shards": len(job.messages),
         "requests": job.num_requests,
         "invalid": job.num_invalid,
@@ -120,9 +126,18 @@ def _submit_one(args, model: str, n: int) -> dict:
     }
 
 
+def _cpu_seconds() -> float:
+    """CPU of this process and of its reaped children (the pool's processes)."""
+    own, children = (
+        resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def _table(rows: list[dict]) -> str:
-    head = ["lines", "input", "s", "CPU s", "us/line", "CPU us/line", "peak RSS", "shards",
-            "invalid (lines)"]  # fmt: skip
+    head = ["lines", "input", "s", "ms/line", "vs first", "CPU s", "CPU ms/line", "peak RSS",
+            "workers (peak RSS)", "shards", "invalid (lines)"]  # fmt: skip
+    base = rows[0]["us_per_line"] or 1
     body = [
         [
             str(c)
@@ -130,10 +145,12 @@ def _table(rows: list[dict]) -> str:
                 f"{r['lines']:,}",
                 f"{r['bytes'] / 1e6:.0f} MB",
                 r["seconds"],
+                f"{r['us_per_line'] / 1000:.2f}",
+                f"{r['us_per_line'] / base:.2f}x",
                 r["cpu_seconds"],
-                r["us_per_line"],
-                r["cpu_us_per_line"],
+                f"{r['cpu_us_per_line'] / 1000:.2f}",
                 f"{r['peak_rss_mb']} MB",
+                f"{r['workers']} ({r['worker_peak_rss_mb']} MB)",
                 r["shards"],
                 f"{r['invalid']} {r['error_lines']}",
             ]

@@ -1,22 +1,23 @@
 """The lines of a job being submitted, in memory that does not grow with their text.
 
-`kvbatch submit` reads its input twice. The first pass (`scan_input`) validates and tokenizes
-each line, spills its token ids to a TokenStore (on disk), writes a bad line's error record to a
-spill file, and keeps only a row of integers per answered line (`LineTable`): where the line
-lies in the input, its line number, its token-store entries and its prompt tokens. The prefix
-trie (kvbatch.jobs.grouping) sees the prompts as they pass and keeps their block hashes. The
-second pass (`read_request`) reads one line again by its byte offset, validates it again and
-takes its token ids back from the store, for the shard being written only.
+`kvbatch submit` reads its input once (`InputScan`): each line is validated and tokenized
+(kvbatch.jobs.local.prepare.scan_lines: in chunks, by a pool of processes on a long job), its
+token ids are spilled to a TokenStore (on disk), a bad line's error record to a spill file,
+and what its shard request says besides the tokens (`unit_record`: custom_id, url, params,
+...) to a third; the process keeps only a row of integers per answered line (`LineTable`):
+its line number, where its record lies in that spill, its token-store entries and its prompt
+tokens. The prefix trie (kvbatch.jobs.grouping) sees the prompts as they pass and keeps their
+block hashes. Writing a shard reads its lines' records back by offset (`read_unit`): nothing
+is validated twice, and an S3 input is read once, as a stream.
 
-Per answered line that is 5 integers (40 bytes), the trie's hashes and validate_lines' set of
-custom_ids; the line's text, its JobRequest and its token list are gone once it is read.
+Per answered line that is 5 integers (40 bytes), the trie's hashes and the set of custom_ids;
+the line's text, its JobRequest and its token list are gone once it is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import sys
 import time
 from array import array
@@ -25,13 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from kvbatch.jobs.local.options import JobError, RunOptions
+from kvbatch.jobs.local.options import RunOptions
 from kvbatch.jobs.local.prepare import JobTraits, PreparedLine, scan_lines
 from kvbatch.jobs.local.token_store import TokenStore
-from kvbatch.jobs.openai_format.prompts import sampling_params_for
 from kvbatch.jobs.openai_format.responses import error_line
-from kvbatch.jobs.openai_format.validate import JobRequest, LineError, validate_lines
-from kvbatch.jobs.storage import LocalStorage, Storage, StorageError
+from kvbatch.jobs.openai_format.validate import JobRequest, LineError
+from kvbatch.jobs.storage import Storage
 
 
 @dataclass
@@ -40,15 +40,15 @@ class LineTable:
     input order: unit u is the u-th answered line."""
 
     line: array = field(default_factory=lambda: array("q"))  # 1-based input line
-    offset: array = field(default_factory=lambda: array("q"))  # byte offset in the input
-    size: array = field(default_factory=lambda: array("q"))  # bytes
+    offset: array = field(default_factory=lambda: array("q"))  # its unit_record's, in the spill
+    size: array = field(default_factory=lambda: array("q"))  # bytes of that record
     entry: array = field(default_factory=lambda: array("q"))  # first token-store entry
     tokens: array = field(default_factory=lambda: array("q"))  # prompt tokens, all inputs
 
-    def add(self, item: PreparedLine, entry: int) -> None:
+    def add(self, item: PreparedLine, entry: int, offset: int, size: int) -> None:
         self.line.append(item.line)
-        self.offset.append(item.offset)
-        self.size.append(item.size)
+        self.offset.append(offset)
+        self.size.append(size)
         self.entry.append(entry)
         self.tokens.append(sum(len(ids) for ids in item.inputs))
 
@@ -126,48 +126,35 @@ class ScannedInput:
     traits: JobTraits
 
 
-def local_input(source: Storage, spill: Path) -> Path:
-    """A local file with the input's bytes, to read lines again by offset: the input itself
-    when it is local, else a copy in `spill` (an S3 object read once, as a stream)."""
-    if isinstance(source, LocalStorage):
-        return source.path
-    copy = spill / "input.jsonl"
-    try:
-        with source.open_read() as f, open(copy, "wb") as out:
-            shutil.copyfileobj(f, out, 1 << 20)
-    except StorageError as e:
-        raise JobError(str(e)) from e
-    except OSError as e:
-        raise JobError(f"cannot copy the input to {spill}: {e}") from e
-    return copy
-
-
 class InputScan:
     """The first pass as a stream of prompts (each answered line's first input: what the
-    prefix trie takes), filling the table, the token store and the errors file as it goes.
-    Iterate `prompts()` once (group_by_prefix does); then read `result`."""
+    prefix trie takes), filling the table, the token store, the records' spill and the errors
+    file as it goes. Iterate `prompts()` once (group_by_prefix does); then read `result`."""
 
     def __init__(
         self,
-        path: Path,
+        source: Storage,
         opts: RunOptions,
         model,
         store: TokenStore,
-        errors_path: Path,
+        spill: Path,
         batch_id: str,
         progress: ScanProgress | None = None,
     ) -> None:
-        self.path, self.opts, self.model, self.store = path, opts, model, store
-        self.errors_path, self.batch_id, self.progress = errors_path, batch_id, progress
-        self.result = ScannedInput(LineTable(), errors_path, 0, JobTraits(opts))
+        self.source, self.opts, self.model, self.store = source, opts, model, store
+        self.batch_id, self.progress = batch_id, progress
+        self.records_path = spill / "units.jsonl"
+        self.result = ScannedInput(LineTable(), spill / "errors.jsonl", 0, JobTraits(opts))
 
     def prompts(self) -> Iterator[list[int]]:
         table, traits = self.result.table, self.result.traits
         lines = 0
-        with open(self.errors_path, "wb") as errors:
-            scan = scan_lines(LocalStorage(str(self.path)), self.opts, self.model, {}, traits)
-            offset = 0
-            for item in scan:
+        offset = 0  # in the input: how far the pass has read
+        records_size = 0
+        params_json: dict = {}  # equal params serialised once
+        with open(self.result.errors_path, "wb") as errors, \
+                open(self.records_path, "wb") as records:  # fmt: skip
+            for item in scan_lines(self.source, self.opts, self.model, {}, traits):
                 lines += 1
                 if isinstance(item, LineError):  # in line order, as they come
                     record = error_line(item, batch_id=self.batch_id)
@@ -177,7 +164,10 @@ class InputScan:
                     entry = len(self.store)
                     for ids in item.inputs:
                         self.store.append(ids)
-                    table.add(item, entry)
+                    raw = unit_record(item.request, params_json)
+                    records.write(raw)
+                    table.add(item, entry, records_size, len(raw))
+                    records_size += len(raw)
                     offset = item.offset + item.size
                     yield item.inputs[0]
                 if self.progress is not None and lines % 256 == 0:
@@ -187,25 +177,65 @@ class InputScan:
             self.progress.done(offset)
 
 
-def read_request(
-    f: BinaryIO, table: LineTable, unit: int, opts: RunOptions, max_model_len: int
-) -> JobRequest:
-    """Answered line `unit` as the first pass judged it (read again at its offset, validated
-    again; its prompt length from the table), its text dropped."""
+def unit_record(req: JobRequest, params_json: dict | None = None) -> bytes:
+    """What a shard request holds of an answered line besides its index and token ids, as
+    one JSON line (kvbatch.jobs.distributed.shards.ShardRequest's fields, in its order).
+    `params_json` caches the params' JSON by their value: a million lines have few kinds."""
+    params = _params_json(req.params, params_json)
+    embedding = None
+    if req.is_embedding:
+        embedding = {"dimensions": req.dimensions, "encoding_format": req.encoding_format}
+    score = None
+    if req.is_score:
+        score = {"documents": req.documents, "top_n": req.top_n}
+    calling = None if req.tool_calling is None else dataclasses.asdict(req.tool_calling)
+    head = _compact([req.line, req.custom_id, req.url])
+    tail = _compact([req.logprobs, req.max_tokens, req.model, embedding, calling, score])
+    return f'{{"head":{head},"params":{params},"tail":{tail}}}\n'.encode()
+
+
+def _params_json(params, cache: dict | None) -> str:
+    if cache is not None:
+        try:
+            return cache[params]
+        except KeyError:
+            text = cache[params] = _compact(dataclasses.asdict(params))
+            return text
+        except TypeError:  # a logit_bias dict makes the params unhashable: not cached
+            pass
+    return _compact(dataclasses.asdict(params))
+
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # one, not one a call
+
+
+def _compact(value) -> str:
+    return _COMPACT.encode(value)
+
+
+def read_unit(f: BinaryIO, table: LineTable, unit: int, prompts: list[list[int]]) -> dict:
+    """Answered line `unit` as a ShardRequest's fields (a dict, in the field order), its
+    record read back from the spill at its offset and `prompts` (its inputs' token ids) put
+    in."""
     f.seek(table.offset[unit])
-    raw = f.read(table.size[unit])
-    item = next(
-        iter(validate_lines([raw], model=opts.model_name, tool_call_parser=opts.tool_call_parser))
-    )
-    if isinstance(item, LineError):  # the file changed between the passes
-        raise JobError(
-            f"line {table.line[unit]} of {opts.input} changed while the job was submitted "
-            f"({item.message.split(': ', 1)[-1]}): submit it again once it is complete"
-        )
-    item = dataclasses.replace(item, line=table.line[unit])
-    if item.is_embedding:
-        return dataclasses.replace(item, inputs=None)
-    if item.is_score:  # the documents stay: a rerank answer shows them
-        return dataclasses.replace(item, pairs=None)
-    params = sampling_params_for(item, table.tokens[unit], max_model_len)
-    return dataclasses.replace(item, messages=None, prompt=None, tools=None, params=params)
+    record = json.loads(f.read(table.size[unit]))
+    line, custom_id, url = record["head"]
+    logprobs, max_tokens, model, embedding, calling, score = record["tail"]
+    if embedding is not None:
+        embedding = {"inputs": prompts, **embedding}
+    if score is not None:
+        score = {"inputs": prompts, **score}
+    return {
+        "index": unit,
+        "line": line,
+        "custom_id": custom_id,
+        "url": url,
+        "prompt_token_ids": prompts[0],
+        "params": record["params"],
+        "logprobs": logprobs,
+        "max_tokens": max_tokens,
+        "model": model,
+        "embedding": embedding,
+        "tool_calling": calling,
+        "score": score,
+    }

@@ -13,15 +13,14 @@ shared prefix is computed by two workers; each shard holds about `shard_tokens` 
 (a bigger group is a shard of its own). prepare_job enqueues nothing: the caller sends
 `SubmittedJob.messages`.
 
-A job of a million lines fits: the input is streamed once to validate and tokenize (token ids
-spilled to disk, a row of integers kept a line, kvbatch.jobs.distributed.job_lines), the cuts
-come from the trie's walk, and each shard's lines are read again by byte offset when it is
-written.
+A job of a million lines fits: the input is streamed once to validate and tokenize (by a
+pool of processes on a long job; token ids and each line's shard record spilled to disk, a row
+of integers kept a line, kvbatch.jobs.distributed.job_lines), the cuts come from the trie's
+walk, and each shard's records are read back by offset when it is written.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import shutil
@@ -32,16 +31,8 @@ from pathlib import Path
 
 from kvbatch.engine import block_hashes
 from kvbatch.jobs import model_info
-from kvbatch.jobs.distributed.job_lines import (
-    InputScan,
-    LineTable,
-    ScanProgress,
-    local_input,
-    read_request,
-)
+from kvbatch.jobs.distributed.job_lines import InputScan, LineTable, ScanProgress, read_unit
 from kvbatch.jobs.distributed.shards import (
-    EmbeddingSpec,
-    ScoreSpec,
     ShardMessage,
     ShardRequest,
     job_dir,
@@ -55,7 +46,7 @@ from kvbatch.jobs.local.run import JobError, RunOptions
 from kvbatch.jobs.local.token_store import TokenStore
 from kvbatch.jobs.model_fingerprint import FingerprintError, fingerprint
 from kvbatch.jobs.openai_format.batch_record import BatchRecord
-from kvbatch.jobs.storage import StorageError, absolute_location, open_storage
+from kvbatch.jobs.storage import LocalStorage, StorageError, absolute_location, open_storage
 
 DEFAULT_MAX_ATTEMPTS = 3
 
@@ -253,28 +244,26 @@ def _write_shards(
     block_size: int, shard_tokens: int, progress: ScanProgress | None,
 ) -> _Sharded:  # fmt: skip
     """Validate and tokenize (as `kvbatch run` does) in one streaming pass, write the
-    validation errors, order by prefix and write one payload per shard, reading each line
-    again by its byte offset (kvbatch.jobs.distributed.job_lines)."""
+    validation errors, order by prefix and write one payload per shard, reading each line's
+    record back from the pass's spill (kvbatch.jobs.distributed.job_lines)."""
     spill = Path(tempfile.mkdtemp(prefix="kvbatch-submit-"))
     try:
-        path = local_input(source, spill)
-        if progress is not None:
-            progress.total = path.stat().st_size
+        if progress is not None and isinstance(source, LocalStorage):
+            progress.total = source.path.stat().st_size
         with TokenStore(spill) as store:
-            scan = InputScan(path, opts, GivenModel(tokenizer, max_len), store,
-                             spill / "errors.jsonl", batch_id, progress)  # fmt: skip
+            scan = InputScan(source, opts, GivenModel(tokenizer, max_len), store, spill,
+                             batch_id, progress)  # fmt: skip
             order = group_by_prefix(scan.prompts(), block_size)
             scanned = scan.result
             table = scanned.table
             _write_errors(job, job_id, scanned.errors_path)
             lengths = array("q", (table.tokens[u] for u in order.order))
             messages, entries = [], []
-            with open(path, "rb") as f:
+            with open(scan.records_path, "rb") as f:
                 cuts = cut_shards(lengths, order.shared_blocks, shard_tokens)
                 for n, (a, b) in enumerate(cuts):
                     shard_id = f"shard-{n:05d}"
-                    reqs = [_shard_request(u, f, table, store, opts, max_len)
-                            for u in order.order[a:b]]  # fmt: skip
+                    reqs = [_shard_request(u, f, table, store) for u in order.order[a:b]]
                     msg = _write_shard(job, job_id, shard_id, reqs, n, len(cuts))
                     messages.append(msg)
                     entries.append(
@@ -336,35 +325,9 @@ def _publish(job, job_id: str, record: BatchRecord, manifest: dict) -> None:
         raise JobError(f"job {job_id} was created concurrently at {job.uri}")
 
 
-def _shard_request(unit: int, f, table: LineTable, store: TokenStore, opts: RunOptions,
-                   max_len: int) -> ShardRequest:  # fmt: skip
-    """Answered line `unit` as a shard request: the line read again, its tokens from the
-    store."""
-    req = read_request(f, table, unit, opts, max_len)
+def _shard_request(unit: int, f, table: LineTable, store: TokenStore) -> ShardRequest:
+    """Answered line `unit` as a shard request: its record read back from the spill `f`, its
+    tokens from the store."""
     entry = table.entry[unit]
     end = table.entry[unit + 1] if unit + 1 < len(table) else len(store)
-    prompts = [store[i] for i in range(entry, end)]
-    embedding = None
-    if req.is_embedding:
-        embedding = EmbeddingSpec(
-            inputs=prompts,
-            dimensions=req.dimensions,
-            encoding_format=req.encoding_format,
-        ).to_dict()
-    score = None
-    if req.is_score:
-        score = ScoreSpec(inputs=prompts, documents=req.documents, top_n=req.top_n).to_dict()
-    return ShardRequest(
-        index=unit,
-        line=req.line,
-        custom_id=req.custom_id,
-        url=req.url,
-        prompt_token_ids=prompts[0],
-        params=dataclasses.asdict(req.params),
-        logprobs=req.logprobs,
-        max_tokens=req.max_tokens,
-        model=req.model,
-        embedding=embedding,
-        score=score,
-        tool_calling=None if req.tool_calling is None else dataclasses.asdict(req.tool_calling),
-    )
+    return ShardRequest(**read_unit(f, table, unit, [store[i] for i in range(entry, end)]))

@@ -74,6 +74,12 @@ class ModelOnDemand:
         files = self._model_files()
         return self.engine.max_model_len if files is None else files.max_model_len
 
+    def given(self) -> GivenModel | None:
+        """The tokenizer and context read without the weights, once a line has needed them
+        (job_first); else None: a process holding the engine (maybe a GPU's context) is not
+        one to fork a pool of tokenizing processes from (kvbatch.jobs.local.line_pool)."""
+        return self._files if self.job_first else None
+
     def _model_files(self) -> GivenModel | None:
         """job_first: the tokenizer and the model's own context, read once without the
         weights (a Hub id's configs and tokenizer are fetched, as `kvbatch submit` does). A
@@ -100,3 +106,6 @@ class GivenModel:
 
     def __init__(self, tokenizer, max_model_len: int) -> None:
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
+
+    def given(self) -> GivenModel:
+        return self

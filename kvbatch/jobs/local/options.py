@@ -38,6 +38,9 @@ class RunOptions:
     # reads tool calls out of chat answers with tool_choice "auto" (kvbatch.jobs.openai_format.tool_parsers)
     tool_call_parser: str | None = None
     monitor: RunMonitor | None = None  # metrics; changes no answer
+    # processes that validate and tokenize a long job's lines (kvbatch.jobs.local.line_pool);
+    # None: KVBATCH_TOKENIZE_WORKERS, else every core; 1: none. Changes no answer.
+    tokenize_workers: int | None = None
 
 
 def job_identity(opts: RunOptions) -> dict:

@@ -4,26 +4,20 @@ chat template applied), spill the token ids to disk and collect the error record
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbatch.engine import NO_REASONING_PARSER, detect_reasoning_parser
+from kvbatch.env_settings import SettingError
 from kvbatch.jobs.job_context import request_tokens
+from kvbatch.jobs.local.line_chunks import ChunkJudge, LineRules, line_digest, tokenized
+from kvbatch.jobs.local.line_pool import JudgedLines, default_workers
 from kvbatch.jobs.local.model_on_demand import GivenModel
 from kvbatch.jobs.local.options import JobError, RunOptions
 from kvbatch.jobs.local.token_store import TokenStore
 from kvbatch.jobs.openai_format.endpoint import EndpointRule
-from kvbatch.jobs.openai_format.prompts import (
-    PromptError,
-    embedding_token_ids,
-    prompt_token_ids,
-    sampling_params_for,
-)
-from kvbatch.jobs.openai_format.score_prompts import pair_token_ids
-from kvbatch.jobs.openai_format.validate import JobRequest, LineError, read_lines, validate_lines
+from kvbatch.jobs.openai_format.prompts import PromptError
+from kvbatch.jobs.openai_format.validate import JobRequest, LineError, check_line
 from kvbatch.jobs.storage import StorageError
 
 
@@ -134,8 +128,6 @@ class JobTraits:
         self.endpoint = EndpointRule()
         self.urls: set[str] = set()
         self.longest = 0  # prompt + output cap of the longest request (kvbatch.jobs.job_context)
-        self.reasoning: str | None = None  # the job's reasoning parser, from its first chat line
-        self.reasoning_read = False
 
     def job_name(self) -> str:
         return self.model or Path(self.opts.model.rstrip("/")).name
@@ -156,19 +148,40 @@ class JobTraits:
 
 
 def scan_lines(
-    source, opts: RunOptions, model, done: Mapping[str, str], traits: JobTraits
+    source,
+    opts: RunOptions,
+    model,
+    done: Mapping[str, str],
+    traits: JobTraits,
 ) -> Iterator[LineError | PreparedLine | AnsweredLine]:
     """The validation pass as a stream: one record per non-blank line, in input order, holding
-    nothing of the lines already yielded (but validate_lines' set of custom_ids): a LineError,
-    an AnsweredLine (skipped: `done` has its digest) or a PreparedLine. `traits` collects what
-    the job as a whole needs."""
-    params_seen: dict = {}  # identical SamplingParams are shared: millions of lines, few kinds
+    nothing of the lines already yielded (but the set of custom_ids seen): a LineError, an
+    AnsweredLine (skipped: `done` has its digest) or a PreparedLine. `traits` collects what
+    the job as a whole needs.
+
+    Lines are validated and tokenized in chunks, by a pool of processes once the job proves
+    long (kvbatch.jobs.local.line_pool, `opts.tokenize_workers`); what depends on earlier
+    lines is settled here, in order, so the records are those of a line-by-line pass."""
+    judge = ChunkJudge(LineRules.of(opts), model)
+    seen: set[str] = set()
+    skip = None
+    if done:  # an earlier run's answers: their lines need no tokens
+        digests = set(done.values())
+        skip = lambda number, raw: line_digest(raw) in digests  # noqa: E731
+    try:
+        workers = opts.tokenize_workers or default_workers()
+    except SettingError as e:
+        raise JobError(str(e)) from e
     try:
         with source.open_read() as f:
-            lines = _LastLine(read_lines(f))
-            for item in validate_lines(
-                lines, model=opts.model_name, tool_call_parser=opts.tool_call_parser
-            ):
+            for judged, raw, offset, size in JudgedLines(f, judge, workers, skip):
+                item = judged.record
+                if judged.taken is not None:
+                    if judged.taken in seen:  # judged apart: judged again, as a duplicate
+                        item = check_line(judged.number, raw, seen, model=opts.model_name,
+                                          tool_call_parser=opts.tool_call_parser)  # fmt: skip
+                    else:
+                        seen.add(judged.taken)
                 if isinstance(item, LineError):
                     yield item
                     continue
@@ -177,81 +190,29 @@ def scan_lines(
                     yield mismatch
                     continue
                 traits.urls.add(item.url)
-                digest = line_digest(lines.last)
-                if done.get(item.custom_id) == digest:
-                    yield AnsweredLine(item.custom_id, item.line, digest)
+                if done.get(item.custom_id) == judged.digest:
+                    yield AnsweredLine(item.custom_id, item.line, judged.digest)
                     continue
-                if item.messages is not None and not traits.reasoning_read:
-                    traits.reasoning = job_reasoning_parser(opts, model.tokenizer)
-                    traits.reasoning_read = True
-                try:
-                    request, inputs = tokenized(item, model, params_seen, traits.reasoning)
-                except PromptError as e:
-                    yield e.line_error(item)
+                tokens = judged.tokens
+                if tokens is None:  # skipped for another line's answer: tokenized now
+                    tokens = _tokenized_here(item, judge)
+                if isinstance(tokens, PromptError):
+                    yield tokens.line_error(item)
                     continue
+                request, inputs = tokens
                 traits.longest = max(
                     traits.longest,
                     *(request_tokens(len(ids), None if request.is_pooled else request.params)
                       for ids in inputs),
                 )  # fmt: skip
-                yield PreparedLine(request, inputs, lines.offset, lines.size, digest)
+                yield PreparedLine(request, inputs, offset, size, judged.digest)
     except StorageError as e:
         raise JobError(str(e)) from e
 
 
-def tokenized(
-    item: JobRequest, model, params_seen: dict | None = None, reasoning: str | None = None
-):
-    """(the request with its text dropped, its token ids: one list, or one per embeddings
-    input). Raises PromptError (with the line's own message) when a prompt cannot run.
-    `params_seen` shares equal SamplingParams between lines; `reasoning` names the job's
-    reasoning parser (gpt-oss prompts are rendered by harmony)."""
-    if item.is_embedding:
-        inputs = embedding_token_ids(item, model.tokenizer, model.max_model_len)
-        return dataclasses.replace(item, inputs=None), inputs
-    if item.is_score:
-        model_name = item.model or "the model"
-        inputs = pair_token_ids(item, model.tokenizer, model.max_model_len, model_name)
-        return dataclasses.replace(item, pairs=None), inputs
-    ids = prompt_token_ids(item, model.tokenizer, model.max_model_len, reasoning)
-    params = sampling_params_for(item, len(ids), model.max_model_len)
-    if params_seen is not None:
-        try:
-            params = params_seen.setdefault(params, params)
-        except TypeError:  # a logit_bias dict makes the params unhashable: not shared
-            pass
-    request = dataclasses.replace(item, messages=None, prompt=None, tools=None, params=params)
-    return request, [ids]
-
-
-def job_reasoning_parser(opts: RunOptions, tokenizer) -> str | None:
-    """The name of the reasoning parser the job's engine will use: --reasoning-parser, else
-    the one the model's tokenizer calls for (the engine chooses the same way); None: none."""
-    named = opts.engine.get("reasoning_parser")
-    if named == NO_REASONING_PARSER:
-        return None
-    return named or detect_reasoning_parser(tokenizer)
-
-
-def line_digest(raw: bytes) -> str:
-    """What an answer is an answer to: the input line's bytes, outer whitespace aside."""
-    return hashlib.sha256(raw.strip()).hexdigest()[:32]
-
-
-class _LastLine:
-    """Iterates a file's lines and remembers the last one, its byte offset and its size:
-    validate_lines is lazy (one record per line, yielded before the next line is read), so it
-    is the line of the record in hand."""
-
-    def __init__(self, lines) -> None:
-        self._lines = lines
-        self.last = b""
-        self.offset = 0
-        self.size = 0
-
-    def __iter__(self):
-        for raw in self._lines:
-            self.last = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
-            self.offset += self.size
-            self.size = getattr(raw, "size", len(self.last))  # an OversizedLine's whole length
-            yield raw
+def _tokenized_here(item: JobRequest, judge: ChunkJudge):
+    reasoning = judge.reasoning() if item.messages is not None else None
+    try:
+        return tokenized(item, judge.model, judge.params_seen, reasoning)
+    except PromptError as e:
+        return e

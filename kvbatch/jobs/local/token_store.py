@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 import tempfile
 from array import array
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+INT32 = "i" if array("i").itemsize == 4 else "l"  # the array typecode of a 4-byte int
 
 
 class TokenStore:
@@ -23,11 +26,14 @@ class TokenStore:
         self._offsets = array("q", [0])
         self._reader = None  # opened at the first read: no appends after it
 
-    def append(self, token_ids: list[int]) -> int:
-        """Store one prompt; returns its index."""
+    def append(self, token_ids: Sequence[int]) -> int:
+        """Store one prompt (a list, or an int32 array as a pool's process sends it); returns
+        its index."""
         if self._reader is not None:
             raise RuntimeError("the store is sealed: no appends after the first read")
-        self._file.write(np.asarray(token_ids, dtype=np.int32).tobytes())
+        if not (isinstance(token_ids, array) and token_ids.typecode == INT32):
+            token_ids = array(INT32, token_ids)
+        self._file.write(token_ids)
         self._offsets.append(self._offsets[-1] + len(token_ids))
         return len(self._offsets) - 2
 

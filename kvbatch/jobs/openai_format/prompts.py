@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
 
 from kvbatch import engine
 from kvbatch.engine import HARMONY_PARSER, SamplingParams
@@ -28,9 +29,23 @@ class PromptError(ValueError):
         self.code = code
         self.message = message
 
+    def __reduce__(self):  # pickled whole (a pool's process sends it back)
+        return type(self), (self.code, self.message)
+
     def line_error(self, req: JobRequest) -> LineError:
         """This error as the line's record in errors.jsonl."""
         return LineError(req.line, req.custom_id, self.code, f"line {req.line}: {self.message}")
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt before encoding: `text` to encode (with the tokenizer's own special tokens, or
+    without them for a chat template's text, which holds them already), or `ids` ready."""
+
+    text: str | None = None
+    add_special_tokens: bool = True
+    ids: list[int] | None = None
+    failure: str = "the prompt cannot be tokenized"  # what an encoding error is reported as
 
 
 def prompt_token_ids(
@@ -39,6 +54,25 @@ def prompt_token_ids(
     """The prompt of `req` as token ids. Raises PromptError when it cannot run: the chat
     template fails, the prompt is empty or holds ids outside the vocabulary (invalid_prompt),
     or it leaves no room for one output token (context_length_exceeded).
+
+    One line at a time: render_prompt, encode, checked_prompt_ids. A chunk of lines encodes
+    its rendered prompts in one call instead (kvbatch.jobs.openai_format.prompt_batch), with the
+    same ids."""
+    rendered = render_prompt(req, tokenizer, reasoning_parser)
+    ids = rendered.ids
+    if ids is None:
+        try:
+            ids = tokenizer.encode(rendered.text, add_special_tokens=rendered.add_special_tokens)
+        except Exception as exc:  # e.g. a lone surrogate from a JSON "\ud800" escape
+            raise PromptError("invalid_prompt", f"{rendered.failure}: {exc}") from exc
+    return checked_prompt_ids(ids, max_model_len)
+
+
+def render_prompt(
+    req: JobRequest, tokenizer, reasoning_parser: str | None = None
+) -> RenderedPrompt:
+    """What `req` asks the tokenizer to encode, or its ids when none is needed. Raises
+    PromptError when the chat template fails or id prompts leave the vocabulary.
 
     `reasoning_parser`: the job's (kvbatch.engine.reasoning); a harmony model's (gpt-oss:
     openai_gptoss) messages are rendered by openai-harmony, with the line's reasoning_effort
@@ -54,8 +88,10 @@ def prompt_token_ids(
             raise PromptError(
                 "invalid_prompt", f"openai-harmony cannot render these messages: {exc}"
             ) from exc
-    elif req.messages is not None:
+        return RenderedPrompt(ids=ids)
+    if req.messages is not None:
         _check_tool_support(req, tokenizer)
+        failure = "the model's chat template rejects these messages"
         try:
             text = tokenizer.apply_chat_template(
                 req.messages,
@@ -64,17 +100,12 @@ def prompt_token_ids(
                 tokenize=False,
                 **_template_kwargs(req),
             )
-            ids = tokenizer.encode(text, add_special_tokens=False)
         except Exception as exc:  # jinja errors, no template, raise_exception() in a template
-            raise PromptError(
-                "invalid_prompt", f"the model's chat template rejects these messages: {exc}"
-            ) from exc
-    elif isinstance(req.prompt, str):
-        try:
-            ids = tokenizer.encode(req.prompt)
-        except Exception as exc:  # e.g. a lone surrogate from a JSON "\ud800" escape
-            raise PromptError("invalid_prompt", f"the prompt cannot be tokenized: {exc}") from exc
-    elif req.prompt is not None:
+            raise PromptError("invalid_prompt", f"{failure}: {exc}") from exc
+        return RenderedPrompt(text=text, add_special_tokens=False, failure=failure)
+    if isinstance(req.prompt, str):
+        return RenderedPrompt(text=req.prompt)
+    if req.prompt is not None:
         ids = list(req.prompt)
         vocab = len(tokenizer)
         bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -83,9 +114,12 @@ def prompt_token_ids(
                 "invalid_prompt",
                 f"token id {bad} is outside the model's vocabulary [0, {vocab}): fix the prompt",
             )
-    else:
-        raise PromptError("invalid_prompt", "the request has neither messages nor a prompt")
+        return RenderedPrompt(ids=ids)
+    raise PromptError("invalid_prompt", "the request has neither messages nor a prompt")
 
+
+def checked_prompt_ids(ids: list[int], max_model_len: int) -> list[int]:
+    """`ids`, unless the prompt is empty or leaves no room for one output token."""
     if not ids:
         raise PromptError("invalid_prompt", "the prompt is empty: give at least one token")
     if len(ids) >= max_model_len:

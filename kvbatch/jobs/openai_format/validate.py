@@ -201,6 +201,21 @@ def validate_lines(
             yield record
 
 
+def check_line(
+    number: int,
+    raw: bytes | str,
+    seen,
+    *,
+    model: str | None = None,
+    tool_call_parser: str | None = None,
+) -> JobRequest | LineError | None:
+    """The record validate_lines yields for line `number` (None: a blank line). `seen` holds
+    the custom_ids of the lines before (anything with `in` and `add`): a line with a well-formed
+    custom_id adds its own, whether or not it is valid, as validate_lines does. Lets a caller
+    validate lines apart (in a pool of processes) and settle duplicates itself, in line order."""
+    return _check_line(number, raw, seen, model, None, tool_call_parser)
+
+
 class OversizedLine(bytes):
     """The first MAX_LINE_BYTES + 1 bytes of a longer line, and its whole length in `size`."""
 

@@ -2,9 +2,10 @@
 a big file, and a submit that a failure while writing shards leaves for a rerun to complete.
 
 The memory test fails if a per-line Python object list comes back (a JobRequest, a token list
-or a shard request per line, kept for the whole job): the peak traced allocation of a
-20k-line submit may exceed the 2k-line one's only by what the job keeps per line by design
-(a row of integers, validate_lines' custom_id set, the trie's block hashes, the order)."""
+or a shard request per line, kept for the whole job): the peak traced allocation of an
+8k-line submit may exceed the 1k-line one's only by what the job keeps per line by design:
+the prefix trie's nodes (measured on the same prompts, by grouping them alone), and a row of
+integers and the custom_id set (BYTES_PER_LINE)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,16 @@ from kvbatch.bench.submit_workload import write_chat_job
 from kvbatch.jobs.distributed import submit
 from kvbatch.jobs.distributed.shards import read_shard
 from kvbatch.jobs.distributed.submit import prepare_job
+from kvbatch.jobs.grouping import group_by_prefix
+from kvbatch.jobs.local import line_pool
 from kvbatch.jobs.local.run import JobError
 from kvbatch.jobs.storage.s3 import reset_client
 from tests.fault_proxy import FaultProxy
 from tests.s3_server import s3_server  # noqa: F401
 
-# What a line may keep beyond the 1k-line job's peak, measured (tracemalloc) at about 50 bytes
-# with these short documents (the peak is the shard being written, and the rows of integers);
-# the per-line lists submit used to keep (a JobRequest and two dict entries a line, then every
-# prompt's token list at once) came to over 500 bytes a line, tokens aside.
+# What a line may keep beyond the 1k-line job's peak besides the trie's nodes: a row of
+# integers (about 60 bytes) and its custom_id in the set of ids seen (about 90); a JobRequest
+# and two dict entries a line, as submit used to keep, came to over 500 bytes.
 BYTES_PER_LINE = 200
 BAD_LINE = b'{"custom_id": "broken", "method": "POST", "url": '
 
@@ -40,6 +42,22 @@ def _peak_of_submit(src: Path, out: Path, model: Path) -> tuple[int, object]:
         return tracemalloc.get_traced_memory()[1], job
     finally:
         tracemalloc.stop()
+
+
+def _peak_of_grouping(prompts: list[list[int]]) -> int:
+    """The peak traced allocation of the prefix trie over `prompts` (given), alone."""
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        group_by_prefix(iter(prompts), 16)
+        return tracemalloc.get_traced_memory()[1] - start
+    finally:
+        tracemalloc.stop()
+
+
+def _prompts(job) -> list[list[int]]:
+    requests = sorted((r for m in job.messages for r in read_shard(m)), key=lambda r: r.index)
+    return [r.prompt_token_ids for r in requests]
 
 
 def test_submit_memory_does_not_grow_with_the_lines(
@@ -55,14 +73,21 @@ def test_submit_memory_does_not_grow_with_the_lines(
         return loaded
 
     monkeypatch.setattr(submit, "_read_model", read_model_then_reset_peak)
+    # Both jobs judged by the pool of processes from their first line (a long job's way): its
+    # chunks in flight are the same few megabytes whatever the job's size.
+    monkeypatch.setattr(line_pool, "POOL_AFTER_LINES", 0)
+    monkeypatch.setenv(line_pool.WORKERS_ENV, "2")
     small = write_chat_job(tmp_path / "small.jsonl", 1_000, words=20)
     big = write_chat_job(tmp_path / "big.jsonl", 8_000, words=20, bad_lines={7_900: BAD_LINE})
     _peak_of_submit(write_chat_job(tmp_path / "warm.jsonl", 50), tmp_path / "warm",
                     tiny_chat_model)  # imports  # fmt: skip
-    peak_small, _ = _peak_of_submit(small, tmp_path / "small", tiny_chat_model)
+    peak_small, small_job = _peak_of_submit(small, tmp_path / "small", tiny_chat_model)
     peak_big, job = _peak_of_submit(big, tmp_path / "big", tiny_chat_model)
     grown = (peak_big - peak_small) / 7_000
-    assert grown < BYTES_PER_LINE, f"{grown:.0f} bytes a line more: a per-line list is back"
+    trie = (_peak_of_grouping(_prompts(job)) - _peak_of_grouping(_prompts(small_job))) / 7_000
+    assert grown < trie + BYTES_PER_LINE, (
+        f"{grown:.0f} bytes a line more, the trie's {trie:.0f}: a per-line list is back"
+    )
     # The malformed line deep in the file is one error record with its line number.
     assert (job.num_requests, job.num_invalid) == (7_999, 1)
     errors = (tmp_path / "big" / "j" / "validation_errors.jsonl").read_bytes().splitlines()
