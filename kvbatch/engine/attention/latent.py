@@ -16,9 +16,10 @@ attention with one KV head of R + P dimensions whose value is the first R:
 `latent_decode_attention` is that, with the signature of kernels/mla_attention.py's Triton
 kernel (`mla_decode_attention`), so the two are interchangeable and checked against each other.
 
-Prefill (expanded, compute-bound) lives in the layer (engine/layers/latent_attention.py): the
-chunk's context latents go through kv_b_proj to per-head K and V and attend as ordinary
-attention; `gather_latents` reads them.
+Prefill (expanded, compute-bound): the layer (engine/layers/latent_attention.py) sends the
+chunk's context latents (`gather_latents` reads the cached ones) through kv_b_proj to per-head
+K and V; `expanded_prefill_attention` is their causal attention in torch (SDPA), and the
+Triton backend runs the same through kernels/prefill_attention.py (`latent_prefill`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from kvbatch.engine.attention.cascade import DecodeGroup
 
@@ -124,3 +126,24 @@ def latent_cascade_decode(
             out.dtype
         ) + s_out * torch.exp(s_lse - total)[..., None].to(out.dtype)
     return out
+
+
+def expanded_prefill_attention(
+    queries: torch.Tensor,  # [Q, H, N + P] the chunk's queries, the last Q of the context
+    keys: torch.Tensor,  # [S, H, N + P] every context token's key (cached prefix and chunk)
+    values: torch.Tensor,  # [S, H, V]
+    scale: float,
+) -> torch.Tensor:  # [Q, H, V]
+    """Causal attention of a prefill chunk over its expanded context: query i (position
+    S - Q + i) sees keys 0 .. S - Q + i."""
+    q_len, s = queries.shape[0], keys.shape[0]
+    q_pos = torch.arange(s - q_len, s, device=queries.device)
+    mask = torch.arange(s, device=queries.device)[None, :] <= q_pos[:, None]  # [Q, S]
+    out = F.scaled_dot_product_attention(
+        queries.transpose(0, 1),
+        keys.transpose(0, 1),
+        values.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+    )
+    return out.transpose(0, 1)

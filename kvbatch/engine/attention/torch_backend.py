@@ -14,7 +14,11 @@ from kvbatch.engine.attention.cascade import cascade_decode
 from kvbatch.engine.attention.decode_plan import DecodePlan, plan_decode
 from kvbatch.engine.attention.decode_rows import length_buckets
 from kvbatch.engine.attention.kv_view import KVView
-from kvbatch.engine.attention.latent import latent_attention_lse, latent_decode_attention
+from kvbatch.engine.attention.latent import (
+    expanded_prefill_attention,
+    latent_attention_lse,
+    latent_decode_attention,
+)
 from kvbatch.engine.attention.layer_spec import FULL_ATTENTION, LayerAttention, attend
 from kvbatch.engine.attention.metadata import (
     UNIT_KV_SCALES,
@@ -101,6 +105,8 @@ class TorchAttentionBackend:
 
     latent_decode_lse = staticmethod(latent_attention_lse)
     """The same with each row's log-sum-exp, for a shared-prefix group's merge."""
+    latent_prefill = staticmethod(expanded_prefill_attention)
+    """MLA prefill over the expanded context (engine/attention/latent.py)."""
 
     @staticmethod
     def _decode(

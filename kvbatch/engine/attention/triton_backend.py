@@ -82,6 +82,10 @@ def _batch(block_ids, ranges, device, tables=None) -> PrefillBatch:
     )
 
 
+EXPANDED_BLOCK = 16
+"""Tokens a block of the expanded K/V an MLA prefill lays out for the prefill kernel."""
+
+
 class TritonAttentionBackend:
     """Paged attention with the Triton kernels (CUDA; the interpreter runs them on the CPU)."""
 
@@ -119,6 +123,37 @@ class TritonAttentionBackend:
         return self._mla_decode(
             q_latent, q_rope, latent_cache, tables, lens, scale, return_lse=return_lse
         )
+
+    def latent_prefill(
+        self,
+        queries: torch.Tensor,  # [Q, H, N + P] the last Q positions of the context
+        keys: torch.Tensor,  # [S, H, N + P]
+        values: torch.Tensor,  # [S, H, V], V <= N + P
+        scale: float,
+    ) -> torch.Tensor:  # [Q, H, V]
+        """MLA prefill over the expanded context by the paged prefill kernel: K and V (V
+        zero-padded to the key width) laid out as one sequence's cache of
+        EXPANDED_BLOCK-token blocks, one KV head per query head."""
+        q_len, s = queries.shape[0], keys.shape[0]
+        width, v_dim = keys.shape[-1], values.shape[-1]
+        blocks = -(-s // EXPANDED_BLOCK)
+        cache = keys.new_zeros(2, blocks * EXPANDED_BLOCK, *keys.shape[1:])
+        cache[0, :s] = keys
+        cache[1, :s, :, :v_dim] = values
+        cache = cache.view(2, blocks, EXPANDED_BLOCK, *keys.shape[1:])
+        device = queries.device
+        out = self._prefill(
+            queries.contiguous(),
+            cache,
+            torch.arange(blocks, dtype=torch.int32, device=device)[None],
+            torch.zeros(1, dtype=torch.int32, device=device),
+            torch.tensor([q_len], dtype=torch.int32, device=device),
+            torch.tensor([s], dtype=torch.int32, device=device),
+            q_len,
+            scale=scale,
+            max_context_len=s,
+        )
+        return out[..., :v_dim] if width != v_dim else out
 
     def latent_decode_lse(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
         """`latent_decode` with each row's log-sum-exp, for a shared-prefix group's merge

@@ -30,7 +30,6 @@ Mistral 4 also multiplies each query by its position's scale (`query_scale`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvbatch.engine.attention.latent import (
@@ -108,7 +107,9 @@ class LatentAttention(nn.Module):
             out[:nd] = self.decode(q_nope[:nd], q_rope[:nd], kv_cache, meta, backend)
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
-            out[rows] = self.prefill(q_nope[rows], q_rope[rows], entries[rows], kv_cache, span)
+            out[rows] = self.prefill(
+                q_nope[rows], q_rope[rows], entries[rows], kv_cache, span, backend
+            )
         return self.o_proj(out.view(t, -1))
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,6 +160,7 @@ class LatentAttention(nn.Module):
         entries: torch.Tensor,  # [Q, R + P] the chunk's own latents
         kv_cache: torch.Tensor,
         span: PrefillSpan,
+        backend,
     ) -> torch.Tensor:  # [Q, H, V]
         """Expanded prefill: the context's latents to per-head K and V, causal attention."""
         cfg = self.cfg
@@ -172,13 +174,4 @@ class LatentAttention(nn.Module):
         kv = self.kv_b_proj(context[:, :r]).view(s, h, n + cfg.v_head_dim)
         keys = torch.cat((kv[..., :n], context[:, None, r:].expand(s, h, -1)), dim=-1)
         queries = torch.cat((q_nope, q_rope), dim=-1)
-        q_pos = torch.arange(cached, span.context_len, device=q_nope.device)
-        mask = torch.arange(s, device=q_nope.device)[None, :] <= q_pos[:, None]  # [Q, S]
-        out = F.scaled_dot_product_attention(
-            queries.transpose(0, 1),
-            keys.transpose(0, 1),
-            kv[..., n:].transpose(0, 1),
-            attn_mask=mask,
-            scale=cfg.scale,
-        )
-        return out.transpose(0, 1)
+        return backend.latent_prefill(queries, keys, kv[..., n:], cfg.scale)

@@ -135,3 +135,19 @@ def test_shared_groups_merge_through_each_backends_attention(backend):
         attend=backend.latent_decode_lse,
     )  # fmt: skip
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cached", [0, 5, 19])
+def test_expanded_prefill_on_the_triton_kernel_matches_sdpa(cached):
+    """The Triton backend's latent_prefill (the paged prefill kernel over the expanded K and
+    zero-padded V, under the interpreter) equals torch's SDPA path, with and without a cached
+    prefix before the chunk."""
+    g = torch.Generator().manual_seed(6)
+    q_len, heads, width, v_dim = 7, 3, N + P, V
+    keys = torch.randn(cached + q_len, heads, width, generator=g)
+    values = torch.randn(cached + q_len, heads, v_dim, generator=g)
+    queries = torch.randn(q_len, heads, width, generator=g)
+    want = TorchAttentionBackend.latent_prefill(queries, keys, values, 0.3)
+    got = TritonAttentionBackend().latent_prefill(queries, keys, values, 0.3)
+    assert got.shape == (q_len, heads, v_dim)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
