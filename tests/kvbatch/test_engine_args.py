@@ -201,7 +201,9 @@ def test_kvbatch_run_builds_its_engine_from_the_flags(
     argv = ["run", str(source), "--model", str(tiny_chat_model), "--device", "cpu"]
     argv += ["--max-model-len", "128", *EVERY_FLAG]
     with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.INFO, logger="kvbatch.engine"):
-        mp.setattr(engine, "LLM", Recording)  # jobs/local/model_on_demand.py imports it when a line needs the model
+        mp.setattr(
+            engine, "LLM", Recording
+        )  # jobs/local/model_on_demand.py imports it when a line needs the model
         status, out, err = run_main(argv)
     assert status == 0, err
     assert "3 answered, 0 failed" in err
