@@ -23,10 +23,11 @@ TORCH_INSTALL = { $(PIP) install --no-index --no-deps '$(TORCH)' 2>/dev/null \
 	&& $(PIP) install '$(TORCH)'
 endif
 # two test processes (pytest-xdist: every test starts its own servers on free ports and
-# works in its own temporary folders, and torch runs one thread in each), and the slowest
-# tests at the end of every `make test` (CI's log too): the suite should stay under about
-# 15 minutes on a 2-core machine (11 with two processes, 20 with one)
-PYTEST_ARGS ?= -n 2 --durations=15
+# works in its own temporary folders, and torch runs one thread in each), a test file's tests
+# kept in one process (--dist loadscope: a module's model and servers are built once, not
+# once in each process), and the slowest tests at the end of every `make test` (CI's log
+# too): the suite should stay under about 15 minutes on a 2-core machine
+PYTEST_ARGS ?= -n 2 --dist loadscope --durations=15
 # the fast tier, for a developer between edits (under about 3 minutes on 2 idle cores): no
 # slow, distributed, Triton-interpreter or real-model tests (markers: pyproject.toml)
 FAST_MARKERS := not slow and not distributed and not interpreter and not real_model
