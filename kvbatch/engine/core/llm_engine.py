@@ -308,7 +308,7 @@ class LLMEngine:
         """On CUDA with the triton backend, decode steps replay graphs from now on."""
         if self.runner.states is not None:  # hybrid models' steps run eagerly
             return
-        if self.model_config.is_latent:  # MLA prefill chunks run torch code sized per step
+        if self.model_config.is_latent:  # MLA prefill lays out its expanded K/V per step
             return
         if self.config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
             self.runner.capture_step_graphs(
