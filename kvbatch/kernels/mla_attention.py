@@ -27,8 +27,8 @@ Split-K (flash-decoding), as kernels/decode_attention.py: a decode step's grid w
 is rows x head tiles, 8 programs per row for DeepSeek-V3 and 2 for Mistral 4's 32 heads, so a
 small batch or one long row leaves most SMs idle while a few programs walk the whole context.
 A row's context is cut into `num_splits` ranges, one program per (row, head tile, split)
-writes a float32 partial and its log-sum-exp, and a merge kernel combines them exactly
-(decode_attention.merge_split_partials). The splits are chosen from shapes only (batch, head
+writes a float32 partial and its log-sum-exp, and decode_attention.py's merge kernel combines
+them exactly over the latent width. The splits are chosen from shapes only (batch, head
 tiles, table width), so a launch reads no device tensor on the host and can be captured in a
 CUDA graph. Each program stops at its row's own length: a short row beside a long one reads
 only its own blocks, and its splits past its length are empty (lse -inf, no weight).
@@ -44,9 +44,9 @@ import triton.language as tl
 
 from kvbatch.kernels.decode_attention import (
     LOG2E,
+    _merge_splits_kernel,
     choose_num_splits,
     dot_precision,
-    merge_split_partials,
 )
 from kvbatch.kernels.specialize import step_varying
 
@@ -170,51 +170,6 @@ def _mla_decode_split_kernel(
         )
 
 
-@step_varying(ints=("stride_lmb", "stride_lmh", "num_splits"))
-def _mla_merge_splits_kernel(
-    mid_o_ptr,  # [B, H, S, R] float32
-    mid_lse_ptr,  # [B, H, S] float32, log2 units
-    out_ptr,  # [B, H, R]
-    lse_ptr,  # [B, H] float32, natural log
-    stride_mb,
-    stride_mh,
-    stride_ms,
-    stride_lmb,
-    stride_lmh,
-    stride_ob,
-    stride_oh,
-    stride_od,
-    stride_lb,
-    stride_lh,
-    num_heads,
-    num_splits,
-    LATENT: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """The split kernel's (row, head tile) programs again: each merges its heads' partials."""
-    b = tl.program_id(0)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_r = tl.arange(0, BLOCK_R)
-    h_mask = offs_h < num_heads
-    mask = h_mask[:, None] & (offs_r[None, :] < LATENT)
-    o, lse = merge_split_partials(
-        mid_o_ptr + b * stride_mb + offs_h[:, None] * stride_mh + offs_r[None, :],
-        mid_lse_ptr + b * stride_lmb + offs_h * stride_lmh,
-        stride_ms,
-        1,
-        num_splits,
-        h_mask,
-        mask,
-    )
-    tl.store(
-        out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_r[None, :] * stride_od,
-        o.to(out_ptr.dtype.element_ty),
-        mask=mask,
-    )
-    tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh, lse, mask=h_mask)
-
-
 class MLATiles(NamedTuple):
     block_n: int  # tokens per inner iteration (several cache blocks: one table load)
     num_warps: int
@@ -334,13 +289,14 @@ def mla_decode_attention(
     mid_o = torch.empty(batch, num_heads, num_splits, latent, dtype=torch.float32, device=device)
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device)
     split_kernel(mid_o, mid_o.stride(), mid_lse, mid_lse.stride(), False)
-    _mla_merge_splits_kernel[(batch, head_tiles)](
-        mid_o, mid_lse, out, lse,
+    _merge_splits_kernel[(batch, head_tiles)](  # decode's merge, over the latent width
+        mid_o, mid_lse, out, lse, lse,  # no sinks: their pointer is not read
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         *out.stride(), *lse.stride(),
         num_heads, num_splits,
-        LATENT=latent, BLOCK_H=BLOCK_H, BLOCK_R=block_r, num_warps=tiles.num_warps,
+        HEAD_DIM=latent, BLOCK_H=BLOCK_H, BLOCK_D=block_r, SINKS=False,
+        num_warps=tiles.num_warps,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
