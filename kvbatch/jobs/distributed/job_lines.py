@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from kvbatch.jobs.local.digest_index import DigestIndex
 from kvbatch.jobs.local.options import RunOptions
 from kvbatch.jobs.local.prepare import JobTraits, PreparedLine, scan_lines
 from kvbatch.jobs.local.token_store import TokenStore
@@ -154,7 +155,7 @@ class InputScan:
         params_json: dict = {}  # equal params serialised once
         with open(self.result.errors_path, "wb") as errors, \
                 open(self.records_path, "wb") as records:  # fmt: skip
-            for item in scan_lines(self.source, self.opts, self.model, {}, traits):
+            for item in scan_lines(self.source, self.opts, self.model, DigestIndex(), traits):
                 lines += 1
                 if isinstance(item, LineError):  # in line order, as they come
                     record = error_line(item, batch_id=self.batch_id)

@@ -94,10 +94,16 @@ class JobWork:
     def of(cls, requests: Iterable[_Request], prompt_tokens: int, cached_tokens: int) -> JobWork:
         caps, choices = array("q"), array("q")
         for r in requests:
-            generates = not r.is_pooled and r.params is not None
-            caps.append(r.params.max_tokens if generates else 0)
-            choices.append(r.params.n if generates else 0)
+            cap, n = cls.row(r)
+            caps.append(cap)
+            choices.append(n)
         return cls(prompt_tokens, cached_tokens, caps, choices)
+
+    @staticmethod
+    def row(r: _Request) -> tuple[int, int]:
+        """(output cap, choices) of one request: (0, 0) for one that generates nothing."""
+        generates = not r.is_pooled and r.params is not None
+        return (r.params.max_tokens, r.params.n) if generates else (0, 0)
 
     def __post_init__(self) -> None:
         if len(self.max_tokens) != len(self.choices):

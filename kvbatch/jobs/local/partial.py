@@ -8,10 +8,13 @@ of a batch; `recover()` cuts that torn tail, and `--resume` then skips every lin
 answered here.
 
     {"kvbatch_partial": 1, "identity": {...}}     first line: what the answers belong to
-    {"digest": <sha256 of the input line>, "record": <output or error line>}   one per answer
+    {"digest": <sha256 of the input line>, "line": <its line number>, "record": <output or
+     error line>}                                                         one per answer
 
 The identity (model, model name) and the per-line digests make `--resume` safe: answers of
 another model are refused, and an answer whose input line changed (or is gone) is not reused.
+A record's line number is that of the run that wrote it (lines may have moved since): an
+earlier run's answers are placed by their digest (`resumed_at` says where this run's begin).
 
 The file is created with O_EXCL | O_NOFOLLOW and reopened with O_NOFOLLOW: a link planted at
 its name is never followed (its target is never truncated or written).
@@ -25,6 +28,8 @@ import stat
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from kvbatch.jobs.local.digest_index import DigestIndex, hex_key, id_number
 
 FORMAT = 1
 
@@ -42,10 +47,11 @@ class PartialOutput:
         self._file = None
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
+        self.resumed_at = 0  # byte offset of this run's first answer (set by reset / recover)
 
     # -- opening -----------------------------------------------------------------------------
 
-    def reset(self, identity: dict) -> dict[str, str]:
+    def reset(self, identity: dict) -> DigestIndex:
         """Start empty (a fresh run): an old file (or a link planted at its name) is removed,
         never followed."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,12 +63,15 @@ class PartialOutput:
                 f"cannot create the partial output {self.path}: {e.strerror}"
             ) from None
         self._file = os.fdopen(fd, "ab")
-        self._write_now([_header(identity)])
-        return {}
+        header = _header(identity)
+        self._write_now([header])
+        self.resumed_at = len(header)
+        return DigestIndex()
 
-    def recover(self, identity: dict) -> dict[str, str]:
-        """{custom_id: digest of its input line} of the answers already committed; a torn last
-        line (no newline) is cut off. Raises PartialError when the file belongs to another
+    def recover(self, identity: dict) -> DigestIndex:
+        """{digest of an input line answered already (16 bytes: digest_index.hex_key): the
+        id_number of the custom_id its answer names}; a torn last line (no newline) is cut
+        off. (A digest met twice keeps its first answer's id, as finalizing keeps that answer.) Raises PartialError when the file belongs to another
         model or is not a partial output."""
         if not self.path.exists() and not self.path.is_symlink():
             return self.reset(identity)
@@ -77,14 +86,12 @@ class PartialOutput:
                 "file is never followed): remove it and run without --resume"
             ) from None
         f = os.fdopen(fd, "r+b")
-        data = f.read()
-        keep = data.rfind(b"\n") + 1
-        lines = data[:keep].splitlines()
-        if not lines:  # killed before its header was whole: nothing was committed
+        first = f.readline()
+        if not first.endswith(b"\n"):  # killed before its header was whole: nothing committed
             f.close()
             return self.reset(identity)
         try:
-            header = json.loads(lines[0])
+            header = json.loads(first)
             found = header.get("identity") if isinstance(header, dict) else None
         except ValueError:
             found = None
@@ -101,27 +108,34 @@ class PartialOutput:
                 f"{_describe(identity)}: run with the same model, or without --resume to start "
                 "over"
             )
-        if keep != len(data):
-            f.truncate(keep)
-        f.seek(0, os.SEEK_END)
-        self._file = f
-        done = {}
+        done = DigestIndex()
+        keep = len(first)  # read a line at a time: a million answers never sit in memory
         try:
-            for raw in lines[1:]:
+            for raw in f:
+                if not raw.endswith(b"\n"):
+                    break  # the torn tail of a killed run
                 item = json.loads(raw)
-                done[item["record"]["custom_id"]] = item["digest"]
+                done.add(hex_key(item["digest"]), id_number(item["record"]["custom_id"]))
+                keep += len(raw)
         except (ValueError, KeyError, TypeError):
-            self.close()
+            f.close()
             raise PartialError(
                 f"{self.path} holds a damaged line: remove it and run without --resume"
             ) from None
+        f.truncate(keep)
+        f.seek(keep)
+        self._file = f
+        self.resumed_at = keep
         return done
 
     # -- writing -----------------------------------------------------------------------------
 
-    def add(self, record: dict, digest: str) -> None:
-        """Buffer one answer (output or error line) of the input line whose digest is given."""
-        line = json.dumps({"digest": digest, "record": record}, ensure_ascii=False).encode()
+    def add(self, record: dict, digest: str, line: int | None = None) -> None:
+        """Buffer one answer (output or error line) of the input line whose digest (and line
+        number) is given."""
+        item = {"digest": digest, "record": record} if line is None else \
+            {"digest": digest, "line": line, "record": record}  # fmt: skip
+        line = json.dumps(item, ensure_ascii=False).encode()
         with self._lock:
             self._buffer.append(line + b"\n")
             full = len(self._buffer) >= self.flush_lines
@@ -170,16 +184,16 @@ class PartialOutput:
 
     # -- reading at the end ------------------------------------------------------------------
 
-    def records(self) -> Iterator[tuple[dict, str, int, int]]:
-        """Every committed answer (record, digest) with its byte offset and length (see
-        `read_at`)."""
+    def records(self) -> Iterator[tuple[dict, str, int | None, int, int]]:
+        """Every committed answer (record, digest, line number as written or None) with its
+        byte offset and length (see `read_at`)."""
         self.close()
         offset = 0
         with open(self.path, "rb") as f:
             for n, raw in enumerate(f):
                 if n and raw.strip():
                     item = json.loads(raw)
-                    yield item["record"], item["digest"], offset, len(raw)
+                    yield item["record"], item["digest"], item.get("line"), offset, len(raw)
                 offset += len(raw)
 
     def read_at(self, spans: Iterable[tuple[int, int]]) -> Iterator[bytes]:

@@ -4,16 +4,19 @@ chat template applied), spill the token ids to disk and collect the error record
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvbatch.env_settings import SettingError
 from kvbatch.jobs.job_context import request_tokens
+from kvbatch.jobs.local.digest_index import DigestIndex, hex_key, id_number, key_of
 from kvbatch.jobs.local.line_chunks import ChunkJudge, LineRules, line_digest, tokenized
+from kvbatch.jobs.local.line_errors import LineErrors
 from kvbatch.jobs.local.line_pool import JudgedLines, default_workers
 from kvbatch.jobs.local.model_on_demand import GivenModel
 from kvbatch.jobs.local.options import JobError, RunOptions
+from kvbatch.jobs.local.request_store import RequestStore
 from kvbatch.jobs.local.token_store import TokenStore
 from kvbatch.jobs.openai_format.endpoint import EndpointRule
 from kvbatch.jobs.openai_format.prompts import PromptError
@@ -28,19 +31,22 @@ def engine_params(req: JobRequest):
 
 @dataclass
 class PreparedJob:
-    # indexed like the token store; messages dropped. An embeddings line with k inputs fills
-    # k entries (the same request), input_index telling which input each one is.
-    requests: list[JobRequest]
-    line_of: dict[str, int]  # custom_id -> input line, for ordering the output
-    digest_of: dict[str, str]  # custom_id -> digest of its input line (what an answer is of)
-    errors: list[LineError]
+    """What the validation pass leaves of a job, on disk but for a few integers a line."""
+
+    requests: RequestStore  # indexed like the token store (messages dropped)
+    errors: LineErrors  # the validation errors, in line order
+    # the lines an earlier run answered (--resume), as they are now: {digest: input line}
+    answered: DigestIndex
     model_name: str
     urls: set[str]  # of every valid line, answered in an earlier run (--resume) or not
-    input_index: list[int] = field(default_factory=list)  # like requests: 0 but for embeddings
     endpoint: str = "/v1/chat/completions"  # batch.json's: see kvbatch.jobs.openai_format.endpoint
     # prompt + output cap of the longest request to run (an embeddings input: its tokens);
     # the context the engine runs at without --max-model-len (kvbatch.jobs.job_context)
     longest_request: int = 0
+
+    def close(self) -> None:
+        self.requests.close()
+        self.errors.close()
 
 
 def prepare_requests(
@@ -49,42 +55,44 @@ def prepare_requests(
     tokenizer,
     max_len: int,
     store: TokenStore,
-    done: Mapping[str, str],
+    done: DigestIndex,
 ) -> PreparedJob:
     """Validation pass: stream the input once, tokenize, spill tokens, collect errors.
 
-    `done` ({custom_id: line digest}, from --resume) names the lines answered already: a line
-    whose digest still matches is skipped; one that changed is answered again. Shared by
-    `kvbatch run` and `kvbatch submit`, so both judge lines the same way."""
+    `done` ({16-byte digest of a line an earlier run answered: the id_number of its answer's
+    custom_id}, PartialOutput.recover; empty for none) names the lines answered already: a line
+    whose digest and custom_id still match is skipped; one that changed is answered again. Shared by `kvbatch run` and `kvbatch submit`, so both judge
+    lines the same way."""
     if tokenizer is None:
         raise JobError(f"the model {opts.model} has no tokenizer: jobs need one")
     return prepare_lines(source, opts, GivenModel(tokenizer, max_len), store, done)
 
 
-def prepare_lines(source, opts: RunOptions, model, store: TokenStore, done: Mapping[str, str]):
+def prepare_lines(source, opts: RunOptions, model, store: TokenStore, done: DigestIndex):
     """prepare_requests, asking `model` (ModelOnDemand, or GivenModel) for the tokenizer and the
-    context length only when a line needs them."""
-    requests: list[JobRequest] = []
-    line_of: dict[str, int] = {}
-    digest_of: dict[str, str] = {}
-    errors: list[LineError] = []
-    input_index: list[int] = []
+    context length only when a line needs them. The requests and errors are spilled beside
+    the token store, in its folder; close the job to remove them."""
+    requests = RequestStore(store.folder)
+    errors = LineErrors(store.folder)
+    answered = DigestIndex()
     traits = JobTraits(opts)
-    for item in scan_lines(source, opts, model, done, traits):
-        if isinstance(item, LineError):
-            errors.append(item)
-            continue
-        line_of[item.custom_id] = item.line
-        digest_of[item.custom_id] = item.digest
-        if isinstance(item, AnsweredLine):
-            continue
-        for i, ids in enumerate(item.inputs):
-            requests.append(item.request)
-            input_index.append(i)
-            store.append(ids)
+    try:
+        for item in scan_lines(source, opts, model, done, traits):
+            if isinstance(item, LineError):
+                errors.append(item)
+            elif isinstance(item, AnsweredLine):
+                answered.add(hex_key(item.digest), item.line)
+            else:
+                requests.add_line(item.request, item.digest, len(item.inputs))
+                for ids in item.inputs:
+                    store.append(ids)
+    except BaseException:
+        requests.close()
+        errors.close()
+        raise
     return PreparedJob(
-        requests, line_of, digest_of, errors, traits.job_name(), traits.urls, input_index,
-        traits.endpoint.endpoint, traits.longest,
+        requests, errors, answered, traits.job_name(), traits.urls, traits.endpoint.endpoint,
+        traits.longest,
     )  # fmt: skip
 
 
@@ -151,7 +159,7 @@ def scan_lines(
     source,
     opts: RunOptions,
     model,
-    done: Mapping[str, str],
+    done: DigestIndex,
     traits: JobTraits,
 ) -> Iterator[LineError | PreparedLine | AnsweredLine]:
     """The validation pass as a stream: one record per non-blank line, in input order, holding
@@ -163,11 +171,10 @@ def scan_lines(
     long (kvbatch.jobs.local.line_pool, `opts.tokenize_workers`); what depends on earlier
     lines is settled here, in order, so the records are those of a line-by-line pass."""
     judge = ChunkJudge(LineRules.of(opts), model)
-    seen: set[str] = set()
+    seen = DigestIndex()  # the custom_ids of the lines so far, as 16-byte digests
     skip = None
     if done:  # an earlier run's answers: their lines need no tokens
-        digests = set(done.values())
-        skip = lambda number, raw: line_digest(raw) in digests  # noqa: E731
+        skip = lambda number, raw: hex_key(line_digest(raw)) in done  # noqa: E731
     try:
         workers = opts.tokenize_workers or default_workers()
     except SettingError as e:
@@ -177,11 +184,13 @@ def scan_lines(
             for judged, raw, offset, size in JudgedLines(f, judge, workers, skip):
                 item = judged.record
                 if judged.taken is not None:
-                    if judged.taken in seen:  # judged apart: judged again, as a duplicate
-                        item = check_line(judged.number, raw, seen, model=opts.model_name,
+                    taken = key_of(judged.taken)
+                    if taken in seen:  # judged apart: judged again, as a duplicate
+                        item = check_line(judged.number, raw, {judged.taken},
+                                          model=opts.model_name,
                                           tool_call_parser=opts.tool_call_parser)  # fmt: skip
                     else:
-                        seen.add(judged.taken)
+                        seen.add(taken)
                 if isinstance(item, LineError):
                     yield item
                     continue
@@ -190,7 +199,7 @@ def scan_lines(
                     yield mismatch
                     continue
                 traits.urls.add(item.url)
-                if done.get(item.custom_id) == judged.digest:
+                if done and done.get(hex_key(judged.digest)) == id_number(item.custom_id):
                     yield AnsweredLine(item.custom_id, item.line, judged.digest)
                     continue
                 tokens = judged.tokens

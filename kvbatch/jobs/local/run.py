@@ -25,7 +25,7 @@ from pathlib import Path
 from kvbatch.jobs.answering import EngineRequest, LineContext, answer
 from kvbatch.jobs.context_flags import long_line_advice
 from kvbatch.jobs.grouping import group_by_prefix
-from kvbatch.jobs.local.eta import JobWork
+from kvbatch.jobs.local.finalize import finalize
 from kvbatch.jobs.local.model_on_demand import ModelNotLoaded, ModelOnDemand, warn_missing_model
 from kvbatch.jobs.local.options import (
     JobError,
@@ -56,8 +56,7 @@ from kvbatch.jobs.local.prepare import (
 )
 from kvbatch.jobs.local.progress import Progress
 from kvbatch.jobs.local.token_store import TokenStore
-from kvbatch.jobs.openai_format.batch_record import MAX_BATCH_ERRORS, BatchRecord
-from kvbatch.jobs.openai_format.responses import error_line
+from kvbatch.jobs.openai_format.batch_record import BatchRecord
 from kvbatch.jobs.openai_format.schemas import EMBEDDINGS_URL, SCORING_URLS
 from kvbatch.jobs.storage import StorageError, open_storage
 
@@ -156,54 +155,56 @@ def _run_into(
             "--resume: no answers of an earlier run in %s: answering every line", paths.partial
         )
 
-    # The spilled prompts go in a folder of the job's own, beside the partial output: a killed
-    # run's spill is then found and removed by the next run instead of lingering (mkstemp names
-    # differ per run) in the output's folder.
+    # The spilled prompts, requests and errors go in a folder of the job's own, beside the
+    # partial output: a killed run's spill is then found and removed by the next run instead
+    # of lingering (mkstemp names differ per run) in the output's folder.
     spill = paths.partial.with_name(paths.partial.name + ".tokens")
     _fresh_private_folder(spill)
     try:
         with TokenStore(spill) as store:
             job = prepare_lines(source, opts, model, store, done)
-            model.longest_request = job.longest_request  # job_first: the engine's context
-            if model.loaded:  # lines were judged by the engine's context, maybe capped
-                _advise_long_lines(job, model.engine)
-            record.mark_in_progress()
-            if len(store):
-                _answer(opts, model.engine, store, job, partial, record)
-            else:
-                log.info(
-                    "no line to run (%d answered by an earlier run, %d refused): the model is "
-                    "not needed",
-                    len(done),
-                    len(job.errors),
-                )
-                warn_missing_model(opts.model)
+            del done  # the digests of an earlier run's answers: job.answered has what counts
+            try:
+                _run_prepared(opts, model, store, job, partial, record)
+                record.mark_finalizing()
+                try:
+                    finalize(paths, partial, job, record)
+                except OSError as e:
+                    where = e.filename or f"the output {paths.output}"
+                    raise JobError(
+                        f"cannot write {where}: {e.strerror}; {kept_message(paths)}"
+                    ) from e
+            finally:
+                job.close()
     finally:
         partial.close()
         shutil.rmtree(spill, ignore_errors=True)
-    if model.loaded:
-        _log_speculation(model.engine)
-    record.mark_finalizing()
-    try:
-        _finalize(paths, partial, job, record)
-    except OSError as e:
-        where = e.filename or f"the output {paths.output}"
-        raise JobError(f"cannot write {where}: {e.strerror}; {kept_message(paths)}") from e
     partial.remove()
     return record
 
 
-def _advise_long_lines(job: PreparedJob, engine) -> None:
-    """Lines longer than a context the engine capped at its KV cache (no --max-model-len) say
-    which flags would admit them."""
-    advice = long_line_advice(engine)
-    if advice:
-        job.errors[:] = [
-            dataclasses.replace(e, message=e.message + advice)
-            if e.code == "context_length_exceeded"
-            else e
-            for e in job.errors
-        ]
+def _run_prepared(opts: RunOptions, model, store: TokenStore, job: PreparedJob, partial, record):
+    model.longest_request = job.longest_request  # job_first: the engine's context
+    if model.loaded:  # lines were judged by the engine's context, maybe capped
+        advice = long_line_advice(model.engine)
+        if advice:  # lines longer than a context capped at the KV cache: which flags help
+            job.errors.advise("context_length_exceeded", advice)
+    record.mark_in_progress()
+    try:
+        if len(store):
+            _answer(opts, model.engine, store, job, partial, record)
+        else:
+            log.info(
+                "no line to run (%d answered by an earlier run, %d refused): the model is "
+                "not needed",
+                len(job.answered),
+                len(job.errors),
+            )
+            warn_missing_model(opts.model)
+    finally:
+        partial.close()
+    if model.loaded:
+        _log_speculation(model.engine)
 
 
 def _fresh_private_folder(folder: Path) -> None:
@@ -229,80 +230,33 @@ def _answer(opts: RunOptions, engine, store: TokenStore, job: PreparedJob, parti
             order.prompt_tokens,
         )
     # An embeddings line fills one store entry per input: its key is its first entry's.
+    requests = job.requests
     feed = (
         EngineRequest(
-            key=i - job.input_index[i],
-            input=job.input_index[i],
+            key=i - requests.input_index(i),
+            input=requests.input_index(i),
             token_ids=store[i],
-            params=engine_params(job.requests[i]),
+            params=engine_params(requests[i]),
         )
         for i in order.order
     )
-    work = JobWork.of(job.requests, order.prompt_tokens, order.ideal_cached_tokens)
+    work = requests.work(order.prompt_tokens, order.ideal_cached_tokens)
     progress = Progress(engine, work, embeddings=pooled)
     context = LineContext(job.model_name, record.id, record.created_at)
     monitor = opts.monitor
     watch = None if monitor is None else lambda: monitor.step(engine) or False
     try:
         answers = answer(
-            engine, feed, job.requests.__getitem__, context, window=opts.window, should_stop=watch
+            engine, feed, requests.__getitem__, context, window=opts.window, should_stop=watch
         )
         for done in answers:
             if monitor is not None:
                 monitor.output(done.output)
             if done.line is not None:
-                req = job.requests[done.key]
-                partial.add(done.line, job.digest_of[req.custom_id])
+                partial.add(done.line, requests.digest(done.key), requests[done.key].line)
             progress.update(done.output, done.key + done.input)
     finally:
         progress.close()
-
-
-def _finalize(
-    paths: JobPaths, partial: PartialOutput, job: PreparedJob, record: BatchRecord
-) -> None:
-    """Write answers in input order and errors by line number; count and sum usage."""
-    answered: list[tuple[int, int, int]] = []  # (input line, offset, length) in the partial
-    failed: list[tuple[int, int, int]] = []
-    seen: set[str] = set()
-    for line, digest, offset, length in partial.records():
-        custom_id = line["custom_id"]
-        # Only answers to the input as it is now: a line edited or removed since an
-        # interrupted run (or another job's answers) is not reused.
-        if job.digest_of.get(custom_id) != digest or custom_id in seen:
-            continue
-        seen.add(custom_id)
-        n = job.line_of[custom_id]
-        if line.get("error"):
-            failed.append((n, offset, length))
-        else:
-            answered.append((n, offset, length))
-            body = line["response"]["body"]
-            record.add_usage(body["usage"])
-            record.vectors += len(body.get("data") or ())  # an embeddings answer's
-    answered.sort()
-    _write(paths.output, partial.read_at((o, ln) for _, o, ln in answered))
-    # Error records: the engine's (in the partial) and validation's (in memory), by line.
-    validation = [
-        (
-            err.line,
-            json.dumps(error_line(err, batch_id=record.id), ensure_ascii=False).encode() + b"\n",
-        )
-        for err in job.errors
-    ]
-    engine_errors = list(
-        zip((n for n, _, _ in failed), partial.read_at((o, ln) for _, o, ln in failed))
-    )
-    errors = sorted(validation + engine_errors, key=lambda x: x[0])
-    _write(paths.errors, (raw for _, raw in errors))
-    record.endpoint = job.endpoint
-    record.finish(
-        completed=len(answered),
-        failed=len(errors),
-        ran=len(answered) + len(engine_errors),
-        samples=(json.loads(raw)["error"] for _, raw in errors[:MAX_BATCH_ERRORS]),
-    )
-    _write(paths.batch, [json.dumps(record.to_dict(), indent=2).encode() + b"\n"])
 
 
 def _log_speculation(engine) -> None:
@@ -317,18 +271,6 @@ def _log_speculation(engine) -> None:
             100 * stats.spec_acceptance_rate,
             ", ".join(f"{a:.0%}" for a in stats.spec_acceptance_by_position),
         )
-
-
-def _write(uri: str, chunks) -> None:
-    if uri == "-stderr":
-        import sys
-
-        for c in chunks:
-            sys.stderr.write(c.decode())
-        return
-    with open_storage(uri).open_write() as f:
-        for c in chunks:
-            f.write(c)
 
 
 def _batch_id(input_uri: str, output_uri: str) -> str:

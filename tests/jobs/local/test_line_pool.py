@@ -15,6 +15,7 @@ import pytest
 
 from kvbatch.jobs.distributed.submit import prepare_job
 from kvbatch.jobs.local import line_pool
+from kvbatch.jobs.local.digest_index import DigestIndex, hex_key, id_number
 from kvbatch.jobs.local.line_chunks import line_digest, tokenized
 from kvbatch.jobs.local.model_on_demand import GivenModel, ModelOnDemand
 from kvbatch.jobs.local.options import JobError, RunOptions
@@ -100,9 +101,18 @@ def _line_by_line(path: Path, opts: RunOptions, model, done: dict) -> list:
     return out
 
 
+def _done_index(done: dict) -> DigestIndex:
+    """{custom_id: line digest} as PartialOutput.recover gives it."""
+    index = DigestIndex()
+    for custom_id, digest in done.items():
+        index.add(hex_key(digest), id_number(custom_id))
+    return index
+
+
 def _scanned(path: Path, opts: RunOptions, model, done: dict) -> list:
     out = []
-    for item in scan_lines(LocalStorage(str(path)), opts, model, done, JobTraits(opts)):
+    traits = JobTraits(opts)
+    for item in scan_lines(LocalStorage(str(path)), opts, model, _done_index(done), traits):
         if isinstance(item, PreparedLine):
             inputs = [list(ids) for ids in item.inputs]
             out.append((item.request, inputs, item.offset, item.size, item.digest))
@@ -214,9 +224,14 @@ def test_kvbatch_runs_pass_uses_the_pool_once_it_has_read_the_model(
     for workers in (1, 2):
         opts = RunOptions(input=str(path), model=str(tiny_chat_model), tokenize_workers=workers)
         with TokenStore(tmp_path) as store:
-            job = prepare_lines(LocalStorage(str(path)), opts, ModelOnDemand(opts), store, {})
+            source = LocalStorage(str(path))
+            job = prepare_lines(source, opts, ModelOnDemand(opts), store, DigestIndex())
             tokens = [store[i] for i in range(len(store))]
-        jobs.append((job.requests, job.errors, job.line_of, job.digest_of, tokens))
+            requests = [job.requests[i] for i in range(len(job.requests))]
+            digests = [job.requests.digest(i) for i in range(len(job.requests))]
+            inputs = [job.requests.input_index(i) for i in range(len(job.requests))]
+            jobs.append((requests, digests, inputs, list(job.errors), tokens))
+            job.close()
     assert started == [line_pool.CHUNK_LINES]  # the first chunk read the model
     assert jobs[0] == jobs[1]
     assert len(jobs[0][0]) > 300

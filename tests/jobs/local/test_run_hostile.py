@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvbatch.jobs.distributed.submit import prepare_job
+from kvbatch.jobs.local.digest_index import hex_key, id_number
 from kvbatch.jobs.local.output_lock import LEASE_SECONDS, OutputBusy, output_lock
 from kvbatch.jobs.local.partial import PartialError, PartialOutput
 from kvbatch.jobs.local.run import JobError, RunOptions, resolve_paths, run_job
@@ -61,6 +62,7 @@ POISON = [
     rb'{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", '
     rb'"body": {"messages": [{"role": "user", "content": "x\udfff"}], "max_tokens": 2}}',
 ]
+D1, D2 = "d1" * 16, "d2" * 16  # line digests (32 hex digits)
 NAMED = {2: "'custom_id'", 3: "'body.model'", 4: "a key of the line", 5: "'body.stop[0]'"}
 NAMED[6] = "'body.messages[0].content'"
 
@@ -479,15 +481,18 @@ def test_a_full_disk_is_one_message_and_resume_finishes(
 def test_finished_answers_are_committed_on_a_timer(tmp_path: Path):
     partial = PartialOutput(tmp_path / "p", flush_lines=64, flush_seconds=0.2)
     partial.reset({"model": "m"})
-    partial.add({"custom_id": "short-1"}, "d1")
-    partial.add({"custom_id": "short-2"}, "d2")
+    partial.add({"custom_id": "short-1"}, D1)
+    partial.add({"custom_id": "short-2"}, D2)
     # Nothing else finishes (a long request is still running): the timer commits them.
     deadline = time.monotonic() + 10
     while (tmp_path / "p").read_bytes().count(b"\n") < 3:
         assert time.monotonic() < deadline, "the finished answers were never committed"
         time.sleep(0.05)
     again = PartialOutput(tmp_path / "p")
-    assert again.recover({"model": "m"}) == {"short-1": "d1", "short-2": "d2"}
+    done = again.recover({"model": "m"})
+    assert len(done) == 2
+    assert done.get(hex_key(D1)) == id_number("short-1")
+    assert done.get(hex_key(D2)) == id_number("short-2")
     again.close()
     partial.close()
 
@@ -498,8 +503,8 @@ def test_resume_from_a_torn_header_starts_over_and_a_damaged_or_odd_file_is_refu
     path = tmp_path / "p"
     path.write_bytes(b'{"kvbatch_partial": 1, "iden')  # killed while writing the header
     partial = PartialOutput(path)
-    assert partial.recover({"model": "m"}) == {}
-    partial.add({"custom_id": "a"}, "d")
+    assert len(partial.recover({"model": "m"})) == 0
+    partial.add({"custom_id": "a"}, D1)
     partial.close()
     with open(path, "ab") as f:
         f.write(b"not json\n")
