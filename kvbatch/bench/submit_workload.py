@@ -33,6 +33,7 @@ def write_chat_job(
     *,
     bad_lines: dict[int, bytes] | None = None,
     words: int = 240,
+    max_tokens: int = 16,
 ) -> Path:
     """Write the job to `path`; `bad_lines` ({1-based line: raw bytes}) replace lines (a
     malformed line at line 900,000, say); `words` per document (240: about 1.7 KB a line).
@@ -48,11 +49,11 @@ def write_chat_job(
             d = i % num_documents
             if d not in documents:
                 documents[d] = document(d, words)
-            f.write(_encode(i, d, i // num_documents, documents[d]))
+            f.write(_encode(i, d, i // num_documents, documents[d], max_tokens))
     return path
 
 
-def _encode(i: int, d: int, q: int, text: str) -> bytes:
+def _encode(i: int, d: int, q: int, text: str, max_tokens: int) -> bytes:
     line = {
         "custom_id": f"req-{i}",
         "method": "POST",
@@ -62,7 +63,7 @@ def _encode(i: int, d: int, q: int, text: str) -> bytes:
                 {"role": "system", "content": "Answer from the document.\n" + text},
                 {"role": "user", "content": f"Question {q} about document {d}: what is said?"},
             ],
-            "max_tokens": 16,
+            "max_tokens": max_tokens,
         },
     }
     return json.dumps(line, separators=(",", ":")).encode() + b"\n"

@@ -108,7 +108,9 @@ class _Node:
     def __init__(self, edge: array) -> None:
         self.edge = edge  # chain hashes of the blocks between the parent and this node
         self.children: dict[int, _Node] | None = None  # keyed by the child's edge[0]; in order
-        self.ends: list[int] | None = None  # requests whose last full block is this node's
+        # requests whose last full block is this node's: one (the usual case) as a bare int,
+        # a list once there are more (a list of one would cost some 90 bytes a request)
+        self.ends: int | list[int] | None = None
 
 
 class _PrefixTrie:
@@ -135,8 +137,11 @@ class _PrefixTrie:
                 child = mid
             node, pos = child, pos + k
         if node.ends is None:
-            node.ends = []
-        node.ends.append(index)
+            node.ends = index
+        elif isinstance(node.ends, int):
+            node.ends = [node.ends, index]
+        else:
+            node.ends.append(index)
 
     def walk(self) -> Iterator[tuple[int, int, bool]]:
         """Depth-first: (request index, blocks it shares with the previous one, starts a group)."""
@@ -150,7 +155,8 @@ class _PrefixTrie:
             low = min(low, parent_depth)
             if parent_depth == 0 and node is not self.root:
                 new_group = True
-            for index in node.ends or ():
+            ends = (node.ends,) if isinstance(node.ends, int) else node.ends or ()
+            for index in ends:
                 # Root ends are prompts shorter than a block: each is a group of its own.
                 yield index, min(low, depth), new_group or node is self.root
                 low, new_group = depth, False

@@ -3,8 +3,9 @@
 A job of a million lines asks per line "was this custom_id seen?" and "did an earlier run answer
 these bytes?". A Python set or dict of strings answers in some 150 bytes an entry; this keeps
 the digests in one sorted numpy array of 16-byte strings (and their integers in another) and
-answers by binary search. Entries arrive one at a time, so the newest wait in a small dict
-that is merged into the arrays (a linear merge, not a sort) whenever it holds `merge_every`.
+answers by binary search. Entries arrive one at a time, so the newest wait in a dict that is
+merged into the arrays (a linear merge, not a sort) once it holds `merge_every` entries or an
+eighth of the arrays' (so merges stay few as the index grows, and the dict small beside it).
 
 A digest is 128 bits of a cryptographic hash (`key_of`, or a line digest's hex), so two
 different keys share one with a chance of about n^2 / 2^129: nil for any job.
@@ -40,7 +41,7 @@ class DigestIndex:
     """{16-byte digest: int}, with set-like `in`, `add` and `get`. The first value added for a
     digest stays (a later `add` of the same digest is ignored)."""
 
-    def __init__(self, merge_every: int = 65_536) -> None:
+    def __init__(self, merge_every: int = 4096) -> None:
         self.merge_every = merge_every
         self._keys = np.empty(0, dtype=_KEYS)
         self._values = np.empty(0, dtype=np.int64)
@@ -52,7 +53,7 @@ class DigestIndex:
         if digest in self._recent or self._find(digest) is not None:
             return
         self._recent[digest] = value
-        if len(self._recent) >= self.merge_every:
+        if len(self._recent) >= max(self.merge_every, len(self._keys) // 8):
             self._merge()
 
     def get(self, digest: bytes, default: int | None = None) -> int | None:

@@ -4,7 +4,7 @@
 not input order) and when it writes the answer. Kept in a list they cost some 500 bytes a line
 (half a gigabyte at a million lines); here each request is pickled once into a spill file in
 the job's private folder (kvbatch.jobs.local.spill: written and read back by this process
-only) and loaded when asked, the last few thousand cached for the engine's running window.
+only) and loaded when asked (the last few cached).
 
 Indexed like the token store, by entry: an embeddings or score line with k inputs fills k
 entries that share its one request. Kept per entry: which request (8 bytes), which of its
@@ -24,7 +24,10 @@ from kvbatch.jobs.local.eta import JobWork
 from kvbatch.jobs.local.spill import SpillFile
 from kvbatch.jobs.openai_format.validate import JobRequest
 
-CACHED_REQUESTS = 4096  # about the engine's window of requests in flight, several times over
+# Requests kept loaded. A request is asked for when it is fed to the engine and twice more,
+# back to back, when it finishes: a small cache serves the repeats; the feed's one load each
+# is what a line costs (some 15 microseconds).
+CACHED_REQUESTS = 256
 
 
 class RequestStore:

@@ -23,7 +23,14 @@ from kvbatch.jobs.distributed.submit import prepare_job
 from kvbatch.jobs.local.digest_index import hex_key, id_number
 from kvbatch.jobs.local.output_lock import LEASE_SECONDS, OutputBusy, output_lock
 from kvbatch.jobs.local.partial import PartialError, PartialOutput
-from kvbatch.jobs.local.run import JobError, RunOptions, resolve_paths, run_job
+from kvbatch.jobs.local.run import (
+    JobError,
+    RunOptions,
+    job_identity,
+    line_digest,
+    resolve_paths,
+    run_job,
+)
 from kvbatch.jobs.storage import open_storage
 from tests.jobs.local.test_run import (
     answer_text,
@@ -256,6 +263,47 @@ def test_resume_answers_an_edited_line_again(llm, tmp_path: Path):  # noqa: F811
     assert [answer_text(a) for i, a in enumerate(out) if i != 2] == [
         answer_text(a) for i, a in enumerate(answers) if i != 2
     ]
+
+
+def test_resume_places_answers_where_their_lines_are_now_and_drops_a_stray(
+    llm,  # noqa: F811
+    tmp_path: Path,
+):
+    """Answers are kept by the bytes of their line, not by where it was: a line inserted above
+    them and a line moved to the end put them in the new order. A committed answer that names
+    another custom_id than the line its digest is of (a hand-edited partial) is not used: that
+    line is answered again, and the stray answer is not written."""
+    lines = [completion(f"r{i}", f"figs {i}", max_tokens=4) for i in range(5)]
+    source = write_jsonl(tmp_path / "in.jsonl", lines)
+    opts = RunOptions(input=str(source), model="unused", output=str(tmp_path / "out.jsonl"))
+    run_job(opts, llm=llm)
+    reference = {a["custom_id"]: a for a in read_jsonl(tmp_path / "out.jsonl")}
+    planted = {}
+    for cid in ("r1", "r3"):
+        planted[cid] = json.loads(json.dumps(reference[cid]))
+        planted[cid]["response"]["body"]["choices"][0]["text"] = f"PLANTED {cid}"
+    path = plant_partial(opts, lines, [planted["r1"], planted["r3"]])
+    stray = json.loads(json.dumps(reference["r4"]))
+    stray["response"]["body"]["choices"][0]["text"] = "STRAY"
+    partial = PartialOutput(path)
+    partial.recover(job_identity(opts))
+    partial.add(stray, line_digest(json.dumps(lines[2]).encode()))  # r4's answer, r2's bytes
+    partial.close()
+
+    now = [completion("new", "dates", max_tokens=4), lines[0], lines[1], lines[2], lines[4],
+           lines[3]]  # fmt: skip
+    write_jsonl(source, now)
+    opts.resume = True
+    record = run_job(opts, llm=llm)
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert [a["custom_id"] for a in out] == ["new", "r0", "r1", "r2", "r4", "r3"]
+    texts = {a["custom_id"]: answer_text(a) for a in out}
+    assert texts["r1"] == "PLANTED r1" and texts["r3"] == "PLANTED r3"
+    assert texts["r2"] == answer_text(reference["r2"]) and texts["r4"] == answer_text(
+        reference["r4"]
+    )
+    assert "STRAY" not in (tmp_path / "out.jsonl").read_text()
+    assert (record.completed, record.failed) == (6, 0)
 
 
 def test_resume_with_another_model_refuses(llm, tmp_path: Path):  # noqa: F811

@@ -1,0 +1,83 @@
+"""The spills of `kvbatch run`: requests, errors and token ids come back as they went in,
+read by index in any order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvbatch.engine import SamplingParams
+from kvbatch.jobs.local.eta import JobWork
+from kvbatch.jobs.local.line_chunks import line_digest
+from kvbatch.jobs.local.line_errors import LineErrors
+from kvbatch.jobs.local.request_store import RequestStore
+from kvbatch.jobs.local.spill import SpillFile
+from kvbatch.jobs.local.token_store import TokenStore
+from kvbatch.jobs.openai_format.validate import JobRequest, LineError
+
+
+def _request(line: int, *, url="/v1/chat/completions", **kw) -> JobRequest:
+    params = SamplingParams(max_tokens=5 + line, n=1 + line % 2, temperature=0.5)
+    return JobRequest(line=line, custom_id=f"c-{line}", url=url, messages=None, prompt=None,
+                      params=params, logprobs=None, model="m", **kw)  # fmt: skip
+
+
+def test_requests_come_back_by_entry_with_their_digest_and_input(tmp_path: Path):
+    chat, embed, other = (
+        _request(1),
+        _request(2, url="/v1/embeddings", num_inputs=3, dimensions=8),
+        _request(4),
+    )
+    store = RequestStore(tmp_path)
+    assert store.add_line(chat, line_digest(b"one"), 1) == 0
+    assert store.add_line(embed, line_digest(b"two"), 3) == 1
+    assert store.add_line(other, line_digest(b"four"), 1) == 4
+    assert len(store) == 5
+    for entry in (4, 2, 0, 3, 1):  # any order
+        request = [chat, embed, embed, embed, other][entry]
+        assert store[entry] == request
+    assert [store.input_index(i) for i in range(5)] == [0, 0, 1, 2, 0]
+    assert [store.digest(i) for i in range(5)] == [line_digest(b) for b in
+                                                   (b"one", b"two", b"two", b"two", b"four")]  # fmt: skip
+    work = store.work(100, 40)
+    expected = JobWork.of([chat, embed, embed, embed, other], 100, 40)
+    assert list(work.max_tokens) == list(expected.max_tokens) == [6, 0, 0, 0, 9]
+    assert list(work.choices) == list(expected.choices) == [2, 0, 0, 0, 1]
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and files[0].stat().st_mode & 0o077 == 0  # private
+    store.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_line_errors_keep_their_order_and_gain_advice(tmp_path: Path):
+    errors = LineErrors(tmp_path)
+    made = [
+        LineError(3, "a", "invalid_json", "line 3: not JSON"),
+        LineError(7, None, "context_length_exceeded", "line 7: 900 tokens"),
+        LineError(9, "é", "context_length_exceeded", "line 9: 901 tokens"),
+    ]
+    for e in made:
+        errors.append(e)
+    assert list(errors) == made and len(errors) == 3
+    errors.advise("context_length_exceeded", "; pass --max-model-len 1024")
+    got = list(errors)
+    assert got[0] == made[0]
+    assert [e.message for e in got[1:]] == [e.message + "; pass --max-model-len 1024"
+                                            for e in made[1:]]  # fmt: skip
+    errors.close()
+
+
+def test_a_spill_is_sealed_by_its_first_read_and_tokens_round_trip(tmp_path: Path):
+    spill = SpillFile(tmp_path)
+    spill.append(b"abc")
+    spill.append(b"")
+    assert (spill[1], spill[0]) == (b"", b"abc")
+    with pytest.raises(RuntimeError, match="sealed"):
+        spill.append(b"late")
+    spill.close()
+    with TokenStore(tmp_path) as tokens:
+        tokens.append([1, 2, 2**31 - 1])
+        tokens.append([])
+        assert (tokens[0], tokens[1], len(tokens)) == ([1, 2, 2**31 - 1], [], 2)
+    assert not list(tmp_path.iterdir())
