@@ -12,6 +12,12 @@ job beyond a few integers and the trie's hashes a line.
 
 `--bad-line N` replaces line N of every job that long with a malformed line: it must come back
 as one error record with its line number, the rest of the job submitted.
+
+`--run` measures `kvbatch run` of the same jobs instead (validate, tokenize, group, answer,
+finalize output.jsonl in input order), on a tiny random Llama with SmolLM2's tokenizer and
+lines of max_tokens 1: the engine's own speed is measured elsewhere; this row is the job's
+machinery, whose peak RSS must not grow with the lines beyond the trie's hashes and a few
+integers a line.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from kvbatch.bench.submit_workload import write_chat_job
 from kvbatch.bench.text_table import format_rows
 
 DEFAULT_LINES = "10000,100000"
+SUBMIT_MAX_TOKENS = 16
+RUN_MAX_TOKENS = 1
 BAD_LINE = b'{"custom_id": "broken", "method": "POST", "url": '
 
 
@@ -46,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/kvbatch-submit-bench"))
     p.add_argument("--shard-tokens", type=int, default=200_000)
     p.add_argument("--bad-line", type=int, default=None, help="a malformed line at this line")
+    p.add_argument("--run", action="store_true", help="measure `kvbatch run`, not submit")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's size
     return p
@@ -55,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     model = args.model or str(_smollm2())
     if args.one is not None:
-        print(json.dumps(_submit_one(args, model, args.one)))
+        one = _run_one if args.run else _submit_one
+        print(json.dumps(one(args, model, args.one)))
         return 0
     rows = []
     for n in (int(x) for x in args.lines.split(",")):
@@ -64,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                model, "--workdir", str(args.workdir), "--shard-tokens", str(args.shard_tokens)]  # fmt: skip
         if args.bad_line:
             cmd += ["--bad-line", str(args.bad_line)]
+        if args.run:
+            cmd += ["--run"]
         done = subprocess.run(cmd, stdout=subprocess.PIPE, check=True)  # progress on stderr
         rows.append(json.loads(done.stdout.decode().strip().splitlines()[-1]))
         print(_table(rows), file=sys.stderr)
@@ -81,13 +93,88 @@ def _smollm2() -> Path:
 
 def _input(args, n: int) -> Path:
     bad = args.bad_line if args.bad_line and args.bad_line <= n else None
-    path = args.workdir / f"chat-{n}{f'-bad{bad}' if bad else ''}.jsonl"
+    cap = RUN_MAX_TOKENS if args.run else SUBMIT_MAX_TOKENS
+    name = f"chat-{n}{f'-bad{bad}' if bad else ''}{f'-max{cap}' if args.run else ''}.jsonl"
+    path = args.workdir / name
     if not path.exists():
         args.workdir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        write_chat_job(tmp, n, bad_lines={bad: BAD_LINE} if bad else None)
+        write_chat_job(tmp, n, bad_lines={bad: BAD_LINE} if bad else None, max_tokens=cap)
         tmp.rename(path)
     return path
+
+
+def _run_one(args, model: str, n: int) -> dict:
+    import torch
+
+    from kvbatch.engine import LLM
+    from kvbatch.jobs.local.line_pool import default_workers
+    from kvbatch.jobs.local.run import RunOptions, run_job
+
+    torch.set_num_threads(1)
+    src = _input(args, n)
+    out = args.workdir / f"run-{n}.output.jsonl"
+    # A KV pool of fixed size: its prefix index is bounded by the pool, not by the job.
+    llm = LLM(model=str(tiny_chat_model(args.workdir, model)), max_model_len=1024,
+              max_num_seqs=64, num_kv_blocks=2048)  # fmt: skip
+    wall, cpu = time.perf_counter(), _cpu_seconds()
+    record = run_job(RunOptions(input=str(src), model="tiny-chat", output=str(out)), llm)
+    wall, cpu = time.perf_counter() - wall, _cpu_seconds() - cpu
+    errors = out.with_name(f"run-{n}.output.errors.jsonl")
+    error_lines = [json.loads(x)["error"]["line"] for x in errors.open("rb")][:3]
+    in_order = _in_input_order(out)
+    for path in (out, errors, out.with_name(f"run-{n}.output.batch.json")):
+        path.unlink(missing_ok=True)
+    return {
+        "lines": n,
+        "bytes": src.stat().st_size,
+        "seconds": round(wall, 1),
+        "cpu_seconds": round(cpu, 1),
+        "us_per_line": round(1e6 * wall / n),
+        "cpu_us_per_line": round(1e6 * cpu / n),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "worker_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
+        "workers": default_workers(),
+        "answered": record.completed,
+        "in_order": in_order,
+        "invalid": record.failed,
+        "error_lines": error_lines,
+    }
+
+
+def tiny_chat_model(workdir: Path, tokenizer_dir: str) -> Path:
+    """A random Llama of hidden size 64 and 2 layers with `tokenizer_dir`'s vocabulary,
+    tokenizer and chat template, built once into `workdir`. (Imported here: the submit rows'
+    processes never load torch.)"""
+    from kvbatch.bench.models import ModelSpec, build_once, build_random_model
+
+    spec = ModelSpec(name="tiny-chat", hidden_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                     vocab_size=49152, max_position_embeddings=2048, dtype="float32")  # fmt: skip
+
+    def write(folder: Path) -> None:
+        build_random_model(spec, folder)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy(Path(tokenizer_dir) / name, folder / name)
+
+    return build_once(workdir / f"tiny-chat-{spec.key()}", _has_tokenizer, write)
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return all((folder / f).is_file() for f in ("config.json", "tokenizer.json"))
+
+
+def _in_input_order(output: Path) -> bool:
+    """Whether the output's custom_ids (req-<line index>) rise line by line."""
+    last = -1
+    with output.open("rb") as f:
+        for raw in f:
+            n = int(json.loads(raw)["custom_id"].rsplit("-", 1)[1])
+            if n <= last:
+                return False
+            last = n
+    return True
 
 
 def _submit_one(args, model: str, n: int) -> dict:
@@ -135,8 +222,10 @@ def _cpu_seconds() -> float:
 
 
 def _table(rows: list[dict]) -> str:
+    run = "answered" in rows[0]
     head = ["lines", "input", "s", "ms/line", "vs first", "CPU s", "CPU ms/line", "peak RSS",
-            "workers (peak RSS)", "shards", "invalid (lines)"]  # fmt: skip
+            "workers (peak RSS)", "answered (in order)" if run else "shards",
+            "invalid (lines)"]  # fmt: skip
     base = rows[0]["us_per_line"] or 1
     body = [
         [
@@ -151,7 +240,7 @@ def _table(rows: list[dict]) -> str:
                 f"{r['cpu_us_per_line'] / 1000:.2f}",
                 f"{r['peak_rss_mb']} MB",
                 f"{r['workers']} ({r['worker_peak_rss_mb']} MB)",
-                r["shards"],
+                f"{r['answered']:,} ({'yes' if r['in_order'] else 'NO'})" if run else r["shards"],
                 f"{r['invalid']} {r['error_lines']}",
             ]
         ]  # fmt: skip
