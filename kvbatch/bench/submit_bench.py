@@ -107,18 +107,19 @@ def _input(args, n: int) -> Path:
 def _run_one(args, model: str, n: int) -> dict:
     import torch
 
-    from kvbatch.engine import LLM
     from kvbatch.jobs.local.line_pool import default_workers
     from kvbatch.jobs.local.run import RunOptions, run_job
 
     torch.set_num_threads(1)
     src = _input(args, n)
     out = args.workdir / f"run-{n}.output.jsonl"
-    # A KV pool of fixed size: its prefix index is bounded by the pool, not by the job.
-    llm = LLM(model=str(tiny_chat_model(args.workdir, model)), max_model_len=1024,
-              max_num_seqs=64, num_kv_blocks=2048)  # fmt: skip
+    # As `kvbatch run --max-num-seqs 64` runs it: the tokenizer read first (the pool of
+    # processes forked from a process without the weights), then the engine, with a KV pool of
+    # fixed size (its prefix index is bounded by the pool, not by the job).
+    opts = RunOptions(input=str(src), model=str(tiny_chat_model(args.workdir, model)),
+                      output=str(out), engine={"max_num_seqs": 64, "num_kv_blocks": 2048})  # fmt: skip
     wall, cpu = time.perf_counter(), _cpu_seconds()
-    record = run_job(RunOptions(input=str(src), model="tiny-chat", output=str(out)), llm)
+    record = run_job(opts)
     wall, cpu = time.perf_counter() - wall, _cpu_seconds() - cpu
     errors = out.with_name(f"run-{n}.output.errors.jsonl")
     error_lines = [json.loads(x)["error"]["line"] for x in errors.open("rb")][:3]

@@ -5,7 +5,7 @@ The memory test fails if a per-line Python object list comes back (a JobRequest,
 or a shard request per line, kept for the whole job): the peak traced allocation of an
 8k-line submit may exceed the 1k-line one's only by what the job keeps per line by design:
 the prefix trie's nodes (measured on the same prompts, by grouping them alone), and a row of
-integers and the custom_id set (BYTES_PER_LINE)."""
+integers and the custom_ids seen (BYTES_PER_LINE)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ from tests.fault_proxy import FaultProxy
 from tests.s3_server import s3_server  # noqa: F401
 
 # What a line may keep beyond the 1k-line job's peak besides the trie's nodes: a row of
-# integers (about 60 bytes) and its custom_id in the set of ids seen (about 90); a JobRequest
-# and two dict entries a line, as submit used to keep, came to over 500 bytes.
+# integers (about 60 bytes) and its custom_id's digest among the ids seen (24 bytes once
+# merged, more while the newest wait in a dict: jobs/local/digest_index.py); 146 measured in
+# all. A JobRequest and two dict entries a line, as submit used to keep, came to over 500.
 BYTES_PER_LINE = 200
 BAD_LINE = b'{"custom_id": "broken", "method": "POST", "url": '
 
