@@ -179,9 +179,9 @@ def _in_input_order(output: Path) -> bool:
 
 
 def _submit_one(args, model: str, n: int) -> dict:
-    from kvbatch.jobs.distributed.job_lines import ScanProgress
     from kvbatch.jobs.distributed.submit import prepare_job
     from kvbatch.jobs.local.line_pool import default_workers
+    from kvbatch.jobs.local.scan_progress import ScanProgress
     from kvbatch.jobs.model_info import load_tokenizer
 
     load_tokenizer(model)  # imports transformers: not the job's cost

@@ -193,9 +193,9 @@ def _broker_error(e: Exception, app) -> str:
 
 def submit(args: argparse.Namespace) -> int:
     from kvbatch.broker.send import send_shard
-    from kvbatch.jobs.distributed.job_lines import ScanProgress
     from kvbatch.jobs.distributed.submit import prepare_job
     from kvbatch.jobs.local.run import JobError
+    from kvbatch.jobs.local.scan_progress import ScanProgress
 
     app = _app(args, "submit")
     if app is None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from kvbatch.engine import block_hashes
 from kvbatch.jobs import model_info
-from kvbatch.jobs.distributed.job_lines import InputScan, LineTable, ScanProgress, read_unit
+from kvbatch.jobs.distributed.job_lines import InputScan, LineTable, read_unit
 from kvbatch.jobs.distributed.shards import (
     ShardMessage,
     ShardRequest,
@@ -43,6 +43,7 @@ from kvbatch.jobs.grouping import group_by_prefix
 from kvbatch.jobs.local.model_on_demand import GivenModel
 from kvbatch.jobs.local.prepare import JobTraits
 from kvbatch.jobs.local.run import JobError, RunOptions
+from kvbatch.jobs.local.scan_progress import ScanProgress
 from kvbatch.jobs.local.token_store import TokenStore
 from kvbatch.jobs.model_fingerprint import FingerprintError, fingerprint
 from kvbatch.jobs.openai_format.batch_record import BatchRecord

@@ -17,6 +17,7 @@ from kvbatch.jobs.local.line_pool import JudgedLines, default_workers
 from kvbatch.jobs.local.model_on_demand import GivenModel
 from kvbatch.jobs.local.options import JobError, RunOptions
 from kvbatch.jobs.local.request_store import RequestStore
+from kvbatch.jobs.local.scan_progress import ScanProgress
 from kvbatch.jobs.local.token_store import TokenStore
 from kvbatch.jobs.openai_format.endpoint import EndpointRule
 from kvbatch.jobs.openai_format.prompts import PromptError
@@ -68,16 +69,25 @@ def prepare_requests(
     return prepare_lines(source, opts, GivenModel(tokenizer, max_len), store, done)
 
 
-def prepare_lines(source, opts: RunOptions, model, store: TokenStore, done: DigestIndex):
+def prepare_lines(
+    source,
+    opts: RunOptions,
+    model,
+    store: TokenStore,
+    done: DigestIndex,
+    progress: ScanProgress | None = None,
+) -> PreparedJob:
     """prepare_requests, asking `model` (ModelOnDemand, or GivenModel) for the tokenizer and the
     context length only when a line needs them. The requests and errors are spilled beside
-    the token store, in its folder; close the job to remove them."""
+    the token store, in its folder; close the job to remove them. `progress` shows the pass."""
     requests = RequestStore(store.folder)
     errors = LineErrors(store.folder)
     answered = DigestIndex()
     traits = JobTraits(opts)
+    lines = read = 0  # lines judged, and input bytes up to the last valid one
     try:
         for item in scan_lines(source, opts, model, done, traits):
+            lines += 1
             if isinstance(item, LineError):
                 errors.append(item)
             elif isinstance(item, AnsweredLine):
@@ -86,6 +96,12 @@ def prepare_lines(source, opts: RunOptions, model, store: TokenStore, done: Dige
                 requests.add_line(item.request, item.digest, len(item.inputs))
                 for ids in item.inputs:
                     store.append(ids)
+                read = item.offset + item.size
+            if progress is not None and lines % 256 == 0:
+                progress.update(lines, read)
+        if progress is not None:
+            progress.lines = lines
+            progress.done(read)
     except BaseException:
         requests.close()
         errors.close()

@@ -55,6 +55,7 @@ from kvbatch.jobs.local.prepare import (
     prepare_requests,
 )
 from kvbatch.jobs.local.progress import Progress
+from kvbatch.jobs.local.scan_progress import ScanProgress
 from kvbatch.jobs.local.token_store import TokenStore
 from kvbatch.jobs.openai_format.batch_record import BatchRecord
 from kvbatch.jobs.openai_format.schemas import EMBEDDINGS_URL, SCORING_URLS
@@ -162,7 +163,7 @@ def _run_into(
     _fresh_private_folder(spill)
     try:
         with TokenStore(spill) as store:
-            job = prepare_lines(source, opts, model, store, done)
+            job = prepare_lines(source, opts, model, store, done, _scan_progress(opts))
             del done  # the digests of an earlier run's answers: job.answered has what counts
             try:
                 _run_prepared(opts, model, store, job, partial, record)
@@ -181,6 +182,17 @@ def _run_into(
         shutil.rmtree(spill, ignore_errors=True)
     partial.remove()
     return record
+
+
+def _scan_progress(opts: RunOptions) -> ScanProgress:
+    """Lines tokenized and (for a local input, whose size is known) an ETA, on stderr every
+    10 s while the pass runs; a pass shorter than that says nothing."""
+    path = local_path(opts.input)
+    try:
+        total = None if path == "-" or "://" in path else Path(path).stat().st_size
+    except OSError:  # read by then, or the pass will say why: only the ETA is lost
+        total = None
+    return ScanProgress(total, command="kvbatch run")
 
 
 def _run_prepared(opts: RunOptions, model, store: TokenStore, job: PreparedJob, partial, record):
