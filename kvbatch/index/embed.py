@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
+
 from kvbatch.index.embed_budget import EmbeddingBudget
 from kvbatch.index.generate import Generated
 from kvbatch.index.plan import WorkDocument
@@ -24,9 +26,9 @@ def embedding_lines(
 
 def read_vectors(
     docs: list[WorkDocument], answers: StageAnswers
-) -> tuple[dict[str, list[float]], list[ErrorRecord]]:
+) -> tuple[dict[str, np.ndarray], list[ErrorRecord]]:
     """Vectors by chunk id, and one error record per document with a chunk that failed."""
-    vectors: dict[str, list[float]] = {}
+    vectors: dict[str, np.ndarray] = {}
     errors = []
     for doc in docs:
         missing = next((c for c in doc.chunks if f"embed:{c.chunk_id}" not in answers.bodies), None)

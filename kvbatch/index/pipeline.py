@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kvbatch.engine import LLM
@@ -163,7 +164,7 @@ def run_index(
         observe.stage("generate", docs)
         report.errors += errors
         docs = _without(docs, errors)
-    vectors: dict[str, list[float]] = {}
+    vectors: dict[str, np.ndarray] = {}
     if spec.stages.embed and docs:
         with _timed(report, "embed"):
             vectors, errors = _embed(spec, docs, generated, folder, runner, budget)
@@ -307,7 +308,7 @@ def _write(
     plan: Plan,
     docs: list[WorkDocument],
     generated: Generated,
-    vectors: dict[str, list[float]],
+    vectors: dict[str, np.ndarray],
     identity: RowIdentity,
     folder: Storage,
     report: IndexReport,
@@ -353,7 +354,7 @@ def _write(
     )
 
 
-def _dimension(spec: IndexSpec, table, vectors: dict[str, list[float]]) -> int | None:
+def _dimension(spec: IndexSpec, table, vectors: dict[str, np.ndarray]) -> int | None:
     if not spec.stages.embed:
         return None
     new = len(next(iter(vectors.values()))) if vectors else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -20,7 +21,7 @@ from kvbatch.jobs.storage import Storage
 def build_rows(
     docs: list[WorkDocument],
     generated: Generated,
-    vectors: dict[str, list[float]] | None,
+    vectors: dict[str, np.ndarray] | None,
     dimension: int | None,
     identity: RowIdentity,
     run_id: str,
