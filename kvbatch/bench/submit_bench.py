@@ -107,7 +107,6 @@ def _input(args, n: int) -> Path:
 def _run_one(args, model: str, n: int) -> dict:
     import torch
 
-    from kvbatch.jobs.local.line_pool import default_workers
     from kvbatch.jobs.local.run import RunOptions, run_job
 
     torch.set_num_threads(1)
@@ -127,15 +126,7 @@ def _run_one(args, model: str, n: int) -> dict:
     for path in (out, errors, out.with_name(f"run-{n}.output.batch.json")):
         path.unlink(missing_ok=True)
     return {
-        "lines": n,
-        "bytes": src.stat().st_size,
-        "seconds": round(wall, 1),
-        "cpu_seconds": round(cpu, 1),
-        "us_per_line": round(1e6 * wall / n),
-        "cpu_us_per_line": round(1e6 * cpu / n),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-        "worker_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
-        "workers": default_workers(),
+        **_measured(n, src, wall, cpu),
         "answered": record.completed,
         "in_order": in_order,
         "invalid": record.failed,
@@ -180,7 +171,6 @@ def _in_input_order(output: Path) -> bool:
 
 def _submit_one(args, model: str, n: int) -> dict:
     from kvbatch.jobs.distributed.submit import prepare_job
-    from kvbatch.jobs.local.line_pool import default_workers
     from kvbatch.jobs.local.scan_progress import ScanProgress
     from kvbatch.jobs.model_info import load_tokenizer
 
@@ -197,6 +187,20 @@ def _submit_one(args, model: str, n: int) -> dict:
     errors = [json.loads(x) for x in (out / "bench" / "validation_errors.jsonl").open("rb")]
     shutil.rmtree(out, ignore_errors=True)
     return {
+        **_measured(n, src, wall, cpu),
+        "shards": len(job.messages),
+        "requests": job.num_requests,
+        "invalid": job.num_invalid,
+        "error_lines": [e["error"]["line"] for e in errors[:3]],
+    }
+
+
+def _measured(n: int, src: Path, wall: float, cpu: float) -> dict:
+    """A row's size, times and peak resident memory (this process's, and the largest of the
+    pool's processes: kvbatch.jobs.local.line_pool; 0 MB: no pool)."""
+    from kvbatch.jobs.local.line_pool import default_workers
+
+    return {
         "lines": n,
         "bytes": src.stat().st_size,
         "seconds": round(wall, 1),
@@ -204,13 +208,8 @@ def _submit_one(args, model: str, n: int) -> dict:
         "us_per_line": round(1e6 * wall / n),
         "cpu_us_per_line": round(1e6 * cpu / n),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-        # the pool's processes (kvbatch.jobs.local.line_pool), the largest one; 0: no pool
         "worker_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
         "workers": default_workers(),
-        "shards": len(job.messages),
-        "requests": job.num_requests,
-        "invalid": job.num_invalid,
-        "error_lines": [e["error"]["line"] for e in errors[:3]],
     }
 
 
