@@ -75,22 +75,22 @@ def finalize(paths: JobPaths, partial: PartialOutput, job: PreparedJob, record: 
     """Write answers in input order and errors by line number; count and sum usage."""
     answered, failed = _Spans(), _Spans()
     taken = _LineBits()
-    for line, digest, number, offset, length in partial.records():
-        ours = offset >= partial.resumed_at and number is not None
-        n = number if ours else job.answered.get(hex_key(digest))
-        if n is None or not taken.take(n):
+    for answer, digest, written_at, offset, length in partial.records():
+        this_run = offset >= partial.resumed_at and written_at is not None
+        n = written_at if this_run else job.answered.get(hex_key(digest))
+        if n is None or not taken.take(n):  # another input's answer, or a line's second
             continue
-        if line.get("error"):
+        if answer.get("error"):
             failed.add(n, offset, length)
         else:
             answered.add(n, offset, length)
-            body = line["response"]["body"]
+            body = answer["response"]["body"]
             record.add_usage(body["usage"])
             record.vectors += len(body.get("data") or ())  # an embeddings answer's
     write(paths.output, partial.read_at((o, ln) for _, o, ln in answered.in_line_order()))
     validation = ((e.line, _error_bytes(e, record.id)) for e in job.errors)
-    lines, spans = itertools.tee(failed.in_line_order())
-    from_engine = zip((n for n, _, _ in lines), partial.read_at((o, ln) for _, o, ln in spans))
+    numbers, spans = itertools.tee(failed.in_line_order())  # zip reads both in step
+    from_engine = zip((n for n, _, _ in numbers), partial.read_at((o, ln) for _, o, ln in spans))
     samples: list[bytes] = []
     merged = heapq.merge(validation, from_engine, key=lambda e: e[0])
     write(paths.errors, _keep_first(MAX_BATCH_ERRORS, samples, (raw for _, raw in merged)))
