@@ -1,4 +1,4 @@
-"""`kvbatch bench submit-lines`: each row in its own process, submit and `--run` alike, with
+"""`kvbatch bench submit-lines`: a row in its own process, submit and `--run` alike, with
 the malformed line reported by its number and (for a run) every other line answered in input
 order."""
 
@@ -11,13 +11,12 @@ from kvbatch.bench import submit_bench
 
 
 def test_submit_and_run_rows(tmp_path: Path, smollm2_dir: Path, capsys):
-    common = ["--lines", "150,300", "--bad-line", "200", "--workdir", str(tmp_path / "work"),
+    common = ["--lines", "300", "--bad-line", "200", "--workdir", str(tmp_path / "work"),
               "--model", str(smollm2_dir), "--shard-tokens", "5000"]  # fmt: skip
     assert submit_bench.main([*common, "--json", str(tmp_path / "submit.json")]) == 0
     submitted = json.loads((tmp_path / "submit.json").read_text())
     assert [(r["lines"], r["requests"], r["invalid"], r["error_lines"]) for r in submitted] == [
-        (150, 150, 0, []),
-        (300, 299, 1, [200]),
+        (300, 299, 1, [200])
     ]
     assert all(r["shards"] >= 1 and r["peak_rss_mb"] > 0 for r in submitted)
 
@@ -25,7 +24,7 @@ def test_submit_and_run_rows(tmp_path: Path, smollm2_dir: Path, capsys):
     ran = json.loads((tmp_path / "run.json").read_text())
     rows = [(r["lines"], r["answered"], r["in_order"], r["invalid"], r["error_lines"])
             for r in ran]  # fmt: skip
-    assert rows == [(150, 150, True, 0, []), (300, 299, True, 1, [200])]
+    assert rows == [(300, 299, True, 1, [200])]
     table = capsys.readouterr().out
     assert "answered (in order)" in table and "299 (yes)" in table
     # The run's jobs have lines of max_tokens 1; submit's keep theirs.
