@@ -15,8 +15,8 @@ as one error record with its line number, the rest of the job submitted.
 
 `--run` measures `kvbatch run` of the same jobs instead (validate, tokenize, group, answer,
 finalize output.jsonl in input order), on a tiny random Llama with SmolLM2's tokenizer and
-lines of max_tokens 1: the engine's own speed is measured elsewhere; this row is the job's
-machinery, whose peak RSS must not grow with the lines beyond the trie's hashes and a few
+greedy lines of max_tokens 1: the engine's own speed is measured elsewhere; this row is the
+job's machinery, whose peak RSS must not grow with the lines beyond the trie's hashes and a few
 integers a line.
 """
 
@@ -36,7 +36,8 @@ from kvbatch.bench.text_table import format_rows
 
 DEFAULT_LINES = "10000,100000"
 SUBMIT_MAX_TOKENS = 16
-RUN_MAX_TOKENS = 1
+RUN_MAX_TOKENS = 1  # a run row measures the job's machinery: one token, greedy
+RUN_TEMPERATURE = 0.0
 BAD_LINE = b'{"custom_id": "broken", "method": "POST", "url": '
 
 
@@ -94,12 +95,14 @@ def _smollm2() -> Path:
 def _input(args, n: int) -> Path:
     bad = args.bad_line if args.bad_line and args.bad_line <= n else None
     cap = RUN_MAX_TOKENS if args.run else SUBMIT_MAX_TOKENS
-    name = f"chat-{n}{f'-bad{bad}' if bad else ''}{f'-max{cap}' if args.run else ''}.jsonl"
+    temperature = RUN_TEMPERATURE if args.run else None
+    name = f"chat-{n}{f'-bad{bad}' if bad else ''}{f'-max{cap}-greedy' if args.run else ''}.jsonl"
     path = args.workdir / name
     if not path.exists():
         args.workdir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        write_chat_job(tmp, n, bad_lines={bad: BAD_LINE} if bad else None, max_tokens=cap)
+        write_chat_job(tmp, n, bad_lines={bad: BAD_LINE} if bad else None, max_tokens=cap,
+                       temperature=temperature)  # fmt: skip
         tmp.rename(path)
     return path
 

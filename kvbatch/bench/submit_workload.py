@@ -34,10 +34,12 @@ def write_chat_job(
     bad_lines: dict[int, bytes] | None = None,
     words: int = 240,
     max_tokens: int = 16,
+    temperature: float | None = None,
 ) -> Path:
     """Write the job to `path`; `bad_lines` ({1-based line: raw bytes}) replace lines (a
-    malformed line at line 900,000, say); `words` per document (240: about 1.7 KB a line).
-    Returns the path."""
+    malformed line at line 900,000, say); `words` per document (240: about 1.7 KB a line);
+    every line's `max_tokens` and `temperature` (None: not set, the API's 1). Returns the
+    path."""
     bad_lines = bad_lines or {}
     num_documents = max(1, num_lines // QUESTIONS_PER_DOCUMENT)
     documents: dict[int, str] = {}
@@ -49,11 +51,11 @@ def write_chat_job(
             d = i % num_documents
             if d not in documents:
                 documents[d] = document(d, words)
-            f.write(_encode(i, d, i // num_documents, documents[d], max_tokens))
+            f.write(_encode(i, d, i // num_documents, documents[d], max_tokens, temperature))
     return path
 
 
-def _encode(i: int, d: int, q: int, text: str, max_tokens: int) -> bytes:
+def _encode(i: int, d: int, q: int, text: str, max_tokens: int, temperature: float | None) -> bytes:
     line = {
         "custom_id": f"req-{i}",
         "method": "POST",
@@ -66,4 +68,6 @@ def _encode(i: int, d: int, q: int, text: str, max_tokens: int) -> bytes:
             "max_tokens": max_tokens,
         },
     }
+    if temperature is not None:
+        line["body"]["temperature"] = temperature
     return json.dumps(line, separators=(",", ":")).encode() + b"\n"

@@ -27,6 +27,6 @@ def test_submit_and_run_rows(tmp_path: Path, smollm2_dir: Path, capsys):
     assert rows == [(300, 299, True, 1, [200])]
     table = capsys.readouterr().out
     assert "answered (in order)" in table and "299 (yes)" in table
-    # The run's jobs have lines of max_tokens 1; submit's keep theirs.
-    run_input = tmp_path / "work" / "chat-300-bad200-max1.jsonl"
-    assert json.loads(run_input.read_bytes().splitlines()[0])["body"]["max_tokens"] == 1
+    # The run's jobs have greedy lines of max_tokens 1; submit's keep theirs.
+    body = json.loads((tmp_path / "work" / "chat-300-bad200-max1-greedy.jsonl").open().readline())
+    assert (body["body"]["max_tokens"], body["body"]["temperature"]) == (1, 0.0)
