@@ -3,11 +3,14 @@ read by index in any order."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 from pathlib import Path
 
 import pytest
 
 from kvbatch.engine import SamplingParams
+from kvbatch.jobs.local import request_store
 from kvbatch.jobs.local.eta import JobWork
 from kvbatch.jobs.local.line_chunks import line_digest
 from kvbatch.jobs.local.line_errors import LineErrors
@@ -81,3 +84,26 @@ def test_a_spill_is_sealed_by_its_first_read_and_tokens_round_trip(tmp_path: Pat
         tokens.append([])
         assert (tokens[0], tokens[1], len(tokens)) == ([1, 2, 2**31 - 1], [], 2)
     assert not list(tmp_path.iterdir())
+
+
+def test_params_of_one_kind_are_pickled_once_and_loaded_apart(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(request_store, "DISTINCT_PARAMS", 2)
+    shared = SamplingParams(max_tokens=16, temperature=0.0)
+    other = SamplingParams(max_tokens=8, top_p=0.9, temperature=0.7)
+    kinds = [shared, other, SamplingParams(max_tokens=3, seed=7), shared, other]
+    made = [dataclasses.replace(_request(i + 1), params=p) for i, p in enumerate(kinds)]
+    store = RequestStore(tmp_path)
+    for r in made:
+        store.add_line(r, line_digest(r.custom_id.encode()), 1)
+    loaded = [store[i] for i in (4, 3, 2, 1, 0)][::-1]
+    assert loaded == made
+    assert loaded[0].params is not loaded[3].params  # unpickled apart: never shared
+    [spill] = tmp_path.iterdir()
+
+    def size(r):
+        return len(pickle.dumps(r, pickle.HIGHEST_PROTOCOL))
+
+    # Two kinds pickled once, in memory; the third (over the limit) rides with its request.
+    expected = sum(size(dataclasses.replace(r, params=None)) for i, r in enumerate(made) if i != 2)
+    assert spill.stat().st_size == expected + size(made[2]) < sum(size(r) for r in made)
+    store.close()
