@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvbatch.bench import submit_bench
 
 
+@pytest.mark.slow  # four processes, each loading a tokenizer or a model
 def test_submit_and_run_rows(tmp_path: Path, smollm2_dir: Path, capsys):
     common = ["--lines", "300", "--bad-line", "200", "--workdir", str(tmp_path / "work"),
               "--model", str(smollm2_dir), "--shard-tokens", "5000"]  # fmt: skip

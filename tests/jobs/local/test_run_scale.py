@@ -72,6 +72,7 @@ def _job(tmp_path: Path, name: str, lines: int, **kw) -> RunOptions:
                       tokenize_workers=1)  # fmt: skip
 
 
+@pytest.mark.slow  # runs 5k lines through the engine under tracemalloc
 def test_run_memory_does_not_grow_with_the_lines(tmp_path: Path, llm):
     _peak_of_run(_job(tmp_path, "warm", 50), llm)  # imports, the engine's first steps
     small = _job(tmp_path, "small", 1_000)
