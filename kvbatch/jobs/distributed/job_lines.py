@@ -16,7 +16,6 @@ the line's text, its JobRequest and its token list are gone once it is read.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from array import array
 from collections.abc import Iterator
@@ -30,7 +29,8 @@ from kvbatch.jobs.local.prepare import JobTraits, PreparedLine, scan_lines
 from kvbatch.jobs.local.scan_progress import ScanProgress
 from kvbatch.jobs.local.token_store import TokenStore
 from kvbatch.jobs.openai_format.responses import error_line
-from kvbatch.jobs.openai_format.validate import JobRequest, LineError
+from kvbatch.jobs.openai_format.validate import LineError
+from kvbatch.jobs.request_record import unit_fields, unit_record
 from kvbatch.jobs.storage import Storage
 
 
@@ -118,65 +118,9 @@ class InputScan:
             self.progress.done(offset)
 
 
-def unit_record(req: JobRequest, params_json: dict | None = None) -> bytes:
-    """What a shard request holds of an answered line besides its index and token ids, as
-    one JSON line (kvbatch.jobs.distributed.shards.ShardRequest's fields, in its order).
-    `params_json` caches the params' JSON by their value: a million lines have few kinds."""
-    params = _params_json(req.params, params_json)
-    embedding = None
-    if req.is_embedding:
-        embedding = {"dimensions": req.dimensions, "encoding_format": req.encoding_format}
-    score = None
-    if req.is_score:
-        score = {"documents": req.documents, "top_n": req.top_n}
-    calling = None if req.tool_calling is None else dataclasses.asdict(req.tool_calling)
-    head = _compact([req.line, req.custom_id, req.url])
-    tail = _compact([req.logprobs, req.max_tokens, req.model, embedding, calling, score])
-    return f'{{"head":{head},"params":{params},"tail":{tail}}}\n'.encode()
-
-
-def _params_json(params, cache: dict | None) -> str:
-    if cache is not None:
-        try:
-            return cache[params]
-        except KeyError:
-            text = cache[params] = _compact(dataclasses.asdict(params))
-            return text
-        except TypeError:  # a logit_bias dict makes the params unhashable: not cached
-            pass
-    return _compact(dataclasses.asdict(params))
-
-
-_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # one, not one a call
-
-
-def _compact(value) -> str:
-    return _COMPACT.encode(value)
-
-
 def read_unit(f: BinaryIO, table: LineTable, unit: int, prompts: list[list[int]]) -> dict:
     """Answered line `unit` as a ShardRequest's fields (a dict, in the field order), its
     record read back from the spill at its offset and `prompts` (its inputs' token ids) put
     in."""
     f.seek(table.offset[unit])
-    record = json.loads(f.read(table.size[unit]))
-    line, custom_id, url = record["head"]
-    logprobs, max_tokens, model, embedding, calling, score = record["tail"]
-    if embedding is not None:
-        embedding = {"inputs": prompts, **embedding}
-    if score is not None:
-        score = {"inputs": prompts, **score}
-    return {
-        "index": unit,
-        "line": line,
-        "custom_id": custom_id,
-        "url": url,
-        "prompt_token_ids": prompts[0],
-        "params": record["params"],
-        "logprobs": logprobs,
-        "max_tokens": max_tokens,
-        "model": model,
-        "embedding": embedding,
-        "tool_calling": calling,
-        "score": score,
-    }
+    return {"index": unit, **unit_fields(f.read(table.size[unit]), prompts)}

@@ -25,11 +25,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvbatch.engine import SamplingParams, StructuredOutputs
+from kvbatch.engine import SamplingParams
 from kvbatch.jobs.answering import EngineRequest, LineContext, answer
 from kvbatch.jobs.distributed.cancelled import cancelled_line
-from kvbatch.jobs.openai_format.tools import ToolCalling
 from kvbatch.jobs.openai_format.validate import JobRequest
+from kvbatch.jobs.request_record import job_request_of, sampling_params_of
 from kvbatch.jobs.storage import Storage, open_storage, validate_key_part
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -139,46 +139,11 @@ class ShardRequest:
         return [EngineRequest(self.index, i, ids, None) for i, ids in enumerate(spec.inputs)]
 
     def sampling_params(self) -> SamplingParams:
-        """The params as the payload holds them: JSON turned logit_bias ids into strings
-        (SamplingParams reads those) and the structured-output constraint into an object."""
-        params = dict(self.params)
-        constraint = params.get("structured_outputs")
-        if isinstance(constraint, dict):
-            params["structured_outputs"] = StructuredOutputs(**constraint)
-        return SamplingParams(**params)
+        return sampling_params_of(self.params)
 
     def to_job_request(self) -> JobRequest:
         """The request as kvbatch.jobs.openai_format.responses.success_line wants it (messages and prompt dropped)."""
-        return JobRequest(
-            line=self.line,
-            custom_id=self.custom_id,
-            url=self.url,
-            messages=None,
-            prompt=None,
-            params=self.sampling_params(),
-            logprobs=self.logprobs,
-            model=self.model,
-            max_tokens=self.max_tokens,
-            tool_calling=None if self.tool_calling is None else ToolCalling(**self.tool_calling),
-            **self._embedding_fields(),
-        )
-
-    def _embedding_fields(self) -> dict:
-        if self.score is not None:
-            spec = ScoreSpec(**self.score)
-            return {
-                "num_inputs": len(spec.inputs),
-                "documents": spec.documents,
-                "top_n": spec.top_n,
-            }
-        spec = self.embedding_spec()
-        if spec is None:
-            return {}
-        return {
-            "dimensions": spec.dimensions,
-            "encoding_format": spec.encoding_format,
-            "num_inputs": len(spec.inputs),
-        }
+        return job_request_of(self.to_dict())
 
 
 def new_job_id() -> str:

@@ -4,19 +4,20 @@ read by index in any order."""
 from __future__ import annotations
 
 import dataclasses
-import pickle
+import json
 from pathlib import Path
 
 import pytest
 
 from kvbatch.engine import SamplingParams
-from kvbatch.jobs.local import request_store
+from kvbatch.jobs import request_record
 from kvbatch.jobs.local.eta import JobWork
 from kvbatch.jobs.local.line_chunks import line_digest
 from kvbatch.jobs.local.line_errors import LineErrors
 from kvbatch.jobs.local.request_store import RequestStore
 from kvbatch.jobs.local.spill import SpillFile
 from kvbatch.jobs.local.token_store import TokenStore
+from kvbatch.jobs.openai_format.tools import ToolCalling
 from kvbatch.jobs.openai_format.validate import JobRequest, LineError
 
 
@@ -86,24 +87,31 @@ def test_a_spill_is_sealed_by_its_first_read_and_tokens_round_trip(tmp_path: Pat
     assert not list(tmp_path.iterdir())
 
 
-def test_params_of_one_kind_are_pickled_once_and_loaded_apart(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(request_store, "DISTINCT_PARAMS", 2)
+def test_requests_round_trip_as_shard_records_and_load_apart(tmp_path: Path, monkeypatch):
+    """The spill holds the JSON record a shard request holds of its line: every kind of
+    params (a seed, a logit bias, a tool call reader) comes back equal, each load its own
+    SamplingParams, and the JSON of equal params is cached for at most CACHED_PARAMS kinds."""
+    monkeypatch.setattr(request_record, "CACHED_PARAMS", 2)
     shared = SamplingParams(max_tokens=16, temperature=0.0)
-    other = SamplingParams(max_tokens=8, top_p=0.9, temperature=0.7)
-    kinds = [shared, other, SamplingParams(max_tokens=3, seed=7), shared, other]
+    kinds = [
+        shared,
+        SamplingParams(max_tokens=8, top_p=0.9, temperature=0.7, stop=["\n\n"]),
+        SamplingParams(max_tokens=3, seed=7),
+        SamplingParams(max_tokens=3, logit_bias={11: -5.0}),
+        shared,
+    ]
     made = [dataclasses.replace(_request(i + 1), params=p) for i, p in enumerate(kinds)]
+    made[1] = dataclasses.replace(made[1], tool_calling=ToolCalling(mode="auto", parser="hermes"))
     store = RequestStore(tmp_path)
     for r in made:
         store.add_line(r, line_digest(r.custom_id.encode()), 1)
     loaded = [store[i] for i in (4, 3, 2, 1, 0)][::-1]
     assert loaded == made
-    assert loaded[0].params is not loaded[3].params  # unpickled apart: never shared
+    assert loaded[0].params is not loaded[4].params  # loaded apart: never shared
+    assert len(store._params_json) == 2
     [spill] = tmp_path.iterdir()
-
-    def size(r):
-        return len(pickle.dumps(r, pickle.HIGHEST_PROTOCOL))
-
-    # Two kinds pickled once, in memory; the third (over the limit) rides with its request.
-    expected = sum(size(dataclasses.replace(r, params=None)) for i, r in enumerate(made) if i != 2)
-    assert spill.stat().st_size == expected + size(made[2]) < sum(size(r) for r in made)
+    assert b"messages" not in spill.read_bytes()  # JSON records, without the text
+    assert [json.loads(x)["head"][1] for x in spill.read_bytes().splitlines()] == [
+        r.custom_id for r in made
+    ]
     store.close()
